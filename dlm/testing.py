@@ -1,0 +1,88 @@
+"""Tiny random models and a tiny tokenizer built in code, for tests, examples and benchmarks.
+
+Nothing here touches the network: the tokenizer is a byte-level BPE trained in milliseconds on a built-in text,
+and the models are random-initialized from small configs of the architectures people convert (Llama, Qwen2,
+Qwen3, Mistral, GPT-2).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TEXT = """
+The quick brown fox jumps over the lazy dog. A diffusion language model denoises masked tokens.
+To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings and arrows.
+First Citizen: Before we proceed any further, hear me speak. All: Speak, speak.
+Question: How do you boil an egg? Answer: Put it in boiling water for seven minutes.
+The cat sat on the mat and the dog sat on the log. Numbers: 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+Once upon a time there was a little model that learned to predict the next token and the one after it.
+"""
+
+
+def make_tokenizer(vocab_size: int = 320, text: str | None = None):
+    """A fast byte-level BPE tokenizer with eos/pad/bos and a ChatML chat template (no mask token)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([(text or _TEXT)] * 4, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<pad>",
+        unk_token=None,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_config(arch: str = "llama", vocab_size: int = 320, hidden: int = 64, layers: int = 2, heads: int = 4,
+                kv_heads: int = 2, max_positions: int = 512, tie: bool = False):
+    """A tiny config of one of ARCHITECTURES."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=vocab_size, bos_token_id=0, eos_token_id=0, pad_token_id=3, tie_word_embeddings=tie)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **common)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
+    kw = dict(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+              **common)
+    if arch == "qwen3":
+        kw["head_dim"] = hidden // heads
+    return cls(**kw)
+
+
+def make_model(arch: str = "llama", seed: int = 0, **config_kw):
+    """A tiny random causal LM of ``arch`` in fp32, eval mode, with sdpa attention."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(arch, **config_kw)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.eval()
+    return model
+
+
+def save_tiny(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **config_kw) -> Path:
+    """Write a tiny random model + tokenizer as a Hugging Face folder; returns the path."""
+    path = Path(path)
+    tokenizer = make_tokenizer(config_kw.get("vocab_size", 320))
+    model = make_model(arch, seed=seed, **config_kw)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

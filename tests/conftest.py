@@ -1,0 +1,43 @@
+import os
+
+os.environ.setdefault("DLM_DEVICE", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    if not os.path.isdir(SHARED_DATA):
+        pytest.skip(f"shared test data not found at {SHARED_DATA}")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    from dlm.testing import make_tokenizer
+
+    return make_tokenizer()
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A factory: tiny_model_dir(arch='llama', **config) -> folder with a tiny random model + tokenizer."""
+    from dlm.testing import save_tiny
+
+    def make(arch="llama", **kw):
+        return save_tiny(tmp_path / f"tiny-{arch}", arch=arch, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The real embedded default model folder (slow tests only)."""
+    from dlm.model.hub import resolve_model_path
+
+    return resolve_model_path("smollm2-135m")

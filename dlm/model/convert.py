@@ -1,0 +1,332 @@
+"""AR -> DLM conversion, and the :class:`DiffusionLM` that every other part of dlm runs.
+
+A DLM here is an ordinary Hugging Face causal LM (weights untouched, so a causal mask gives the AR logits
+exactly) plus four fields stored in its ``config.json``:
+
+- ``dlm_objective``: ``mdm`` (masked diffusion), ``block`` (BD3-LM/SDAR block diffusion) or ``idlm``
+  (introspective diffusion);
+- ``block_size``: masks per block (``block``/``idlm``; ``None`` for ``mdm``);
+- ``mask_token_id``: the tokenizer's own mask token, or a new special token added by the conversion;
+- ``shift``: whether hidden state i predicts token i+1 (the AR head reused as is).
+
+The saved folder (safetensors + tokenizer + config) opens with plain ``transformers.AutoModelForCausalLM`` as
+well as with :class:`AutoDLMForCausalLM`. Gated-LoRA adapters (which act only at mask positions and so cannot be
+merged into the base weights) are stored beside the weights in ``dlm_adapter.safetensors``; the base weights in
+``model.safetensors`` are then exactly the frozen AR model, which is what plain transformers opens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dlm.errors import DLMError
+
+OBJECTIVES = ("mdm", "block", "idlm")
+DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
+# Attention implementations that accept an arbitrary 4D mask (the DLM objectives need one).
+MASKABLE_ATTN = ("sdpa", "eager", "flex_attention")
+
+
+@dataclass
+class DLMSpec:
+    """The DLM fields of a checkpoint's config."""
+
+    objective: str
+    mask_token_id: int
+    shift: bool
+    block_size: int | None = None
+
+    def to_config(self) -> dict[str, Any]:
+        return {"dlm_objective": self.objective, "mask_token_id": self.mask_token_id, "shift": self.shift,
+                "block_size": self.block_size}
+
+    @classmethod
+    def from_config(cls, config) -> "DLMSpec | None":
+        objective = getattr(config, "dlm_objective", None)
+        if objective is None:
+            return None
+        return cls(objective=objective, mask_token_id=int(config.mask_token_id), shift=bool(config.shift),
+                   block_size=getattr(config, "block_size", None))
+
+
+def default_shift(objective: str) -> bool:
+    """DiffuLLaMA (mdm) and I-DLM keep the AR shift; SDAR/BD3 block diffusion does not."""
+    return objective in ("mdm", "idlm")
+
+
+def default_block_size(objective: str) -> int | None:
+    return {"mdm": None, "block": 4, "idlm": 1}[objective]
+
+
+def check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise DLMError(f"unknown objective '{objective}': valid objectives are {', '.join(OBJECTIVES)}")
+    return objective
+
+
+def max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+class DiffusionLM(nn.Module):
+    """A Hugging Face causal LM with its DLM fields and tokenizer.
+
+    ``forward`` passes everything through to the wrapped model (``self.model``), so 4D boolean attention masks
+    ``[B, 1, Q, K]`` (True = may attend), explicit ``position_ids`` and ``past_key_values`` all work as in
+    transformers. ``self.base_model_hf`` is always the underlying transformers model (inside any peft wrapper).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer=None, spec: DLMSpec | None = None):
+        super().__init__()
+        self.model = model
+        self.tokenizer = tokenizer
+        if spec is not None:
+            for key, value in spec.to_config().items():
+                setattr(self.hf_config, key, value)
+        if DLMSpec.from_config(self.hf_config) is None:
+            raise DLMError("this model has no DLM fields (dlm_objective, mask_token_id); convert it first with "
+                           "dlm.convert_ar_to_dlm or `dlm convert`")
+
+    # -- fields -------------------------------------------------------------------------------------------
+    @property
+    def hf_config(self):
+        return self.model.config
+
+    @property
+    def spec(self) -> DLMSpec:
+        return DLMSpec.from_config(self.hf_config)
+
+    @property
+    def objective(self) -> str:
+        return self.spec.objective
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.spec.mask_token_id
+
+    @property
+    def block_size(self) -> int | None:
+        return self.spec.block_size
+
+    @property
+    def shift(self) -> bool:
+        return self.spec.shift
+
+    @property
+    def is_causal(self) -> bool:
+        """Causal DLMs (I-DLM) decode with ISD and score with the exact AR likelihood."""
+        return self.objective == "idlm"
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def max_positions(self) -> int | None:
+        return max_positions(self.hf_config)
+
+    @property
+    def base_model_hf(self) -> nn.Module:
+        m = self.model
+        if hasattr(m, "get_base_model"):
+            m = m.get_base_model()
+        return m
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    # -- save / load -------------------------------------------------------------------------------------
+    def save_pretrained(self, path: str | os.PathLike, merge_lora: bool = True) -> Path:
+        """Write a self-describing HF folder atomically (temp folder, then rename).
+
+        Plain LoRA adapters are merged into the weights (``merge_lora``); gated-LoRA adapters cannot be (they act
+        on mask positions only) and go to ``dlm_adapter.safetensors`` beside the untouched base weights.
+        """
+        from dlm.model import lora as lora_mod
+
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=path.parent))
+        try:
+            lora_mod.save_model_folder(self, tmp, merge_lora=merge_lora)
+            if self.tokenizer is not None:
+                self.tokenizer.save_pretrained(tmp)
+            if path.exists():
+                shutil.rmtree(path)
+            os.replace(tmp, path)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+
+class AutoDLMForCausalLM:
+    """Load a DLM folder written by :meth:`DiffusionLM.save_pretrained` (or `dlm convert` / `dlm train`)."""
+
+    @staticmethod
+    def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
+                        attn_implementation: str = "sdpa") -> DiffusionLM:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from dlm.model import lora as lora_mod
+        from dlm.model.hub import resolve_model_path
+
+        folder = resolve_model_path(path)
+        config_path = folder / "config.json"
+        if not config_path.is_file():
+            raise DLMError(f"'{folder}' has no config.json")
+        fields = json.loads(config_path.read_text())
+        if "dlm_objective" not in fields:
+            raise DLMError(f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "
+                           f"convert it with: dlm convert --model {path} --objective idlm --output DIR")
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32,
+                                                     attn_implementation=attn_implementation)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        dlm = DiffusionLM(model, tokenizer)
+        lora_mod.load_adapters_if_any(dlm, folder)
+        if device is not None:
+            dlm.to(device)
+        dlm.eval()
+        return dlm
+
+
+def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtype=None, device=None,
+             **convert_kw) -> DiffusionLM:
+    """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias (objective required)."""
+    from dlm.model.hub import resolve_model_path
+
+    folder = resolve_model_path(name_or_path)
+    fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if "dlm_objective" in fields:
+        dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
+        if objective is not None and objective != dlm.objective:
+            raise DLMError(f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}'")
+        return dlm
+    dlm = convert_ar_to_dlm(folder, objective or "idlm", **convert_kw)
+    if dtype is not None:
+        dlm.to(dtype)
+    if device is not None:
+        dlm.to(device)
+    return dlm
+
+
+def _add_mask_token(model: nn.Module, tokenizer, mask_token: str | None) -> int:
+    """Return the mask id: the tokenizer's own mask token, else a new special token with a resized embedding."""
+    if mask_token is None and getattr(tokenizer, "mask_token", None) is not None:
+        return int(tokenizer.mask_token_id)
+    name = mask_token or DEFAULT_MASK_TOKEN
+    vocab = tokenizer.get_vocab()
+    if name in vocab:
+        token_id = vocab[name]
+        special_ids = set(getattr(tokenizer, "all_special_ids", []))
+        added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        if token_id not in special_ids and name not in added:
+            raise DLMError(f"mask token '{name}' is an ordinary token of this tokenizer (id {token_id}); reusing "
+                           f"it would also score it wherever it occurs naturally. Pass a new name (e.g. "
+                           f"--mask-token '{DEFAULT_MASK_TOKEN}') or an existing *special* token")
+        tokenizer.mask_token = name
+        return int(token_id)
+    tokenizer.add_special_tokens({"mask_token": name})
+    token_id = int(tokenizer.convert_tokens_to_ids(name))
+    old_in = model.get_input_embeddings().weight.shape[0]
+    new_size = max(len(tokenizer), old_in)
+    if token_id >= old_in:
+        with torch.no_grad():
+            # Sensible init: the mean input embedding (and mean head row when untied), as in HF mean resizing.
+            in_mean = model.get_input_embeddings().weight.mean(0).clone()
+            out = model.get_output_embeddings()
+            out_mean = out.weight.mean(0).clone() if out is not None else None
+            model.resize_token_embeddings(new_size, mean_resizing=False)
+            emb = model.get_input_embeddings().weight
+            emb[old_in:] = in_mean
+            out = model.get_output_embeddings()
+            if out is not None and out.weight.data_ptr() != emb.data_ptr():
+                out.weight[old_in:] = out_mean
+                if getattr(out, "bias", None) is not None:
+                    out.bias[old_in:] = out.bias[:old_in].mean()
+    return token_id
+
+
+def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | None = None,
+                      shift: bool | None = None, mask_token: str | None = None, lora=None, tokenizer=None,
+                      dtype: torch.dtype | None = None) -> DiffusionLM:
+    """Turn a Hugging Face causal LM (object, local folder or alias) into a :class:`DiffusionLM`.
+
+    - ``objective``: ``mdm`` | ``block`` | ``idlm``; ``block_size`` defaults to 4 for block and 1 for idlm.
+    - ``shift`` defaults to True for mdm/idlm (DiffuLLaMA / I-DLM) and False for block (SDAR).
+    - ``mask_token``: use the tokenizer's own mask token if it has one, else add this new special token
+      (default ``<|mdm_mask|>``) and resize the embedding; an ordinary existing token is refused.
+    - ``lora``: a :class:`dlm.model.lora.LoraSettings` (or dict) applied through
+      :func:`dlm.prepare_model_for_lora`; ``gated=True`` makes the adapters act on mask positions only.
+    The weights are untouched: under a causal mask the result returns the original model's logits exactly.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dlm.model.hub import resolve_model_path
+
+    check_objective(objective)
+    if isinstance(model_or_path, (str, os.PathLike)):
+        folder = resolve_model_path(model_or_path)
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(folder)
+            except Exception as e:
+                raise DLMError(f"could not load the tokenizer of '{folder}': {e}") from e
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32,
+                                                         attn_implementation="sdpa")
+        except Exception as e:
+            raise DLMError(f"could not load a causal LM from '{folder}': {e}") from e
+    else:
+        model = model_or_path
+        if tokenizer is None:
+            raise DLMError("convert_ar_to_dlm(model_object, ...) needs tokenizer=... to add the mask token")
+    if isinstance(model, DiffusionLM):
+        raise DLMError("this model is already a DLM")
+    if DLMSpec.from_config(model.config) is not None:
+        raise DLMError("this model is already a DLM (its config has dlm_objective)")
+
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn not in MASKABLE_ATTN:
+        raise DLMError(f"attention implementation '{attn}' of {type(model).__name__} cannot take the custom "
+                       f"attention masks DLM objectives need; load the model with attn_implementation='sdpa'")
+
+    if block_size is None:
+        block_size = default_block_size(objective)
+    if objective in ("block", "idlm") and (not isinstance(block_size, int) or block_size < 1):
+        raise DLMError(f"--block-size must be a positive integer for objective '{objective}', got {block_size}")
+    if objective == "mdm" and block_size is not None:
+        raise DLMError("objective 'mdm' has no block size; drop --block-size or use --objective block")
+    if shift is None:
+        shift = default_shift(objective)
+
+    mask_id = _add_mask_token(model, tokenizer, mask_token)
+    spec = DLMSpec(objective=objective, mask_token_id=mask_id, shift=bool(shift), block_size=block_size)
+    dlm = DiffusionLM(model, tokenizer, spec)
+    if lora is not None:
+        from dlm.model.lora import prepare_model_for_lora
+
+        dlm = prepare_model_for_lora(dlm, lora)
+    dlm.eval()
+    return dlm
+
+
+def spec_dict(dlm: DiffusionLM) -> dict[str, Any]:
+    return asdict(dlm.spec)

@@ -1,0 +1,46 @@
+"""PIQA (physical commonsense, 2 choices): ``{goal, sol1, sol2}`` JSONL + a labels file (0/1 per line).
+
+Prompt (DiffuLLaMA, SPEC section 6): context ``"Question: {goal}\\nAnswer: "``, choice ``" " + sol``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dlm.errors import DLMError
+from dlm.eval.tasks.base import MCExample, check_nonempty, find_task_files, has_fields, parse_label, read_labels, \
+    read_records
+
+NAME = "piqa"
+KIND = "mc"
+SUBDIR = "piqa"
+EXPECTED = "JSONL records with fields goal, sol1, sol2 (+ optional 'label') and a labels file with 0/1 per line"
+
+
+def _fits(path: Path) -> bool:
+    return has_fields(read_records(path), "goal", "sol1", "sol2")
+
+
+def load(path) -> list[MCExample]:
+    data, labels_path = find_task_files(path, NAME, _fits, None, EXPECTED)
+    records = read_records(data)
+    labels = read_labels(labels_path) if labels_path else None
+    if labels is None and not all("label" in r for r in records):
+        raise DLMError(f"{NAME}: '{data}' has no 'label' field and no labels file was found beside it; "
+                       f"put the labels file (e.g. valid-labels.lst) next to it")
+    if labels is not None and len(labels) != len(records):
+        raise DLMError(f"{NAME}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
+                       f"records; use the labels file of the same split")
+    out = []
+    for i, r in enumerate(records):
+        gold = labels[i] if labels is not None else r["label"]
+        out.append(MCExample(
+            context=f"Question: {r['goal']}\nAnswer: ",
+            choices=[" " + r["sol1"], " " + r["sol2"]],
+            label=parse_label(gold, 2, f"{NAME} '{labels_path or data}' item {i + 1}"),
+            id=str(r.get("id", i)),
+        ))
+    return check_nonempty(out, NAME, data)
+
+
+

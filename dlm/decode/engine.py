@@ -1,0 +1,497 @@
+"""The token-id decoding engine shared by ``dlm generate``, evaluation and the server.
+
+A batch of requests shares one KV cache (a transformers ``DynamicCache``, keys/values ``[B, H, S, D]``). Rows
+have their own prompt lengths and advance by different numbers of tokens per step, so the engine keeps
+
+- ``valid [B, S]``: which cache slots hold a live token of that row. Slots left of a short row (after a merge),
+  rejected ISD drafts and mask tokens are *holes*: they stay in the tensor but no query ever attends to them;
+- an explicit position id per row (``row.pos``: the position of the row's pending token).
+
+Every step is one "extend" forward: each row feeds a chunk of tokens (its pending token first, then whatever its
+decoder wants: nothing for AR, drafts and masks for ISD) under strict causal attention over its valid slots
+(:func:`decode_mask`). The decoder then says which tokens it commits and how many leading chunk tokens keep their
+KV; the rest become holes, and trailing columns that are a hole in every row are cropped right away. When holes
+make up most of the cache, :meth:`KVBatch.compact` gathers each row's live slots together (one copy).
+
+Requests join between steps (``add`` -> prefilled alone at batch 1, so their prefill never depends on the
+neighbours, then merged into the running cache by left-padding the shorter side with holes) and leave between
+steps (``index_select`` on the batch dimension). The prefill forward is also the request's first decoding step
+(its logits at the last prompt token give the first token; ISD appends masks to it as its cold start).
+
+Public API::
+
+    engine = Engine(model, tokenizer, decoder="isd", stride=3, max_batch_size=8)
+    rid = engine.add(prompt_ids, SamplingParams(max_new_tokens=64, seed=0), on_tokens=callback)
+    while engine.has_unfinished():
+        for event in engine.step():        # StepEvent(request_id, new_token_ids, finished)
+            ...
+    result = engine.pop_result(rid)        # GenerationResult(token_ids, text, finish_reason, stats)
+    # or simply
+    results = engine.generate([prompt_ids, ...], params)
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from dlm.decode.sampling import RequestStats, SamplingParams
+from dlm.errors import DLMError
+
+TokenCallback = Callable[[object, list, bool], None]
+
+
+# -- masks ----------------------------------------------------------------------------------------------------
+def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Boolean attention mask ``[B, 1, Q, K_past + Q]`` (True = may attend) for a KV-cache extend.
+
+    Query i of row b sees the past slots where ``valid_keys[b]`` is True and the new tokens 0..i (causal)::
+
+        valid_keys = [1 0 1]  q_len = 3      k: p0 p1 p2 | n0 n1 n2
+                                         q n0:  1  .  1 |  1  .  .
+                                           n1:  1  .  1 |  1  1  .
+                                           n2:  1  .  1 |  1  1  1
+
+    Padding a row's chunk at its *end* is harmless: real tokens never attend to later (pad) tokens.
+    """
+    # Prefer the shared pure mask module once it is there (same semantics); keep this fallback otherwise.
+    fn = _shared_decode_mask()
+    if fn is not None:
+        return fn(valid_keys, q_len)
+    b, k = valid_keys.shape
+    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=valid_keys.device).tril_()
+    past = valid_keys[:, None, None, :].expand(b, 1, q_len, k)
+    return torch.cat([past, causal.expand(b, 1, q_len, q_len)], dim=-1)
+
+
+_SHARED_MASK = []
+
+
+def _shared_decode_mask():
+    if not _SHARED_MASK:
+        try:
+            from dlm.model.masks import decode_mask as fn  # written by the model owner
+        except Exception:  # noqa: BLE001 - not there yet (or broken): our own identical version is used
+            fn = None
+        _SHARED_MASK.append(fn)
+    return _SHARED_MASK[0]
+
+
+# -- the batched KV cache -----------------------------------------------------------------------------------
+class KVBatch:
+    """A DynamicCache plus per-row valid slots; supports extend, keep/crop, merge, select and compact."""
+
+    def __init__(self):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+        self.valid: torch.Tensor | None = None  # [B, S] bool
+
+    @property
+    def batch_size(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[0]
+
+    @property
+    def seq_len(self) -> int:
+        return 0 if self.valid is None else self.valid.shape[1]
+
+    def _layers(self):
+        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", True)
+                and getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+
+    def _apply(self, fn) -> None:
+        for layer in self._layers():
+            layer.keys = fn(layer.keys)
+            layer.values = fn(layer.values)
+
+    def after_extend(self, keep: torch.Tensor) -> None:
+        """Record the validity of the q_len slots the forward appended (``keep [B, Q]``) and crop dead tails."""
+        valid = keep if self.valid is None else torch.cat([self.valid, keep], dim=1)
+        self.valid = valid
+        self._trim()
+
+    def _trim(self) -> None:
+        """Drop leading/trailing columns that are a hole in every row."""
+        if self.valid is None or self.valid.shape[1] == 0:
+            return
+        alive = self.valid.any(0)
+        if bool(alive.all()):
+            return
+        idx = alive.nonzero()
+        if idx.numel() == 0:
+            lo, hi = 0, 0
+        else:
+            lo, hi = int(idx[0]), int(idx[-1]) + 1
+        self.valid = self.valid[:, lo:hi]
+        self._apply(lambda t: t[:, :, lo:hi, :])
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (requests leaving)."""
+        if self.valid is None:
+            return
+        if rows.numel() == 0:
+            self.__init__()
+            return
+        self.valid = self.valid.index_select(0, rows)
+        self._apply(lambda t: t.index_select(0, rows))
+        self._trim()
+
+    def merge(self, other: "KVBatch") -> None:
+        """Append ``other``'s rows; the shorter side is left-padded with holes so the columns line up."""
+        if other.valid is None:
+            return
+        if self.valid is None:
+            self.cache, self.valid = other.cache, other.valid
+            return
+        s, o = self.seq_len, other.seq_len
+        target = max(s, o)
+
+        def pad(t, n):
+            if n == 0:
+                return t
+            return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
+
+        mine, theirs = self._layers(), other._layers()
+        if len(mine) != len(theirs):
+            raise RuntimeError("cannot merge KV caches with different numbers of layers")
+        for a, b in zip(mine, theirs):
+            a.keys = torch.cat([pad(a.keys, target - s), pad(b.keys, target - o)], dim=0)
+            a.values = torch.cat([pad(a.values, target - s), pad(b.values, target - o)], dim=0)
+        pv = lambda v, n: torch.cat([v.new_zeros(v.shape[0], n), v], dim=1) if n else v  # noqa: E731
+        self.valid = torch.cat([pv(self.valid, target - s), pv(other.valid, target - o)], dim=0)
+
+    def hole_fraction(self) -> float:
+        if self.valid is None or self.valid.numel() == 0:
+            return 0.0
+        return 1.0 - float(self.valid.sum(1).max()) / self.valid.shape[1]
+
+    def compact(self) -> None:
+        """Gather each row's live slots to the right end (order kept): removes the holes in one copy."""
+        if self.valid is None:
+            return
+        b, s = self.valid.shape
+        n = int(self.valid.sum(1).max())
+        # a stable sort puts holes (0) first and live slots (1) after, each in their original order
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, s - n:]  # [B, n]
+        self.valid = self.valid.gather(1, order)
+
+        def gather(t):
+            idx = order[:, None, :, None].expand(t.shape[0], t.shape[1], n, t.shape[3])
+            return t.gather(2, idx)
+
+        self._apply(gather)
+
+
+# -- requests -----------------------------------------------------------------------------------------------
+@dataclass
+class StepEvent:
+    """What one request got from one step: its newly committed token ids, and whether it finished."""
+
+    request_id: object
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class GenerationResult:
+    request_id: object
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" (stop token/string) | "length" (max_new_tokens or context end) | "abort"
+    stats: RequestStats
+
+    def to_dict(self) -> dict:
+        d = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
+             "finish_reason": self.finish_reason}
+        d.update(self.stats.to_dict())
+        return d
+
+
+@dataclass
+class Row:
+    """The engine's state for one running request. Decoders keep their own state in ``state``."""
+
+    request_id: object
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    stop_ids: frozenset
+    on_tokens: TokenCallback | None
+    stats: RequestStats
+    last: int = -1            # pending token: committed, its KV not in the cache yet
+    pos: int = 0              # position id of the pending token
+    out: list[int] = field(default_factory=list)
+    state: dict = field(default_factory=dict)
+    finished: bool = False
+    finish_reason: str = ""
+    text_cut: int | None = None  # character cut from a stop string
+
+
+class Decoder:
+    """How a row turns logits into tokens. The engine calls, per row:
+
+    - ``prefill_suffix(engine, row) -> list[int]``: tokens fed after the prompt in the prefill forward;
+    - ``chunk(engine, row) -> list[int]``: the tokens of this step's forward, starting with ``row.last``;
+    - ``consume(engine, row, logits [Q, V]) -> (committed_ids, keep)``: ``logits[0]`` is the output at the pending
+      token; ``keep`` = how many leading chunk tokens keep their KV (the committed ones that are now context).
+    """
+
+    name = "base"
+
+    def check_model(self, engine: "Engine") -> None:
+        pass
+
+    def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
+        return []
+
+    def chunk(self, engine: "Engine", row: Row) -> list[int]:
+        raise NotImplementedError
+
+    def consume(self, engine: "Engine", row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        raise NotImplementedError
+
+
+def _model_fields(model):
+    """(hf_config, dlm spec or None) of a DiffusionLM or a plain HF causal LM."""
+    from dlm.model.convert import DLMSpec
+
+    config = model.hf_config if hasattr(model, "hf_config") else model.config
+    return config, DLMSpec.from_config(config)
+
+
+def make_decoder(name: str | Decoder, **kw) -> Decoder:
+    if isinstance(name, Decoder):
+        return name
+    if name == "ar":
+        from dlm.decode.ar import ARDecoder
+
+        return ARDecoder()
+    if name == "isd":
+        from dlm.decode.isd import ISDDecoder
+
+        return ISDDecoder(**kw)
+    raise DLMError(f"unknown engine decoder '{name}': the KV-cache engine runs 'ar' and 'isd' "
+                   f"(mdm and block run through dlm.decode.generate)")
+
+
+class Engine:
+    """Continuous-batching token-id engine. See the module docstring for the design and the API."""
+
+    def __init__(self, model, tokenizer=None, decoder: str | Decoder = "ar", max_batch_size: int = 8,
+                 compact_threshold: float = 0.5, **decoder_kw):
+        from dlm.model.convert import max_positions
+
+        self.model = model
+        self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+        self.config, self.spec = _model_fields(model)
+        self.mask_token_id = self.spec.mask_token_id if self.spec is not None else None
+        self.max_positions = max_positions(self.config) or 1 << 30
+        self.device = next(model.parameters()).device
+        self.decoder = make_decoder(decoder, **decoder_kw)
+        self.decoder.check_model(self)
+        if max_batch_size < 1:
+            raise DLMError(f"--batch-size must be >= 1, got {max_batch_size}")
+        self.max_batch_size = max_batch_size
+        self.compact_threshold = compact_threshold
+        self.kv = KVBatch()
+        self.rows: list[Row] = []
+        self.waiting: list[Row] = []
+        self.results: dict = {}
+        self._ids = itertools.count()
+        self.pad_id = self.mask_token_id if self.mask_token_id is not None else 0
+        self.total_forwards = 0
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if eos is None:
+            eos = getattr(self.config, "eos_token_id", None)
+        self.default_stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    # -- requests in --------------------------------------------------------------------------------------
+    def add(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id=None,
+            on_tokens: TokenCallback | None = None):
+        """Queue a request; it is prefilled and joins the running batch at the next :meth:`step`."""
+        params = params or SamplingParams()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise DLMError("empty prompt: give at least one token (e.g. the BOS token or some text)")
+        if len(prompt_ids) >= self.max_positions:
+            raise DLMError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
+                           f"{self.max_positions} positions (max_position_embeddings); shorten the prompt to at "
+                           f"most {self.max_positions - 1} tokens")
+        if self.mask_token_id is not None and self.mask_token_id in prompt_ids:
+            raise DLMError(f"the prompt contains the mask token (id {self.mask_token_id}); remove it")
+        request_id = next(self._ids) if request_id is None else request_id
+        stop = params.stop_token_ids
+        stop_ids = frozenset(stop) if stop is not None else (frozenset() if params.ignore_eos else self.default_stop)
+        row = Row(request_id=request_id, prompt_ids=prompt_ids, params=params,
+                  generator=params.make_generator(), stop_ids=stop_ids, on_tokens=on_tokens,
+                  stats=RequestStats(prompt_tokens=len(prompt_ids)))
+        row.stats.start_time = time.perf_counter()
+        self.waiting.append(row)
+        return request_id
+
+    def abort(self, request_id) -> None:
+        """Stop a request now (it leaves before the next step)."""
+        for row in self.waiting + self.rows:
+            if row.request_id == request_id and not row.finished:
+                row.finished, row.finish_reason = True, "abort"
+        self.waiting = [r for r in self.waiting if not r.finished]
+        for r in [r for r in self.rows if r.finished]:
+            self._finalize(r)
+        self._drop_finished()
+
+    def has_unfinished(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    def pop_result(self, request_id) -> GenerationResult:
+        return self.results.pop(request_id)
+
+    # -- the step -----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """One decode forward for the running rows, then prefill + join of waiting requests (room allowing)."""
+        events: list[StepEvent] = []
+        if self.rows:
+            events += self._decode_step()
+        while self.waiting and len(self.rows) < self.max_batch_size:
+            events += self._prefill(self.waiting.pop(0))
+        return events
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, logits_to_keep=0):
+        self.total_forwards += 1
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
+                         use_cache=True, logits_to_keep=logits_to_keep)
+        return out.logits
+
+    def _prefill(self, row: Row) -> list[StepEvent]:
+        prompt = row.prompt_ids
+        row.last, row.pos = prompt[-1], len(prompt) - 1
+        suffix = self.decoder.prefill_suffix(self, row)
+        if len(prompt) + len(suffix) > self.max_positions:
+            suffix = []
+            row.state["no_room"] = True
+        tokens = prompt + suffix
+        n = len(tokens)
+        ids = torch.tensor([tokens], device=self.device)
+        pos = torch.arange(n, device=self.device)[None]
+        mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device).tril_()
+        kv = KVBatch()
+        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=1 + len(suffix))[0]
+        row.stats.forwards += 1
+        committed, keep = self.decoder.consume(self, row, logits)
+        keep_mask = torch.zeros(1, n, dtype=torch.bool, device=self.device)
+        keep_mask[0, : len(prompt) - 1 + keep] = True
+        kv.after_extend(keep_mask)
+        row.pos += keep
+        row.stats.first_token_time = time.perf_counter()
+        event = self._commit(row, committed)
+        if row.finished:
+            self._finalize(row)
+        else:
+            self.kv.merge(kv)
+            self.rows.append(row)
+        return [event]
+
+    def _decode_step(self) -> list[StepEvent]:
+        rows = self.rows
+        chunks = [self.decoder.chunk(self, r) for r in rows]
+        q = max(len(c) for c in chunks)
+        b = len(rows)
+        ids = torch.full((b, q), self.pad_id, dtype=torch.long)
+        for i, c in enumerate(chunks):
+            ids[i, : len(c)] = torch.tensor(c)
+        start = torch.tensor([r.pos for r in rows])
+        # pads (at the end of short chunks) get clamped positions: harmless, nobody attends to them
+        pos = (start[:, None] + torch.arange(q)[None]).clamp_(max=self.max_positions - 1)
+        mask = decode_mask(self.kv.valid, q)
+        logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
+        keep = torch.zeros(b, q, dtype=torch.bool)
+        events = []
+        for i, (row, c) in enumerate(zip(rows, chunks)):
+            row.stats.forwards += 1
+            committed, k = self.decoder.consume(self, row, logits[i, : len(c)])
+            keep[i, :k] = True
+            row.pos += k
+            events.append(self._commit(row, committed))
+        self.kv.after_extend(keep.to(self.device))
+        if any(r.finished for r in rows):
+            for r in rows:
+                if r.finished:
+                    self._finalize(r)
+            self._drop_finished()
+        if self.kv.seq_len > 64 and self.kv.hole_fraction() > self.compact_threshold:
+            self.kv.compact()
+        return events
+
+    # -- bookkeeping --------------------------------------------------------------------------------------
+    def _commit(self, row: Row, committed: list[int]) -> StepEvent:
+        """Append committed tokens, applying stop tokens, max_new_tokens, the context end and stop strings."""
+        new: list[int] = []
+        p = row.params
+        for t in committed:
+            new.append(int(t))
+            if int(t) in row.stop_ids:
+                row.finished, row.finish_reason = True, "stop"
+                break
+            if len(row.out) + len(new) >= p.max_new_tokens:
+                row.finished, row.finish_reason = True, "length"
+                break
+        row.out.extend(new)
+        if not row.finished and row.pos + 1 >= self.max_positions:
+            row.finished, row.finish_reason = True, "length"
+        if p.stop_strings and self.tokenizer is not None and new:
+            text = self.tokenizer.decode(row.out, skip_special_tokens=True)
+            hits = [text.find(s) for s in p.stop_strings if s and s in text]
+            if hits:
+                row.text_cut = min(hits)
+                row.finished, row.finish_reason = True, "stop"
+        row.stats.new_tokens = len(row.out)
+        if row.on_tokens is not None:
+            row.on_tokens(row.request_id, new, row.finished)
+        return StepEvent(row.request_id, new, row.finished)
+
+    def _finalize(self, row: Row) -> None:
+        row.stats.end_time = time.perf_counter()
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(row.out, skip_special_tokens=True)
+            if row.text_cut is not None:
+                text = text[: row.text_cut]
+        self.results[row.request_id] = GenerationResult(row.request_id, row.prompt_ids, list(row.out), text,
+                                                        row.finish_reason, row.stats)
+
+    def _drop_finished(self) -> None:
+        keep = [i for i, r in enumerate(self.rows) if not r.finished]
+        if len(keep) == len(self.rows):
+            return
+        self.kv.select(torch.tensor(keep, dtype=torch.long, device=self.device))
+        self.rows = [self.rows[i] for i in keep]
+
+    # -- convenience --------------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
+        """Run prompts (token ids, or strings when the engine has a tokenizer) to completion, ``max_batch_size``
+        at a time with continuous batching; results in prompt order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise DLMError(f"{len(prompts)} prompts but {len(params)} sampling settings")
+        ids = []
+        for p, sp in zip(prompts, params):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise DLMError("text prompts need a tokenizer; pass token ids or Engine(tokenizer=...)")
+                p = self.tokenizer(p, add_special_tokens=False)["input_ids"]
+            ids.append(self.add(p, sp, on_tokens=on_tokens))
+        while self.has_unfinished():
+            self.step()
+        return [self.pop_result(i) for i in ids]
+
+
+def warn(message: str) -> None:
+    warnings.warn(message, stacklevel=3)

@@ -1,0 +1,187 @@
+"""Introspective Strided Decoding (ISD, SPEC section 5) on the engine.
+
+Stride N. With the I-DLM shift a mask stands in for the token at its own position and predicts the next one.
+
+- Cold start (prefill, or after a rejection): chunk ``[t0, M x (2N-2)]`` at positions p..p+2N-2 (the same length
+  as a verify chunk, so a batch of rows in either phase needs no padding). The logit at t0 gives the next token
+  ``c`` (drawn as the AR model would); the masks at p+1..p+N-1 give drafts d_1..d_{N-1} for positions
+  p+2..p+N with their distributions q. Only t0's KV is kept. One token per forward.
+- Verify: chunk ``[c, d_1..d_{N-1}, M x (N-1)]`` at p..p+2N-2. The logit at c is p_1 (the AR distribution of
+  d_1), the logit at d_i is p_{i+1}. Drafts are checked left to right: accept d_i with probability
+  ``min(1, p_i(d_i) / q_i(d_i))`` (greedy: iff d_i = argmax p_i). On the first rejection the correction is drawn
+  from ``normalize(max(0, p_i - q_i))`` (greedy: argmax p_i), the KV of c and the accepted drafts is kept and
+  everything after (rejected drafts, masks) becomes a hole; the next step cold-starts from the correction.
+  If all N-1 are accepted, the logit at d_{N-1} gives a free token (drawn from p) and the masks at p+N..p+2N-2
+  give the next drafts: N tokens from one forward. Mask KV never stays in the cache.
+
+Exactness: with drafts *sampled* from q (the default) the output has exactly the model's causal distribution p
+after temperature/top-k/top-p (the same transform is applied to p and q, once). ``draft="argmax"`` is the
+reference's choice (higher acceptance) and is biased towards the argmax when sampling; it is an explicit,
+approximate option. Greedy decoding is exact either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlm.decode.engine import Decoder, Engine, Row, warn
+from dlm.decode.sampling import probs_from_logits, sample, suppress
+from dlm.errors import DLMError
+
+DRAFT_MODES = ("sample", "argmax")
+
+
+def supported_strides(block_size: int | None) -> list[int]:
+    """Strides an I-DLM trained with ``block_size`` masks per block was trained for: 2..block_size+1 (a shorter
+    run of masks is a prefix of a trained block)."""
+    return list(range(2, (block_size or 1) + 2))
+
+
+class ISDDecoder(Decoder):
+    name = "isd"
+
+    def __init__(self, stride: int | None = None, draft: str = "sample"):
+        if draft not in DRAFT_MODES:
+            raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
+        if stride is not None and (not isinstance(stride, int) or stride < 2):
+            raise DLMError(f"--stride must be an integer >= 2 (N-1 drafts per step), got {stride}")
+        self.stride = stride
+        self.draft = draft
+
+    def check_model(self, engine: Engine) -> None:
+        spec = engine.spec
+        if spec is None or engine.mask_token_id is None:
+            raise DLMError("--decode isd needs an I-DLM (a model with a mask token and dlm_objective 'idlm'); "
+                           "convert it first (dlm convert --objective idlm) or let `dlm generate` convert a plain "
+                           "AR model on the fly")
+        if spec.objective != "idlm":
+            raise DLMError(f"--decode isd needs a causal I-DLM (objective 'idlm'), but this is a "
+                           f"'{spec.objective}' model with {'bidirectional' if spec.objective == 'mdm' else 'block'}"
+                           f" attention; use --decode {'mdm' if spec.objective == 'mdm' else 'block'}")
+        if not spec.shift:
+            raise DLMError("--decode isd needs the I-DLM shift (shift=true in config.json): a mask predicts the "
+                           "token after its position")
+        if self.stride is None:
+            self.stride = (spec.block_size or 1) + 1
+        ok = supported_strides(spec.block_size)
+        if self.stride not in ok:
+            warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
+                 f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
+                 f"the trained block are poor")
+
+    # -- chunks -------------------------------------------------------------------------------------------
+    def _room(self, engine: Engine, row: Row) -> bool:
+        return row.pos + 2 * self.stride - 1 <= engine.max_positions
+
+    def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
+        row.state.update(mode="cold", drafts=None, q=None)
+        n = self.stride
+        if len(row.prompt_ids) + 2 * n - 2 > engine.max_positions:
+            return []
+        return [engine.mask_token_id] * (2 * n - 2)
+
+    def chunk(self, engine: Engine, row: Row) -> list[int]:
+        n = self.stride
+        if not self._room(engine, row):
+            # near the end of the context: a plain AR step (still exact)
+            row.state.update(mode="ar", drafts=None, q=None)
+            return [row.last]
+        m = engine.mask_token_id
+        if row.state["mode"] == "verify":
+            return [row.last] + row.state["drafts"] + [m] * (n - 1)
+        row.state["mode"] = "cold"
+        return [row.last] + [m] * (2 * n - 2)
+
+    # -- sampling helpers ---------------------------------------------------------------------------------
+    def _draft(self, engine: Engine, row: Row, mask_logits: torch.Tensor, first_pos: int) -> None:
+        """Drafts d_1..d_{N-1} (and their q) from the N-1 mask logits [N-1, V]; d_1 sits at ``first_pos``."""
+        p = row.params
+        if p.greedy:
+            row.state["drafts"] = suppress(mask_logits, engine.mask_token_id).argmax(-1).tolist()
+            row.state["q"] = None
+            return
+        q = probs_from_logits(mask_logits, p, engine.mask_token_id)
+        if self.draft == "argmax":
+            d = q.argmax(-1)
+        else:
+            d = sample(q, row.generator)
+        row.state["drafts"] = d.tolist()
+        row.state["q"] = q
+
+    def _stats(self, row: Row, proposed: int, accepted: int) -> None:
+        s = row.stats
+        if not s.proposed:
+            s.proposed = [0] * (self.stride - 1)
+            s.accepted = [0] * (self.stride - 1)
+        for i in range(proposed):
+            s.proposed[i] += 1
+        for i in range(accepted):
+            s.accepted[i] += 1
+
+    # -- consume ------------------------------------------------------------------------------------------
+    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        n = self.stride
+        p = row.params
+        mode = row.state["mode"]
+        if mode == "ar" or row.state.pop("no_room", False) or logits.shape[0] == 1:
+            probs_or_logits = logits[0]
+            tok = int(suppress(probs_or_logits, engine.mask_token_id).argmax()) if p.greedy else \
+                int(sample(probs_from_logits(probs_or_logits, p, engine.mask_token_id), row.generator))
+            row.last = tok
+            row.state.update(mode="cold", drafts=None, q=None)
+            return [tok], 1
+
+        if mode == "cold":
+            # logits[0] at t0 -> c; logits[1 .. N-1] at masks p+1..p+N-1 -> drafts for p+2..p+N
+            first = logits[0]
+            c = int(suppress(first, engine.mask_token_id).argmax()) if p.greedy else \
+                int(sample(probs_from_logits(first, p, engine.mask_token_id), row.generator))
+            self._draft(engine, row, logits[1:n], row.pos + 2)
+            row.last = c
+            row.state["mode"] = "verify"
+            return [c], 1
+
+        # verify: logits[i-1] is p_i for d_i (i = 1..N-1), logits[N-1] gives the free token,
+        # logits[N .. 2N-2] (the masks) give the next drafts
+        drafts = row.state["drafts"]
+        if p.greedy:
+            target = suppress(logits[:n], engine.mask_token_id).argmax(-1).tolist()
+            accepted = 0
+            while accepted < n - 1 and drafts[accepted] == target[accepted]:
+                accepted += 1
+            if accepted == n - 1:
+                free = target[n - 1]
+                self._stats(row, n - 1, n - 1)
+                self._draft(engine, row, logits[n: 2 * n - 1], row.pos + n + 1)
+                row.last = free
+                return drafts + [free], n
+            correction = target[accepted]
+            self._stats(row, accepted + 1, accepted)
+            row.last = correction
+            row.state.update(mode="cold", drafts=None, q=None)
+            return drafts[:accepted] + [correction], accepted + 1
+
+        q = row.state["q"]  # [N-1, V]
+        probs = probs_from_logits(logits[:n], p, engine.mask_token_id)  # [N, V]
+        u = torch.rand(n - 1, generator=row.generator)
+        accepted = 0
+        for i in range(n - 1):
+            d = drafts[i]
+            # accept with probability min(1, p(d)/q(d)); q(d) > 0 because d was drawn from q
+            if float(u[i]) * float(q[i, d]) < float(probs[i, d]):
+                accepted += 1
+                continue
+            residual = (probs[i] - q[i]).clamp_(min=0.0)
+            total = float(residual.sum())
+            # total == 0 only if p == q, where rejection has probability 0; guard against rounding anyway
+            dist = residual / total if total > 0 else probs[i]
+            correction = int(sample(dist, row.generator))
+            self._stats(row, accepted + 1, accepted)
+            row.last = correction
+            row.state.update(mode="cold", drafts=None, q=None)
+            return drafts[:accepted] + [correction], accepted + 1
+        free = int(sample(probs[n - 1], row.generator))
+        self._stats(row, n - 1, n - 1)
+        self._draft(engine, row, logits[n: 2 * n - 1], row.pos + n + 1)
+        row.last = free
+        return drafts + [free], n

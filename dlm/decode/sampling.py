@@ -1,0 +1,148 @@
+"""Sampling parameters and the one place where logits become a distribution or a token.
+
+Every distribution the decoders sample from or compare (AR p, ISD drafts q, diffusion proposals) goes through
+:func:`probs_from_logits`, so temperature, top-k and top-p are applied exactly once and identically to p and q
+(the I-DLM reference applies temperature twice to q and leaves p/q untruncated while the free token is truncated;
+with one transform for everything ISD's output is exactly the transformed AR distribution). The mask token's
+logit is -inf everywhere, so it is never emitted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from dlm.errors import DLMError
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding settings.
+
+    ``temperature == 0`` means greedy. ``seed`` seeds the request's own ``torch.Generator`` so its output does not
+    depend on its batch neighbours (``None``: a random seed). ``stop_token_ids`` defaults to the tokenizer's EOS
+    (unless ``ignore_eos``); the stop token is kept in ``token_ids`` (as ``transformers.generate`` does) and dropped
+    from the text. ``stop_strings`` cut the text at the first occurrence.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise DLMError(f"--max-new-tokens must be a positive integer, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise DLMError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise DLMError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise DLMError(f"--top-p must be in (0, 1], got {self.top_p}")
+        self.stop_strings = tuple(self.stop_strings or ())
+        if self.stop_token_ids is not None:
+            self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        if self.seed is None:
+            g.seed()
+        else:
+            g.manual_seed(int(self.seed))
+        return g
+
+
+def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
+    """Logits (float32) with the mask token at -inf (and any padded vocabulary rows left as they are)."""
+    logits = logits.float()
+    if mask_token_id is not None and 0 <= mask_token_id < logits.shape[-1]:
+        # out of place: the caller's logits (often the model's output buffer) stay untouched
+        logits = logits.index_fill(-1, torch.tensor([mask_token_id], device=logits.device), float("-inf"))
+    return logits
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after mask suppression, temperature, top-k and top-p.
+
+    For greedy params this returns the one-hot distribution of the argmax (so acceptance tests and the
+    residual ``max(0, p - q)`` reduce to the greedy rules).
+    """
+    logits = suppress(logits, mask_token_id)
+    if params.greedy:
+        out = torch.zeros_like(logits)
+        out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        return out
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        sorted_probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits.softmax(-1)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of [..., V] probabilities -> [...] token ids (long)."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    return ids.reshape(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None,
+               generator: torch.Generator) -> torch.Tensor:
+    """[..., V] logits -> [...] tokens: argmax when greedy, else a draw from :func:`probs_from_logits`."""
+    if params.greedy:
+        return suppress(logits, mask_token_id).argmax(-1)
+    return sample(probs_from_logits(logits, params, mask_token_id), generator)
+
+
+@dataclass
+class RequestStats:
+    """Per-request counters. ``forwards`` counts model forward passes that advanced this request (prefill included);
+    ``proposed[i]`` / ``accepted[i]`` count ISD drafts at draft position i+1."""
+
+    forwards: int = 0
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    proposed: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    start_time: float = 0.0
+    first_token_time: float = 0.0
+    end_time: float = 0.0
+
+    @property
+    def tpf(self) -> float:
+        """Tokens per forward."""
+        return self.new_tokens / self.forwards if self.forwards else 0.0
+
+    @property
+    def acceptance(self) -> list[float]:
+        """Acceptance rate per draft position (ISD); empty for other decoders."""
+        return [a / p if p else 0.0 for a, p in zip(self.accepted, self.proposed)]
+
+    @property
+    def elapsed(self) -> float:
+        return max(self.end_time - self.start_time, 0.0)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"forwards": self.forwards, "new_tokens": self.new_tokens, "tpf": round(self.tpf, 4),
+                "acceptance": [round(a, 4) for a in self.acceptance], "tokens_per_s": round(self.tokens_per_s, 2),
+                "elapsed_s": round(self.elapsed, 4), "prompt_tokens": self.prompt_tokens}

@@ -1,0 +1,170 @@
+"""Atomic checkpoints and exact resume.
+
+A checkpoint ``<checkpoint_dir>/step_00000500/`` is a self-describing Hugging Face folder (the DiffusionLM written
+by :meth:`DiffusionLM.save_pretrained`: config with the DLM fields, safetensors, tokenizer) plus, beside it:
+
+- ``training_state/``: ``accelerator.save_state`` output - model, optimizer and scheduler state and the RNG states
+  of every process (python, numpy, torch, cuda) - which accelerate writes correctly for DDP, FSDP and DeepSpeed;
+- ``training_state/dlm_rank{r}.pt``: each rank's data position and objective generator state;
+- ``trainer_state.json``: step, tokens seen, world size, the resolved configuration. It is written last, and the
+  folder is built under ``.step_00000500.tmp`` and renamed when complete, so a crash never leaves a folder that
+  looks like a checkpoint. :func:`latest_checkpoint` only considers folders with ``trainer_state.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dlm.errors import DLMError
+
+STATE_FILE = "trainer_state.json"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / STATE_FILE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    ckpts = list_checkpoints(root)
+    return ckpts[-1] if ckpts else None
+
+
+def read_state(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    f = path / STATE_FILE
+    if not f.is_file():
+        raise DLMError(f"'{path}' is not a complete dlm checkpoint (no {STATE_FILE}); pass a folder like "
+                       f"<output_dir>/checkpoints/step_00000500 or --resume auto")
+    return json.loads(f.read_text())
+
+
+def resolve_resume(resume: str | None, checkpoint_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None (fresh), ``auto`` (latest, or None when there is none) or a path."""
+    if resume in (None, "", "none", "no"):
+        return None
+    if resume == "auto":
+        return latest_checkpoint(checkpoint_dir)
+    path = Path(resume)
+    read_state(path)
+    return path
+
+
+def save_checkpoint(accelerator, dlm, wrapped, root: Path, step: int, state: dict[str, Any],
+                    rank_state: dict[str, Any], keep_last: int = 0) -> Path:
+    """Write checkpoint ``root/step_XXXXXXXX`` atomically; every process must call this."""
+    import torch
+
+    root = Path(root)
+    final = root / checkpoint_name(step)
+    tmp = root / f".{checkpoint_name(step)}.tmp"
+    if accelerator.is_main_process:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    accelerator.wait_for_everyone()
+    export_model(accelerator, dlm, wrapped, tmp)  # creates tmp (main process)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp / "training_state"), safe_serialization=False)
+    torch.save(rank_state, tmp / "training_state" / f"dlm_rank{accelerator.process_index}.pt")
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if keep_last > 0:
+            for old in list_checkpoints(root)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict]:
+    """Restore model/optimizer/scheduler/RNG through accelerate; returns (trainer state, this rank's state)."""
+    import torch
+
+    state = read_state(path)
+    world = accelerator.num_processes
+    if state.get("world_size", world) != world:
+        raise DLMError(f"checkpoint '{path}' was written by {state.get('world_size')} processes but this run has "
+                       f"{world}; resume with the same number of processes (the data position is per process)")
+    accelerator.load_state(str(Path(path) / "training_state"))
+    rank_file = Path(path) / "training_state" / f"dlm_rank{accelerator.process_index}.pt"
+    if not rank_file.is_file():
+        raise DLMError(f"checkpoint '{path}' has no state for process {accelerator.process_index} ({rank_file.name})")
+    rank_state = torch.load(rank_file, weights_only=False)
+    return state, rank_state
+
+
+def export_model(accelerator, dlm, wrapped, path: Path) -> None:
+    """Write the model + tokenizer as a DLM Hugging Face folder at ``path`` (atomic; all processes call this).
+
+    Single process, DDP and DeepSpeed ZeRO-1/2 hold full weights on every rank: the main process writes them.
+    FSDP / ZeRO-3 shard the weights: the full state dict is gathered first.
+    """
+    from accelerate.utils import DistributedType
+
+    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+        accelerator.distributed_type == DistributedType.DEEPSPEED
+        and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3)
+    if sharded:
+        full = accelerator.get_state_dict(wrapped)  # collective; full weights on the main process
+        if accelerator.is_main_process:
+            _save_from_state_dict(dlm, full, path)
+        return
+    if accelerator.is_main_process:
+        dlm.save_pretrained(path)
+
+
+def _save_from_state_dict(dlm, full: dict, path: Path) -> None:  # pragma: no cover - needs FSDP/ZeRO-3 hardware
+    import tempfile
+
+    if hasattr(dlm.model, "merge_and_unload"):
+        raise DLMError("exporting LoRA models trained with FSDP/ZeRO-3 is not supported; use DDP or ZeRO-2")
+    inner = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")} or full
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=path.parent))
+    try:
+        dlm.model.save_pretrained(tmp, state_dict=inner)
+        if dlm.tokenizer is not None:
+            dlm.tokenizer.save_pretrained(tmp)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def publish_final(src: Path, output_dir: Path) -> None:
+    """Move the files of the exported model folder ``src`` into ``output_dir`` (which also holds the run's logs
+    and checkpoints, so it is not replaced as a whole); ``config.json`` moves last, so the folder only looks like
+    a model once the weights are in place."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    names = sorted(p.name for p in src.iterdir())
+    for name in [n for n in names if n != "config.json"] + (["config.json"] if "config.json" in names else []):
+        target = output_dir / name
+        if target.is_dir() and not (src / name).is_dir():
+            shutil.rmtree(target)
+        os.replace(src / name, target)
+    shutil.rmtree(src, ignore_errors=True)

@@ -415,7 +415,7 @@ class _Job:
     write_remainder: bool
     skip_rp: bool
     config_hash: str
-    parent_pid: int
+    parent_pid: int | None  # set for spawned workers: they stop when orphaned
 
 
 def _encode_batch(tok, texts: list[str], eos_id, dtype, add_special_tokens: bool = True) -> np.ndarray:
@@ -483,7 +483,7 @@ def _pack_file(sf: SourceFile, job: _Job, tok, writer: ShardWriter, dtype, stats
             stats.documents_written += len(texts)
             stats.tokens += int(flat.shape[0])
             report("batch", len(texts), int(flat.shape[0]))
-        if os.getppid() != job.parent_pid:  # orphaned (the parent was killed): stop; a rerun resumes
+        if job.parent_pid is not None and os.getppid() != job.parent_pid:  # orphaned (the parent was killed): stop; a rerun resumes
             os._exit(1)
     return skipped
 
@@ -754,7 +754,7 @@ def _run_all(cfg, files, num_processes, dest, sdir, tokenizer_json, eos_id, sep_
              shard_prefix=_shard_prefix(cfg.prefix, p, num_processes), tokenizer_json=tokenizer_json,
              eos_id=eos_id, sep_id=sep_id, dtype=dtype.name, chunk_size=cfg.chunk_size,
              write_remainder=cfg.write_remainder, skip_rp=cfg.skip_redpajama_github, config_hash=chash,
-             parent_pid=os.getpid())
+             parent_pid=os.getpid() if num_processes > 1 else None)
         for p, group in enumerate(groups)
     ]
     progress = _Progress(len(files), cfg.progress)

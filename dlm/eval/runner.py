@@ -1,0 +1,68 @@
+"""``run_eval``: the one entry point of evaluation, used by ``dlm eval`` and the trainer's scheduled evaluation."""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+from dlm.errors import DLMError
+from dlm.eval.generation import GenerateFn, evaluate_generation
+from dlm.eval.multiple_choice import evaluate_multiple_choice
+from dlm.eval.scoring import DEFAULT_TOKEN_BUDGET, as_eval_model
+from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
+from dlm.eval.tasks.base import limit as _limit
+
+
+def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=None, data_dir=None,
+             paths: dict | None = None, limit: int | None = None, scoring: str = "auto", diffusion_steps: int = 32,
+             seed: int = 0, decode: str = "auto", gen_steps: int | None = None, poem_direction: str = "ftb",
+             poem_gen_length: int = 28, batch_size: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
+             keep_predictions: bool = False, generate_fn: GenerateFn | None = None, log=None) -> dict:
+    """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
+    "seconds", ...}}``.
+
+    - ``model``: a :class:`~dlm.model.convert.DiffusionLM` (carries its tokenizer) or a plain HF causal LM with
+      ``tokenizer=``. Scoring follows the model's kind (``scoring="auto"``): the exact AR log-likelihood for AR
+      models and I-DLM, the denoising score with ``diffusion_steps`` masks for mdm/block DLMs.
+    - Task data: ``paths={"piqa": FILE_OR_DIR, ...}`` per task, else ``data_dir/<task>/``. ``limit``: first N
+      examples of each task.
+    - Generation tasks (lambada, poem_reverse) decode greedily with ``decode`` (auto | ar | mdm | block | isd),
+      ``gen_steps`` denoising steps for diffusion decoders.
+    - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
+      so a training loop can call this between steps. ``log(str)`` receives one line per finished task.
+    Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
+    :func:`dlm.eval.history.append_history`.
+    """
+    names = parse_task_list(tasks)
+    em = as_eval_model(model, tokenizer, scoring)
+    was_training = model.training
+    results: dict = {}
+    # Load every task first: a bad file fails in a second, not after an hour of scoring the tasks before it.
+    loaded = {}
+    for name in names:
+        options = {"direction": poem_direction, "gen_length": poem_gen_length} if name == "poem_reverse" else {}
+        loaded[name] = _limit(load_task(name, data_dir, paths, **options), limit)
+    model.eval()
+    try:
+        for name in names:
+            module = TASKS[name]
+            t0 = time.perf_counter()
+            examples = loaded[name]
+            if not examples:
+                raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
+            if module.KIND == "mc":
+                res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
+                                               token_budget=token_budget, keep_predictions=keep_predictions)
+            else:
+                res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
+                                          batch_size=batch_size, generate_fn=generate_fn,
+                                          keep_predictions=keep_predictions)
+            res["seconds"] = time.perf_counter() - t0
+            results[name] = res
+            if log is not None:
+                log(f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
+                    f"({res['seconds']:.1f} s)")
+    finally:
+        if was_training:
+            model.train()
+    return results

@@ -89,6 +89,7 @@ class PackedDataset(IterableDataset):
         self._start: dict[int, int] = {}
         self._consumed: dict[int, int] = {}
         self._num_consumers: int | None = None
+        self._worker_shift = 0
 
     # ---------------------------------------------------------------------------------------- topology
     def consumer(self) -> tuple[int, int]:
@@ -96,6 +97,8 @@ class PackedDataset(IterableDataset):
         rank, world = default_rank_world(self.rank, self.world_size)
         info = get_worker_info()
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        # After a resume from a DataLoader batch count, worker 0 plays the consumer whose batch came next.
+        wid = (wid + self._worker_shift) % nw
         return rank * nw + wid, world * nw
 
     def epoch_files(self, epoch: int, cid: int, n_consumers: int) -> np.ndarray:
@@ -163,20 +166,22 @@ class PackedDataset(IterableDataset):
         """Blocks yielded so far per consumer (exact for iteration in this process, e.g. num_workers=0)."""
         return {"kind": "packed", "seed": self.seed, "block_size": self.block_size, "n_chunks": self.n_chunks,
                 "shuffle": self.shuffle, "files": self._fingerprint(), "num_consumers": self._num_consumers,
-                "consumed": {str(k): int(v) for k, v in self._consumed.items()}}
+                "consumed": {str(k): int(v) for k, v in self._consumed.items()}, "worker_shift": self._worker_shift}
 
     def state_dict_for_dataloader(self, num_batches: int, batch_size: int, num_workers: int) -> dict:
         """The state after a ``DataLoader(batch_size, num_workers>0)`` on this rank delivered ``num_batches``.
 
         PyTorch's DataLoader takes batch ``k`` from worker ``k % num_workers`` (in order), so worker ``w`` has
         produced ``ceil((num_batches - w) / num_workers)`` batches (valid while no worker runs dry, e.g. wrap=True).
+        The next batch is due from worker ``num_batches % num_workers``, but a new DataLoader starts at worker 0,
+        so the state also records that shift and the resumed workers take over each other's consumers accordingly.
         """
         rank, world = default_rank_world(self.rank, self.world_size)
         consumed = {}
         for w in range(num_workers):
             consumed[str(rank * num_workers + w)] = max(0, -(-(num_batches - w) // num_workers)) * batch_size
         state = self.state_dict()
-        state.update(num_consumers=world * num_workers, consumed=consumed)
+        state.update(num_consumers=world * num_workers, consumed=consumed, worker_shift=num_batches % num_workers)
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -189,6 +194,7 @@ class PackedDataset(IterableDataset):
         self._start = {int(k): int(v) for k, v in state.get("consumed", {}).items()}
         self._consumed = dict(self._start)
         self._num_consumers = state.get("num_consumers")
+        self._worker_shift = int(state.get("worker_shift", 0))
 
 
 class CombinedDataset(IterableDataset):

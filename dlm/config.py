@@ -57,29 +57,36 @@ class DataConfig:
 
 @dataclass
 class MDMConfig:
-    """Masked diffusion (DiffuLLaMA / MDLM)."""
+    """Masked diffusion (DiffuLLaMA / MDLM); mirrors dlm.objectives.MDMConfig."""
 
     eps: float = 1e-3
-    antithetic: bool = True
-    normalize: str = "masked"  # masked (DiffuLLaMA) | tokens (MDLM)
+    antithetic: bool = False  # stratified t across the batch
+    normalize: str = "masked"  # masked (DiffuLLaMA: / masked tokens) | all (MDLM: / tokens)
+    shift: bool | None = None  # None: the checkpoint's
     attention: str = "annealed"  # annealed | full
     anneal_steps: int = 1000
 
 
 @dataclass
 class BlockConfig:
-    """Block diffusion (BD3-LM / SDAR)."""
+    """Block diffusion (BD3-LM / SDAR); mirrors dlm.objectives.BlockConfig."""
 
-    t_per: str = "sample"  # sample | block
+    t_per: str = "sample"  # sample (SDAR) | block (BD3-LM)
+    eps: float = 1e-3
+    antithetic: bool = False
+    normalize: str = "masked"  # masked | all
+    shift: bool | None = None
 
 
 @dataclass
 class IDLMConfig:
-    """Introspective diffusion (I-DLM)."""
+    """Introspective diffusion (I-DLM); mirrors dlm.objectives.IDLMConfig."""
 
     ce_alpha: float = 0.2
     loss_auto_balance: bool = False
-    idlm_loss_type: str = "ar"  # ar | distill
+    idlm_loss_type: str = "ar"  # ar (hard labels) | distill (the clean pass's soft distribution)
+    distill_temperature: float = 1.0
+    fast_path: bool | None = None  # None: the cached fast path when the model has gated LoRA
 
 
 @dataclass
@@ -130,6 +137,7 @@ class EvalConfig:
     eval_history_path: str | None = None  # default output_dir/eval_history.jsonl
     eval_batches: int = 4  # held-out batches for the held-out loss
     eval_limit: int = 50  # examples per task evaluation
+    eval_data_dir: str | None = None  # folder with <task>/ files for the task evaluations
 
 
 @dataclass
@@ -210,7 +218,8 @@ class TrainingConfig:
         if m.objective == "mdm" and m.block_size is not None:
             raise DLMError("model.block_size (--block-size) is meaningless for objective 'mdm'; drop it or use "
                            "--objective block/idlm")
-        _choice("mdm.normalize", self.mdm.normalize, ("masked", "tokens"))
+        _choice("mdm.normalize", self.mdm.normalize, ("masked", "all"))
+        _choice("block.normalize", self.block.normalize, ("masked", "all"))
         _choice("mdm.attention", self.mdm.attention, ("annealed", "full"))
         _choice("block.t_per", self.block.t_per, ("sample", "block"))
         _choice("idlm.idlm_loss_type", self.idlm.idlm_loss_type, ("ar", "distill"))
@@ -271,6 +280,7 @@ FLAT_KEYS: dict[str, str] = {
     "eval_every": "eval.eval_every",
     "eval_tasks": "eval.eval_tasks",
     "eval_history_path": "eval.eval_history_path",
+    "eval_data_dir": "eval.eval_data_dir",
     "attn_impl": "model.attn_impl",
     "wandb_project": "wandb.project",
     "wandb_entity": "wandb.entity",
@@ -321,6 +331,12 @@ def field_help(dotted: str) -> str:
     hints = typing.get_type_hints(cls)
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
     return f"{_type_name(hints[key])}, default {default!r}"
+
+
+def is_list_field(dotted: str) -> bool:
+    section, key = dotted.split(".", 1)
+    tp = typing.get_type_hints(SECTIONS[section])[key]
+    return typing.get_origin(tp) is list or any(typing.get_origin(a) is list for a in typing.get_args(tp))
 
 
 def _type_name(tp) -> str:

@@ -39,6 +39,7 @@ from dlm.model.convert import DiffusionLM
 from dlm.train import checkpoint as ckpt_mod
 
 RUN_FILES = ("run_config.yaml", "train_log.jsonl")
+EVAL_STEP = 2**31 - 1
 
 
 @dataclass
@@ -332,7 +333,9 @@ def heldout_loss(accelerator, proxy, objective, batches: list[dict], step: int, 
     total = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     with torch.no_grad():
         for b in batches:
-            out = objective(proxy, _to_device(b, accelerator.device), step, gen)
+            # EVAL_STEP: objectives that anneal with the step (mdm) evaluate at the end of the anneal (p = 1,
+            # full attention, as at sampling time - SPEC 2.1).
+            out = objective(proxy, _to_device(b, accelerator.device), EVAL_STEP, gen)
             n = max(1, int(out.num_tokens))
             total += torch.tensor([float(out.loss) * n, n], dtype=torch.float64, device=accelerator.device)
     proxy.train(was_training)
@@ -340,19 +343,14 @@ def heldout_loss(accelerator, proxy, objective, batches: list[dict], step: int, 
     if total[1] == 0:
         return {}
     loss = float(total[0] / total[1])
-    return {"heldout_loss": loss, "heldout_tokens": int(total[1])}
+    return {"heldout_loss": loss, "heldout_tokens": int(total[1].item())}
 
 
-def append_eval_history(path: Path, step: int, checkpoint: Path | None, metrics: dict) -> None:
-    try:
-        from dlm.eval.history import append_history
-    except ImportError:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as fh:
-            fh.write(json.dumps({"step": step, "checkpoint": str(checkpoint) if checkpoint else None,
-                                 "time": time.time(), "metrics": metrics}) + "\n")
-        return
-    append_history(path, step, str(checkpoint) if checkpoint else None, metrics)
+def append_eval_history(path: Path, step: int, metrics: dict) -> None:
+    """One eval_history.jsonl line; ``checkpoint`` is the step's checkpoint name (its folder when saved)."""
+    from dlm.eval.history import append_history
+
+    append_history(path, step, ckpt_mod.checkpoint_name(step), metrics)
 
 
 def task_metrics(cfg: TrainingConfig, dlm: DiffusionLM, step: int) -> dict:
@@ -365,7 +363,8 @@ def task_metrics(cfg: TrainingConfig, dlm: DiffusionLM, step: int) -> dict:
     dlm.eval()
     try:
         with torch.no_grad():
-            result = run_eval(dlm, tasks=list(cfg.eval.eval_tasks), limit=cfg.eval.eval_limit)
+            result = run_eval(dlm, tasks=list(cfg.eval.eval_tasks), data_dir=cfg.eval.eval_data_dir,
+                              limit=cfg.eval.eval_limit)
     finally:
         dlm.train(was)
     return dict(result) if isinstance(result, dict) else {"tasks": result}
@@ -559,8 +558,7 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
                 if main:
                     metrics.update(task_metrics(cfg, dlm, step))
                     if metrics:
-                        append_eval_history(cfg.eval_history_path, step, last_ckpt if last_ckpt and
-                                            last_ckpt.name == ckpt_mod.checkpoint_name(step) else None, metrics)
+                        append_eval_history(cfg.eval_history_path, step, metrics)
                         log.write({"event": "eval", "step": step, "metrics": metrics})
                         log.eval(step, metrics)
                 accelerator.wait_for_everyone()

@@ -1,0 +1,133 @@
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dlm.config import FLAT_KEYS, SECTIONS, TrainingConfig, load_config, resolve_key, section_keys
+from dlm.errors import DLMError
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_defaults_sections_and_flat_keys_layer_in_order(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("learning_rate: 3.0e-5\nper_device_train_batch_size: 2\ntrain:\n  max_minutes: 5\n"
+                 "cutoff_len: 128\nbf16: true\npacked_prefixes: a,b\n")
+    cfg = load_config(y, {"data": "x.jsonl", "train.max_minutes": "2.5", "optim": {"schedule": "constant"}})
+    assert cfg.optim.learning_rate == 3e-5
+    assert cfg.train.batch_size == 2 and cfg.data.seq_length == 128
+    assert cfg.train.mixed_precision == "bf16"
+    assert cfg.train.max_minutes == 2.5  # command line beats YAML
+    assert cfg.optim.schedule == "constant"
+    assert cfg.data.packed_prefixes == ["a", "b"]
+    assert cfg.optim.warmup_ratio == TrainingConfig().optim.warmup_ratio  # untouched default
+
+
+@pytest.mark.parametrize("key, near", [("train.max_minuts", "train.max_minutes"), ("lerning_rate", "learning_rate"),
+                                       ("trian.batch_size", "train"), ("ce_alfa", "ce_alpha")])
+def test_typo_names_the_key_and_the_closest(key, near):
+    with pytest.raises(DLMError) as e:
+        load_config(None, {"data": "x.jsonl", key: 1})
+    msg = str(e.value)
+    assert key.split(".")[0] in msg and near in msg
+
+
+def test_typo_in_yaml_names_the_file(tmp_path):
+    y = tmp_path / "bad.yaml"
+    y.write_text("optim:\n  lerning_rate: 1\n")
+    with pytest.raises(DLMError, match=r"optim\.lerning_rate.*bad\.yaml.*optim\.learning_rate"):
+        load_config(y, {"data": "x"})
+
+
+@pytest.mark.parametrize("override, msg", [
+    (["train.batch_size=two", "data.data=x"], "train.batch_size = 'two' is not a valid int"),
+    (["train.batch_size=1.5", "data.data=x"], "not a valid int"),
+    (["train.overwrite=maybe", "data.data=x"], "not a valid bool"),
+    (["model.objective=ar", "data.data=x"], "model.objective"),
+    (["train.max_train_steps=0", "data.data=x"], "train.max_train_steps"),
+    ([], "exactly one data source"),
+    (["data.data=x", "packed_data_dir=y"], "exactly one data source"),
+    (["data.data=x", "packed_prefixes=a,b", "packed_weights=1"], "one weight per prefix"),
+    (["data.data=x", "model.objective=mdm", "model.block_size=2"], "mdm"),
+    (["data.data=x", "gated_lora=true"], "--lora-r"),
+    (["data.data=x", "model.attn_impl=flash_attention_2"], "sdpa"),
+])
+def test_bad_values_are_clear_errors(override, msg):
+    with pytest.raises(DLMError, match=msg.replace("(", r"\(").replace(".", r"\.")):
+        load_config(None, override)
+
+
+def test_every_flat_key_maps_to_a_real_field():
+    keys = set(section_keys())
+    for flat, dotted in FLAT_KEYS.items():
+        assert dotted in keys, flat
+        assert resolve_key(flat) == dotted
+
+
+def test_objective_sections_mirror_the_objective_configs():
+    from dlm.objectives import config_class
+
+    for name in ("mdm", "block", "idlm"):
+        theirs = {f.name: f.default for f in dataclasses.fields(config_class(name))} 
+        theirs.pop("block_size", None)  # comes from the model
+        ours = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
+        assert ours == theirs, name
+
+
+@pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
+def test_every_preset_parses_and_builds_its_objective(preset):
+    from dlm.objectives import get_objective
+
+    source = {"data.data": "x.jsonl", "data.packed_data_dir": None}
+    cfg = load_config(preset, source)
+    block = cfg.model.block_size if cfg.model.objective != "mdm" else None
+    get_objective(cfg.model.objective, **cfg.objective_kwargs(block))
+    if cfg.train.accelerate_config:
+        assert (ROOT / cfg.train.accelerate_config).is_file()
+    if cfg.data.block_length is not None:
+        assert cfg.data.block_length == cfg.model.block_size
+
+
+def test_published_idlm_presets_match_the_recipe():
+    for b in (1, 2, 3):
+        cfg = load_config(ROOT / f"configs/idlm_b{b}_qwen3_8b_gpu.yaml", {"data": "x"})
+        assert cfg.model.objective == "idlm" and cfg.model.block_size == b
+        assert cfg.optim.learning_rate == 1e-5 and cfg.optim.schedule == "cosine"
+        assert cfg.optim.warmup_ratio == 0.03 and cfg.train.mixed_precision == "bf16"
+        assert cfg.data.seq_length == 4096
+        assert cfg.train.batch_size * cfg.train.gradient_accumulate_every * 8 == 32  # 8 GPUs in the launcher
+        assert cfg.idlm.loss_auto_balance == (b == 3)
+        assert "deepspeed_zero2" in cfg.train.accelerate_config
+    cpu = load_config(ROOT / "configs/diffullama_cpu.yaml", {"packed_data_dir": "d"})
+    assert cpu.model.objective == "mdm" and cpu.mdm.attention == "annealed"
+
+
+def test_accelerate_configs_are_valid_yaml_and_json():
+    import json
+
+    import yaml
+
+    for f in (ROOT / "configs/accelerate").iterdir():
+        data = json.loads(f.read_text()) if f.suffix == ".json" else yaml.safe_load(f.read_text())
+        assert isinstance(data, dict) and data, f
+    ds = yaml.safe_load((ROOT / "configs/accelerate/deepspeed_zero2.yaml").read_text())
+    assert (ROOT / ds["deepspeed_config"]["deepspeed_config_file"]).is_file()
+
+
+def test_cli_flags_and_section_keys(capsys):
+    from dlm.cli import build_parser
+    from dlm.commands.train import build_config
+
+    parser = build_parser()
+    args = parser.parse_args(["train", "--config", str(ROOT / "configs/idlm_b2_cpu.yaml"), "--data", "c.jsonl",
+                              "--batch-size", "3", "--packed-prefixes", "a", "b", "--optim.warmup_ratio", "0.1",
+                              "--resume", "--gated-lora", "--lora-r", "4", "--max-minutes", "1.5"])
+    cfg = build_config(args)
+    assert cfg.train.batch_size == 3 and cfg.optim.warmup_ratio == 0.1 and cfg.train.resume == "auto"
+    assert cfg.lora.gated and cfg.lora.r == 4 and cfg.train.max_minutes == 1.5
+    assert cfg.data.packed_prefixes == ["a", "b"] and cfg.model.block_size == 2
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["train", "--data", "c.jsonl", "--train.max_minuts", "3"])
+    assert e.value.code == 2
+    assert "did you mean: --train.max_minutes" in capsys.readouterr().err

@@ -230,38 +230,46 @@ def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtyp
 def _add_mask_token(model: nn.Module, tokenizer, mask_token: str | None) -> int:
     """Return the mask id: the tokenizer's own mask token, else a new special token with a resized embedding."""
     if mask_token is None and getattr(tokenizer, "mask_token", None) is not None:
-        return int(tokenizer.mask_token_id)
-    name = mask_token or DEFAULT_MASK_TOKEN
-    vocab = tokenizer.get_vocab()
-    if name in vocab:
-        token_id = vocab[name]
-        special_ids = set(getattr(tokenizer, "all_special_ids", []))
-        added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
-        if token_id not in special_ids and name not in added:
-            raise DLMError(f"mask token '{name}' is an ordinary token of this tokenizer (id {token_id}); reusing "
-                           f"it would also score it wherever it occurs naturally. Pass a new name (e.g. "
-                           f"--mask-token '{DEFAULT_MASK_TOKEN}') or an existing *special* token")
-        tokenizer.mask_token = name
-        return int(token_id)
-    tokenizer.add_special_tokens({"mask_token": name})
-    token_id = int(tokenizer.convert_tokens_to_ids(name))
-    old_in = model.get_input_embeddings().weight.shape[0]
-    new_size = max(len(tokenizer), old_in)
-    if token_id >= old_in:
-        with torch.no_grad():
-            # Sensible init: the mean input embedding (and mean head row when untied), as in HF mean resizing.
-            in_mean = model.get_input_embeddings().weight.mean(0).clone()
-            out = model.get_output_embeddings()
-            out_mean = out.weight.mean(0).clone() if out is not None else None
-            model.resize_token_embeddings(new_size, mean_resizing=False)
-            emb = model.get_input_embeddings().weight
-            emb[old_in:] = in_mean
-            out = model.get_output_embeddings()
-            if out is not None and out.weight.data_ptr() != emb.data_ptr():
-                out.weight[old_in:] = out_mean
-                if getattr(out, "bias", None) is not None:
-                    out.bias[old_in:] = out.bias[:old_in].mean()
+        token_id = int(tokenizer.mask_token_id)
+    else:
+        name = mask_token or DEFAULT_MASK_TOKEN
+        vocab = tokenizer.get_vocab()
+        if name in vocab:
+            token_id = vocab[name]
+            special_ids = set(getattr(tokenizer, "all_special_ids", []))
+            added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+            if token_id not in special_ids and name not in added:
+                raise DLMError(f"mask token '{name}' is an ordinary token of this tokenizer (id {token_id}); "
+                               f"reusing it would also score it wherever it occurs naturally. Pass a new name "
+                               f"(e.g. --mask-token '{DEFAULT_MASK_TOKEN}') or an existing *special* token")
+            tokenizer.mask_token = name
+            token_id = int(token_id)
+        else:
+            tokenizer.add_special_tokens({"mask_token": name})
+            token_id = int(tokenizer.convert_tokens_to_ids(name))
+    _cover_token(model, token_id, len(tokenizer))
     return token_id
+
+
+def _cover_token(model: nn.Module, token_id: int, tokenizer_len: int) -> None:
+    """Resize the embedding (and an untied head) so that ``token_id`` has a row; new rows get the mean row."""
+    old_in = model.get_input_embeddings().weight.shape[0]
+    if token_id < old_in:
+        return
+    new_size = max(tokenizer_len, token_id + 1, old_in)
+    with torch.no_grad():
+        # Sensible init: the mean input embedding (and mean head row when untied), as in HF mean resizing.
+        in_mean = model.get_input_embeddings().weight.mean(0).clone()
+        out = model.get_output_embeddings()
+        out_mean = out.weight.mean(0).clone() if out is not None else None
+        model.resize_token_embeddings(new_size, mean_resizing=False)
+        emb = model.get_input_embeddings().weight
+        emb[old_in:] = in_mean
+        out = model.get_output_embeddings()
+        if out is not None and out.weight.data_ptr() != emb.data_ptr():
+            out.weight[old_in:] = out_mean
+            if getattr(out, "bias", None) is not None:
+                out.bias[old_in:] = out.bias[:old_in].mean()
 
 
 def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | None = None,

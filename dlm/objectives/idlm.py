@@ -1,0 +1,141 @@
+"""Introspective diffusion (I-DLM) training, SPEC §4.
+
+Alignment (the part that is easy to get wrong by one). Targets are shifted: position i is trained on token i+1.
+A position is a **mask** in ``x_t`` exactly when its target is trained (``labels[i+1] != -100``, same document):
+the mask at i has seen clean tokens of earlier blocks (up to i-1 for b = 1) and the masks of its own block up to
+itself, and is trained on token i+1 - the same target as clean position i. So the mask at the last prompt
+position predicts the first response token (the reference never scores that token in the noisy term), and the
+number of masks equals the number of trained response tokens.
+
+Loss: ``CE_noisy`` (mask positions vs the shifted targets, summed / number of response tokens) +
+``ce_alpha * CE_clean`` (ordinary next-token CE of the clean half), or with ``loss_auto_balance``
+``CE_noisy + sg(CE_noisy / (CE_clean + 1e-8)) * CE_clean``. ``idlm_loss_type='distill'`` trains the masks on the
+clean pass's soft next-token distribution (the model's own AR distribution at the same position, detached)
+instead of the hard label: self-distillation, which is what maximises ISD acceptance.
+
+Batch size > 1, padded rows and packed rows (``doc_ids``) are handled by masks and per-document positions (the
+reference slices the clean half as ``[:, L:2L]`` and so needs batch size 1).
+
+Gated-LoRA fast path: the clean path is the frozen base model, so the clean half runs once under ``no_grad``
+(a plain causal forward that fills a KV cache) and the L noisy tokens attend to that cache with the
+``introspective_cached`` L x 2L mask - the same computation as the noisy half of the 2L forward, with gradients
+only through L tokens. Only ``CE_noisy`` carries gradient there (``CE_clean`` is logged, constant).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from dlm.errors import DLMError
+from dlm.model import masks
+from dlm.model.lora import get_gated
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, upcast, zero_loss
+
+
+@dataclass
+class IDLMConfig:
+    block_size: int | None = None  # masks per block; None: the checkpoint's, else must match it
+    ce_alpha: float = 0.2
+    loss_auto_balance: bool = False
+    idlm_loss_type: str = "ar"  # 'ar' (hard labels) | 'distill' (clean pass's soft distribution)
+    distill_temperature: float = 1.0
+    fast_path: bool | None = None  # None: use the cached fast path when the model has gated LoRA
+
+    def __post_init__(self):
+        if self.idlm_loss_type not in ("ar", "distill"):
+            raise DLMError(f"idlm_loss_type must be 'ar' or 'distill', got {self.idlm_loss_type!r}")
+        if self.ce_alpha < 0:
+            raise DLMError(f"ce_alpha must be >= 0, got {self.ce_alpha!r}")
+        if self.distill_temperature <= 0:
+            raise DLMError(f"distill_temperature must be > 0, got {self.distill_temperature!r}")
+
+
+def build_noisy(input_ids: torch.Tensor, targets: torch.Tensor, mask_token_id: int):
+    """``(x_t, noisy)``: every position whose shifted target is trained becomes a mask."""
+    noisy = targets != IGNORE
+    return torch.where(noisy, torch.full_like(input_ids, mask_token_id), input_ids), noisy
+
+
+class IDLMObjective(Objective):
+    name = "idlm"
+    Config = IDLMConfig
+
+    def __call__(self, model, batch, step: int = 0, generator=None) -> ObjectiveOutput:
+        c = self.config
+        t_build = time.perf_counter()
+        b = prepare_batch(batch, model.device)
+        B, L = b.shape
+        self.check_model(model, L)
+        if not model.shift:
+            raise DLMError("objective 'idlm' needs a shifted checkpoint (config.json shift: true); re-convert "
+                           "with `dlm convert --objective idlm`")
+        bs = self.resolve_block_size(model, c.block_size)
+        targets = b.shifted_targets()  # [B, L]
+        x_t, noisy = build_noisy(b.input_ids, targets, model.mask_token_id)
+        n = int(noisy.sum())
+        gated = get_gated(model) is not None
+        fast = gated if c.fast_path is None else bool(c.fast_path)
+        if fast and not gated:
+            raise DLMError("idlm fast_path needs a gated-LoRA model (its clean path must be the frozen base); "
+                           "use lora: {gated: true} or drop fast_path")
+        dev = model.device
+        pos = b.positions
+        if fast:
+            clean_attn = masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
+            noisy_attn = masks.dense(masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev), B, L,
+                                     2 * L, device=dev)
+            build_s = time.perf_counter() - t_build
+            with torch.no_grad():
+                out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True)
+            clean_logits = out.logits
+            noisy_logits = model(input_ids=x_t, attention_mask=noisy_attn, position_ids=pos,
+                                 cache=out.cache, use_cache=False).logits
+        else:
+            attn = masks.dense(masks.introspective(L, bs, b.doc_ids, b.key_valid, device=dev), B, 2 * L,
+                               device=dev)
+            build_s = time.perf_counter() - t_build
+            logits = model(input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn,
+                           position_ids=pos.repeat(1, 2)).logits
+            noisy_logits, clean_logits = logits[:, :L], logits[:, L:]
+        if n == 0:
+            z = zero_loss(noisy_logits)
+            return ObjectiveOutput(loss=z, parts={"ce_noisy": 0.0, "ce_clean": 0.0, "build_s": build_s},
+                                   num_tokens=0)
+
+        ce_clean = token_ce(clean_logits, targets, noisy).mean()  # same positions: every trained target
+        sel_noisy = upcast(noisy_logits[noisy])  # [n, V]
+        tgt = targets[noisy]
+        ce_noisy_hard = F.cross_entropy(sel_noisy, tgt, reduction="sum") / n
+        parts = {}
+        if c.idlm_loss_type == "distill":
+            with torch.no_grad():
+                soft = F.softmax(upcast(clean_logits[noisy]) / c.distill_temperature, dim=-1)
+            logq = F.log_softmax(sel_noisy / c.distill_temperature, dim=-1)
+            ce_noisy = -(soft * logq).sum(-1).sum() / n
+            with torch.no_grad():
+                ent = -(soft * soft.clamp_min(1e-30).log()).sum(-1).sum() / n
+            parts["kl_noisy"] = float(ce_noisy.detach() - ent)
+        else:
+            ce_noisy = ce_noisy_hard
+        if c.loss_auto_balance:
+            scale = (ce_noisy / (ce_clean + 1e-8)).detach()
+        else:
+            scale = torch.tensor(c.ce_alpha, device=dev)
+        loss = ce_noisy + scale * (ce_clean.detach() if fast else ce_clean)
+        with torch.no_grad():
+            agree = (sel_noisy.argmax(-1) == clean_logits[noisy].argmax(-1)).float().mean()
+            acc = (sel_noisy.argmax(-1) == tgt).float().mean()
+        parts.update({
+            "ce_noisy": float(ce_noisy.detach()),
+            "ce_noisy_hard": float(ce_noisy_hard.detach()),
+            "ce_clean": float(ce_clean.detach()),
+            "scale": float(scale),
+            "mask_greedy_agree": float(agree),
+            "mask_acc": float(acc),
+            "build_s": build_s,
+        })
+        return ObjectiveOutput(loss=loss, parts=parts, num_tokens=n)

@@ -1,0 +1,101 @@
+"""Masked diffusion (MDLM / LLaDA / DiffuLLaMA), SPEC §2.
+
+Per sequence ``t ~ U(eps, 1)``; each trainable token is replaced by the mask id with probability t; the loss is
+the CE of the masked tokens weighted by ``1 / t`` (not t: DiffuLLaMA's 7B script had that bug), divided by the
+number of masked tokens (``normalize='masked'``, DiffuLLaMA) or of trainable tokens (``'all'``, MDLM).
+
+With ``shift`` (DiffuLLaMA) logits at i score token i+1 where i+1 was masked; the first token of each document
+is then never masked (nothing could predict it). Without shift (LLaDA) logits at i score token i.
+Attention: ``annealed`` (causal -> full over ``anneal_steps`` optimizer steps, one Bernoulli draw per forward)
+or ``full`` from step 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from dlm.errors import DLMError
+from dlm.model import masks
+from dlm.objectives import schedules
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, zero_loss
+
+
+@dataclass
+class MDMConfig:
+    eps: float = 1e-3
+    antithetic: bool = False
+    normalize: str = "masked"  # 'masked' (DiffuLLaMA) | 'all' (MDLM)
+    shift: bool | None = None  # None: the checkpoint's
+    attention: str = "annealed"  # 'annealed' | 'full'
+    anneal_steps: int = 1000
+
+    def __post_init__(self):
+        if self.normalize not in ("masked", "all"):
+            raise DLMError(f"mdm normalize must be 'masked' or 'all', got {self.normalize!r}")
+        if self.attention not in ("annealed", "full"):
+            raise DLMError(f"mdm attention must be 'annealed' or 'full', got {self.attention!r}")
+        if not 0.0 <= self.eps < 1.0:
+            raise DLMError(f"mdm eps must be in [0, 1), got {self.eps!r}")
+
+
+def weighted_loss(ce: torch.Tensor, weight: torch.Tensor, n_masked: int, n_all: int, normalize: str):
+    """``sum(ce / t) / denominator``: the masked-token count or the trainable-token count."""
+    denom = n_masked if normalize == "masked" else n_all
+    return (ce * weight).sum() / max(denom, 1)
+
+
+def score_positions(masked: torch.Tensor, labels: torch.Tensor, shift: bool, next_ok: torch.Tensor):
+    """Where the logits are scored and against what: ``(where [B, L] bool, targets [B, L])``."""
+    if not shift:
+        return masked, labels
+    where = torch.zeros_like(masked)
+    where[:, :-1] = masked[:, 1:] & next_ok[:, :-1]
+    targets = torch.full_like(labels, IGNORE)
+    targets[:, :-1] = labels[:, 1:]
+    return where, targets
+
+
+class MDMObjective(Objective):
+    name = "mdm"
+    Config = MDMConfig
+
+    def __call__(self, model, batch, step: int = 0, generator=None) -> ObjectiveOutput:
+        c = self.config
+        t_build = time.perf_counter()
+        b = prepare_batch(batch, model.device)
+        B, L = b.shape
+        self.check_model(model, L)
+        shift = self.resolve_shift(model, c.shift)
+        trainable = b.labels != IGNORE
+        next_ok = b.same_doc_next()
+        if shift:  # a token is maskable only if a same-document predecessor can predict it
+            prev_ok = torch.zeros_like(trainable)
+            prev_ok[:, 1:] = next_ok[:, :-1]
+            trainable = trainable & prev_ok
+        t = schedules.sample_t(B, c.eps, c.antithetic, generator, model.device)  # [B]
+        x_t, masked = schedules.mask_tokens(b.input_ids, trainable, t[:, None], model.mask_token_id, generator)
+        p = schedules.anneal_p(step, c.anneal_steps) if c.attention == "annealed" else 1.0
+        if p >= 1.0:
+            mod = masks.full(b.doc_ids, b.key_valid)
+        else:
+            mod = masks.annealed(L, p, generator, b.doc_ids, b.key_valid, device=model.device)
+        attn = masks.dense(mod, B, L, device=model.device)
+        where, targets = score_positions(masked, b.labels, shift, next_ok)
+        build_s = time.perf_counter() - t_build
+
+        logits = model(input_ids=x_t, attention_mask=attn, position_ids=b.positions).logits
+        ce = token_ce(logits, targets, where)
+        weight = (1.0 / t)[:, None].expand(B, L)[where]
+        n_masked, n_all = int(where.sum()), int(trainable.sum())
+        loss = weighted_loss(ce, weight, n_masked, n_all, c.normalize) if n_masked else zero_loss(logits)
+        parts = {
+            "ce": float(ce.detach().mean()) if n_masked else 0.0,
+            "t_mean": float(t.mean()),
+            "mask_frac": n_masked / max(n_all, 1),
+            "p_anneal": p,
+            "build_s": build_s,
+        }
+        return ObjectiveOutput(loss=loss, parts=parts, num_tokens=n_masked)

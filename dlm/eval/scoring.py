@@ -220,6 +220,15 @@ def _pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torc
     return ids.to(device), valid.to(device)
 
 
+def _suppress_mask(em: EvalModel, logits: torch.Tensor) -> torch.Tensor:
+    """The mask token is never a prediction: its logit is -inf, as in decoding. (Conversion adds it to the
+    vocabulary; left in the softmax it would take probability mass, and an I-DLM's causal score would no longer
+    equal its base AR model's.)"""
+    if em.mask_token_id is not None and em.mask_token_id < logits.shape[-1]:
+        logits[:, em.mask_token_id] = float("-inf")
+    return logits
+
+
 def _pad_id(em: EvalModel) -> int:
     pid = getattr(em.tokenizer, "pad_token_id", None)
     return int(pid) if pid is not None else em.prefix_token_id
@@ -249,7 +258,8 @@ def loglikelihoods(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]],
                 cols += list(range(start, len(inp)))
                 targets += tgt
             rows_t = torch.tensor(rows, device=em.device)
-            logits = proj(ids, attention_mask(valid, causal=True), rows_t, torch.tensor(cols, device=em.device))
+            logits = _suppress_mask(em, proj(ids, attention_mask(valid, causal=True), rows_t,
+                                             torch.tensor(cols, device=em.device)))
             logp = torch.log_softmax(logits, dim=-1)
             tgt_t = torch.tensor(targets, device=em.device)
             tok_lp = logp.gather(1, tgt_t[:, None])[:, 0]
@@ -328,8 +338,8 @@ def denoising_scores(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]]
                     cols.append(p - offset)
                     targets.append(full[p])
                 owner.append(len(row_pos[r]))
-            logits = proj(ids, attention_mask(valid, causal=False), torch.tensor(rows, device=em.device),
-                          torch.tensor(cols, device=em.device))
+            logits = _suppress_mask(em, proj(ids, attention_mask(valid, causal=False),
+                                             torch.tensor(rows, device=em.device), torch.tensor(cols, device=em.device)))
             ce = F.cross_entropy(logits, torch.tensor(targets, device=em.device), reduction="none").double().cpu()
             start = 0
             for b, r in enumerate(idx):

@@ -1,0 +1,127 @@
+"""Task loaders: layouts chosen by content, prompts as SPEC section 6, and clear errors on bad input."""
+
+import json
+import shutil
+
+import pytest
+
+from dlm.errors import DLMError
+from dlm.eval.tasks import TASKS, load_task, parse_task_list
+from dlm.eval.tasks import hellaswag, lambada, piqa, poem_reverse, siqa, winogrande
+
+
+def _lines(path):
+    return [ln.strip() for ln in open(path) if ln.strip()]
+
+
+def test_shared_data_loads_every_task(shared_data):
+    counts = {"hellaswag": 200, "winogrande": 200, "piqa": 200, "siqa": 200, "lambada": 300, "poem_reverse": 100}
+    for name, n in counts.items():
+        assert len(load_task(name, shared_data)) == n, name
+    p = load_task("piqa", shared_data)
+    labels = [int(x) for x in _lines(f"{shared_data}/piqa/valid-labels.lst")]
+    assert [e.label for e in p] == labels
+    assert p[0].context.startswith("Question: How do I ready a guinea pig cage") and p[0].context.endswith("\nAnswer: ")
+    assert p[0].choices[0].startswith(" Provide the guinea pig")
+    s = load_task("siqa", shared_data)
+    assert [e.label for e in s] == [int(x) - 1 for x in _lines(f"{shared_data}/siqa/dev-labels.lst")]
+    assert s[0].context == ("Question: Tracy didn't go home that evening and resisted Riley's attacks. "
+                            "What does Tracy need to do before this?\nAnswer: ")
+    w = load_task("winogrande", shared_data)
+    assert [e.label for e in w] == [int(x) - 1 for x in _lines(f"{shared_data}/winogrande/dev-labels.lst")]
+    assert w[0].context == "Sarah was a much better surgeon than Maria so "
+    assert w[0].choices == ["Sarah always got the easier cases.", "Maria always got the easier cases."]
+    h = load_task("hellaswag", shared_data)
+    assert h[0].label == 3 and h[0].context == "Roof shingle removal: A man is sitting on a roof. he"
+    assert h[0].choices[3] == " starts pulling up roofing on a roof."
+
+
+def test_lambada_layouts(shared_data):
+    plain = load_task("lambada", shared_data)  # folder with both layouts: the plain-text release wins
+    assert plain[0].target == "signs" and plain[0].prompt.endswith("i do n't care about")
+    oa = lambada.load(f"{shared_data}/lambada/lambada_openai.head300.jsonl")
+    assert oa[0].target == "signs" and oa[0].prompt.endswith("I don't care about")
+
+
+def test_poem_directions(shared_data):
+    ftb = poem_reverse.load(f"{shared_data}/poem_reverse", direction="ftb")
+    btf = poem_reverse.load(f"{shared_data}/poem_reverse", direction="btf")
+    assert ftb[0].target == "君子好逑" and ftb[0].prompt.startswith("窈窕淑女")
+    assert btf[0].target == "窈窕淑女" and btf[0].prompt.startswith("君子好逑")
+    assert ftb[0].max_new_tokens == 28
+    with pytest.raises(DLMError, match="--poem-direction"):
+        poem_reverse.load(f"{shared_data}/poem_reverse", direction="sideways")
+
+
+def test_layout_by_content_not_name(shared_data, tmp_path):
+    shutil.copy(f"{shared_data}/piqa/valid.jsonl", tmp_path / "weird_name.txt")
+    shutil.copy(f"{shared_data}/piqa/valid-labels.lst", tmp_path / "answers.lst")
+    ex = piqa.load(tmp_path)
+    assert len(ex) == 200 and ex[1].label == 1
+    # the same folder is not SIQA / WinoGrande data: the message names the expected fields
+    with pytest.raises(DLMError, match="context, question, answerA"):
+        siqa.load(tmp_path)
+
+
+def test_original_winogrande_and_mosaicml_agree(tmp_path):
+    orig = tmp_path / "orig"
+    orig.mkdir()
+    (orig / "dev.jsonl").write_text(json.dumps({"sentence": "The cup fell off the table because _ was wobbly.",
+                                                "option1": "the cup", "option2": "the table", "answer": "2"}) + "\n")
+    ex = winogrande.load(orig)[0]
+    assert ex.context == "The cup fell off the table because " and ex.label == 1
+    assert ex.choices == ["the cup was wobbly.", "the table was wobbly."]
+    mosaic = tmp_path / "mosaic"
+    mosaic.mkdir()
+    (mosaic / "w.jsonl").write_text(json.dumps({"context_options": ["A beat B so A", "A beat B so B"],
+                                                "continuation": "won the cup.", "gold": 0}) + "\n")
+    m = winogrande.load(mosaic)[0]
+    assert (m.context, m.choices, m.label) == ("A beat B so ", ["A won the cup.", "B won the cup."], 0)
+    # test split without answers takes the labels file beside it
+    test = tmp_path / "test"
+    test.mkdir()
+    (test / "test.jsonl").write_text(json.dumps({"sentence": "X _ y.", "option1": "a", "option2": "b",
+                                                 "answer": ""}) + "\n")
+    with pytest.raises(DLMError, match="no answer"):
+        winogrande.load(test)
+    (test / "test-labels.lst").write_text("1\n")
+    assert winogrande.load(test)[0].label == 0
+
+
+def test_hellaswag_original_jsonl(tmp_path):
+    rec = {"ind": 7, "activity_label": "Making a cake", "ctx_a": "A woman mixes flour.", "ctx_b": "she",
+           "ctx": "A woman mixes flour. she", "endings": ["bakes it [title] well.", "sings.", "x", "y"], "label": 0}
+    (tmp_path / "hellaswag_val.jsonl").write_text(json.dumps(rec) + "\n")
+    ex = hellaswag.load(tmp_path)[0]
+    assert ex.context == "Making a cake: A woman mixes flour. She"
+    assert ex.choices[0] == " bakes it. well." and ex.label == 0 and ex.id == "7"
+
+
+def test_bad_inputs(tmp_path, shared_data):
+    with pytest.raises(DLMError, match="does not exist"):
+        piqa.load(tmp_path / "missing.jsonl")
+    unknown = tmp_path / "u.jsonl"
+    unknown.write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(DLMError, match="expected JSONL records with fields goal, sol1, sol2"):
+        piqa.load(unknown)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DLMError, match="empty"):
+        piqa.load(empty)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "valid.jsonl").write_text(json.dumps({"goal": "g", "sol1": "a", "sol2": "b"}) + "\n")
+    (bad / "valid-labels.lst").write_text("2\n")
+    with pytest.raises(DLMError, match="out of range for 2 choices"):
+        piqa.load(bad)
+    (bad / "valid-labels.lst").write_text("0\n1\n")
+    with pytest.raises(DLMError, match="2 labels but .* 1 records"):
+        piqa.load(bad)
+    (bad / "valid-labels.lst").unlink()
+    with pytest.raises(DLMError, match="no labels file"):
+        piqa.load(bad)
+    with pytest.raises(DLMError, match="unknown eval task 'piqaa'"):
+        parse_task_list("piqaa")
+    with pytest.raises(DLMError, match="--data-dir"):
+        load_task("piqa", None)
+    assert set(TASKS) == {"hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem_reverse"}

@@ -49,7 +49,7 @@ class DataConfig:
     eval_packed_prefixes: list[str] | None = None  # held-out shards for the scheduled held-out loss
     data: str | None = None  # chat/instruction JSONL (messages | conversations | prompt/response)
     eval_data: str | None = None  # held-out JSONL; default: a seeded eval_fraction of `data`
-    eval_fraction: float = 0.05
+    eval_fraction: float = 0.05  # of `data` held out (always, for consistent resumes) when eval_data is not given
     seq_length: int = 256  # tokens per training row (cutoff_len for chat data)
     block_length: int | None = None  # I-DLM data block length; must equal the model's block size when given
     seed: int = 42

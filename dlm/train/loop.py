@@ -237,7 +237,7 @@ def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
     held_records: list = []
     if d.eval_data:
         held_records = read_jsonl(d.eval_data)
-    elif eval_on:
+    else:  # held out whether or not this run evaluates, so that runs/resumes with other eval settings agree
         records, held_records = split_heldout(records, d.eval_fraction, d.seed)
     tok = dlm.tokenizer
     examples = load_sft_examples(d.data, tok, d.seq_length, records=records)
@@ -245,7 +245,7 @@ def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
     collator = SFTCollator(pad_token_id(tok), pad_to_multiple_of=multiple, max_length=None)
     train = SFTBatches(examples, t.batch_size, collator, rank=rank, world_size=world, seed=d.seed)
     held = []
-    if held_records:
+    if held_records and eval_on:
         held_ex = load_sft_examples(d.eval_data or d.data, tok, d.seq_length, records=held_records)
         held = heldout_batches(held_ex, t.batch_size, collator, cfg.eval.eval_batches, rank, world)
     return train, held
@@ -385,6 +385,12 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
     mp = cfg.train.mixed_precision
     if mp == "auto":
         mp = "bf16" if supports_bf16(device) else "no"
+    from accelerate.state import AcceleratorState, GradientState
+
+    # a previous train() in this process (library use, tests) leaves accelerate's singletons set up with its
+    # precision and accumulation; the process group (PartialState) is kept.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
     accelerator = Accelerator(gradient_accumulation_steps=cfg.train.gradient_accumulate_every, mixed_precision=mp,
                               cpu=device.type == "cpu")
     rank, world = accelerator.process_index, accelerator.num_processes

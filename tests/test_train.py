@@ -1,0 +1,195 @@
+"""In-process training runs on a tiny random Llama (fp32, CPU)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from dlm.config import load_config
+from dlm.errors import DLMError
+
+
+def write_chat(path, n=40):
+    with open(path, "w") as f:
+        for i in range(n):
+            f.write(json.dumps({"prompt": f"What is {i} plus {i}?", "response": f"The answer is {2 * i}."}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from dlm.testing import save_tiny
+
+    root = tmp_path_factory.mktemp("train")
+    return {"model": save_tiny(root / "tiny"), "data": write_chat(root / "chat.jsonl"), "root": root}
+
+
+def make_cfg(tiny, out, **over):
+    base = {"model": str(tiny["model"]), "data": str(tiny["data"]), "output_dir": str(out), "objective": "idlm",
+            "block_size": 2, "seq_length": 64, "batch_size": 4, "max_train_steps": 4, "learning_rate": 1e-3,
+            "train.progress": False}
+    base.update(over)
+    return load_config(None, base)
+
+
+def log_lines(out):
+    return [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run(tiny):
+    from dlm.train.loop import train
+
+    out = tiny["root"] / "run"
+    result = train(make_cfg(tiny, out, save_every=2, keep_last=1, eval_every=2, gradient_accumulate_every=2))
+    return out, result
+
+
+def test_outputs_of_a_run(run):
+    from safetensors.torch import load_file
+
+    from dlm.model.convert import AutoDLMForCausalLM
+
+    out, result = run
+    assert result.step == 4 and result.stopped == "max_train_steps" and len(result.losses) == 4
+    dlm = AutoDLMForCausalLM.from_pretrained(out)
+    assert dlm.objective == "idlm" and dlm.block_size == 2 and dlm.tokenizer is not None
+    ckpts = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ckpts == ["step_00000004"]  # keep_last=1 pruned step 2
+    ck = out / "checkpoints" / "step_00000004"
+    assert (ck / "trainer_state.json").is_file() and (ck / "training_state").is_dir()
+    a, b = load_file(ck / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    steps = [r for r in log_lines(out) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(math.isfinite(r["loss"]) and r["tokens_per_s"] > 0 and "ce_noisy" in r["parts"] for r in steps)
+    assert [r["loss"] for r in steps] == result.losses
+    hist = [json.loads(line) for line in (out / "eval_history.jsonl").read_text().splitlines()]
+    assert [h["step"] for h in hist] == [2, 4] and hist[1]["checkpoint"] == "step_00000004"
+    assert all(h["metrics"]["heldout_loss"] > 0 for h in hist)
+    assert (out / "run_config.yaml").is_file()
+
+
+def test_existing_run_is_not_overwritten(run, tiny):
+    from dlm.train.loop import train
+
+    out, _ = run
+    before = (out / "train_log.jsonl").read_text()
+    with pytest.raises(DLMError, match="--resume auto.*--overwrite"):
+        train(make_cfg(tiny, out))
+    assert (out / "train_log.jsonl").read_text() == before
+
+
+def test_resume_from_a_finished_run_is_a_no_op_continuation(run, tiny):
+    """--resume auto with max_train_steps reached trains nothing and keeps the step count."""
+    from dlm.train.loop import train
+
+    out, _ = run
+    result = train(make_cfg(tiny, out, resume="auto", save_every=2, keep_last=1))
+    assert result.step == 4 and result.losses == []
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp_path):
+    from dlm.objectives import get_objective
+    from dlm.train.loop import train
+
+    real = get_objective("idlm", block_size=2)
+
+    def poisoned(model, batch, step, generator=None):
+        out = real(model, batch, step, generator)
+        if step == 2:  # the third optimizer step
+            out.loss = out.loss * float("nan")
+        return out
+
+    out = tmp_path / "nan"
+    with pytest.raises(DLMError, match=r"non-finite loss at step 3.*step_00000002"):
+        train(make_cfg(tiny, out, save_every=2), objective=poisoned)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000002"]
+    last = log_lines(out)[-1]
+    assert last["event"] == "error" and "step 3" in last["message"]
+
+
+@pytest.mark.parametrize("over, msg", [({"seq_length": 600}, "exceeds the model's context of 512"),
+                                       ({"data.block_length": 3}, "block_length = 3 does not match"),
+                                       ])
+def test_mismatched_data_is_refused_before_training(tiny, tmp_path, over, msg):
+    from dlm.train.loop import train
+
+    out = tmp_path / "bad"
+    with pytest.raises(DLMError, match=msg):
+        train(make_cfg(tiny, out, **over))
+    assert not any("loss" in r for r in log_lines(out)) if (out / "train_log.jsonl").exists() else True
+
+
+def test_lr_1e5_bf16_autocast_step_changes_fp32_master_weights(tiny, tmp_path):
+    """bf16 autocast with fp32 master weights: a 1e-5 AdamW step changes (nearly) every trained weight, while the
+    same update applied to bf16-stored weights (8 mantissa bits: steps of ~0.4% of |w|) is rounded away for most
+    of them (all but the ~25% smallest weights of this N(0, 0.02) init)."""
+    from dlm.model.convert import load_any
+    from dlm.train.loop import train
+
+    dlm = load_any(tiny["model"], objective="idlm", block_size=2)
+    before = {n: p.detach().clone() for n, p in dlm.named_parameters()}
+    result = train(make_cfg(tiny, tmp_path / "bf16", mixed_precision="bf16", learning_rate=1e-5, max_train_steps=1,
+                            **{"optim.max_grad_norm": 0}), dlm=dlm)
+    assert result.step == 1
+    changed, survives_bf16 = [], []
+    for n, p in dlm.named_parameters():
+        assert p.dtype == torch.float32
+        if p.ndim == 2 and "embed" not in n:
+            w0 = before[n]
+            changed.append((p.detach() != w0).float().mean().item())
+            survives_bf16.append((p.detach().bfloat16() != w0.bfloat16()).float().mean().item())
+    assert min(changed) > 0.9, changed
+    assert max(survives_bf16) < 0.5, survives_bf16
+
+
+def test_max_minutes_stops_cleanly_and_saves(tiny, tmp_path):
+    from dlm.train.loop import train
+
+    out = tmp_path / "budget"
+    result = train(make_cfg(tiny, out, max_train_steps=1000, max_minutes=1e-9))
+    assert result.stopped == "max_minutes" and result.step == 1
+    assert (out / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
+    assert (out / "model.safetensors").is_file()
+    assert log_lines(out)[-1]["event"] == "end"
+
+
+def test_gated_lora_keeps_base_weights_and_trains_adapters(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from dlm.train.loop import train
+
+    out = tmp_path / "gated"
+    train(make_cfg(tiny, out, lora_r=4, gated_lora=True, max_train_steps=2))
+    base = load_file(tiny["model"] / "model.safetensors")
+    saved = load_file(out / "model.safetensors")
+    same = [k for k in base if k in saved and base[k].shape == saved[k].shape]
+    assert same and all(torch.equal(base[k], saved[k]) for k in same)
+    adapters = load_file(out / "dlm_adapter.safetensors")
+    assert any(v.abs().sum() > 0 for k, v in adapters.items() if k.endswith(".B"))
+
+
+def test_plain_lora_is_merged_into_the_saved_weights(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    from dlm.train.loop import train
+
+    out = tmp_path / "lora"
+    train(make_cfg(tiny, out, lora_r=4, max_train_steps=2))
+    base = load_file(tiny["model"] / "model.safetensors")
+    saved = load_file(out / "model.safetensors")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert saved[q].shape == base[q].shape and not torch.equal(saved[q], base[q])
+    assert not any("lora" in k for k in saved)
+
+
+def test_lr_schedule():
+    from dlm.train.loop import lr_factor
+
+    assert [lr_factor(s, 10, 2, "cosine", 0.0) for s in (0, 1)] == [0.5, 1.0]
+    assert lr_factor(2, 10, 2, "cosine", 0.0) == 1.0
+    assert lr_factor(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)
+    assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0

@@ -112,3 +112,30 @@ def test_smollm2_parity_and_round_trip(smollm2_path, tmp_path):
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
     with torch.no_grad():
         torch.testing.assert_close(plain(input_ids=x).logits[..., :V], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_cli_convert(tiny_model_dir, tmp_path, capsys):
+    from dlm.cli import main
+
+    folder = tiny_model_dir("qwen3")
+    out = tmp_path / "conv"
+    assert main(["convert", "--model", str(folder), "--objective", "block", "--block-size", "2", "--shift",
+                 "--output", str(out)]) == 0
+    assert "objective=block block_size=2 shift=True" in capsys.readouterr().out
+    dlm = AutoDLMForCausalLM.from_pretrained(out)
+    assert (dlm.objective, dlm.block_size, dlm.shift) == ("block", 2, True)
+    # gated LoRA conversion: adapters beside the base weights
+    gout = tmp_path / "gated"
+    assert main(["convert", "--model", str(folder), "--objective", "idlm", "--gated-lora", "--lora-r", "4",
+                 "--lora-targets", "q_proj,v_proj", "--output", str(gout)]) == 0
+    g = AutoDLMForCausalLM.from_pretrained(gout)
+    assert len(g.gated_lora.adapters) == 4 and g.gated_lora.settings.r == 4
+    # errors: one line, exit 2
+    assert main(["convert", "--model", str(folder), "--objective", "mdlm", "--output", str(tmp_path / "x")]) == 2
+    assert "valid objectives are mdm, block, idlm" in capsys.readouterr().err
+    assert main(["convert", "--model", str(folder), "--objective", "mdm", "--output", str(out)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["convert", "--model", str(folder), "--objective", "mdm", "--lora-r", "4",
+                 "--output", str(tmp_path / "y")]) == 2
+    assert "--gated-lora" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

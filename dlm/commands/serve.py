@@ -1,0 +1,65 @@
+"""Serve a model over an OpenAI-compatible HTTP API with continuous batching.
+
+    dlm serve --model smollm2-135m --decode isd --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+         -d '{"model": "smollm2-135m", "messages": [{"role": "user", "content": "Hi"}], "temperature": 0}'
+
+Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics (Prometheus text). Streaming
+(server-sent events) and not; n, stop, max_tokens, temperature (default 1.0, as OpenAI), top_p, seed, usage.
+A plain AR folder/alias is converted on the fly to an I-DLM, so --decode isd runs on it (output = AR greedy).
+Binds to 127.0.0.1 unless --host says otherwise; --api-key makes every route but /health require the key.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="DLM folder, AR folder or alias (default smollm2-135m)")
+    p.add_argument("--decode", default="isd", choices=("isd", "ar", "mdm", "block"),
+                   help="decoder (default isd; the batching engine runs isd and ar)")
+    p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
+    p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
+                   help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
+    p.add_argument("--max-tokens-limit", type=int, default=1024,
+                   help="largest max_tokens a request may ask for; also the chat default (default 1024)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key; also $DLM_API_KEY)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
+    p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
+    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+
+
+def run(args) -> int:
+    import logging
+    import os
+
+    from dlm.errors import DLMError, require
+
+    require("fastapi", "serve")
+    uvicorn = require("uvicorn", "serve")
+    from dlm.serve.app import ServeSettings, create_app, load_engine
+    from dlm.serve.scheduler import Scheduler
+
+    if not 0 < args.port < 65536:
+        raise DLMError(f"--port must be in 1..65535, got {args.port}")
+    settings = ServeSettings(model_name=args.served_model_name or args.model, max_tokens_limit=args.max_tokens_limit,
+                             api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
+                             max_body_bytes=args.max_body_bytes)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
+                         device=args.device, dtype=args.dtype, draft=args.draft)
+    app = create_app(Scheduler(engine), settings)
+    stride = getattr(engine.decoder, "stride", None)
+    print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride})" if stride else "")
+          + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1", flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
+        logging.getLogger("dlm.serve").warning("binding %s without --api-key: anyone who can reach this port can "
+                                               "use the model", args.host)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

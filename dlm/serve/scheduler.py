@@ -1,0 +1,200 @@
+"""The engine loop: one thread owns the model and the :class:`dlm.decode.engine.Engine`.
+
+HTTP handlers (on the asyncio event loop) call :meth:`Scheduler.submit` / :meth:`Scheduler.abort`; both only put a
+message in a thread-safe inbox and wake the loop. The loop, between two engine steps, drains the inbox (new
+requests go to the engine's waiting list, aborts remove a request at once), then runs one ``engine.step()``: a
+batched forward for the running rows plus the prefill of waiting requests while the batch has room
+(``max_batch_size``) - continuous batching. Each request's new tokens are handed to its asyncio queue with
+``loop.call_soon_threadsafe``, so the event loop never blocks on the model and the model never waits for a slow
+client: a client that does not read just accumulates items in its own queue, and one that disconnects is aborted.
+
+Items put on a request's queue (``tag`` is the caller's, e.g. the choice index)::
+
+    (tag, "tokens", [ids])            newly committed token ids (may be several per step with ISD)
+    (tag, "done", GenerationResult)   the request finished (finish_reason "stop" | "length")
+    (tag, "error", (status, message)) the request failed (bad prompt: 400; engine failure: 500)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from dlm.errors import DLMError
+
+log = logging.getLogger("dlm.serve")
+
+
+@dataclass
+class Handle:
+    """One engine request as the HTTP side sees it."""
+
+    request_id: str
+    tag: object
+    out: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    done: bool = False
+
+    def push(self, kind: str, payload) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.out.put_nowait, (self.tag, kind, payload))
+        except RuntimeError:  # the event loop is closed (server shutting down): nobody is listening
+            pass
+
+
+class Scheduler:
+    """Runs ``engine`` in a background thread; see the module docstring."""
+
+    def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
+        from dlm.serve.metrics import Metrics
+
+        self.engine = engine
+        self.metrics = metrics or Metrics()
+        self.idle_wait = idle_wait
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._handles: dict[str, Handle] = {}
+        self._ids = itertools.count()
+        self.failures = 0
+
+    # -- called from the event loop (any thread) ------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params, tag=None, out: asyncio.Queue | None = None,
+               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+        """Queue a request; its items arrive on ``out`` (created if not given)."""
+        loop = loop or asyncio.get_running_loop()
+        handle = Handle(f"req-{next(self._ids)}", tag, out if out is not None else asyncio.Queue(), loop)
+        self._inbox.put(("add", handle, list(prompt_ids), params))
+        self._wake.set()
+        return handle
+
+    def abort(self, handle: Handle) -> None:
+        """Stop a request (client gone). Safe to call for a finished request."""
+        if not handle.done:
+            self._inbox.put(("abort", handle))
+            self._wake.set()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) request counts, approximate (read without a lock)."""
+        eng = self.engine
+        return self._inbox.qsize() + len(eng.waiting), len(eng.rows)
+
+    # -- lifecycle ------------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self.alive:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="dlm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        # whatever was still in flight gets a clean error instead of hanging forever
+        self._drain()
+        for h in list(self._handles.values()):
+            h.done = True
+            h.push("error", (503, "the server is shutting down; retry later"))
+        self._handles.clear()
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        import torch
+
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._wake.clear()
+                self._drain()
+                if not self.engine.has_unfinished():
+                    self.metrics.set_load(0, 0)
+                    self._wake.wait(self.idle_wait)
+                    continue
+                try:
+                    events = self.engine.step()
+                except Exception as e:  # noqa: BLE001 - never let one bad step kill the server
+                    log.exception("engine step failed")
+                    self._fail_all(f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
+                                   f"the request was dropped, the server keeps serving")
+                    continue
+                self._deliver(events)
+                waiting, running = self.load()
+                self.metrics.on_step(waiting, running)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, handle, prompt_ids, params = msg
+                try:
+                    self.engine.add(prompt_ids, params, request_id=handle.request_id)
+                except DLMError as e:
+                    handle.done = True
+                    handle.push("error", (400, str(e)))
+                    continue
+                self._handles[handle.request_id] = handle
+            else:
+                handle = msg[1]
+                if handle.done or handle.request_id not in self._handles:
+                    continue
+                self.engine.abort(handle.request_id)
+                # aborted: nobody wants the text, but its tokens count in the metrics
+                result = self.engine.results.pop(handle.request_id, None)
+                handle.done = True
+                del self._handles[handle.request_id]
+                ttft = None if handle.first_token is None else handle.first_token - handle.arrival
+                self.metrics.on_finished("abort", result.stats if result is not None else _EmptyStats(), ttft,
+                                         time.perf_counter() - handle.arrival)
+
+    def _deliver(self, events) -> None:
+        now = time.perf_counter()
+        for ev in events:
+            handle = self._handles.get(ev.request_id)
+            if handle is None:
+                continue
+            if ev.new_token_ids:
+                if handle.first_token is None:
+                    handle.first_token = now
+                handle.push("tokens", list(ev.new_token_ids))
+            if ev.finished:
+                result = self.engine.pop_result(ev.request_id)
+                handle.done = True
+                del self._handles[ev.request_id]
+                ttft = None if handle.first_token is None else handle.first_token - handle.arrival
+                self.metrics.on_finished(result.finish_reason, result.stats, ttft, now - handle.arrival)
+                handle.push("done", result)
+
+    def _fail_all(self, message: str) -> None:
+        """After an engine exception: error every request in flight and start from an empty engine."""
+        from dlm.decode.engine import Engine
+
+        self.failures += 1
+        for h in self._handles.values():
+            h.done = True
+            h.push("error", (500, message))
+        self._handles.clear()
+        old = self.engine
+        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
+                             compact_threshold=old.compact_threshold)
+
+
+class _EmptyStats:
+    prompt_tokens = new_tokens = forwards = 0
+    proposed: list = []
+    accepted: list = []

@@ -1,0 +1,143 @@
+"""Request bodies of the OpenAI-compatible API and the OpenAI error shape.
+
+Known fields are typed strictly (``"5"`` is not an integer, ``"yes"`` is not a boolean) so that a client bug is a
+400 naming the field rather than a silent coercion; unknown fields are ignored, as OpenAI-compatible servers do
+(clients send newer fields freely). Limits that depend on how the server was started (``--max-tokens-limit``,
+the served model name, the context length) are checked by the app, not here.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+
+MAX_N = 16          # choices per request
+MAX_STOP = 8        # stop strings per request
+MAX_PROMPTS = 64    # prompts in one /v1/completions batch
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+class _Sampling(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: StrictStr
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1)  # vLLM extension; -1 or 0 = off
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
+    stop: StrictStr | list[StrictStr] | None = None
+    seed: StrictInt | None = None
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    # accepted for compatibility, only at their neutral values (checked in unsupported())
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    logit_bias: dict | None = None
+    ignore_eos: StrictBool = False  # vLLM extension (benchmarks use it to get fixed-length outputs)
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    def unsupported(self) -> tuple[str, str] | None:
+        """(param, message) for a known field set to something this server cannot do, else None."""
+        if self.presence_penalty not in (None, 0, 0.0):
+            return "presence_penalty", "presence_penalty is not supported by dlm serve; leave it at 0"
+        if self.frequency_penalty not in (None, 0, 0.0):
+            return "frequency_penalty", "frequency_penalty is not supported by dlm serve; leave it at 0"
+        if self.logit_bias:
+            return "logit_bias", "logit_bias is not supported by dlm serve; leave it empty"
+        if len(self.stop_list()) > MAX_STOP:
+            return "stop", f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop_list())}"
+        if any(s == "" for s in self.stop_list()):
+            return "stop", "stop strings must be non-empty"
+        return None
+
+
+class CompletionRequest(_Sampling):
+    # a string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI's four forms)
+    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    echo: StrictBool = False
+    logprobs: StrictInt | None = None
+    suffix: StrictStr | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.echo:
+            return "echo", "echo is not supported by dlm serve; set it to false"
+        if self.logprobs is not None:
+            return "logprobs", "logprobs are not supported by dlm serve; leave the field out"
+        if self.suffix:
+            return "suffix", "suffix (insertion) is not supported by dlm serve; leave it out"
+        if isinstance(self.prompt, list) and len(self.prompt) > MAX_PROMPTS:
+            return "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompt)}"
+        return super().unsupported()
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.logprobs:
+            return "logprobs", "logprobs are not supported by dlm serve; leave the field out"
+        if self.tools:
+            return "tools", "tool calling is not supported by dlm serve; leave 'tools' out"
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return "response_format", "only response_format {'type': 'text'} is supported by dlm serve"
+        return super().unsupported()
+
+
+# -- errors ---------------------------------------------------------------------------------------------------
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+class APIError(Exception):
+    """Raised by handlers; rendered as :func:`error_body` with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)

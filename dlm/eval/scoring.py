@@ -124,7 +124,7 @@ def encode_pair(em: EvalModel, context: str, continuation: str) -> tuple[list[in
     whole = encode(em.tokenizer, context + continuation)
     ctx = encode(em.tokenizer, context)
     cont = whole[len(ctx):]
-    if whole[: len(ctx)] != ctx or not cont:  # tokenization merged across the boundary: encode separately
+    if not cont:  # the continuation merged into the context's last token: score it on its own
         cont = encode(em.tokenizer, continuation)
     return ctx, cont
 

@@ -1,0 +1,100 @@
+"""The lm-evaluation-harness adapter: a harness task over a tiny local JSONL gives our own scores."""
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from dlm.eval.multiple_choice import evaluate_multiple_choice  # noqa: E402
+from dlm.eval.scoring import as_eval_model, encode_pair, loglikelihoods  # noqa: E402
+from dlm.eval.tasks.base import MCExample  # noqa: E402
+
+ITEMS = [("How do you boil an egg?", "Put it in boiling water.", "Put it in the fridge.", 0),
+         ("How do you open a jar?", "Sing to it.", "Twist the lid.", 1),
+         ("How do you dry a towel?", "Hang it in the sun.", "Soak it in water.", 0),
+         ("How do you light a room?", "Close the curtains.", "Switch on the lamp.", 1)]
+
+
+def _write_task(folder):
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "tiny.jsonl"
+    data.write_text("".join(json.dumps({"goal": g, "sol1": a, "sol2": b, "label": y}) + "\n"
+                            for g, a, b, y in ITEMS))
+    (folder / "tiny_mc.yaml").write_text(f"""task: dlm_tiny_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "Question: {{{{goal}}}}\\nAnswer: "
+target_delimiter: ""
+doc_to_choice: "{{{{[' ' + sol1, ' ' + sol2]}}}}"
+doc_to_target: label
+metric_list:
+  - metric: acc
+  - metric: acc_norm
+""")
+    return folder
+
+
+def test_harness_runs_dlm_model_on_local_task(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import dlm.eval.lm_eval  # noqa: F401  (registers "dlm")
+
+    model_dir = tiny_model_dir("llama")
+    tasks_dir = _write_task(tmp_path / "tasks_dir")
+    out = lm_eval.simple_evaluate(model="dlm", model_args=f"pretrained={model_dir}", tasks=["dlm_tiny_mc"],
+                                  task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+                                  batch_size=2)
+    got = out["results"]["dlm_tiny_mc"]
+    # our own evaluation of the same items and prompt gives the same numbers
+    from dlm.model.hub import load_model, load_tokenizer
+
+    em = as_eval_model(load_model(model_dir), load_tokenizer(model_dir))
+    examples = [MCExample(f"Question: {g}\nAnswer: ", [" " + a, " " + b], y) for g, a, b, y in ITEMS]
+    ours = evaluate_multiple_choice(em, examples)
+    assert got["acc,none"] == ours["acc"]
+    assert got["acc_norm,none"] == ours["acc_norm"]
+
+
+def test_adapter_rolling_and_generate(tiny_model_dir):
+    from dlm.eval.lm_eval import DLMHarnessModel
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.testing import make_model, make_tokenizer
+
+    lm = DLMHarnessModel(pretrained=str(tiny_model_dir("llama")))
+    text = "The quick brown fox jumps over the lazy dog."
+    (rolling,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    pairs = [([lm.em.prefix_token_id], lm.em.tokenizer(text, add_special_tokens=False)["input_ids"])]
+    assert rolling == pytest.approx(loglikelihoods(lm.em, pairs)[0][0], abs=1e-4)
+    (ll, greedy), = lm.loglikelihood([SimpleNamespace(args=("The quick brown", " fox"))])
+    assert ll == pytest.approx(loglikelihoods(lm.em, [encode_pair(lm.em, "The quick brown", " fox")])[0][0])
+    outs = lm.generate_until([SimpleNamespace(args=("Question: How", {"until": ["\n"], "max_gen_toks": 6}))])
+    assert isinstance(outs[0], str) and "\n" not in outs[0]
+    # a diffusion model through the adapter: loglikelihood = minus the denoising score, deterministic
+    dlm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
+    dlm_lm = DLMHarnessModel(pretrained=dlm, diffusion_steps=4)
+    reqs = [SimpleNamespace(args=("Question: How do you boil an egg?\nAnswer:", c)) for c in (" Boil it.", " No.")]
+    first = dlm_lm.loglikelihood(reqs)
+    assert first == dlm_lm.loglikelihood(reqs) and all(v < 0 for v, _ in first)
+
+
+@pytest.mark.slow
+def test_dlm_lm_eval_command_line(tiny_model_dir, tmp_path):
+    tasks_dir = _write_task(tmp_path / "tasks_dir")
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "dlm.eval.lm_eval", "--model", "dlm", "--model_args",
+                           f"pretrained={tiny_model_dir('llama')}", "--tasks", "dlm_tiny_mc", "--include_path",
+                           str(tasks_dir), "--output_path", str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "dlm_tiny_mc" in proc.stdout

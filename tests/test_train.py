@@ -193,3 +193,39 @@ def test_lr_schedule():
     assert lr_factor(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)
     assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0
+
+
+def write_shards(folder, prefix, vocab, n_files=2, chunk=256, seed=0):
+    import numpy as np
+
+    from dlm.data.shards import write_shard
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n_files):
+        write_shard(folder / f"{prefix}_{i:010d}.bin", rng.integers(4, vocab, chunk).astype(np.uint16))
+    return folder
+
+
+def test_packed_shards_mdm_run_with_heldout_prefix(tiny, tmp_path):
+    from dlm.train.loop import train
+
+    data = write_shards(tmp_path / "packed", "train", 320)
+    write_shards(data, "val", 320, n_files=1, seed=1)
+    out = tmp_path / "mdm"
+    result = train(make_cfg(tiny, out, data=None, packed_data_dir=str(data), objective="mdm", block_size=None,
+                            max_train_steps=2, eval_every=2, **{"data.eval_packed_prefixes": "val",
+                                                                 "seq_length": 32}))
+    assert result.step == 2 and all(math.isfinite(x) for x in result.losses)
+    hist = json.loads((out / "eval_history.jsonl").read_text().splitlines()[-1])
+    assert hist["metrics"]["heldout_loss"] > 0
+    steps = [r for r in log_lines(out) if "loss" in r]
+    assert steps[0]["parts"]["p_anneal"] < 1  # annealed attention during training
+
+
+def test_packed_shards_from_another_tokenizer_are_refused(tiny, tmp_path):
+    from dlm.train.loop import train
+
+    data = write_shards(tmp_path / "big", "train", 60000)
+    with pytest.raises(DLMError, match="another tokenizer"):
+        train(make_cfg(tiny, tmp_path / "x", data=None, packed_data_dir=str(data), seq_length=32))

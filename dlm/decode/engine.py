@@ -354,12 +354,25 @@ class Engine:
     # -- the step -----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        """One decode forward for the running rows, then prefill + join of waiting requests (room allowing)."""
+        """One decode forward for the running rows, then prefill + join of waiting requests (room allowing; one
+        forward per group of equal prompt length)."""
         events: list[StepEvent] = []
         if self.rows:
             events += self._decode_step()
-        while self.waiting and len(self.rows) < self.max_batch_size:
-            events += self._prefill(self.waiting.pop(0))
+        room = self.max_batch_size - len(self.rows)
+        if self.waiting and room > 0:
+            joining, self.waiting = self.waiting[:room], self.waiting[room:]
+            groups: dict[int, list[Row]] = {}
+            for row in joining:
+                row.last, row.pos = row.prompt_ids[-1], len(row.prompt_ids) - 1
+                suffix = self.decoder.prefill_suffix(self, row)
+                if len(row.prompt_ids) + len(suffix) > self.max_positions:
+                    suffix = []
+                    row.state["no_room"] = True
+                row.state["suffix"] = suffix
+                groups.setdefault(len(row.prompt_ids) + len(suffix), []).append(row)
+            for group in groups.values():
+                events += self._prefill(group)
         return events
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, logits_to_keep=0):
@@ -368,34 +381,35 @@ class Engine:
                          use_cache=True, logits_to_keep=logits_to_keep)
         return out.logits
 
-    def _prefill(self, row: Row) -> list[StepEvent]:
-        prompt = row.prompt_ids
-        row.last, row.pos = prompt[-1], len(prompt) - 1
-        suffix = self.decoder.prefill_suffix(self, row)
-        if len(prompt) + len(suffix) > self.max_positions:
-            suffix = []
-            row.state["no_room"] = True
-        tokens = prompt + suffix
-        n = len(tokens)
-        ids = torch.tensor([tokens], device=self.device)
-        pos = torch.arange(n, device=self.device)[None]
-        mask = torch.ones(1, 1, n, n, dtype=torch.bool, device=self.device).tril_()
+    def _prefill(self, rows: list[Row]) -> list[StepEvent]:
+        """One forward for new rows whose prompt+suffix have the same length (no padding needed): the prompt's KV
+        goes into a fresh cache that is then merged into the running one."""
+        n = len(rows[0].prompt_ids) + len(rows[0].state["suffix"])
+        ids = torch.tensor([r.prompt_ids + r.state.pop("suffix") for r in rows], device=self.device)
+        pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
+        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_().expand(len(rows), 1, n, n)
         kv = KVBatch()
-        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=1 + len(suffix))[0]
-        row.stats.forwards += 1
-        committed, keep = self.decoder.consume(self, row, logits)
-        keep_mask = torch.zeros(1, n, dtype=torch.bool, device=self.device)
-        keep_mask[0, : len(prompt) - 1 + keep] = True
-        kv.after_extend(keep_mask)
-        row.pos += keep
-        row.stats.first_token_time = time.perf_counter()
-        event = self._commit(row, committed)
-        if row.finished:
-            self._finalize(row)
-        else:
-            self.kv.merge(kv)
-            self.rows.append(row)
-        return [event]
+        n_out = n - len(rows[0].prompt_ids) + 1
+        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=n_out)
+        keep_mask = torch.zeros(len(rows), n, dtype=torch.bool)
+        events = []
+        for i, row in enumerate(rows):
+            row.stats.forwards += 1
+            committed, keep = self.decoder.consume(self, row, logits[i])
+            keep_mask[i, : len(row.prompt_ids) - 1 + keep] = True
+            row.pos += keep
+            row.stats.first_token_time = time.perf_counter()
+            events.append(self._commit(row, committed))
+        kv.after_extend(keep_mask.to(self.device))
+        done = [i for i, r in enumerate(rows) if r.finished]
+        for i in done:
+            self._finalize(rows[i])
+        if done:
+            live = [i for i, r in enumerate(rows) if not r.finished]
+            kv.select(torch.tensor(live, dtype=torch.long, device=self.device))
+        self.kv.merge(kv)
+        self.rows.extend(r for r in rows if not r.finished)
+        return events
 
     def _decode_step(self) -> list[StepEvent]:
         rows = self.rows

@@ -105,6 +105,10 @@ class TextStream:
         self.ids.extend(ids)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # a complete stop string: the engine has stopped, the text ends before it
+            at = text.find(s)
+            if at >= 0:
+                safe = min(safe, at)
         safe -= self._hold(text[:safe])
         if safe <= self.sent:
             return ""

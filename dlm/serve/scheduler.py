@@ -185,13 +185,13 @@ class Scheduler:
         from dlm.decode.engine import Engine
 
         self.failures += 1
+        old = self.engine
+        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
+                             compact_threshold=old.compact_threshold)
         for h in self._handles.values():
             h.done = True
             h.push("error", (500, message))
         self._handles.clear()
-        old = self.engine
-        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
-                             compact_threshold=old.compact_threshold)
 
 
 class _EmptyStats:

@@ -1,0 +1,397 @@
+"""`dlm serve`: the OpenAI-compatible server, driven by the official `openai` client against a server started
+in-process on a loopback port with a tiny random model (converted on the fly to an I-DLM, decoded with ISD)."""
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from dlm.decode.engine import Engine  # noqa: E402
+from dlm.decode.sampling import SamplingParams  # noqa: E402
+from dlm.errors import DLMError  # noqa: E402
+from dlm.serve.app import ServerThread, ServeSettings, TextStream, create_app, load_engine  # noqa: E402
+from dlm.serve.scheduler import Scheduler  # noqa: E402
+
+# stride 3 on a model converted with block size 1: untrained drafts (acceptance ~0), but the output stays exact
+pytestmark = pytest.mark.filterwarnings("ignore:--stride 3:UserWarning")
+
+MODEL = "tiny"
+LIMIT = 48  # --max-tokens-limit of the test server
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from dlm.testing import save_tiny
+
+    return save_tiny(tmp_path_factory.mktemp("serve") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return load_engine(str(tiny_dir), decode="isd", stride=3, max_batch_size=16)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(Scheduler(engine), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT,
+                                                      max_body_bytes=64 * 1024))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def alone(engine, ids, max_tokens, decoder="isd", stop=(), ignore_eos=False):
+    """The same greedy request served alone (batch 1) by a fresh engine on the same model."""
+    kw = {"stride": 3} if decoder == "isd" else {}
+    eng = Engine(engine.model, engine.tokenizer, decoder=decoder, max_batch_size=1, **kw)
+    sp = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, stop_strings=tuple(stop), ignore_eos=ignore_eos)
+    return eng.generate([ids], sp)[0]
+
+
+def encode(engine, text):
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_ids(engine, messages):
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return encode(engine, text)
+
+
+def assert_error_shape(resp, status):
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    return body["error"]
+
+
+# -- correctness against the engine ---------------------------------------------------------------------------
+def test_completion_greedy_equals_engine_and_ar(client, engine):
+    prompt = "The quick brown fox"
+    ids = encode(engine, prompt)
+    ref = alone(engine, ids, 20)
+    ar = alone(engine, ids, 20, decoder="ar")
+    assert ref.token_ids == ar.token_ids  # ISD greedy is exactly AR greedy
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert r.object == "text_completion" and r.model == MODEL
+    assert r.choices[0].text == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.prompt_tokens == len(ids)
+    assert r.usage.completion_tokens == len(ref.token_ids)
+    assert r.usage.total_tokens == len(ids) + len(ref.token_ids)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == ref.text
+    assert chunks[-1].choices[0].finish_reason == ref.finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+    # token-id prompts are the same request
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0)
+    assert r2.choices[0].text == ref.text
+
+
+def test_chat_greedy_equals_engine(client, engine):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "How do you boil an egg?"}]
+    ref = alone(engine, chat_ids(engine, messages), 24)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref.text
+    assert r.choices[0].finish_reason == ref.finish_reason
+    assert r.usage.completion_tokens == len(ref.token_ids)
+
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == [ref.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref.token_ids)
+    # content parts (a list of {"type": "text"}) are the same message
+    parts = [{"role": "system", "content": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}]},
+             messages[1]]
+    r3 = client.chat.completions.create(model=MODEL, messages=parts, max_tokens=24, temperature=0)
+    assert r3.choices[0].message.content == ref.text
+
+
+def test_stop_string_cuts_text_streamed_and_not(client, engine):
+    prompt = "Once upon a time"
+    ref = alone(engine, encode(engine, prompt), 30, ignore_eos=True)
+    text = ref.text
+    assert len(text) > 12
+    stop = text[8:11]  # a stop string from the middle of the greedy answer
+    want = text[: text.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop, "@@@@"],
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=stop,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_seed_and_multiple_prompts(client):
+    kw = dict(model=MODEL, prompt="The cat sat", max_tokens=12, temperature=1.0, top_p=0.95, n=3, seed=7)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
+    assert len({c.text for c in a.choices}) > 1  # choice j uses seed+j: the samples differ
+    assert a.usage.completion_tokens > 0
+    # a list of prompts: choices are prompt-major, n per prompt
+    r = client.completions.create(model=MODEL, prompt=["The cat", "The dog"], max_tokens=5, temperature=0, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text and r.choices[2].text == r.choices[3].text
+
+
+def test_streamed_n_choices(client, engine):
+    ref = alone(engine, encode(engine, "A diffusion"), 10)
+    chunks = list(client.completions.create(model=MODEL, prompt="A diffusion", max_tokens=10, temperature=0, n=2,
+                                            stream=True))
+    for i in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert "".join(c.text for c in mine) == ref.text
+        assert mine[-1].finish_reason == ref.finish_reason
+
+
+# -- continuous batching under load ---------------------------------------------------------------------------
+def test_64_concurrent_streams_equal_alone(server, engine, client):
+    prompts = [f"Question {i}: the cat" if i % 2 else f"{i} little models" for i in range(64)]
+    max_tokens = [6 + (i % 5) for i in range(64)]  # different lengths: requests leave at different steps
+    refs = [alone(engine, encode(engine, p), m) for p, m in zip(prompts, max_tokens)]
+
+    async def one(aclient, p, m):
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0, stream=True)
+        text, reasons = "", []
+        async for c in stream:
+            text += c.choices[0].text
+            if c.choices[0].finish_reason:
+                reasons.append(c.choices[0].finish_reason)
+        return text, reasons
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, p, m) for p, m in zip(prompts, max_tokens)))
+        finally:
+            await aclient.close()
+
+    t0 = time.perf_counter()
+    outs = asyncio.run(main())
+    assert time.perf_counter() - t0 < 120
+    for (text, reasons), ref in zip(outs, refs):
+        assert text == ref.text
+        assert reasons == [ref.finish_reason]
+    # still serving, nothing left behind
+    assert client.completions.create(model=MODEL, prompt="still there?", max_tokens=3, temperature=0).choices
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
+
+
+def test_cancelled_stream_does_not_stall_others(server, client, engine):
+    long = client.completions.create(model=MODEL, prompt="Numbers: 0 1 2", max_tokens=LIMIT, temperature=0,
+                                     stream=True, extra_body={"ignore_eos": True})
+    it = iter(long)
+    next(it), next(it)
+    long.close()  # client disconnects mid-stream
+    ref = alone(engine, encode(engine, "To be, or not"), 12)
+    r = client.completions.create(model=MODEL, prompt="To be, or not", max_tokens=12, temperature=0)
+    assert r.choices[0].text == ref.text
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:  # the aborted request leaves the batch
+        m = httpx.get(server.url + "/metrics").text
+        health = httpx.get(server.url + "/health").json()
+        if 'dlm_requests_total{finish_reason="abort"}' in m and health["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert 'dlm_requests_total{finish_reason="abort"}' in m
+    assert health["running"] == 0
+
+
+def test_engine_failure_is_an_error_not_a_dead_server(server, client, engine):
+    sched = server.app.state.scheduler
+    real = sched.engine
+
+    calls = {"n": 0}
+    original_step = real.step
+
+    def broken_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return original_step()
+
+    real.step = broken_step
+    try:
+        with pytest.raises(openai.InternalServerError):
+            client.completions.create(model=MODEL, prompt="The dog", max_tokens=10, temperature=0)
+    finally:
+        real.step = original_step
+    assert sched.engine is not real  # rebuilt from scratch
+    ref = alone(engine, encode(engine, "The dog"), 10)
+    assert client.completions.create(model=MODEL, prompt="The dog", max_tokens=10,
+                                     temperature=0).choices[0].text == ref.text
+
+
+# -- the small endpoints --------------------------------------------------------------------------------------
+def test_models_health_metrics(server, client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    client.completions.create(model=MODEL, prompt="The cat", max_tokens=4, temperature=0)
+    text = httpx.get(server.url + "/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    for name in ("dlm_generation_tokens_total", "dlm_prompt_tokens_total", "dlm_forwards_total",
+                 "dlm_tokens_per_forward", "dlm_draft_acceptance", "dlm_queue_length", "dlm_running_requests",
+                 "dlm_time_to_first_token_seconds_count", "dlm_request_latency_seconds_count"):
+        assert name in values, name
+    assert values["dlm_generation_tokens_total"] >= 4
+    assert 1.0 <= values["dlm_tokens_per_forward"] <= 3.0  # stride 3: at most 3 tokens per forward
+    assert values["dlm_draft_proposed_total"] > 0
+    assert values['dlm_time_to_first_token_seconds_bucket{le="+Inf"}'] == values[
+        "dlm_time_to_first_token_seconds_count"]
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+BAD = [
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x",', 400, None),                       # malformed JSON
+    ("/v1/completions", b"[1, 2, 3]", 400, None),                                                # not an object
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": "5"}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stream": "yes"}', 400, "stream"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 1.5}', 400, "n"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": 42}', 400, "prompt"),
+    ("/v1/completions", b'{"prompt": "x"}', 400, "model"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 49}', 400, "max_tokens"),  # > limit
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "temperature": -0.5}', 400, "temperature"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "top_p": 0}', 400, "top_p"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "n": 0}', 400, "n"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ""}', 400, "prompt"),                      # empty prompt
+    ("/v1/completions", b'{"model": "tiny", "prompt": [5, 99999]}', 400, "prompt"),              # not in vocab
+    ("/v1/completions", b'{"model": "tiny", "prompt": [320]}', 400, "prompt"),                   # the mask token
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ""}', 400, "stop"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
+    ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),                     # unknown model
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),             # empty messages
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}', 400,
+     "messages.0.role"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}', 400,
+     "messages.0.content"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"max_completion_tokens": 1000}', 400, "max_tokens"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"presence_penalty": 1.0}', 400, "presence_penalty"),
+    ("/v1/nope", b"{}", 404, None),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=[f"{i}" for i in range(len(BAD))])
+def test_bad_input_is_a_4xx_openai_error(server, path, body, status, param):
+    r = httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"})
+    err = assert_error_shape(r, status)
+    assert err["param"] == param
+
+
+def test_bad_input_leaves_the_server_serving(server, client):
+    long_prompt = "x " * 600  # over the tiny model's 512 positions
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": long_prompt, "max_tokens": 2})
+    assert assert_error_shape(r, 400)["code"] == "context_length_exceeded"
+    big = json.dumps({"model": MODEL, "prompt": "y" * 70_000}).encode()  # over the 64 KiB body limit
+    assert_error_shape(httpx.post(server.url + "/v1/completions", content=big), 413)
+
+    def chunked():  # no Content-Length: the limit counts the bytes as they come
+        for _ in range(80):
+            yield b" " * 1024
+
+    assert_error_shape(httpx.post(server.url + "/v1/completions", content=chunked()), 413)
+    # unknown fields are ignored (clients send newer fields), known ones still checked
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
+                                                          "temperature": 0, "some_new_field": {"a": [1]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=LIMIT + 1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=3)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'dlm_request_errors_total{status="413"}' in metrics and "500" not in metrics.split("errors_total")[1][:200]
+
+
+# -- auth -----------------------------------------------------------------------------------------------------
+def test_api_key(engine):
+    eng = Engine(engine.model, engine.tokenizer, decoder="ar", max_batch_size=4)
+    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, api_key="sekret"))
+    with ServerThread(app) as srv:
+        body = {"model": MODEL, "prompt": "The cat", "max_tokens": 3, "temperature": 0}
+        err = assert_error_shape(httpx.post(srv.url + "/v1/completions", json=body), 401)
+        assert err["code"] == "invalid_api_key"
+        assert_error_shape(httpx.post(srv.url + "/v1/completions", json=body,
+                                      headers={"Authorization": "Bearer wrong"}), 401)
+        assert_error_shape(httpx.get(srv.url + "/v1/models"), 401)
+        assert_error_shape(httpx.get(srv.url + "/metrics"), 401)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=srv.url + "/v1", api_key="sekret", max_retries=0)
+        ref = alone(engine, encode(engine, "The cat"), 3, decoder="ar")
+        assert good.completions.create(**body).choices[0].text == ref.text
+        assert httpx.get(srv.url + "/health").status_code == 200  # health stays open for probes
+
+
+# -- pieces ---------------------------------------------------------------------------------------------------
+def test_text_stream_holds_back_possible_stop_prefixes(tiny_tokenizer):
+    tok = tiny_tokenizer
+    ids = tok("The cat sat on the mat", add_special_tokens=False)["input_ids"]
+    ts = TextStream(tok, ["on the"])
+    sent = ""
+    for i in ids:
+        sent += ts.feed([i])
+        full = tok.decode(ts.ids, skip_special_tokens=True)
+        assert full.startswith(sent)
+        assert "on" not in sent[len("The cat sat "):]  # anything that may begin the stop string waits
+    assert sent == "The cat sat "  # "on the mat" holds at "on the" (the engine would have stopped there)
+    assert ts.finish("The cat sat ") == ""
+    ts2 = TextStream(tok, [])
+    assert "".join(ts2.feed([i]) for i in ids) + ts2.finish("The cat sat on the mat") == "The cat sat on the mat"
+
+
+def test_settings_and_engine_errors(tiny_dir):
+    with pytest.raises(DLMError, match="--max-tokens-limit"):
+        ServeSettings(max_tokens_limit=0)
+    with pytest.raises(DLMError, match="--api-key"):
+        ServeSettings(api_key=" ")
+    with pytest.raises(DLMError, match="--stride"):
+        load_engine(str(tiny_dir), decode="ar", stride=3)
+    with pytest.raises(DLMError, match="--decode mdm"):
+        load_engine(str(tiny_dir), decode="mdm")
+
+
+def test_cli_registers_serve():
+    from dlm.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--model", "x", "--decode", "ar", "--api-key", "k",
+                                      "--served-model-name", "m", "--max-batch-size", "4"])
+    assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
+    assert args.max_batch_size == 4 and args.served_model_name == "m"

@@ -1,0 +1,146 @@
+"""The token-id engine: AR parity with transformers generate, join/leave, stops, seeds, streaming, errors."""
+
+import warnings
+
+import pytest
+import torch
+
+from dlm import convert_ar_to_dlm
+from dlm.decode.engine import Engine, KVBatch, decode_mask
+from dlm.decode.sampling import SamplingParams
+from dlm.errors import DLMError
+from dlm.testing import make_model, make_tokenizer
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny tensors: thread synchronisation costs more than it saves on a shared 2-core machine
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    yield
+    torch.set_num_threads(n)
+
+
+def idlm(arch="llama", seed=1, block_size=3):
+    dlm = convert_ar_to_dlm(make_model(arch, seed=seed), "idlm", block_size=block_size, tokenizer=make_tokenizer())
+    dlm.model.generation_config.eos_token_id = None  # compare fixed-length outputs
+    return dlm
+
+
+def hf_greedy(model, prompts, k, batched=False):
+    """transformers generate(do_sample=False): one by one, or as one left-padded batch."""
+    if not batched:
+        return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=k, pad_token_id=3)[0, len(p):]
+                .tolist() for p in prompts]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[3] * (width - len(p)) + p for p in prompts])
+    att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=att, do_sample=False, max_new_tokens=k, pad_token_id=3)
+    return [row[width:].tolist() for row in out]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_ar_greedy_equals_transformers_generate(arch):
+    dlm = idlm(arch)
+    k = 16
+    params = SamplingParams(max_new_tokens=k, ignore_eos=True)
+    single = hf_greedy(dlm.model, PROMPTS, k)
+    assert Engine(dlm, decoder="ar").generate([PROMPTS[0]], params)[0].token_ids == single[0]  # batch 1
+    # a batch with different prompt lengths, fewer slots than prompts (requests join and leave)
+    res = Engine(dlm, decoder="ar", max_batch_size=3).generate(PROMPTS, params)
+    assert [r.token_ids for r in res] == single
+    assert hf_greedy(dlm.model, PROMPTS, k, batched=True) == single
+    assert all(r.stats.forwards == k and r.stats.tpf == 1.0 for r in res)
+
+
+def test_plain_hf_model_runs_ar():
+    model = make_model("llama", seed=2)
+    model.generation_config.eos_token_id = None
+    res = Engine(model, make_tokenizer(), decoder="ar").generate(PROMPTS[:2], SamplingParams(8, ignore_eos=True))
+    assert [r.token_ids for r in res] == hf_greedy(model, PROMPTS[:2], 8)
+    assert isinstance(res[0].text, str)
+
+
+def test_decode_mask_and_kv_compaction():
+    valid = torch.tensor([[True, False, True], [False, True, True]])
+    m = decode_mask(valid, 2)
+    assert m.shape == (2, 1, 2, 5)
+    assert m[0, 0].tolist() == [[True, False, True, True, False], [True, False, True, True, True]]
+    kv = KVBatch()
+    kv.valid = valid.clone()
+    keys = torch.arange(2 * 3, dtype=torch.float).view(2, 1, 3, 1)
+    kv.cache.update(keys, keys.clone(), 0)
+    kv.compact()
+    assert kv.valid.tolist() == [[True, True], [True, True]]
+    assert kv.cache.layers[0].keys.view(2, 2).tolist() == [[0.0, 2.0], [4.0, 5.0]]
+
+
+def test_holes_and_compaction_do_not_change_outputs():
+    dlm = idlm("qwen3")
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ref = [r.token_ids for r in Engine(dlm, decoder="isd", stride=3, max_batch_size=1).generate(PROMPTS, params)]
+    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=4, compact_threshold=0.0)
+    assert [r.token_ids for r in eng.generate(PROMPTS, params)] == ref
+
+
+def test_stop_tokens_strings_max_tokens_and_streaming():
+    dlm = idlm("llama")
+    tok = dlm.tokenizer
+    free = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(12, ignore_eos=True))[0].token_ids
+    stop = free[4]
+    first = free.index(stop)
+    streamed = []
+    res = Engine(dlm, decoder="ar").generate(
+        [PROMPTS[0]], SamplingParams(12, stop_token_ids=[stop]),
+        on_tokens=lambda rid, new, done: streamed.append((list(new), done)))[0]
+    assert res.token_ids == free[: first + 1] and res.finish_reason == "stop"  # the stop token is kept in ids
+    assert [t for new, _ in streamed for t in new] == res.token_ids and streamed[-1][1] and \
+        not any(done for _, done in streamed[:-1])
+    # stop strings cut the text; max_new_tokens is respected exactly, also by ISD (which commits several)
+    text = tok.decode(free, skip_special_tokens=True)
+    needle = text[len(text) // 2: len(text) // 2 + 2]
+    r = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(12, stop_strings=[needle],
+                                                                       ignore_eos=True))[0]
+    assert needle not in r.text and text.startswith(r.text) and r.finish_reason == "stop"
+    for k in (1, 2, 5):
+        r = Engine(dlm, decoder="isd", stride=4).generate([PROMPTS[1]], SamplingParams(k, ignore_eos=True))[0]
+        assert len(r.token_ids) == k and r.finish_reason == "length"
+
+
+def test_seeded_sampling_reproducible_and_independent_of_neighbours():
+    dlm = idlm("llama")
+    p = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
+    alone = Engine(dlm, decoder="ar").generate([PROMPTS[0]], p)[0].token_ids
+    others = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    mixed = Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS[1:] + [PROMPTS[0]], others + [p])
+    assert mixed[-1].token_ids == alone
+    other_seed = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=8, ignore_eos=True)
+    assert Engine(dlm, decoder="ar").generate([PROMPTS[0]], other_seed)[0].token_ids != alone
+
+
+def test_mask_token_never_emitted():
+    dlm = idlm("llama")
+    with torch.no_grad():  # make the mask token the model's favourite by far
+        dlm.model.lm_head.weight[dlm.mask_token_id] = dlm.model.lm_head.weight.sum(0) * 100
+    for dec, p in [("ar", SamplingParams(8, ignore_eos=True)),
+                   ("isd", SamplingParams(8, temperature=1.0, seed=0, ignore_eos=True))]:
+        for r in Engine(dlm, decoder=dec, stride=2).generate(PROMPTS, p) if dec == "isd" else \
+                Engine(dlm, decoder=dec).generate(PROMPTS, p):
+            assert dlm.mask_token_id not in r.token_ids and len(r.token_ids) == 8
+
+
+def test_clear_errors():
+    dlm = idlm("llama")  # max_position_embeddings = 512
+    with pytest.raises(DLMError, match="does not fit the model's context"):
+        Engine(dlm, decoder="ar").add(list(range(5, 300)) * 2)
+    with pytest.raises(DLMError, match="max-new-tokens"):
+        SamplingParams(max_new_tokens=0)
+    with pytest.raises(DLMError, match="top-p"):
+        SamplingParams(top_p=0.0)
+    # generation stops at the end of the context instead of running past it
+    r = Engine(dlm, decoder="isd", stride=3).generate([list(range(5, 300)) + list(range(5, 210))],
+                                                     SamplingParams(50, ignore_eos=True))[0]
+    assert r.finish_reason == "length" and len(r.token_ids) == 512 - 500  # positions 500..511

@@ -83,7 +83,7 @@ def test_gated_lora_gate_per_call_with_kv_cache():
     with torch.no_grad():
         full = dlm(input_ids=full_ids).logits
         pre = dlm(input_ids=x0, use_cache=True)
-        step = dlm(input_ids=ext, past_key_values=pre.past_key_values,
+        step = dlm(input_ids=ext, cache=pre.cache,
                    position_ids=torch.arange(8, 11)[None]).logits
     torch.testing.assert_close(step, full[:, 8:], atol=1e-5, rtol=1e-5)
     # the prefill (no masks) is the base path: equal to the full forward's first 8 positions
@@ -152,3 +152,22 @@ def test_lora_settings_errors():
         prepare_model_for_lora(dlm, {"target_modules": ["nope"], "gated": True})
     with pytest.raises(DLMError, match="positive integer"):
         LoraSettings(r=0)
+
+
+def test_gated_dense_and_row_paths_agree():
+    dlm = _dlm()
+    prepare_model_for_lora(dlm, {"r": 4, "gated": True})
+    with torch.no_grad():
+        for a in dlm.gated_lora.adapters.values():
+            a.B.normal_(0, 0.5)
+    x0, _ = _batch(dlm, L=12, B=2)
+    x = x0.clone()
+    x[0, 9] = dlm.mask_token_id
+    x[1, 3] = dlm.mask_token_id
+    outs = []
+    with torch.no_grad():
+        for frac in (0.0, 1.1):  # all rows dense / gathered rows only
+            dlm.gated_lora.dense_fraction = frac
+            outs.append(dlm(input_ids=x).logits)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0][0, :9], outs[1][0, :9]) and torch.equal(outs[0][1, :3], outs[1][1, :3])

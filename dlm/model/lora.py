@@ -9,7 +9,7 @@ Gated LoRA (I-DLM "lossless" mode, SPEC §4): low-rank adapters that act **only 
 - a pre-hook on the HF model computes the gate ``[B, T]`` from the ``input_ids`` of *that* call (so it works in
   one forward and in KV-cache extends);
 - a hook on each targeted linear layer adds ``scale * B(A(x))`` to the output rows of gated positions only
-  (``index_add`` on those rows; every other row is bit-for-bit the base layer's output);
+  (``torch.where`` / ``index_add`` on those rows; every other row is bit-for-bit the base layer's output);
 - a hook on the input embedding replaces the embedding of mask positions with a separate trainable vector
   (``GatedLoRA.mask_embedding``), so AdamW (weight decay included) can never touch another embedding row.
 
@@ -121,6 +121,8 @@ class GatedLoRA(nn.Module):
         self.mask_embedding = nn.Parameter(emb.weight[self.mask_token_id].detach().clone())
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._gate: torch.Tensor | None = None  # [B, T] bool, set per HF forward
+        # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
+        self.dense_fraction = 0.25
         self._handles = []
         self._handles.append(hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True))
         self._handles.append(emb.register_forward_hook(self._embed_hook))
@@ -158,11 +160,18 @@ class GatedLoRA(nn.Module):
             gate = self._gate_for(out)
             if gate is None:
                 return out
-            idx = gate.reshape(-1).nonzero().squeeze(1)
-            if idx.numel() == 0:
+            n_gated = int(gate.sum())
+            if n_gated == 0:
                 return out
             x = args[0]
-            rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]: only the mask positions
+            if n_gated >= self.dense_fraction * gate.numel():
+                # Many masks (training): low-rank delta on every row, kept only where gated. torch.where keeps the
+                # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
+                delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
+                return torch.where(gate[..., None], out + delta.to(out.dtype), out)
+            # Few masks (decoding): compute the delta on the gated rows only.
+            idx = gate.reshape(-1).nonzero().squeeze(1)
+            rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]
             delta = (self.dropout(rows).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
             flat = out.reshape(-1, out.shape[-1]).index_add(0, idx, delta.to(out.dtype))
             return flat.view_as(out)

@@ -1,0 +1,141 @@
+"""Decode prompts with ar | mdm | block | isd and print the text and, per prompt, forwards, tokens per forward
+(TPF), ISD acceptance per draft position and tokens/s.
+
+  dlm generate --model smollm2-135m --prompt "The capital of France is" --decode isd --stride 3
+  dlm generate --model runs/idlm --prompts-file prompts.jsonl --decode isd --json > out.jsonl
+
+A plain AR folder/alias with --decode isd is converted to an I-DLM on the fly (untrained masks: the output still
+equals AR greedy, only slower). --prompts-file: one prompt per line, or JSONL with a "prompt" field.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="alias or local folder (AR or DLM)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="one prompt")
+    src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
+    p.add_argument("--decode", default="ar", choices=["ar", "mdm", "block", "isd"])
+    p.add_argument("--stride", type=int, default=None, help="ISD stride N (default: the model's block_size + 1)")
+    p.add_argument("--draft", default="sample", choices=["sample", "argmax"],
+                   help="ISD drafts: sampled from q (exact) or argmax (approximate, biased when sampling)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--sampler", default="confidence", choices=["confidence", "random", "threshold"],
+                   help="mdm sampler")
+    p.add_argument("--steps", type=int, default=None, help="mdm: passes (default max-new-tokens); block: per block")
+    p.add_argument("--threshold", type=float, default=0.9, help="mdm threshold / block commit threshold "
+                                                                  "(block: <= 0 means top-k commits)")
+    p.add_argument("--block-length", type=int, default=32, help="mdm threshold sampler: semi-AR block length")
+    p.add_argument("--dtype", default="float32")
+
+
+def read_prompts(args) -> list[str]:
+    from dlm.errors import DLMError
+
+    if args.prompt is not None:
+        return [args.prompt]
+    path = Path(args.prompts_file)
+    if not path.is_file():
+        raise DLMError(f"--prompts-file '{path}' does not exist")
+    prompts = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DLMError(f"--prompts-file '{path}' line {i}: invalid JSON ({e})") from e
+            if not isinstance(rec.get("prompt"), str):
+                raise DLMError(f"--prompts-file '{path}' line {i}: a JSON line needs a string field 'prompt'")
+            prompts.append(rec["prompt"])
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise DLMError(f"--prompts-file '{path}' holds no prompts")
+    return prompts
+
+
+def run(args) -> int:
+    import warnings
+
+    from dlm.decode import generate
+    from dlm.decode.sampling import SamplingParams
+    from dlm.device import get_device, get_dtype
+    from dlm.errors import DLMError
+    from dlm.model.convert import load_any
+    from dlm.model.hub import resolve_model_path
+
+    prompts = read_prompts(args)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
+    device = get_device()
+    folder = resolve_model_path(args.model)
+    fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    objective = {"isd": "idlm", "mdm": "mdm", "block": "block"}.get(args.decode)
+    if "dlm_objective" in fields or args.decode != "ar":
+        if "dlm_objective" not in fields and args.decode in ("mdm", "block"):
+            print(f"dlm generate: note: '{args.model}' is a plain AR model; converting to an untrained "
+                  f"'{objective}' DLM on the fly (expect noise)", file=sys.stderr)
+        convert_kw = {}
+        if "dlm_objective" not in fields and args.decode == "isd" and args.stride:
+            convert_kw["block_size"] = args.stride - 1  # untrained anyway: no stride warning on the fly
+        model = load_any(folder, objective if "dlm_objective" not in fields else None,
+                         dtype=get_dtype(args.dtype, device), device=device, **convert_kw)
+    else:
+        from dlm.model.hub import load_model, load_tokenizer
+
+        model = load_model(folder, dtype=get_dtype(args.dtype, device), device=device)
+        model.tokenizer = load_tokenizer(folder)
+    tok = model.tokenizer
+    if tok is None:
+        raise DLMError(f"'{folder}' has no tokenizer files; save the tokenizer next to the model")
+    ids = []
+    for text in prompts:
+        if args.chat:
+            if not getattr(tok, "chat_template", None):
+                raise DLMError(f"--chat: the tokenizer of '{args.model}' has no chat template; drop --chat")
+            ids.append(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                               tokenize=True, return_dict=False))
+        else:
+            ids.append(tok(text)["input_ids"])
+        if hasattr(ids[-1], "tolist"):
+            ids[-1] = ids[-1].tolist()
+        if isinstance(ids[-1], dict):
+            ids[-1] = ids[-1]["input_ids"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UserWarning)
+        results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
+                           stride=args.stride, draft=args.draft, method=args.sampler, steps=args.steps,
+                           threshold=(args.threshold if args.decode != "block" or args.threshold > 0 else None),
+                           block_length=args.block_length)
+    for w in caught:
+        if issubclass(w.category, UserWarning):
+            print(f"dlm generate: warning: {w.message}", file=sys.stderr)
+    for prompt, r in zip(prompts, results):
+        s = r.stats
+        if args.json:
+            rec = {"prompt": prompt, "text": r.text, "token_ids": r.token_ids, "forwards": s.forwards,
+                   "tpf": round(s.tpf, 4), "acceptance": [round(a, 4) for a in s.acceptance],
+                   "tokens_per_s": round(s.tokens_per_s, 2), "finish_reason": r.finish_reason,
+                   "decode": args.decode}
+            print(json.dumps(rec, ensure_ascii=False))
+        else:
+            acc = " ".join(f"{a:.2f}" for a in s.acceptance) or "-"
+            print(f"=== {prompt!r}\n{r.text}")
+            print(f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, acceptance per draft "
+                  f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason})")
+    return 0

@@ -25,6 +25,18 @@ MODEL = "tiny"
 LIMIT = 48  # --max-tokens-limit of the test server
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """The tiny model's matmuls are too small for two threads; on a shared 2-core machine one thread is ~10x
+    faster (no spinning intra-op workers). This sets the test thread; the servers' engine threads get threads=1."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     from dlm.testing import save_tiny
@@ -39,7 +51,7 @@ def engine(tiny_dir):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(Scheduler(engine), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT,
+    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT,
                                                       max_body_bytes=64 * 1024))
     with ServerThread(app) as srv:
         yield srv
@@ -169,9 +181,12 @@ def test_streamed_n_choices(client, engine):
 
 # -- continuous batching under load ---------------------------------------------------------------------------
 def test_64_concurrent_streams_equal_alone(server, engine, client):
-    prompts = [f"Question {i}: the cat" if i % 2 else f"{i} little models" for i in range(64)]
-    max_tokens = [6 + (i % 5) for i in range(64)]  # different lengths: requests leave at different steps
-    refs = [alone(engine, encode(engine, p), m) for p, m in zip(prompts, max_tokens)]
+    # 32 distinct requests, each sent twice at once (twins in the same batch must agree too)
+    distinct = [(f"Question {i}: the cat" if i % 2 else f"{i} little models", 6 + (i % 5)) for i in range(32)]
+    alone_refs = {req: alone(engine, encode(engine, req[0]), req[1]) for req in distinct}
+    prompts = [p for p, _ in distinct] * 2
+    max_tokens = [m for _, m in distinct] * 2  # different lengths: requests leave at different steps
+    refs = [alone_refs[(p, m)] for p, m in zip(prompts, max_tokens)]
 
     async def one(aclient, p, m):
         stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0, stream=True)
@@ -343,7 +358,7 @@ def test_bad_input_leaves_the_server_serving(server, client):
 # -- auth -----------------------------------------------------------------------------------------------------
 def test_api_key(engine):
     eng = Engine(engine.model, engine.tokenizer, decoder="ar", max_batch_size=4)
-    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, api_key="sekret"))
+    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, api_key="sekret"))
     with ServerThread(app) as srv:
         body = {"model": MODEL, "prompt": "The cat", "max_tokens": 3, "temperature": 0}
         err = assert_error_shape(httpx.post(srv.url + "/v1/completions", json=body), 401)

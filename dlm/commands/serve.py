@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    p.add_argument("--threads", type=int, help="torch threads of the engine (default: torch's choice; on a busy "
+                   "shared CPU, 1 can be much faster)")
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -46,6 +48,8 @@ def run(args) -> int:
     from dlm.serve.app import ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
+    if args.threads is not None and args.threads < 1:
+        raise DLMError(f"--threads must be a positive integer, got {args.threads}")
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
     settings = ServeSettings(model_name=args.served_model_name or args.model, max_tokens_limit=args.max_tokens_limit,
@@ -54,7 +58,7 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
                          device=args.device, dtype=args.dtype, draft=args.draft)
-    app = create_app(Scheduler(engine), settings)
+    app = create_app(Scheduler(engine, threads=args.threads), settings)
     stride = getattr(engine.decoder, "stride", None)
     print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride})" if stride else "")
           + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1", flush=True)

@@ -52,10 +52,11 @@ class Handle:
 class Scheduler:
     """Runs ``engine`` in a background thread; see the module docstring."""
 
-    def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
+    def __init__(self, engine, metrics=None, idle_wait: float = 0.5, threads: int | None = None):
         from dlm.serve.metrics import Metrics
 
         self.engine = engine
+        self.threads = threads  # torch intra-op threads of the engine thread (None: torch's default)
         self.metrics = metrics or Metrics()
         self.idle_wait = idle_wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -115,6 +116,8 @@ class Scheduler:
     def _run(self) -> None:
         import torch
 
+        if self.threads:
+            torch.set_num_threads(self.threads)  # per OS thread: it must be set here, in the engine thread
         with torch.inference_mode():
             while not self._stop.is_set():
                 self._wake.clear()

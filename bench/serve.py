@@ -1,0 +1,171 @@
+"""Serving benchmark: throughput and latency of `dlm serve` at several concurrency levels, ISD against AR, in one
+run, through the same server code (FastAPI + the engine thread) and the official `openai` client.
+
+    python bench/serve.py                                   # smollm2-135m, ar vs isd, concurrency 1, 8, 32
+    python bench/serve.py --model runs/idlm/final --stride 3 --max-tokens 32 --output bench_serve.json
+
+Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
+(greedy, `ignore_eos` so that every request produces exactly --max-tokens tokens). Reported per decoder and level:
+output tokens/s over the level's wall time, its ratio to concurrency 1, time to first token (p50/mean), time
+per output token after the first (mean over requests), and tokens per forward / draft acceptance (from /metrics).
+The last table gives isd / ar throughput at each level. A plain AR model is converted on the fly for isd: its
+drafts are untrained, so acceptance is ~0 and isd pays for its longer chunks; pass a trained I-DLM with --model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+
+PROMPTS = [
+    "What is the capital of France?", "Give me three tips for staying focused.", "Explain photosynthesis simply.",
+    "Write a haiku about the sea.", "How do I boil an egg?", "What is 17 times 23?", "Name five fruits.",
+    "Why is the sky blue?", "Summarize the plot of Cinderella.", "What does a CPU do?",
+    "Translate 'good morning' into Spanish.", "List three uses of a paperclip.", "What is a prime number?",
+    "Describe a cat to someone who has never seen one.", "How many days are in a leap year?",
+    "What is machine learning?", "Give a synonym for happy.", "Why do we sleep?", "What is gravity?",
+    "Suggest a name for a pet goldfish.", "How do airplanes fly?", "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.", "What is the difference between weather and climate?",
+    "Write one sentence about autumn.", "How do vaccines work?", "What is an API?", "Why is exercise healthy?",
+    "What is the largest planet?", "How do I make a cup of tea?", "What is a noun?", "Explain recursion briefly.",
+]
+
+
+def _metric_values(text: str) -> dict:
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+async def _one(client, model, prompt, max_tokens):
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content and first is None:
+            first = time.perf_counter()
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - t0, "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "tokens": tokens}
+
+
+async def _level(url, model, concurrency, n_requests, max_tokens):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
+    work = list(range(n_requests))
+    results = []
+
+    async def worker():
+        while work:
+            i = work.pop(0)
+            results.append(await _one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    await client.close()
+    return results, wall
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
+    ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd)")
+    ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
+    ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
+    ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    ap.add_argument("--max-batch-size", type=int, help="engine batch (default: the largest concurrency)")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--output", help="write the results as JSON here")
+    args = ap.parse_args(argv)
+
+    import httpx
+    import torch
+
+    from dlm.decode.engine import Engine
+    from dlm.device import get_device, get_dtype
+    from dlm.model.convert import load_any
+    from dlm.serve.app import ServerThread, ServeSettings, create_app
+    from dlm.serve.scheduler import Scheduler
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    decodes = [d.strip() for d in args.decodes.split(",") if d.strip()]
+    batch = args.max_batch_size or max(levels)
+    dev = get_device(None)
+    t = time.perf_counter()
+    dlm = load_any(args.model, dtype=get_dtype("auto", dev), device=dev)
+    print(f"model {args.model} ({dlm.objective}, block {dlm.block_size}) loaded in {time.perf_counter() - t:.1f}s; "
+          f"torch threads {torch.get_num_threads()}; batch {batch}; {args.max_tokens} tokens/request", flush=True)
+
+    rows = []
+    for decode in decodes:
+        kw = {"stride": args.stride} if decode == "isd" and args.stride else {}
+        engine = Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=batch, **kw)
+        app = create_app(Scheduler(engine, threads=args.threads), ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
+        with ServerThread(app) as srv:
+            asyncio.run(_level(srv.url, "bench", 1, 1, 4))  # warm-up
+            for c in levels:
+                before = _metric_values(httpx.get(srv.url + "/metrics").text)
+                n = max(c, args.min_requests)
+                res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens))
+                after = _metric_values(httpx.get(srv.url + "/metrics").text)
+                d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                toks = sum(r["tokens"] for r in res)
+                ttfts = [r["ttft"] for r in res]
+                row = {"decode": decode, "stride": getattr(engine.decoder, "stride", None), "concurrency": c,
+                       "requests": n, "output_tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
+                       "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
+                       "tpot_mean_s": statistics.fmean(r["tpot"] for r in res),
+                       "tpf": d["dlm_generation_tokens_total"] / max(d["dlm_forwards_total"], 1),
+                       "acceptance": (d["dlm_draft_accepted_total"] / d["dlm_draft_proposed_total"]
+                                      if d.get("dlm_draft_proposed_total") else None),
+                       "engine_steps": d["dlm_engine_steps_total"]}
+                rows.append(row)
+                print(f"  {decode:>4} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  ttft {row['ttft_p50_s']*1e3:7.0f} ms"
+                      f"  tpot {row['tpot_mean_s']*1e3:6.0f} ms  tpf {row['tpf']:.2f}", flush=True)
+
+    base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
+    print()
+    hdr = (f"{'decode':<6} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
+           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'TPF':>5} {'accept':>6}")
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
+        print(f"{r['decode']:<6} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+              f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
+              f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['tpf']:>5.2f} {acc:>6}")
+    if "ar" in decodes and "isd" in decodes:
+        print()
+        print(f"{'conc':>4} {'isd/ar throughput':>18}")
+        for c in levels:
+            a = next(r for r in rows if r["decode"] == "ar" and r["concurrency"] == c)
+            i = next(r for r in rows if r["decode"] == "isd" and r["concurrency"] == c)
+            print(f"{c:>4} {i['tokens_per_s'] / a['tokens_per_s']:>18.2f}")
+    if args.output:
+        tmp = args.output + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"model": args.model, "max_tokens": args.max_tokens, "batch": batch, "rows": rows}, f, indent=1)
+        os.replace(tmp, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

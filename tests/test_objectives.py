@@ -35,7 +35,7 @@ class FakeDLM(torch.nn.Module):
     def device(self):
         return torch.device("cpu")
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, **kw):  # noqa: ARG002
         self.calls.append(dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids))
         B, T = input_ids.shape
         base = self.logits_fn(input_ids) if self.logits_fn else self.table[:T].expand(B, T, V)
@@ -324,3 +324,22 @@ def test_objective_errors(tok):
         get_objective("idlm", fast_path=True)(FakeDLM("idlm", block_size=1), {"input_ids": x0, "labels": x0})
     with pytest.raises(DLMError, match="no 'labels'"):
         get_objective("mdm")(FakeDLM("mdm"), {"input_ids": x0})
+
+
+def test_mdm_full_attention_without_a_mask_kernel(tok):
+    """flash_attention_2 cannot take a mask: mdm 'full' runs through is_causal=False; checked here on sdpa,
+    where is_causal=False must equal the dense full mask."""
+    dlm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=tok)
+    x = torch.randint(5, 300, (2, 9))
+    with torch.no_grad():
+        a = dlm(input_ids=x, is_causal=False).logits
+        b = dlm(input_ids=x, attention_mask=masks.dense(masks.full(), 2, 9)).logits
+        c = dlm(input_ids=x).logits
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert (a - c).abs().max() > 1e-3
+    fake = FakeDLM("mdm", attn="flash_attention_2")
+    x = x % 40
+    out = get_objective("mdm", attention="full")(fake, {"input_ids": x, "labels": x})
+    assert fake.calls[0]["attention_mask"] is None and out.num_tokens > 0
+    with pytest.raises(DLMError, match="packed rows"):
+        get_objective("mdm", attention="full")(fake, {"input_ids": x, "labels": x, "doc_ids": torch.zeros_like(x)})

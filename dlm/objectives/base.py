@@ -89,14 +89,17 @@ class Objective:
         raise NotImplementedError
 
     # -- checks shared by the objectives ----------------------------------------------------------------------
-    def check_model(self, model, L: int) -> None:
+    def check_model(self, model, L: int, unmasked_ok: bool = False) -> bool:
+        """Validate model vs objective; returns whether the model takes custom masks (``unmasked_ok``: the
+        caller can run without one, i.e. full attention through ``is_causal=False``)."""
         objective = model.objective
         if objective != self.name:
             raise DLMError(f"the model was converted for objective '{objective}' but training uses "
                            f"'{self.name}'; convert it with `dlm convert --objective {self.name}` or train with "
                            f"objective: {objective}")
         attn = getattr(model.hf_config, "_attn_implementation", None)
-        if attn not in masks_ok():
+        maskable = attn in masks_ok()
+        if not maskable and not unmasked_ok:
             raise DLMError(f"attention implementation '{attn}' of {type(model.base_model_hf).__name__} cannot take "
                            f"the custom attention masks objective '{self.name}' needs; load the model with "
                            f"attn_implementation='sdpa' (or 'eager' / 'flex_attention')")
@@ -104,6 +107,7 @@ class Objective:
         if limit is not None and L > limit:
             raise DLMError(f"sequence length {L} is longer than the model's {limit} positions "
                            f"(max_position_embeddings); use a block/sequence length of at most {limit}")
+        return maskable
 
     def resolve_block_size(self, model, block_size: int | None) -> int:
         ckpt = model.block_size

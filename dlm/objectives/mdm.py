@@ -7,7 +7,8 @@ number of masked tokens (``normalize='masked'``, DiffuLLaMA) or of trainable tok
 With ``shift`` (DiffuLLaMA) logits at i score token i+1 where i+1 was masked; the first token of each document
 is then never masked (nothing could predict it). Without shift (LLaDA) logits at i score token i.
 Attention: ``annealed`` (causal -> full over ``anneal_steps`` optimizer steps, one Bernoulli draw per forward)
-or ``full`` from step 0.
+or ``full`` from step 0. With an attention kernel that cannot take a mask (flash_attention_2), only ``full`` on
+unpacked, unpadded rows works: it is passed as ``is_causal=False``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,12 @@ class MDMObjective(Objective):
         t_build = time.perf_counter()
         b = prepare_batch(batch, model.device)
         B, L = b.shape
-        self.check_model(model, L)
+        maskable = self.check_model(model, L, unmasked_ok=c.attention == "full")
+        if not maskable and (b.doc_ids is not None or b.key_valid is not None):
+            attn_impl = getattr(model.hf_config, "_attn_implementation", None)
+            raise DLMError(f"attention implementation '{attn_impl}' cannot take a custom mask, so packed rows "
+                           f"(doc_ids) and padding cannot be kept apart; use attn_implementation='sdpa' or "
+                           f"unpadded, unpacked rows")
         shift = self.resolve_shift(model, c.shift)
         trainable = b.labels != IGNORE
         next_ok = b.same_doc_next()
@@ -78,15 +84,18 @@ class MDMObjective(Objective):
         t = schedules.sample_t(B, c.eps, c.antithetic, generator, model.device)  # [B]
         x_t, masked = schedules.mask_tokens(b.input_ids, trainable, t[:, None], model.mask_token_id, generator)
         p = schedules.anneal_p(step, c.anneal_steps) if c.attention == "annealed" else 1.0
-        if p >= 1.0:
-            mod = masks.full(b.doc_ids, b.key_valid)
+        attn_kw = {}
+        if not maskable:  # flash kernels: full attention through is_causal=False (SPEC 2.1, DiffuLLaMA-7B)
+            attn_kw["is_causal"] = False
+        elif p >= 1.0:
+            attn_kw["attention_mask"] = masks.dense(masks.full(b.doc_ids, b.key_valid), B, L, device=model.device)
         else:
             mod = masks.annealed(L, p, generator, b.doc_ids, b.key_valid, device=model.device)
-        attn = masks.dense(mod, B, L, device=model.device)
+            attn_kw["attention_mask"] = masks.dense(mod, B, L, device=model.device)
         where, targets = score_positions(masked, b.labels, shift, next_ok)
         build_s = time.perf_counter() - t_build
 
-        logits = model(input_ids=x_t, attention_mask=attn, position_ids=b.positions).logits
+        logits = model(input_ids=x_t, position_ids=b.positions, **attn_kw).logits
         ce = token_ce(logits, targets, where)
         weight = (1.0 / t)[:, None].expand(B, L)[where]
         n_masked, n_all = int(where.sum()), int(trainable.sum())

@@ -1,0 +1,111 @@
+"""Forward+backward time of every training objective vs a plain AR training step, on the same tokens, same run.
+
+    python bench/objectives.py                       # smollm2-135m, L = 256 and 512, 3 timed reps
+    python bench/objectives.py --lengths 128 --reps 2 --model ./some-hf-folder --json out.json
+
+Rows: ``ar`` (plain next-token CE, all weights trainable: the baseline), ``mdm`` (L tokens), ``block`` and
+``idlm`` ([x_t | x0]: 2L tokens, all weights trainable), ``idlm-gated`` (gated LoRA r=16 on all linear layers:
+clean pass once under no_grad + L mask tokens attending its KV cache). ``ratio`` = step time / AR step time;
+``build %`` = share of the step spent building attention masks and noise (goal < 5%); the [x_t | x0] objectives
+process 2L tokens, so about 2x is the floor (goal <= 2.3x). Times are medians over interleaved reps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--lengths", default="256,512")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--block-size", type=int, default=2)
+    p.add_argument("--json", help="also write the rows as JSON here")
+    args = p.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.model.hub import resolve_model_path
+    from dlm.model.lora import prepare_model_for_lora
+    from dlm.objectives import get_objective
+
+    torch.manual_seed(0)
+    folder = resolve_model_path(args.model)
+    models = {
+        "ar": convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),  # weights = the AR model
+        "mdm": convert_ar_to_dlm(folder, "mdm"),
+        "block": convert_ar_to_dlm(folder, "block", block_size=args.block_size),
+        "idlm": convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),
+        "idlm-gated": prepare_model_for_lora(convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),
+                                             {"r": 16, "alpha": 32, "gated": True}),
+    }
+    objectives = {
+        "mdm": get_objective("mdm", attention="annealed", anneal_steps=1000),
+        "block": get_objective("block"),
+        "idlm": get_objective("idlm"),
+        "idlm-gated": get_objective("idlm"),
+    }
+    for m in models.values():
+        m.train()
+    vocab = models["ar"].tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(0)
+
+    def ar_step(model, batch):
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids).logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1))
+        loss.backward()
+        return 0.0
+
+    def obj_step(name):
+        def step(model, batch):
+            out = objectives[name](model, batch, step=10, generator=gen)
+            out.loss.backward()
+            return out.parts.get("build_s", 0.0)
+        return step
+
+    steps = {"ar": ar_step, **{n: obj_step(n) for n in objectives}}
+    rows = []
+    print(f"model={args.model} threads={torch.get_num_threads()} reps={args.reps} block_size={args.block_size}")
+    for L in [int(x) for x in args.lengths.split(",")]:
+        ids = torch.randint(0, vocab, (1, L), generator=torch.Generator().manual_seed(L))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        times = {n: [] for n in steps}
+        builds = {n: [] for n in steps}
+        for rep in range(args.reps + 1):  # rep 0 = warm-up
+            for name, fn in steps.items():
+                model = models[name]
+                for q in model.parameters():
+                    q.grad = None
+                t0 = time.perf_counter()
+                b = fn(model, batch)
+                dt = time.perf_counter() - t0
+                if rep > 0:
+                    times[name].append(dt)
+                    builds[name].append(b)
+        base = statistics.median(times["ar"])
+        for name in steps:
+            t = statistics.median(times[name])
+            rows.append({"objective": name, "L": L, "ms": 1000 * t, "ratio": t / base,
+                         "build_pct": 100 * statistics.median(builds[name]) / t})
+    print(f"{'objective':<12} {'L':>5} {'ms/step':>9} {'ratio':>7} {'build %':>8}")
+    for r in rows:
+        print(f"{r['objective']:<12} {r['L']:>5} {r['ms']:>9.0f} {r['ratio']:>6.2f}x {r['build_pct']:>7.2f}%")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

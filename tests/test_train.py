@@ -149,7 +149,7 @@ def test_max_minutes_stops_cleanly_and_saves(tiny, tmp_path):
     from dlm.train.loop import train
 
     out = tmp_path / "budget"
-    result = train(make_cfg(tiny, out, max_train_steps=1000, max_minutes=1e-9))
+    result = train(make_cfg(tiny, out, max_train_steps=1000, max_minutes=1e-9, gradient_checkpointing=True))
     assert result.stopped == "max_minutes" and result.step == 1
     assert (out / "checkpoints" / "step_00000001" / "trainer_state.json").is_file()
     assert (out / "model.safetensors").is_file()
@@ -229,3 +229,14 @@ def test_packed_shards_from_another_tokenizer_are_refused(tiny, tmp_path):
     data = write_shards(tmp_path / "big", "train", 60000)
     with pytest.raises(DLMError, match="another tokenizer"):
         train(make_cfg(tiny, tmp_path / "x", data=None, packed_data_dir=str(data), seq_length=32))
+
+
+def test_wandb_without_the_package_names_the_extra(tiny, tmp_path):
+    import importlib.util
+
+    from dlm.train.loop import train
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    with pytest.raises(DLMError, match=r"dlm\[wandb\]"):
+        train(make_cfg(tiny, tmp_path / "w", wandb_project="p"))

@@ -399,6 +399,10 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
     # -- the run folder ------------------------------------------------------------------------------------
     resume_from = ckpt_mod.resolve_resume(cfg.train.resume, cfg.checkpoint_dir)
     check_output_dir(cfg, resuming=cfg.train.resume is not None)
+    if cfg.wandb.project and main:
+        from dlm.errors import require
+
+        require("wandb", "wandb")  # fail before loading anything
     if cfg.eval.eval_tasks:
         try:
             from dlm.eval import run_eval  # noqa: F401

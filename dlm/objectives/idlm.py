@@ -19,7 +19,8 @@ reference slices the clean half as ``[:, L:2L]`` and so needs batch size 1).
 Gated-LoRA fast path: the clean path is the frozen base model, so the clean half runs once under ``no_grad``
 (a plain causal forward that fills a KV cache) and the L noisy tokens attend to that cache with the
 ``introspective_cached`` L x 2L mask - the same computation as the noisy half of the 2L forward, with gradients
-only through L tokens. Only ``CE_noisy`` carries gradient there (``CE_clean`` is logged, constant).
+only through L tokens (fewer with prompts: the noisy pass starts at the first block holding a mask). Only
+``CE_noisy`` carries gradient there (``CE_clean`` is logged, constant).
 """
 
 from __future__ import annotations
@@ -88,12 +89,23 @@ class IDLMObjective(Objective):
             clean_attn = masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
             noisy_attn = masks.dense(masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev), B, L,
                                      2 * L, device=dev)
+            # Noisy queries before the first block holding a mask are never attended by a mask (masks see noisy
+            # keys of their own block only), so the noisy pass starts there: prompts cost nothing twice.
+            start = 0
+            if n > 0:
+                rows = noisy.any(1)
+                first = noisy.float().argmax(1)  # first mask index per row
+                block_start = first - pos.gather(1, first[:, None]).squeeze(1) % bs
+                start = int(block_start[rows].min())
+            if start > 0:
+                noisy_attn = torch.cat([noisy_attn[:, :, start:, :L], noisy_attn[:, :, start:, L + start:]], -1)
             build_s = time.perf_counter() - t_build
             with torch.no_grad():
                 out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True)
             clean_logits = out.logits
-            noisy_logits = model(input_ids=x_t, attention_mask=noisy_attn, position_ids=pos,
-                                 cache=out.cache, use_cache=False).logits
+            sub = model(input_ids=x_t[:, start:], attention_mask=noisy_attn, position_ids=pos[:, start:],
+                        cache=out.cache, use_cache=False).logits
+            noisy_logits, noisy_sel = sub, noisy[:, start:]  # all masks are at >= start
         else:
             attn = masks.dense(masks.introspective(L, bs, b.doc_ids, b.key_valid, device=dev), B, 2 * L,
                                device=dev)
@@ -101,13 +113,14 @@ class IDLMObjective(Objective):
             logits = model(input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn,
                            position_ids=pos.repeat(1, 2)).logits
             noisy_logits, clean_logits = logits[:, :L], logits[:, L:]
+            noisy_sel = noisy
         if n == 0:
             z = zero_loss(noisy_logits)
             return ObjectiveOutput(loss=z, parts={"ce_noisy": 0.0, "ce_clean": 0.0, "build_s": build_s},
                                    num_tokens=0)
 
         ce_clean = token_ce(clean_logits, targets, noisy).mean()  # same positions: every trained target
-        sel_noisy = upcast(noisy_logits[noisy])  # [n, V]
+        sel_noisy = upcast(noisy_logits[noisy_sel])  # [n, V], same order as clean_logits[noisy]
         tgt = targets[noisy]
         ce_noisy_hard = F.cross_entropy(sel_noisy, tgt, reduction="sum") / n
         parts = {}

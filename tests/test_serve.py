@@ -410,3 +410,22 @@ def test_cli_registers_serve():
                                       "--served-model-name", "m", "--max-batch-size", "4"])
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
+
+
+def test_isd_token_budget_drafts_alone_and_steps_ar_when_busy(engine):
+    """With a budget of one ISD row (5 tokens at stride 3), a lone request drafts and concurrent ones run AR
+    steps; the greedy output is the same either way."""
+    from dlm.serve.adaptive import BudgetedISD
+
+    eng = Engine(engine.model, engine.tokenizer, decoder=BudgetedISD(5, stride=3), max_batch_size=8)
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
+    prompts = [encode(engine, p) for p in ("The cat", "The dog sat", "Numbers: 1 2", "To be")]
+    lone = eng.generate([prompts[0]], sp)[0]
+    assert sum(lone.stats.proposed) > 0  # drafted
+    busy = eng.generate(prompts, sp)
+    assert all(sum(r.stats.proposed) == 0 for r in busy)  # 4 rows x 5 tokens > 5: never verified drafts
+    for p, r in zip(prompts, busy):
+        assert r.token_ids == alone(engine, p, 10, decoder="ar", ignore_eos=True).token_ids
+    assert lone.token_ids == busy[0].token_ids
+    with pytest.raises(DLMError, match="--isd-token-budget"):
+        BudgetedISD(0)

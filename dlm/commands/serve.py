@@ -22,6 +22,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
     p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
                    help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
+    p.add_argument("--isd-token-budget", type=int,
+                   help="ISD drafts only while running requests x (2N-1) <= this many tokens per step, plain AR "
+                        "steps above (exact either way; default: always draft)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
@@ -57,7 +60,8 @@ def run(args) -> int:
                              max_body_bytes=args.max_body_bytes)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
-                         device=args.device, dtype=args.dtype, draft=args.draft)
+                         device=args.device, dtype=args.dtype, draft=args.draft,
+                         isd_token_budget=args.isd_token_budget)
     app = create_app(Scheduler(engine, threads=args.threads), settings)
     stride = getattr(engine.decoder, "stride", None)
     print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride})" if stride else "")

@@ -54,9 +54,11 @@ class ServeSettings:
 
 # -- model + engine -------------------------------------------------------------------------------------------
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
-                device: str | None = None, dtype: str | None = None, draft: str = "sample"):
+                device: str | None = None, dtype: str | None = None, draft: str = "sample",
+                isd_token_budget: int | None = None):
     """Load ``model`` (DLM folder, AR folder or alias; plain AR models are converted on the fly to idlm) and build
-    the decoding :class:`~dlm.decode.engine.Engine` for ``decode``."""
+    the decoding :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while
+    running rows x (2N-1) stays within it, plain AR steps above (:class:`~dlm.serve.adaptive.BudgetedISD`)."""
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
@@ -74,6 +76,13 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--decode {decode}: the continuous-batching engine (dlm.decode.engine) runs 'isd' and "
                        f"'ar' only, so the server cannot batch {decode} requests yet; serve an I-DLM with "
                        f"--decode isd, or any model with --decode ar")
+    if isd_token_budget is not None:
+        if decode != "isd":
+            raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got {decode})")
+        from dlm.serve.adaptive import BudgetedISD
+
+        return Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(isd_token_budget, **kw),
+                      max_batch_size=max_batch_size)
     return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, **kw)
 
 

@@ -3,6 +3,7 @@ run, through the same server code (FastAPI + the engine thread) and the official
 
     python bench/serve.py                                   # smollm2-135m, ar vs isd, concurrency 1, 8, 32
     python bench/serve.py --model runs/idlm/final --stride 3 --max-tokens 32 --output bench_serve.json
+    python bench/serve.py --decodes ar,isd,isd:6     # also isd that drafts only while rows x (2N-1) <= 6
 
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
 (greedy, `ignore_eos` so that every request produces exactly --max-tokens tokens). Reported per decoder and level:
@@ -84,7 +85,8 @@ async def _level(url, model, concurrency, n_requests, max_tokens):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
-    ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd)")
+    ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
+                    "with --isd-token-budget B")
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
@@ -116,8 +118,14 @@ def main(argv=None) -> int:
 
     rows = []
     for decode in decodes:
-        kw = {"stride": args.stride} if decode == "isd" and args.stride else {}
-        engine = Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=batch, **kw)
+        name, _, budget = decode.partition(":")  # "isd:6" = isd with --isd-token-budget 6
+        kw = {"stride": args.stride} if name == "isd" and args.stride else {}
+        if budget:
+            from dlm.serve.adaptive import BudgetedISD
+
+            engine = Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(int(budget), **kw), max_batch_size=batch)
+        else:
+            engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
         app = create_app(Scheduler(engine, threads=args.threads), ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
         with ServerThread(app) as srv:
             asyncio.run(_level(srv.url, "bench", 1, 1, 4))  # warm-up
@@ -152,13 +160,15 @@ def main(argv=None) -> int:
         print(f"{r['decode']:<6} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
               f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
               f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['tpf']:>5.2f} {acc:>6}")
-    if "ar" in decodes and "isd" in decodes:
+    others = [d for d in decodes if d != "ar"]
+    if "ar" in decodes and others:
         print()
-        print(f"{'conc':>4} {'isd/ar throughput':>18}")
+        print(f"{'conc':>4} " + " ".join(f"{d + '/ar tok/s':>16}" for d in others))
         for c in levels:
             a = next(r for r in rows if r["decode"] == "ar" and r["concurrency"] == c)
-            i = next(r for r in rows if r["decode"] == "isd" and r["concurrency"] == c)
-            print(f"{c:>4} {i['tokens_per_s'] / a['tokens_per_s']:>18.2f}")
+            ratios = [next(r for r in rows if r["decode"] == d and r["concurrency"] == c)["tokens_per_s"]
+                      / a["tokens_per_s"] for d in others]
+            print(f"{c:>4} " + " ".join(f"{x:>16.2f}" for x in ratios))
     if args.output:
         tmp = args.output + ".tmp"
         with open(tmp, "w") as f:

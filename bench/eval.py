@@ -81,12 +81,13 @@ def main() -> None:
             keys.append(f"piqa:{i}")
     n_tok = sum(len(a) + len(b) for a, b in pairs) / len(pairs)
     print(f"model {args.model} (mdm, shift={dlm.shift}), {len(examples)} PIQA items, {len(pairs)} pairs of "
-          f"~{n_tok:.0f} tokens, T={args.steps}, threads={torch.get_num_threads()}")
+          f"~{n_tok:.0f} tokens, T={args.steps}, threads={torch.get_num_threads()}", flush=True)
 
     denoising_scores(em, pairs[:2], keys[:2], steps=2, seed=args.seed)  # warm-up
     t0 = time.perf_counter()
     ours = denoising_scores(em, pairs, keys, steps=args.steps, seed=args.seed, token_budget=args.token_budget)
     t_ours = time.perf_counter() - t0
+    print(f"dlm batched: {t_ours:.1f} s", flush=True)
     t0 = time.perf_counter()
     ref = baseline_scores(dlm, pairs, keys, args.steps, args.seed)
     t_ref = time.perf_counter() - t0

@@ -401,6 +401,8 @@ def test_settings_and_engine_errors(tiny_dir):
         load_engine(str(tiny_dir), decode="ar", stride=3)
     with pytest.raises(DLMError, match="--decode mdm"):
         load_engine(str(tiny_dir), decode="mdm")
+    with pytest.raises(DLMError, match="--isd-token-budget"):
+        load_engine(str(tiny_dir), decode="ar", isd_token_budget=8)
 
 
 def test_cli_registers_serve():

@@ -67,18 +67,18 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--decode must be one of isd, ar, mdm, block; got '{decode}'")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise DLMError(f"--max-batch-size must be a positive integer, got {max_batch_size}")
-    dev = get_device(device)
-    dlm = load_any(model, dtype=get_dtype(dtype, dev), device=dev)
-    kw = {"stride": stride, "draft": draft} if decode == "isd" else {}
-    if decode != "isd" and stride is not None:
-        raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if decode in ("mdm", "block"):
         raise DLMError(f"--decode {decode}: the continuous-batching engine (dlm.decode.engine) runs 'isd' and "
                        f"'ar' only, so the server cannot batch {decode} requests yet; serve an I-DLM with "
                        f"--decode isd, or any model with --decode ar")
+    if decode != "isd" and stride is not None:
+        raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    if decode != "isd" and isd_token_budget is not None:
+        raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    dev = get_device(device)
+    dlm = load_any(model, dtype=get_dtype(dtype, dev), device=dev)
+    kw = {"stride": stride, "draft": draft} if decode == "isd" else {}
     if isd_token_budget is not None:
-        if decode != "isd":
-            raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got {decode})")
         from dlm.serve.adaptive import BudgetedISD
 
         return Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(isd_token_budget, **kw),

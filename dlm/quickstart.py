@@ -86,11 +86,11 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
         path = Path(cfg.data)
         if not path.is_file():
             raise DLMError(f"--data '{path}' does not exist")
-        from dlm.data.sft import load_records  # validates the layout with a clear message
+        from dlm.data.sft import read_jsonl, record_to_messages
 
-        records = load_records(path)
-        if not records:
-            raise DLMError(f"--data '{path}' holds no records")
+        records = read_jsonl(path)  # validates the layout now, with a clear message, before any training
+        for lineno, rec in records:
+            record_to_messages(rec, where=f"--data {path}:{lineno}")
         log(f"data: {len(records)} records from {path}")
         return path
     target = out / "data" / "self_distill.jsonl"

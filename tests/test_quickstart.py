@@ -1,0 +1,60 @@
+"""The quickstart pipeline end to end on a tiny model, and its bad-input messages."""
+
+import json
+
+import pytest
+
+from dlm.cli import main
+
+
+def _args(model, out, *extra):
+    return ["quickstart", "--model", str(model), "--output", str(out), "--num-instructions", "6",
+            "--answer-tokens", "8", "--eval-prompts", "3", "--eval-tokens", "12", "--batch-size", "2",
+            "--seq-length", "64", "--lora-r", "4", *extra]
+
+
+def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
+    model = tiny_model_dir("llama")
+    out = tmp_path / "qs"
+    assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2", "--strides", "2,3")) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["decoder"], r["stride"]): r for r in results["rows"]}
+    # gated LoRA keeps the clean path = the base model, so greedy ISD output equals the base model's generate
+    for key in [("ar", None), ("isd", 2), ("isd", 3)]:
+        assert rows[key]["identical_to_base"] == "3/3", rows[key]
+        assert 1.0 <= rows[key]["tpf"] <= (key[1] or 1)
+    report = (out / "report.md").read_text()
+    assert "| dlm isd | 3 |" in report
+    assert (out / "data" / "self_distill.jsonl").is_file()
+    assert (out / "train_b1" / "DONE").is_file() and (out / "train_b2" / "DONE").is_file()
+    cfg = json.loads((out / "train_b2" / "config.json").read_text())
+    assert cfg["block_size"] == 2 and cfg["dlm_objective"] == "idlm"
+    # a rerun reuses the finished stages instead of redoing them
+    capsys.readouterr()
+    assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2", "--strides", "2")) == 0
+    log = capsys.readouterr().out
+    assert "reusing" in log and "already done" in log
+
+
+def test_quickstart_zero_minutes_is_an_error(tmp_path, capsys):
+    assert main(["quickstart", "--output", str(tmp_path / "x"), "--minutes", "0"]) == 2
+    assert "--minutes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_quickstart_unknown_data_layout(tiny_model_dir, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "reply": "r"}) + "\n")
+    assert main(_args(tiny_model_dir("llama"), tmp_path / "o", "--data", str(bad), "--minutes", "1")) == 2
+    err = capsys.readouterr().err
+    assert "bad.jsonl" in err
+
+
+def test_quickstart_not_enough_disk(tmp_path, monkeypatch, capsys):
+    import shutil
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 2**20))
+    assert main(["quickstart", "--output", str(tmp_path / "x")]) == 2
+    assert "GiB free" in capsys.readouterr().err

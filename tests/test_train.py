@@ -240,3 +240,30 @@ def test_wandb_without_the_package_names_the_extra(tiny, tmp_path):
         pytest.skip("wandb is installed here")
     with pytest.raises(DLMError, match=r"dlm\[wandb\]"):
         train(make_cfg(tiny, tmp_path / "w", wandb_project="p"))
+
+
+def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, shared_data):
+    from dlm.train.loop import train
+
+    out = tmp_path / "ev"
+    train(make_cfg(tiny, out, max_train_steps=1, eval_every=1, eval_tasks="piqa", eval_data_dir=shared_data,
+                   **{"eval.eval_limit": 4}))
+    rec = json.loads((out / "eval_history.jsonl").read_text().splitlines()[0])
+    assert rec["step"] == 1 and rec["checkpoint"] == "step_00000001"
+    assert 0 <= rec["metrics"]["piqa/acc"] <= 1 and rec["metrics"]["heldout_loss"] > 0
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    from dlm.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
+
+    root = tmp_path / "checkpoints"
+    for name, complete in (("step_00000002", True), ("step_00000004", True), (".step_00000006.tmp", True),
+                           ("step_00000008", False)):
+        (root / name).mkdir(parents=True)
+        if complete:
+            (root / name / STATE_FILE).write_text("{}")
+    assert [p.name for p in list_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    assert latest_checkpoint(root).name == "step_00000004"
+    assert resolve_resume("auto", tmp_path / "none") is None
+    with pytest.raises(DLMError, match="not a complete dlm checkpoint"):
+        resolve_resume(str(root / "step_00000008"), root)

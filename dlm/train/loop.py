@@ -470,13 +470,17 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
                                f"this run asks for {getattr(cfg.model, key)!r}")
         step, tokens_total = int(state["step"]), int(state["tokens"])
         data.load_state_dict(rank_state["data"])
-        gen.set_state(rank_state["generator"].to(gen.get_state().device) if hasattr(rank_state["generator"], "to")
-                      else rank_state["generator"])
+        gen.set_state(rank_state["generator"])
         last_ckpt = resume_from
     elif cfg.train.resume == "auto" and main:
         print(f"dlm train: no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
 
     log = _Log(cfg, main, step)
+    if cfg.eval.eval_every and not held and not cfg.eval.eval_tasks and main:
+        note = ("--eval-every is set but there is nothing to evaluate: give held-out data (--eval-data for chat "
+                "data, --data.eval_packed_prefixes for shards) or --eval-tasks")
+        print(f"dlm train: warning: {note}")
+        log.write({"event": "warning", "message": note})
     log.write({"event": "resume" if resume_from else "start", "step": step, "time": time.time(),
                "checkpoint": str(resume_from) if resume_from else None, "world_size": world,
                "mixed_precision": mp, "device": str(accelerator.device)})

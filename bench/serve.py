@@ -8,7 +8,10 @@ run, through the same server code (FastAPI + the engine thread) and the official
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
 (greedy, `ignore_eos` so that every request produces exactly --max-tokens tokens). Reported per decoder and level:
 output tokens/s over the level's wall time, its ratio to concurrency 1, time to first token (p50/mean), time
-per output token after the first (mean over requests), and tokens per forward / draft acceptance (from /metrics).
+per output token after the first (mean over requests), CPU seconds of this process per output token (fairer than
+wall time on a shared machine), tokens per forward / draft acceptance (from /metrics) and the load average. All
+decoders are served at once by their own server (same model object); levels are interleaved across decoders so
+that load drift on a shared machine hits them alike.
 The last table gives isd / ar throughput at each level. A plain AR model is converted on the fly for isd: its
 drafts are untrained, so acceptance is ~0 and isd pays for its longer chunks; pass a trained I-DLM with --model.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -116,29 +120,40 @@ def main(argv=None) -> int:
     print(f"model {args.model} ({dlm.objective}, block {dlm.block_size}) loaded in {time.perf_counter() - t:.1f}s; "
           f"torch threads {torch.get_num_threads()}; batch {batch}; {args.max_tokens} tokens/request", flush=True)
 
-    rows = []
-    for decode in decodes:
-        name, _, budget = decode.partition(":")  # "isd:6" = isd with --isd-token-budget 6
-        kw = {"stride": args.stride} if name == "isd" and args.stride else {}
-        if budget:
-            from dlm.serve.adaptive import BudgetedISD
+    # every decoder gets its own server (same model object, same server code); the levels are interleaved
+    # (ar c=1, isd c=1, ..., ar c=8, ...) so that load drift on a shared machine hits all decoders alike
+    servers = {}
+    with contextlib.ExitStack() as stack:
+        for decode in decodes:
+            name, _, budget = decode.partition(":")  # "isd:6" = isd with --isd-token-budget 6
+            kw = {"stride": args.stride} if name == "isd" and args.stride else {}
+            if budget:
+                from dlm.serve.adaptive import BudgetedISD
 
-            engine = Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(int(budget), **kw), max_batch_size=batch)
-        else:
-            engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
-        app = create_app(Scheduler(engine, threads=args.threads), ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
-        with ServerThread(app) as srv:
+                engine = Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(int(budget), **kw), max_batch_size=batch)
+            else:
+                engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
+            app = create_app(Scheduler(engine, threads=args.threads),
+                             ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
+            srv = stack.enter_context(ServerThread(app))
             asyncio.run(_level(srv.url, "bench", 1, 1, 4))  # warm-up
-            for c in levels:
+            servers[decode] = (srv, engine)
+        rows = []
+        for c in levels:
+            for decode in decodes:
+                srv, engine = servers[decode]
                 before = _metric_values(httpx.get(srv.url + "/metrics").text)
                 n = max(c, args.min_requests)
+                cpu0 = time.process_time()
                 res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens))
+                cpu = time.process_time() - cpu0
                 after = _metric_values(httpx.get(srv.url + "/metrics").text)
                 d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                 toks = sum(r["tokens"] for r in res)
                 ttfts = [r["ttft"] for r in res]
                 row = {"decode": decode, "stride": getattr(engine.decoder, "stride", None), "concurrency": c,
                        "requests": n, "output_tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
+                       "cpu_s_per_token": cpu / max(toks, 1), "load_average": os.getloadavg()[0],
                        "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
                        "tpot_mean_s": statistics.fmean(r["tpot"] for r in res),
                        "tpf": d["dlm_generation_tokens_total"] / max(d["dlm_forwards_total"], 1),
@@ -146,20 +161,22 @@ def main(argv=None) -> int:
                                       if d.get("dlm_draft_proposed_total") else None),
                        "engine_steps": d["dlm_engine_steps_total"]}
                 rows.append(row)
-                print(f"  {decode:>4} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  ttft {row['ttft_p50_s']*1e3:7.0f} ms"
-                      f"  tpot {row['tpot_mean_s']*1e3:6.0f} ms  tpf {row['tpf']:.2f}", flush=True)
+                print(f"  {decode:>5} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  ttft {row['ttft_p50_s']*1e3:7.0f} ms"
+                      f"  tpot {row['tpot_mean_s']*1e3:6.0f} ms  tpf {row['tpf']:.2f}  "
+                      f"load {row['load_average']:.1f}", flush=True)
 
     base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
     print()
     hdr = (f"{'decode':<6} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
-           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'TPF':>5} {'accept':>6}")
+           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
         print(f"{r['decode']:<6} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
               f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
-              f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['tpf']:>5.2f} {acc:>6}")
+              f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
+              f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f}")
     others = [d for d in decodes if d != "ar"]
     if "ar" in decodes and others:
         print()

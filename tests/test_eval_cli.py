@@ -57,10 +57,11 @@ def test_generation_tasks_with_controlled_generator(shared_data):
 def test_diffusion_model_generation_runs(shared_data):
     from dlm.model.convert import convert_ar_to_dlm
 
-    dlm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
-    r = run_eval(dlm, "lambada", data_dir=shared_data, limit=2, keep_predictions=True)
-    assert r["lambada"]["decode"] == "mdm" and r["lambada"]["n"] == 2
-    assert all(isinstance(p["output"], str) for p in r["lambada"]["predictions"])
+    for objective, decoder in (("mdm", "mdm"), ("block", "block"), ("idlm", "isd")):
+        dlm = convert_ar_to_dlm(make_model("llama"), objective, tokenizer=make_tokenizer())
+        r = run_eval(dlm, "lambada", data_dir=shared_data, limit=2, keep_predictions=True)
+        assert r["lambada"]["decode"] == decoder and r["lambada"]["n"] == 2
+        assert all(isinstance(p["output"], str) for p in r["lambada"]["predictions"])
 
 
 def test_history_table_and_plot(tmp_path, capsys):

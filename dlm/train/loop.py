@@ -452,6 +452,15 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
     warm = warmup_steps(cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule, cfg.optim.min_lr_ratio))
+    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if ds_plugin is not None:  # no prepared DataLoader, so accelerate cannot infer DeepSpeed's "auto" batch fields
+        ds_conf = ds_plugin.deepspeed_config
+        if ds_conf.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+            ds_conf["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+        if ds_conf.get("train_batch_size", "auto") == "auto":
+            ds_conf["train_batch_size"] = cfg.train.batch_size * cfg.train.gradient_accumulate_every * world
+        if ds_conf.get("gradient_clipping", "auto") == "auto":
+            ds_conf["gradient_clipping"] = cfg.optim.max_grad_norm
     wrapped, optimizer = accelerator.prepare(dlm, optimizer)
     accelerator.register_for_checkpointing(scheduler)
     proxy = RoutedDLM(dlm, wrapped)

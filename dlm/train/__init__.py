@@ -1,0 +1,18 @@
+"""Training: ``train(cfg)`` runs one loop for every objective on accelerate (see :mod:`dlm.train.loop`).
+
+    from dlm.config import load_config
+    from dlm.train import train
+    result = train(load_config("configs/idlm_b2_cpu.yaml", {"data": "chat.jsonl", "max_minutes": 10}))
+"""
+
+from __future__ import annotations
+
+
+def train(cfg, objective=None, dlm=None):
+    """Lazy alias of :func:`dlm.train.loop.train` (keeps ``import dlm.train`` light)."""
+    from dlm.train.loop import train as _train
+
+    return _train(cfg, objective=objective, dlm=dlm)
+
+
+__all__ = ["train"]

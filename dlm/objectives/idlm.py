@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from dlm.errors import DLMError
 from dlm.model import masks
 from dlm.model.lora import get_gated
-from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, upcast, zero_loss
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, upcast, zero_loss
 
 
 @dataclass
@@ -59,6 +59,13 @@ def build_noisy(input_ids: torch.Tensor, targets: torch.Tensor, mask_token_id: i
     """``(x_t, noisy)``: every position whose shifted target is trained becomes a mask."""
     noisy = targets != IGNORE
     return torch.where(noisy, torch.full_like(input_ids, mask_token_id), input_ids), noisy
+
+
+def _select(logits: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+    """``logits[where]`` as [n, V]; a free view (and a cheap backward) when every position is selected."""
+    if bool(where.all()):
+        return logits.reshape(-1, logits.shape[-1])
+    return logits[where]
 
 
 class IDLMObjective(Objective):
@@ -119,14 +126,15 @@ class IDLMObjective(Objective):
             return ObjectiveOutput(loss=z, parts={"ce_noisy": 0.0, "ce_clean": 0.0, "build_s": build_s},
                                    num_tokens=0)
 
-        ce_clean = token_ce(clean_logits, targets, noisy).mean()  # same positions: every trained target
-        sel_noisy = upcast(noisy_logits[noisy_sel])  # [n, V], same order as clean_logits[noisy]
+        sel_clean = _select(clean_logits, noisy)  # [n, V]: every trained target
+        sel_noisy = upcast(_select(noisy_logits, noisy_sel))  # [n, V], same order as sel_clean
         tgt = targets[noisy]
+        ce_clean = F.cross_entropy(upcast(sel_clean), tgt)
         ce_noisy_hard = F.cross_entropy(sel_noisy, tgt, reduction="sum") / n
         parts = {}
         if c.idlm_loss_type == "distill":
             with torch.no_grad():
-                soft = F.softmax(upcast(clean_logits[noisy]) / c.distill_temperature, dim=-1)
+                soft = F.softmax(upcast(sel_clean.detach()) / c.distill_temperature, dim=-1)
             logq = F.log_softmax(sel_noisy / c.distill_temperature, dim=-1)
             ce_noisy = -(soft * logq).sum(-1).sum() / n
             with torch.no_grad():
@@ -140,8 +148,9 @@ class IDLMObjective(Objective):
             scale = torch.tensor(c.ce_alpha, device=dev)
         loss = ce_noisy + scale * (ce_clean.detach() if fast else ce_clean)
         with torch.no_grad():
-            agree = (sel_noisy.argmax(-1) == clean_logits[noisy].argmax(-1)).float().mean()
-            acc = (sel_noisy.argmax(-1) == tgt).float().mean()
+            guess = sel_noisy.argmax(-1)
+            agree = (guess == sel_clean.argmax(-1)).float().mean()
+            acc = (guess == tgt).float().mean()
         parts.update({
             "ce_noisy": float(ce_noisy.detach()),
             "ce_noisy_hard": float(ce_noisy_hard.detach()),

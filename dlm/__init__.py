@@ -19,10 +19,15 @@ _LAZY = {
     "AutoDLMForCausalLM": "dlm.model.convert",
     "DiffusionLM": "dlm.model.convert",
     "prepare_model_for_lora": "dlm.model.lora",
+    "LoraSettings": "dlm.model.lora",
     "load_model": "dlm.model.hub",
     "load_tokenizer": "dlm.model.hub",
     "resolve_model_path": "dlm.model.hub",
     "DLMError": "dlm.errors",
+    "get_objective": "dlm.objectives",
+    "Engine": "dlm.decode.engine",
+    "SamplingParams": "dlm.decode.sampling",
+    "run_eval": "dlm.eval",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -121,6 +121,7 @@ class GatedLoRA(nn.Module):
         self.mask_embedding = nn.Parameter(emb.weight[self.mask_token_id].detach().clone())
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._gate: torch.Tensor | None = None  # [B, T] bool, set per HF forward
+        self._n_gated, self._dense, self._idx = 0, False, None
         # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
         self.dense_fraction = 0.25
         self._handles = []
@@ -138,7 +139,14 @@ class GatedLoRA(nn.Module):
         if input_ids is None:
             raise DLMError("a gated-LoRA model needs input_ids in every forward (the gate is input_ids == "
                            "mask_token_id); inputs_embeds cannot be gated")
-        self._gate = input_ids == self.mask_token_id
+        gate = input_ids == self.mask_token_id
+        self._gate = gate
+        # Per-forward facts every linear hook needs, computed once here instead of in each of the ~200 hooks
+        # (at batch 1 the hooks' own overhead is what decides whether ISD's extra tokens are "free").
+        n = int(gate.sum())
+        self._n_gated = n
+        self._dense = n >= self.dense_fraction * gate.numel()
+        self._idx = gate.reshape(-1).nonzero().squeeze(1) if 0 < n and not self._dense else None
 
     def _gate_for(self, x: torch.Tensor) -> torch.Tensor | None:
         gate = self._gate
@@ -158,22 +166,23 @@ class GatedLoRA(nn.Module):
     def _make_linear_hook(self, adapter: _Adapter):
         def hook(module, args, out):
             gate = self._gate_for(out)
-            if gate is None:
-                return out
-            n_gated = int(gate.sum())
-            if n_gated == 0:
+            if gate is None or self._n_gated == 0:
                 return out
             x = args[0]
-            if n_gated >= self.dense_fraction * gate.numel():
+            if self._dense:
                 # Many masks (training): low-rank delta on every row, kept only where gated. torch.where keeps the
                 # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
                 delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
                 return torch.where(gate[..., None], out + delta.to(out.dtype), out)
             # Few masks (decoding): compute the delta on the gated rows only.
-            idx = gate.reshape(-1).nonzero().squeeze(1)
+            idx = self._idx
             rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]
-            delta = (self.dropout(rows).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
-            flat = out.reshape(-1, out.shape[-1]).index_add(0, idx, delta.to(out.dtype))
+            delta = (self.dropout(rows).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t()
+            flat = out.reshape(-1, out.shape[-1])
+            if torch.is_grad_enabled():
+                flat = flat.index_add(0, idx, delta.to(out.dtype), alpha=self.scale)
+            else:  # decoding: in place, no copy of the layer output
+                flat.index_add_(0, idx, delta.to(out.dtype), alpha=self.scale)
             return flat.view_as(out)
 
         return hook

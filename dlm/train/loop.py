@@ -276,6 +276,7 @@ class _Log:
         self.main = main
         self.fh = None
         self.bar = None
+        self.deadline = None
         self.wandb = None
         if not main:
             return
@@ -284,8 +285,11 @@ class _Log:
         if cfg.train.progress:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=cfg.train.max_train_steps, initial=start_step, desc="dlm train", unit="step",
-                            dynamic_ncols=True)
+            # With a wall-clock budget the step total is only an upper bound: show the minutes left instead of
+            # a step-based ETA that would be meaningless (the quickstart runs "until the budget is spent").
+            self.deadline = time.time() + cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+            total = None if self.deadline and cfg.train.max_train_steps >= 100_000 else cfg.train.max_train_steps
+            self.bar = tqdm(total=total, initial=start_step, desc="dlm train", unit="step", dynamic_ncols=True)
         if cfg.wandb.project:
             from dlm.errors import require
 
@@ -304,7 +308,10 @@ class _Log:
         self.write(record)
         if self.bar is not None:
             self.bar.update(record["step"] - self.bar.n)
-            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}")
+            extra = {}
+            if self.deadline:
+                extra["left"] = f"{max(0.0, self.deadline - time.time()) / 60:.1f}min"
+            self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra)
         if self.wandb is not None:
             self.wandb.log({"train/loss": record["loss"], "train/lr": record["lr"],
                             "train/grad_norm": record["grad_norm"], "train/tokens_per_s": record["tokens_per_s"],

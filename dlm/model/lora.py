@@ -145,7 +145,9 @@ class GatedLoRA(nn.Module):
         # (at batch 1 the hooks' own overhead is what decides whether ISD's extra tokens are "free").
         n = int(gate.sum())
         self._n_gated = n
-        self._dense = n >= self.dense_fraction * gate.numel()
+        # Dense (delta on every row, torch.where) pays when training with many masks; without gradients (decoding)
+        # the row gather + in-place index_add is ~4x cheaper per layer whatever the share of masks.
+        self._dense = torch.is_grad_enabled() and n >= self.dense_fraction * gate.numel()
         self._idx = gate.reshape(-1).nonzero().squeeze(1) if 0 < n and not self._dense else None
 
     def _gate_for(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -177,12 +179,18 @@ class GatedLoRA(nn.Module):
             # Few masks (decoding): compute the delta on the gated rows only.
             idx = self._idx
             rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]
-            delta = (self.dropout(rows).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t()
+            if self.training and self.settings.dropout > 0:
+                rows = self.dropout(rows)
+            if rows.dtype != adapter.A.dtype:
+                rows = rows.to(adapter.A.dtype)
+            delta = (rows @ adapter.A.t()) @ adapter.B.t()
+            if delta.dtype != out.dtype:
+                delta = delta.to(out.dtype)
             flat = out.reshape(-1, out.shape[-1])
             if torch.is_grad_enabled():
-                flat = flat.index_add(0, idx, delta.to(out.dtype), alpha=self.scale)
+                flat = flat.index_add(0, idx, delta, alpha=self.scale)
             else:  # decoding: in place, no copy of the layer output
-                flat.index_add_(0, idx, delta.to(out.dtype), alpha=self.scale)
+                flat.index_add_(0, idx, delta, alpha=self.scale)
             return flat.view_as(out)
 
         return hook

@@ -65,6 +65,14 @@ class DLMHarnessModel(LM):
             from dlm.model.convert import load_any
             from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
 
+            import torch
+
+            if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+                # lm_eval's command line defaults to --device cuda; on a machine without CUDA run where we can.
+                import warnings
+
+                warnings.warn(f"--device {device} requested but CUDA is not available; using {get_device()}")
+                device = None
             dev = get_device(device)
             dt = get_dtype(dtype, dev)
             folder = resolve_model_path(pretrained)

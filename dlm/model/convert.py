@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -161,19 +159,13 @@ class DiffusionLM(nn.Module):
         """
         from dlm.model import lora as lora_mod
 
+        from dlm.fsutil import atomic_folder
+
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=path.parent))
-        try:
+        with atomic_folder(path) as tmp:
             lora_mod.save_model_folder(self, tmp, merge_lora=merge_lora)
             if self.tokenizer is not None:
                 self.tokenizer.save_pretrained(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            os.replace(tmp, path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
         return path
 
 

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from dlm.errors import DLMError
@@ -80,17 +78,11 @@ def _materialize_alias(alias: str) -> Path:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = alias
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp.", dir=target.parent))
-        try:
+        from dlm.fsutil import atomic_folder
+
+        with atomic_folder(target) as tmp:
             model.save_pretrained(tmp)
             tokenizer.save_pretrained(tmp)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
     return target
 
 

@@ -136,24 +136,15 @@ def export_model(accelerator, dlm, wrapped, path: Path) -> None:
 
 
 def _save_from_state_dict(dlm, full: dict, path: Path) -> None:  # pragma: no cover - needs FSDP/ZeRO-3 hardware
-    import tempfile
-
     if hasattr(dlm.model, "merge_and_unload"):
         raise DLMError("exporting LoRA models trained with FSDP/ZeRO-3 is not supported; use DDP or ZeRO-2")
     inner = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")} or full
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp.", dir=path.parent))
-    try:
+    from dlm.fsutil import atomic_folder
+
+    with atomic_folder(path) as tmp:
         dlm.model.save_pretrained(tmp, state_dict=inner)
         if dlm.tokenizer is not None:
             dlm.tokenizer.save_pretrained(tmp)
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def publish_final(src: Path, output_dir: Path) -> None:

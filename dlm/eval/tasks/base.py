@@ -193,3 +193,22 @@ def has_fields(records: Iterable[dict] | None, *names: str) -> bool:
         return False
     first = next(iter(records))
     return all(n in first for n in names)
+
+
+def read_labeled(path: str | Path, task: str, fits: Callable[[Path], bool], expected: str,
+                 labels_file_example: str | None = None) -> tuple[Path, Path | None, list[dict], list[str] | None]:
+    """``(data file, labels file or None, records, labels or None)`` of a task whose gold answers live in a
+    ``label`` field or in a labels file beside the data (one per line, same order).
+
+    With ``labels_file_example`` every record must then have a gold answer from one of the two.
+    """
+    data, labels_path = find_task_files(path, task, fits, None, expected)
+    records = read_records(data)
+    labels = read_labels(labels_path) if labels_path else None
+    if labels_file_example and labels is None and not all("label" in r for r in records):
+        raise DLMError(f"{task}: '{data}' has no 'label' field and no labels file was found beside it; "
+                       f"put the labels file (e.g. {labels_file_example}) next to it")
+    if labels is not None and len(labels) != len(records):
+        raise DLMError(f"{task}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
+                       f"records; use the labels file of the same split")
+    return data, labels_path, records, labels

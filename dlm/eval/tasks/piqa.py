@@ -7,9 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dlm.errors import DLMError
-from dlm.eval.tasks.base import MCExample, check_nonempty, find_task_files, has_fields, parse_label, read_labels, \
-    read_records
+from dlm.eval.tasks.base import MCExample, check_nonempty, has_fields, parse_label, read_labeled, read_records
 
 NAME = "piqa"
 KIND = "mc"
@@ -22,15 +20,7 @@ def _fits(path: Path) -> bool:
 
 
 def load(path) -> list[MCExample]:
-    data, labels_path = find_task_files(path, NAME, _fits, None, EXPECTED)
-    records = read_records(data)
-    labels = read_labels(labels_path) if labels_path else None
-    if labels is None and not all("label" in r for r in records):
-        raise DLMError(f"{NAME}: '{data}' has no 'label' field and no labels file was found beside it; "
-                       f"put the labels file (e.g. valid-labels.lst) next to it")
-    if labels is not None and len(labels) != len(records):
-        raise DLMError(f"{NAME}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
-                       f"records; use the labels file of the same split")
+    data, labels_path, records, labels = read_labeled(path, NAME, _fits, EXPECTED, "valid-labels.lst")
     out = []
     for i, r in enumerate(records):
         gold = labels[i] if labels is not None else r["label"]

@@ -17,8 +17,7 @@ import os
 from pathlib import Path
 
 from dlm.errors import DLMError
-from dlm.eval.tasks.base import MCExample, check_nonempty, find_task_files, has_fields, parse_label, read_labels, \
-    read_records
+from dlm.eval.tasks.base import MCExample, check_nonempty, has_fields, parse_label, read_labeled, read_records
 
 NAME = "winogrande"
 KIND = "mc"
@@ -47,13 +46,8 @@ def _split_options(a: str, b: str) -> tuple[str, str, str]:
 
 
 def load(path) -> list[MCExample]:
-    data, labels_path = find_task_files(path, NAME, _fits, None, EXPECTED)
-    records = read_records(data)
+    data, labels_path, records, labels = read_labeled(path, NAME, _fits, EXPECTED)
     layout = _layout(records)
-    labels = read_labels(labels_path) if labels_path else None
-    if labels is not None and len(labels) != len(records):
-        raise DLMError(f"{NAME}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
-                       f"records; use the labels file of the same split")
     out = []
     for i, r in enumerate(records):
         where = f"{NAME} '{data}' item {i + 1}"

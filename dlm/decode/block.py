@@ -21,7 +21,7 @@ import torch
 
 from dlm.decode.engine import GenerationResult
 from dlm.decode.mdm import finish, propose
-from dlm.decode.sampling import RequestStats, SamplingParams
+from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context
 from dlm.errors import DLMError
 
 
@@ -57,9 +57,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
     max_new = params.max_new_tokens
     results = []
     for rid, prompt in enumerate(prompts):
-        if len(prompt) + max_new > limit:
-            raise DLMError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {max_new} exceed the model's context "
-                           f"of {limit} positions; shorten the prompt or generate fewer tokens")
+        check_fits_context(len(prompt), max_new, limit)
         g = params.make_generator()
         stats = RequestStats(prompt_tokens=len(prompt), start_time=time.perf_counter())
         p_len = len(prompt)

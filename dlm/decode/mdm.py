@@ -24,7 +24,7 @@ import time
 import torch
 
 from dlm.decode.engine import GenerationResult
-from dlm.decode.sampling import RequestStats, SamplingParams, probs_from_logits, sample, suppress
+from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
 
 METHODS = ("confidence", "random", "threshold")
@@ -78,9 +78,7 @@ def mdm_generate(dlm, prompts: list[list[int]], params: SamplingParams, method: 
     limit = max_positions(dlm.hf_config) or 1 << 30
     results = []
     for rid, prompt in enumerate(prompts):
-        if len(prompt) + max_new > limit:
-            raise DLMError(f"prompt ({len(prompt)} tokens) + --max-new-tokens {max_new} exceed the model's context "
-                           f"of {limit} positions; shorten the prompt or generate fewer tokens")
+        check_fits_context(len(prompt), max_new, limit)
         g = params.make_generator()
         stats = RequestStats(prompt_tokens=len(prompt), start_time=time.perf_counter())
         p_len = len(prompt)

@@ -146,3 +146,10 @@ class RequestStats:
         return {"forwards": self.forwards, "new_tokens": self.new_tokens, "tpf": round(self.tpf, 4),
                 "acceptance": [round(a, 4) for a in self.acceptance], "tokens_per_s": round(self.tokens_per_s, 2),
                 "elapsed_s": round(self.elapsed, 4), "prompt_tokens": self.prompt_tokens}
+
+
+def check_fits_context(prompt_len: int, max_new: int, limit: int) -> None:
+    """The whole-sequence samplers (mdm, block) lay out prompt + max_new positions at once: refuse what cannot fit."""
+    if prompt_len + max_new > limit:
+        raise DLMError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new} exceed the model's context "
+                       f"of {limit} positions; shorten the prompt or generate fewer tokens")

@@ -41,3 +41,17 @@ def smollm2_path():
     from dlm.model.hub import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny-tensor tests: thread synchronisation costs more than it saves."""
+    import warnings
+
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    yield
+    torch.set_num_threads(n)

@@ -1,6 +1,5 @@
 """The token-id engine: AR parity with transformers generate, join/leave, stops, seeds, streaming, errors."""
 
-import warnings
 
 import pytest
 import torch
@@ -14,14 +13,7 @@ from dlm.testing import make_model, make_tokenizer
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny tensors: thread synchronisation costs more than it saves on a shared 2-core machine
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def idlm(arch="llama", seed=1, block_size=3):

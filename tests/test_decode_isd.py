@@ -3,7 +3,6 @@ AR distribution (and argmax drafts are biased), and the model checks."""
 
 import itertools
 import math
-import warnings
 
 import pytest
 import torch
@@ -19,13 +18,7 @@ from dlm.testing import make_model, make_tokenizer
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def idlm(arch, seed=1, block_size=3):

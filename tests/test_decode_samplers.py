@@ -1,7 +1,6 @@
 """Diffusion samplers (mdm: confidence / random / threshold; block): every mask resolved, max tokens respected,
 reproducible for a seed, the right errors."""
 
-import warnings
 
 import pytest
 import torch
@@ -16,13 +15,7 @@ from dlm.testing import make_model, make_tokenizer
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dlm_of(objective, shift=None, block_size=None, arch="llama"):

@@ -25,16 +25,8 @@ MODEL = "tiny"
 LIMIT = 48  # --max-tokens-limit of the test server
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's matmuls are too small for two threads; on a shared 2-core machine one thread is ~10x
-    faster (no spinning intra-op workers). This sets the test thread; the servers' engine threads get threads=1."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# one torch thread for the test thread (conftest); the servers' engine threads get threads=1
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -154,20 +154,43 @@ def test_lora_settings_errors():
         LoraSettings(r=0)
 
 
-def test_gated_dense_and_row_paths_agree():
+def test_gated_dense_row_and_span_paths_agree():
+    """The three ways a gated delta is applied give the same logits, and non-gated rows stay the base's exactly:
+    dense (training, many masks), gathered rows (scattered masks) and one contiguous span (decoding)."""
     dlm = _dlm()
     prepare_model_for_lora(dlm, {"r": 4, "gated": True})
     with torch.no_grad():
         for a in dlm.gated_lora.adapters.values():
             a.B.normal_(0, 0.5)
     x0, _ = _batch(dlm, L=12, B=2)
-    x = x0.clone()
-    x[0, 9] = dlm.mask_token_id
-    x[1, 3] = dlm.mask_token_id
-    outs = []
-    with torch.no_grad():
-        for frac in (0.0, 1.1):  # all rows dense / gathered rows only
-            dlm.gated_lora.dense_fraction = frac
-            outs.append(dlm(input_ids=x).logits)
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    assert torch.equal(outs[0][0, :9], outs[1][0, :9]) and torch.equal(outs[0][1, :3], outs[1][1, :3])
+    cases = {"scattered": [(0, 9), (1, 3)], "span": [(0, 10), (0, 11)]}
+    for name, where in cases.items():
+        g = dlm.gated_lora
+        x = x0.clone()
+        for r, c in where:
+            x[r, c] = dlm.mask_token_id
+        gated_rows = x == dlm.mask_token_id
+        with torch.enable_grad():
+            g.dense_fraction = 0.0
+            dense = dlm(input_ids=x).logits.detach()
+            assert g._dense
+        g.dense_fraction = 0.25
+        with torch.no_grad():
+            rows = dlm(input_ids=x).logits
+            assert not g._dense and (g._span is not None) == (name == "span")
+            g.remove()
+            base = dlm(input_ids=x).logits  # the frozen base model, no adapters at all
+        _attach_again(dlm, g)
+        torch.testing.assert_close(dense, rows, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(rows[gated_rows], base[gated_rows], atol=1e-3)  # the adapters act on masks
+        for r in range(x.shape[0]):  # every row before the first mask of its sequence is the base model's exactly
+            c = int(gated_rows[r].float().argmax()) if gated_rows[r].any() else x.shape[1]
+            assert torch.equal(rows[r, :c], base[r, :c]) and torch.equal(dense[r, :c], base[r, :c])
+
+
+def _attach_again(dlm, g):
+    from dlm.model.lora import GatedLoRA
+
+    fresh = GatedLoRA(dlm.base_model_hf, dlm.mask_token_id, g.settings, g.module_names)
+    fresh.load_state_dict(g.state_dict())
+    dlm.gated_lora = fresh

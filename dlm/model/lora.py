@@ -121,7 +121,7 @@ class GatedLoRA(nn.Module):
         self.mask_embedding = nn.Parameter(emb.weight[self.mask_token_id].detach().clone())
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._gate: torch.Tensor | None = None  # [B, T] bool, set per HF forward
-        self._n_gated, self._dense, self._idx = 0, False, None
+        self._n_gated, self._dense, self._idx, self._span = 0, False, None, None
         # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
         self.dense_fraction = 0.25
         self._handles = []
@@ -149,6 +149,15 @@ class GatedLoRA(nn.Module):
         # the row gather + in-place index_add is ~4x cheaper per layer whatever the share of masks.
         self._dense = torch.is_grad_enabled() and n >= self.dense_fraction * gate.numel()
         self._idx = gate.reshape(-1).nonzero().squeeze(1) if 0 < n and not self._dense else None
+        # Decoding puts the masks in one contiguous run of the flattened [B*T] rows (always at batch 1: the
+        # masks close the forward). Then each hook is one mm + one in-place addmm on a view of those rows
+        # instead of gather / 2 mm / index_add: at batch 1 the per-hook op count is the cost (~200 hooks).
+        self._span = None
+        if self._idx is not None and not torch.is_grad_enabled() and \
+                not (self.training and self.settings.dropout > 0):
+            lo, hi = int(self._idx[0]), int(self._idx[-1]) + 1
+            if hi - lo == n:
+                self._span = (lo, hi)
 
     def _gate_for(self, x: torch.Tensor) -> torch.Tensor | None:
         gate = self._gate
@@ -176,6 +185,12 @@ class GatedLoRA(nn.Module):
                 # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
                 delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
                 return torch.where(gate[..., None], out + delta.to(out.dtype), out)
+            span = self._span
+            if span is not None and x.dtype == adapter.A.dtype == out.dtype and out.is_contiguous():
+                lo, hi = span
+                rows = x.reshape(-1, x.shape[-1])[lo:hi]
+                out.view(-1, out.shape[-1])[lo:hi].addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
+                return out
             # Few masks (decoding): compute the delta on the gated rows only.
             idx = self._idx
             rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]

@@ -304,7 +304,9 @@ class Engine:
         self.waiting: list[Row] = []
         self.results: dict = {}
         self._ids = itertools.count()
-        self.pad_id = self.mask_token_id if self.mask_token_id is not None else 0
+        # Pads (the tail of a shorter chunk in a batch) are attended by nobody and their logits are dropped; they
+        # must not be the mask token, or a gated-LoRA model would run its adapters on them.
+        self.pad_id = 1 if self.mask_token_id == 0 else 0
         self.total_forwards = 0
         eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         if eos is None:
@@ -387,7 +389,7 @@ class Engine:
         n = len(rows[0].prompt_ids) + len(rows[0].state["suffix"])
         ids = torch.tensor([r.prompt_ids + r.state.pop("suffix") for r in rows], device=self.device)
         pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
-        mask = torch.ones(n, n, dtype=torch.bool, device=self.device).tril_().expand(len(rows), 1, n, n)
+        mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
         kv = KVBatch()
         n_out = n - len(rows[0].prompt_ids) + 1
         logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=n_out)
@@ -422,7 +424,9 @@ class Engine:
         start = torch.tensor([r.pos for r in rows])
         # pads (at the end of short chunks) get clamped positions: harmless, nobody attends to them
         pos = (start[:, None] + torch.arange(q)[None]).clamp_(max=self.max_positions - 1)
-        mask = decode_mask(self.kv.valid, q)
+        # No holes in the cache (plain AR, or ISD rows that kept every token): the model's own causal mask is the
+        # same, and without an explicit mask a 1-token step needs none at all (cheaper attention).
+        mask = None if bool(self.kv.valid.all()) else decode_mask(self.kv.valid, q)
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
         keep = torch.zeros(b, q, dtype=torch.bool)
         events = []

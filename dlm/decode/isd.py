@@ -2,8 +2,9 @@
 
 Stride N. With the I-DLM shift a mask stands in for the token at its own position and predicts the next one.
 
-- Cold start (prefill, or after a rejection): chunk ``[t0, M x (2N-2)]`` at positions p..p+2N-2 (the same length
-  as a verify chunk, so a batch of rows in either phase needs no padding). The logit at t0 gives the next token
+- Cold start (prefill, or after a rejection): chunk ``[t0, M x (N-1)]`` at positions p..p+N-1 (N tokens, not the
+  2N-1 of a verify chunk: at batch 1 every token of a forward costs - LoRA rows, wider matmuls - and in a batch the
+  engine pads the shorter chunks anyway; nobody attends to pads). The logit at t0 gives the next token
   ``c`` (drawn as the AR model would); the masks at p+1..p+N-1 give drafts d_1..d_{N-1} for positions
   p+2..p+N with their distributions q. Only t0's KV is kept. One token per forward.
 - Verify: chunk ``[c, d_1..d_{N-1}, M x (N-1)]`` at p..p+2N-2. The logit at c is p_1 (the AR distribution of
@@ -76,9 +77,9 @@ class ISDDecoder(Decoder):
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         row.state.update(mode="cold", drafts=None, q=None)
         n = self.stride
-        if len(row.prompt_ids) + 2 * n - 2 > engine.max_positions:
+        if len(row.prompt_ids) + n - 1 > engine.max_positions:
             return []
-        return [engine.mask_token_id] * (2 * n - 2)
+        return [engine.mask_token_id] * (n - 1)
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         n = self.stride
@@ -90,7 +91,7 @@ class ISDDecoder(Decoder):
         if row.state["mode"] == "verify":
             return [row.last] + row.state["drafts"] + [m] * (n - 1)
         row.state["mode"] = "cold"
-        return [row.last] + [m] * (2 * n - 2)
+        return [row.last] + [m] * (n - 1)
 
     # -- sampling helpers ---------------------------------------------------------------------------------
     def _draft(self, engine: Engine, row: Row, mask_logits: torch.Tensor, first_pos: int) -> None:

@@ -4,10 +4,12 @@
     python bench/objectives.py --lengths 128 --reps 2 --model ./some-hf-folder --json out.json
 
 Rows: ``ar`` (plain next-token CE, all weights trainable: the baseline), ``mdm`` (L tokens), ``block`` and
-``idlm`` ([x_t | x0]: 2L tokens, all weights trainable), ``idlm-gated`` (gated LoRA r=16 on all linear layers:
-clean pass once under no_grad + L mask tokens attending its KV cache). ``ratio`` = step time / AR step time;
-``build %`` = share of the step spent building attention masks and noise (goal < 5%); the [x_t | x0] objectives
-process 2L tokens, so about 2x is the floor (goal <= 2.3x). Times are medians over interleaved reps.
+``idlm`` ([x_t | x0]: 2L tokens, all weights trainable; idlm by default on the split path: a causal clean pass
+whose KV the L noisy tokens attend), ``idlm-2L`` (the same loss and gradients as one 2L forward with a dense
+mask), ``idlm-gated`` (gated LoRA r=16 on all linear layers: clean pass once under no_grad + L mask tokens
+attending its KV cache). ``ratio`` = step time / AR step time; ``build %`` = share of the step spent building
+attention masks and noise (goal < 5%); the [x_t | x0] objectives process 2L tokens, so about 2x is the floor
+(goal <= 2.3x). Times are medians over interleaved reps.
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ def main(argv=None) -> int:
         "mdm": convert_ar_to_dlm(folder, "mdm"),
         "block": convert_ar_to_dlm(folder, "block", block_size=args.block_size),
         "idlm": convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),
+        "idlm-2L": convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),
         "idlm-gated": prepare_model_for_lora(convert_ar_to_dlm(folder, "idlm", block_size=args.block_size),
                                              {"r": 16, "alpha": 32, "gated": True}),
     }
     objectives = {
         "mdm": get_objective("mdm", attention="annealed", anneal_steps=1000),
         "block": get_objective("block"),
-        "idlm": get_objective("idlm"),
+        "idlm": get_objective("idlm"),  # split path: causal clean pass (kept graph) + L noisy queries on its KV
+        "idlm-2L": get_objective("idlm", fast_path=False),  # the reference shape: one 2L forward, dense mask
         "idlm-gated": get_objective("idlm"),
     }
     for m in models.values():

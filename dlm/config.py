@@ -86,7 +86,7 @@ class IDLMConfig:
     loss_auto_balance: bool = False
     idlm_loss_type: str = "ar"  # ar (hard labels) | distill (the clean pass's soft distribution)
     distill_temperature: float = 1.0
-    fast_path: bool | None = None  # None: the cached fast path when the model has gated LoRA
+    fast_path: bool | None = None  # None/True: split clean + noisy passes (faster); False: one 2L forward
 
 
 @dataclass

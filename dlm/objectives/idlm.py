@@ -16,15 +16,20 @@ instead of the hard label: self-distillation, which is what maximises ISD accept
 Batch size > 1, padded rows and packed rows (``doc_ids``) are handled by masks and per-document positions (the
 reference slices the clean half as ``[:, L:2L]`` and so needs batch size 1).
 
-Gated-LoRA fast path: the clean path is the frozen base model, so the clean half runs once under ``no_grad``
-(a plain causal forward that fills a KV cache) and the L noisy tokens attend to that cache with the
-``introspective_cached`` L x 2L mask - the same computation as the noisy half of the 2L forward, with gradients
-only through L tokens (fewer with prompts: the noisy pass starts at the first block holding a mask). Only
-``CE_noisy`` carries gradient there (``CE_clean`` is logged, constant).
+Split (fast) path, the default: the clean half never attends to the noisy half, so it runs first as a plain
+causal forward that fills a KV cache, and the L noisy tokens then attend to that cache with the
+``introspective_cached`` L x 2L mask - the same maths as the 2L forward with the ``introspective`` mask, but the
+clean half gets the model's own causal attention (no dense mask when rows are neither padded nor packed) and the
+noisy queries skip the prompt blocks (the noisy pass starts at the first block holding a mask). Without gated
+LoRA the clean pass keeps its graph and gradients reach it from both losses through the cached keys/values. With
+gated LoRA the clean path is the frozen base model, so the clean pass runs under ``no_grad`` and only ``CE_noisy``
+carries gradient (``CE_clean`` is logged, constant). ``fast_path: false`` forces the single 2L forward (tests
+check both give the same loss and gradients).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -44,7 +49,7 @@ class IDLMConfig:
     loss_auto_balance: bool = False
     idlm_loss_type: str = "ar"  # 'ar' (hard labels) | 'distill' (clean pass's soft distribution)
     distill_temperature: float = 1.0
-    fast_path: bool | None = None  # None: use the cached fast path when the model has gated LoRA
+    fast_path: bool | None = None  # None/True: split clean + noisy passes (see module doc); False: one 2L forward
 
     def __post_init__(self):
         if self.idlm_loss_type not in ("ar", "distill"):
@@ -86,14 +91,18 @@ class IDLMObjective(Objective):
         x_t, noisy = build_noisy(b.input_ids, targets, model.mask_token_id)
         n = int(noisy.sum())
         gated = get_gated(model) is not None
-        fast = gated if c.fast_path is None else bool(c.fast_path)
-        if fast and not gated:
-            raise DLMError("idlm fast_path needs a gated-LoRA model (its clean path must be the frozen base); "
-                           "use lora: {gated: true} or drop fast_path")
+        fast = True if c.fast_path is None else bool(c.fast_path)
+        hf = getattr(model, "base_model_hf", None)
+        if fast and getattr(hf, "is_gradient_checkpointing", False) and getattr(model, "training", True):
+            # HF turns the KV cache off under gradient checkpointing, and the split path needs it: one 2L forward
+            fast = False
         dev = model.device
         pos = b.positions
         if fast:
-            clean_attn = masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
+            plain = (b.key_valid is None or bool(b.key_valid.all())) and \
+                (b.doc_ids is None or bool((b.doc_ids == b.doc_ids[:, :1]).all()))
+            # neither padded nor packed: the model's own causal attention (no dense mask, the fastest kernels)
+            clean_attn = None if plain else masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
             noisy_attn = masks.dense(masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev), B, L,
                                      2 * L, device=dev)
             # Noisy queries before the first block holding a mask are never attended by a mask (masks see noisy
@@ -107,7 +116,7 @@ class IDLMObjective(Objective):
             if start > 0:
                 noisy_attn = torch.cat([noisy_attn[:, :, start:, :L], noisy_attn[:, :, start:, L + start:]], -1)
             build_s = time.perf_counter() - t_build
-            with torch.no_grad():
+            with torch.no_grad() if gated else contextlib.nullcontext():
                 out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True)
             clean_logits = out.logits
             sub = model(input_ids=x_t[:, start:], attention_mask=noisy_attn, position_ids=pos[:, start:],
@@ -146,7 +155,7 @@ class IDLMObjective(Objective):
             scale = (ce_noisy / (ce_clean + 1e-8)).detach()
         else:
             scale = torch.tensor(c.ce_alpha, device=dev)
-        loss = ce_noisy + scale * (ce_clean.detach() if fast else ce_clean)
+        loss = ce_noisy + scale * (ce_clean.detach() if fast and gated else ce_clean)
         with torch.no_grad():
             guess = sel_noisy.argmax(-1)
             agree = (guess == sel_clean.argmax(-1)).float().mean()

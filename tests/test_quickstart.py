@@ -58,3 +58,13 @@ def test_quickstart_not_enough_disk(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10, 10, 2**20))
     assert main(["quickstart", "--output", str(tmp_path / "x")]) == 2
     assert "GiB free" in capsys.readouterr().err
+
+
+def test_curriculum_minutes_split():
+    from dlm.quickstart import QuickstartConfig, stage_minutes
+
+    # default: b1 (the N=2 draft on every mask) gets twice each later stage's share
+    assert stage_minutes(QuickstartConfig(minutes=30, curriculum=(1, 2))) == [20.0, 10.0]
+    assert stage_minutes(QuickstartConfig(minutes=40, curriculum=(1, 2, 3))) == [20.0, 10.0, 10.0]
+    assert stage_minutes(QuickstartConfig(minutes=30, curriculum=(1, 2), curriculum_split=(1, 1))) == [15.0, 15.0]
+    assert stage_minutes(QuickstartConfig(minutes=10, curriculum=(1,))) == [10.0]

@@ -25,14 +25,14 @@ def add_arguments(p) -> None:
     p.add_argument("--output", default="runs/quickstart", help="run folder (default runs/quickstart)")
     p.add_argument("--minutes", type=float, default=30.0, help="training budget in minutes (default 30)")
     p.add_argument("--data", default=None, help="chat/instruction JSONL to train on instead of self-distillation")
-    p.add_argument("--num-instructions", type=int, default=256, help="self-distillation prompts (default 256)")
+    p.add_argument("--num-instructions", type=int, default=512, help="self-distillation prompts (default 512)")
     p.add_argument("--answer-tokens", type=int, default=128, help="max tokens per self-distilled answer")
     p.add_argument("--curriculum", type=_ints, default=(1, 2), help="block sizes trained in order (default 1,2)")
     p.add_argument("--curriculum-split", type=_floats, default=None,
-                   help="share of the minutes per curriculum stage (default equal)")
+                   help="share of the minutes per curriculum stage (default 2,1,...: b1 gets twice a later stage)")
     p.add_argument("--lora-r", type=int, default=32, help="gated LoRA rank (default 32)")
-    p.add_argument("--learning-rate", type=float, default=1e-3)
-    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=192)
     p.add_argument("--loss-type", choices=["distill", "ar"], default="distill",
                    help="distill: masks learn the clean pass's soft distribution (default); ar: hard labels")

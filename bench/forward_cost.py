@@ -1,0 +1,95 @@
+"""What one decode forward costs by chunk shape: why ISD's tokens per forward do (or do not) turn into speed.
+
+    python bench/forward_cost.py                          # smollm2-135m converted to an I-DLM, random adapters
+    python bench/forward_cost.py --model runs/quickstart/train_b2   # a trained gated-LoRA checkpoint
+
+Times a KV-cache extend at batch 1 (cache of ``--context`` tokens) for the chunks the engine feeds:
+
+- ``ar``: 1 token (plain AR step);
+- ``isd cold N``: ``[t, M x (N-1)]`` (N tokens, N-1 masks);
+- ``isd verify N``: ``[c, d_1..d_{N-1}, M x (N-1)]`` (2N-1 tokens, N-1 masks);
+
+each with the gated-LoRA adapters attached (the masks run them) and, for the same token count, with the adapters
+removed (the bare base model: what the extra tokens alone cost). Medians of interleaved repeats; ratios to the
+1-token step of the same run. With acceptance a, greedy ISD at N = 2 makes 2 / (2 - a) tokens per forward, so it
+beats AR in wall-clock only when that exceeds the verify/cold cost ratios below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import torch
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="alias / AR folder (converted, random adapters) or a "
+                    "trained I-DLM checkpoint")
+    ap.add_argument("--strides", default="2,3,4")
+    ap.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--lora-r", type=int, default=32, help="rank of the random adapters when --model has none")
+    args = ap.parse_args(argv)
+    warnings.filterwarnings("ignore")
+
+    from dlm.model.convert import load_any
+    from dlm.model.lora import LoraSettings, get_gated, prepare_model_for_lora
+
+    dlm = load_any(args.model, "idlm")
+    if get_gated(dlm) is None:
+        prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True))
+        with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
+            for a in dlm.gated_lora.adapters.values():
+                a.B.normal_(0, 1e-3)
+    hf, m = dlm.model, dlm.mask_token_id
+    strides = [int(s) for s in args.strides.split(",") if s]
+    g = torch.Generator().manual_seed(0)
+    ctx = torch.randint(100, 20000, (1, args.context), generator=g)
+    shapes = [("ar", 1, 0)]
+    for n in strides:
+        shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
+
+    with torch.inference_mode():
+        cache = hf(input_ids=ctx, use_cache=True).past_key_values
+
+        def one(t: int, masks: int) -> float:
+            ids = torch.randint(100, 20000, (1, t), generator=g)
+            if masks:
+                ids[0, t - masks:] = m
+            pos = torch.arange(args.context, args.context + t)[None]
+            t0 = time.perf_counter()
+            hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            dt = time.perf_counter() - t0
+            cache.crop(-t)  # drop what this step appended
+            return dt
+
+        def measure() -> dict:
+            res = {s: [] for s in shapes}
+            for s in shapes:
+                one(*s[1:])  # warm-up
+            for _ in range(args.repeats):
+                for s in shapes:
+                    res[s].append(one(*s[1:]))
+            return {s: statistics.median(v) * 1000 for s, v in res.items()}
+
+        with_adapters = measure()
+        dlm.gated_lora.remove()
+        bare = measure()
+
+    base = with_adapters[shapes[0]]
+    print(f"model {args.model}, batch 1, {args.context} tokens in the cache, median of {args.repeats}, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
+    for s in shapes:
+        name, t, k = s
+        print(f"{name:<16} {t:>6} {k:>5} {with_adapters[s]:>9.1f} {with_adapters[s] / base:>6.2f} "
+              f"{bare[s]:>8.1f} {bare[s] / base:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -9,8 +9,8 @@ Times a KV-cache extend at batch 1 (cache of ``--context`` tokens) for the chunk
 - ``isd cold N``: ``[t, M x (N-1)]`` (N tokens, N-1 masks);
 - ``isd verify N``: ``[c, d_1..d_{N-1}, M x (N-1)]`` (2N-1 tokens, N-1 masks);
 
-each with the gated-LoRA adapters attached (the masks run them) and, for the same token count, with the adapters
-removed (the bare base model: what the extra tokens alone cost). Medians of interleaved repeats; ratios to the
+each with the gated-LoRA adapters acting on the masks and, interleaved, with them idle (same tokens, base maths
+only: what the extra tokens alone cost). Medians of interleaved repeats; ratios to the
 1-token step of the same run. With acceptance a, greedy ISD at N = 2 makes 2 / (2 - a) tokens per forward, so it
 beats AR in wall-clock only when that exceeds the verify/cold cost ratios below.
 """
@@ -67,18 +67,26 @@ def main(argv=None) -> int:
             cache.crop(-t)  # drop what this step appended
             return dt
 
-        def measure() -> dict:
-            res = {s: [] for s in shapes}
+        gated = dlm.gated_lora
+        real_mask = gated.mask_token_id
+
+        def measure() -> tuple[dict, dict]:
+            """Interleaved: each repeat times every shape with the adapters on, then with them off (the gate set to
+            match no token, so the same tokens run the bare base model's maths), so machine noise hits both alike."""
+            on, off = ({s: [] for s in shapes} for _ in range(2))
             for s in shapes:
                 one(*s[1:])  # warm-up
             for _ in range(args.repeats):
                 for s in shapes:
-                    res[s].append(one(*s[1:]))
-            return {s: statistics.median(v) * 1000 for s, v in res.items()}
+                    gated.mask_token_id = real_mask
+                    on[s].append(one(*s[1:]))
+                    gated.mask_token_id = -1
+                    off[s].append(one(*s[1:]))
+            gated.mask_token_id = real_mask
+            med = lambda d: {s: statistics.median(v) * 1000 for s, v in d.items()}  # noqa: E731
+            return med(on), med(off)
 
-        with_adapters = measure()
-        dlm.gated_lora.remove()
-        bare = measure()
+        with_adapters, bare = measure()
 
     base = with_adapters[shapes[0]]
     print(f"model {args.model}, batch 1, {args.context} tokens in the cache, median of {args.repeats}, "

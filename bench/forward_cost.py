@@ -33,6 +33,8 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--lora-r", type=int, default=32, help="rank of the random adapters when --model has none")
+    ap.add_argument("--targets", default="all-linear", help="modules of the random adapters when --model has none "
+                    "(comma-separated names, e.g. q_proj,v_proj; default all-linear)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -41,7 +43,9 @@ def main(argv=None) -> int:
 
     dlm = load_any(args.model, "idlm")
     if get_gated(dlm) is None:
-        prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True))
+        targets = "all-linear" if args.targets == "all-linear" else [t for t in args.targets.split(",") if t]
+        prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True,
+                                                 target_modules=targets))
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)
@@ -89,6 +93,7 @@ def main(argv=None) -> int:
         with_adapters, bare = measure()
 
     base = with_adapters[shapes[0]]
+    print(f"{len(dlm.gated_lora.adapters)} adapters")
     print(f"model {args.model}, batch 1, {args.context} tokens in the cache, median of {args.repeats}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")

@@ -39,6 +39,7 @@ class QuickstartConfig:
     curriculum: tuple[int, ...] = (1, 2)  # block sizes trained in order
     curriculum_split: tuple[float, ...] | None = None  # share of the minutes per stage (default: 2, 1, 1, ...)
     lora_r: int = 32
+    lora_targets: str = "all-linear"  # adapter modules: all-linear or comma-separated names (q_proj,v_proj)
     learning_rate: float = 2e-3
     batch_size: int = 2
     seq_length: int = 192
@@ -147,8 +148,11 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
         resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) \
             else None
         if previous is None:
+            targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
+                [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
             dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b,
-                                    lora=LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True))
+                                    lora=LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True,
+                                                      target_modules=targets))
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(previous)
             dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block

@@ -31,6 +31,9 @@ def add_arguments(p) -> None:
     p.add_argument("--curriculum-split", type=_floats, default=None,
                    help="share of the minutes per curriculum stage (default 2,1,...: b1 gets twice a later stage)")
     p.add_argument("--lora-r", type=int, default=32, help="gated LoRA rank (default 32)")
+    p.add_argument("--lora-targets", default="all-linear",
+                   help="modules with adapters: all-linear (default) or names, e.g. q_proj,v_proj (fewer adapters = "
+                        "cheaper ISD forwards at batch 1)")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=192)
@@ -48,7 +51,7 @@ def run(args) -> int:
     cfg = QuickstartConfig(
         model=args.model, output=args.output, minutes=args.minutes, data=args.data,
         num_instructions=args.num_instructions, answer_tokens=args.answer_tokens, curriculum=args.curriculum,
-        curriculum_split=args.curriculum_split, lora_r=args.lora_r, learning_rate=args.learning_rate,
+        curriculum_split=args.curriculum_split, lora_r=args.lora_r, lora_targets=args.lora_targets, learning_rate=args.learning_rate,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
         eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
     )

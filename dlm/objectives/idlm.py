@@ -93,7 +93,10 @@ class IDLMObjective(Objective):
         gated = get_gated(model) is not None
         fast = True if c.fast_path is None else bool(c.fast_path)
         hf = getattr(model, "base_model_hf", None)
-        if fast and getattr(hf, "is_gradient_checkpointing", False) and getattr(model, "training", True):
+        ckpt = getattr(hf, "is_activation_checkpointing", None)  # transformers 5 name; 4.x: is_gradient_checkpointing
+        if ckpt is None:
+            ckpt = getattr(hf, "is_gradient_checkpointing", False)
+        if fast and ckpt and getattr(model, "training", True):
             # HF turns the KV cache off under gradient checkpointing, and the split path needs it: one 2L forward
             fast = False
         dev = model.device

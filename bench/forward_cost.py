@@ -43,9 +43,8 @@ def main(argv=None) -> int:
 
     dlm = load_any(args.model, "idlm")
     if get_gated(dlm) is None:
-        targets = "all-linear" if args.targets == "all-linear" else [t for t in args.targets.split(",") if t]
         prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True,
-                                                 target_modules=targets))
+                                                 target_modules=args.targets))
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)

@@ -148,11 +148,9 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
         resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) \
             else None
         if previous is None:
-            targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else \
-                [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
             dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b,
                                     lora=LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True,
-                                                      target_modules=targets))
+                                                      target_modules=cfg.lora_targets))
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(previous)
             dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block

@@ -194,3 +194,13 @@ def _attach_again(dlm, g):
     fresh = GatedLoRA(dlm.base_model_hf, dlm.mask_token_id, g.settings, g.module_names)
     fresh.load_state_dict(g.state_dict())
     dlm.gated_lora = fresh
+
+
+def test_target_modules_comma_string():
+    """The command-line form ``q_proj,v_proj`` (dlm convert / quickstart --lora-targets) names the modules."""
+    assert LoraSettings(target_modules="q_proj, v_proj").target_modules == ["q_proj", "v_proj"]
+    assert LoraSettings(target_modules="all-linear").target_modules == "all-linear"
+    dlm = _dlm()
+    prepare_model_for_lora(dlm, {"r": 4, "gated": True, "target_modules": "q_proj,v_proj"})
+    names = dlm.gated_lora.module_names
+    assert names and all(n.endswith(("q_proj", "v_proj")) for n in names)

@@ -51,9 +51,7 @@ def run(args) -> int:
     if args.gated_lora and args.lora_r is None:
         args.lora_r = 16
     if args.lora_r is not None:
-        targets = args.lora_targets
-        targets = "all-linear" if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
-        lora = {"r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r, "target_modules": targets,
+        lora = {"r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r, "target_modules": args.lora_targets,
                 "gated": bool(args.gated_lora)}
         if args.gated_lora and args.objective != "idlm":
             raise DLMError("--gated-lora is the I-DLM lossless mode; use it with --objective idlm")

@@ -51,7 +51,8 @@ def run(args) -> int:
     cfg = QuickstartConfig(
         model=args.model, output=args.output, minutes=args.minutes, data=args.data,
         num_instructions=args.num_instructions, answer_tokens=args.answer_tokens, curriculum=args.curriculum,
-        curriculum_split=args.curriculum_split, lora_r=args.lora_r, lora_targets=args.lora_targets, learning_rate=args.learning_rate,
+        curriculum_split=args.curriculum_split, lora_r=args.lora_r, lora_targets=args.lora_targets,
+        learning_rate=args.learning_rate,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
         eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
     )

@@ -377,7 +377,7 @@ class Engine:
                 events += self._prefill(group)
         return events
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor, cache, logits_to_keep=0):
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
         out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
                          use_cache=True, logits_to_keep=logits_to_keep)

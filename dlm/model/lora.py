@@ -39,7 +39,7 @@ class LoraSettings:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
-    target_modules: list[str] | str = field(default_factory=lambda: "all-linear")
+    target_modules: list[str] | str = field(default_factory=lambda: "all-linear")  # or "q_proj,v_proj" / a list
     gated: bool = False  # adapters act only at mask positions (I-DLM "lossless" mode)
 
     def __post_init__(self):
@@ -47,6 +47,9 @@ class LoraSettings:
             raise DLMError(f"LoRA r must be a positive integer, got {self.r!r} (--lora-r / lora.r)")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise DLMError(f"LoRA dropout must be in [0, 1), got {self.dropout!r} (lora.dropout)")
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            # the command-line form: comma-separated module names
+            self.target_modules = [t.strip() for t in self.target_modules.split(",") if t.strip()]
 
 
 def _settings(config) -> LoraSettings:

@@ -102,8 +102,8 @@ class IDLMObjective(Objective):
         dev = model.device
         pos = b.positions
         if fast:
-            plain = (b.key_valid is None or bool(b.key_valid.all())) and \
-                (b.doc_ids is None or bool((b.doc_ids == b.doc_ids[:, :1]).all()))
+            # (prepare_batch already drops an all-valid attention mask)
+            plain = b.key_valid is None and (b.doc_ids is None or bool((b.doc_ids == b.doc_ids[:, :1]).all()))
             # neither padded nor packed: the model's own causal attention (no dense mask, the fastest kernels)
             clean_attn = None if plain else masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
             noisy_attn = masks.dense(masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev), B, L,

@@ -71,6 +71,10 @@ def test_gated_lora_clean_path_stays_base_after_training(arch):
 
 
 def test_gated_lora_gate_per_call_with_kv_cache():
+    from transformers import DynamicCache
+
+    from dlm.model.convert import cache_kw
+
     dlm = _dlm()
     prepare_model_for_lora(dlm, {"r": 4, "gated": True})
     with torch.no_grad():
@@ -82,9 +86,9 @@ def test_gated_lora_gate_per_call_with_kv_cache():
     full_ids = torch.cat([x0, ext], 1)
     with torch.no_grad():
         full = dlm(input_ids=full_ids).logits
-        pre = dlm(input_ids=x0, use_cache=True)
-        step = dlm(input_ids=ext, cache=pre.cache,
-                   position_ids=torch.arange(8, 11)[None]).logits
+        kv = {cache_kw(dlm): DynamicCache()}
+        pre = dlm(input_ids=x0, use_cache=True, **kv)
+        step = dlm(input_ids=ext, position_ids=torch.arange(8, 11)[None], **kv).logits
     torch.testing.assert_close(step, full[:, 8:], atol=1e-5, rtol=1e-5)
     # the prefill (no masks) is the base path: equal to the full forward's first 8 positions
     torch.testing.assert_close(pre.logits, full[:, :8], atol=1e-5, rtol=1e-5)

@@ -231,3 +231,17 @@ def test_flex_attention_output_matches_sdpa():
         pytest.skip(f"flex attention does not run here: {e}")
     ref = F.scaled_dot_product_attention(q, k, v, attn_mask=masks.dense(mod, 1, Q, K))
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_from_equals_slicing_the_dense_cached_mask():
+    """The I-DLM split path's noisy pass starts at row ``start``: the shifted index function gives exactly the
+    dense ``L x 2L`` mask with its first rows and noisy key columns cut away."""
+    L = 9
+    doc = torch.tensor([[0] * 4 + [1] * 5, [0] * 9])
+    valid = torch.ones(2, L, dtype=torch.bool)
+    valid[1, 7:] = False
+    mod = masks.introspective_cached(L, 2, doc_ids=doc, key_valid=valid)
+    full = masks.dense(mod, 2, L, 2 * L)
+    for start in (0, 1, 4, 8):
+        cut = torch.cat([full[:, :, start:, :L], full[:, :, start:, L + start:]], -1)
+        assert torch.equal(masks.dense(masks.rows_from(mod, L, start), 2, L - start, 2 * L - start), cut), start

@@ -23,6 +23,7 @@ from dlm.decode.engine import GenerationResult
 from dlm.decode.mdm import finish, propose
 from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context
 from dlm.errors import DLMError
+from dlm.model.convert import cache_kw
 
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -70,7 +71,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
             pos = torch.arange(c, device=device)
             stats.forwards += 1
             dlm(input_ids=x[None, :c], position_ids=pos[None], attention_mask=block_mask(pos, pos, b),
-                past_key_values=cache, use_cache=True)
+                **{cache_kw(dlm): cache}, use_cache=True)
         stopped = False
         for bs in range(first_block, end, b):
             be = min(bs + b, end)
@@ -85,7 +86,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
                 k_pos = torch.arange(0, be, device=device)
                 stats.forwards += 1
                 logits = dlm(input_ids=x[None, c:be], position_ids=q_pos[None],
-                             attention_mask=block_mask(q_pos, k_pos, b), past_key_values=cache,
+                             attention_mask=block_mask(q_pos, k_pos, b), **{cache_kw(dlm): cache},
                              use_cache=True).logits[0]
                 # keep the KV of everything before this block (finished blocks: written once), drop the rest
                 new_c = max(bs - off, c)

@@ -285,7 +285,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, decoder: str | Decoder = "ar", max_batch_size: int = 8,
                  compact_threshold: float = 0.5, **decoder_kw):
-        from dlm.model.convert import max_positions
+        from dlm.model.convert import cache_kw, max_positions
 
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
@@ -293,6 +293,11 @@ class Engine:
         self.mask_token_id = self.spec.mask_token_id if self.spec is not None else None
         self.max_positions = max_positions(self.config) or 1 << 30
         self.device = next(model.parameters()).device
+        self._cache_kw = cache_kw(model)
+        if getattr(self.config, "_attn_implementation", None) == "flex_attention":
+            raise DLMError("the decoding engine builds dense attention masks, which transformers' flex_attention "
+                           "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
+                           "dlm.model.convert.dense_mask_attention(model))")
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:
@@ -379,8 +384,8 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=cache,
-                         use_cache=True, logits_to_keep=logits_to_keep)
+        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                         logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
         return out.logits
 
     def _prefill(self, rows: list[Row]) -> list[StepEvent]:

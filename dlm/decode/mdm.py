@@ -26,6 +26,7 @@ import torch
 from dlm.decode.engine import GenerationResult
 from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
+from dlm.model.convert import cache_kw
 
 METHODS = ("confidence", "random", "threshold")
 
@@ -136,7 +137,7 @@ def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, 
                 # refresh: one full forward; its prefix KV is kept for the block's later passes
                 cache = DynamicCache()
                 stats.forwards += 1
-                logits = dlm(input_ids=x[None], attention_mask=_full_mask(n, device), past_key_values=cache,
+                logits = dlm(input_ids=x[None], attention_mask=_full_mask(n, device), **{cache_kw(dlm): cache},
                              use_cache=True).logits[0]
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
@@ -146,7 +147,7 @@ def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, 
                 stats.forwards += 1
                 mask = torch.ones(1, 1, q, c + q, dtype=torch.bool, device=device)
                 logits = dlm(input_ids=x[None, c:], position_ids=torch.arange(c, n, device=device)[None],
-                             attention_mask=mask, past_key_values=cache, use_cache=True).logits[0]
+                             attention_mask=mask, **{cache_kw(dlm): cache}, use_cache=True).logits[0]
                 for layer in cache.layers:  # drop this pass's KV again: the prefix cache stays as refreshed
                     layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
                 offset = c

@@ -11,6 +11,7 @@ from dlm.eval.multiple_choice import evaluate_multiple_choice
 from dlm.eval.scoring import DEFAULT_TOKEN_BUDGET, as_eval_model
 from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
 from dlm.eval.tasks.base import limit as _limit
+from dlm.model.convert import dense_mask_attention
 
 
 def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=None, data_dir=None,
@@ -43,26 +44,27 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
         options = {"direction": poem_direction, "gen_length": poem_gen_length} if name == "poem_reverse" else {}
         loaded[name] = _limit(load_task(name, data_dir, paths, **options), limit)
     model.eval()
-    try:
-        for name in names:
-            module = TASKS[name]
-            t0 = time.perf_counter()
-            examples = loaded[name]
-            if not examples:
-                raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
-            if module.KIND == "mc":
-                res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
-                                               token_budget=token_budget, keep_predictions=keep_predictions)
-            else:
-                res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
-                                          batch_size=batch_size, generate_fn=generate_fn,
-                                          keep_predictions=keep_predictions)
-            res["seconds"] = time.perf_counter() - t0
-            results[name] = res
-            if log is not None:
-                log(f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
-                    f"({res['seconds']:.1f} s)")
-    finally:
-        if was_training:
-            model.train()
+    with dense_mask_attention(model):
+        try:
+            for name in names:
+                module = TASKS[name]
+                t0 = time.perf_counter()
+                examples = loaded[name]
+                if not examples:
+                    raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
+                if module.KIND == "mc":
+                    res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
+                                                   token_budget=token_budget, keep_predictions=keep_predictions)
+                else:
+                    res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
+                                              batch_size=batch_size, generate_fn=generate_fn,
+                                              keep_predictions=keep_predictions)
+                res["seconds"] = time.perf_counter() - t0
+                results[name] = res
+                if log is not None:
+                    log(f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
+                        f"({res['seconds']:.1f} s)")
+        finally:
+            if was_training:
+                model.train()
     return results

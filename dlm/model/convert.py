@@ -17,6 +17,7 @@ merged into the base weights) are stored beside the weights in ``dlm_adapter.saf
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -32,6 +33,43 @@ OBJECTIVES = ("mdm", "block", "idlm")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
 # Attention implementations that accept an arbitrary 4D mask (the DLM objectives need one).
 MASKABLE_ATTN = ("sdpa", "eager", "flex_attention")
+
+
+def _hf(model) -> nn.Module:
+    m = getattr(model, "base_model_hf", model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+_CACHE_KW: dict[type, str] = {}
+
+
+def cache_kw(model) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` (newer transformers 5 releases, which
+    deprecate the old name) or ``past_key_values`` (earlier ones)."""
+    cls = type(_hf(model))
+    if cls not in _CACHE_KW:
+        import inspect
+
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KW[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KW[cls]
+
+
+@contextlib.contextmanager
+def dense_mask_attention(model):
+    """Run ``model`` with SDPA inside the block when it was switched to flex attention (``--attn-impl
+    flex_attention`` in training): decoding and scoring build dense boolean masks, which transformers' flex path
+    would read as additive scores (masking nothing). The model's own implementation is restored afterwards."""
+    hf = _hf(model)
+    impl = getattr(getattr(hf, "config", None), "_attn_implementation", None)
+    if impl != "flex_attention":
+        yield model
+        return
+    hf.set_attn_implementation("sdpa")
+    try:
+        yield model
+    finally:
+        hf.set_attn_implementation(impl)
 
 
 @dataclass

@@ -30,7 +30,7 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 __all__ = [
     "MaskMod", "causal", "full", "annealed", "block_diffusion", "introspective", "introspective_cached",
-    "dense", "block_mask", "decode_mask", "doc_positions", "draw_anneal", "render",
+    "dense", "block_mask", "build", "rows_from", "decode_mask", "doc_positions", "draw_anneal", "render",
 ]
 
 
@@ -251,6 +251,30 @@ def block_mask(mask_mod: MaskMod, B: int, Q: int, K: int | None = None, device=N
     K = Q if K is None else K
     return create_block_mask(mask_mod, B, None, Q, K, device=device if device is not None else "cpu",
                              BLOCK_SIZE=block_size)
+
+
+def build(mask_mod: MaskMod, B: int, Q: int, K: int | None = None, device=None, attn_impl: str | None = None):
+    """The mask in the form the model's attention takes: a ``BlockMask`` under transformers' ``flex_attention``
+    (which would read a dense boolean tensor as an additive score and mask nothing), else :func:`dense`."""
+    if attn_impl == "flex_attention":
+        return block_mask(mask_mod, B, Q, K, device=device)
+    return dense(mask_mod, B, Q, K, device=device)
+
+
+def rows_from(mask_mod: MaskMod, L: int, start: int) -> MaskMod:
+    """:func:`introspective_cached` with its first ``start`` query rows and noisy key columns dropped.
+
+    Keys become ``[clean cache (L) | noisy start..L-1]`` and queries ``start..L-1``: the I-DLM split path runs the
+    noisy pass only from the first block that holds a mask. Equal to slicing the dense ``L x 2L`` mask
+    ``[:, :, start:]`` and dropping key columns ``L..L+start-1``, without building them.
+    """
+    if start == 0:
+        return mask_mod
+
+    def shifted(b, h, q_idx, kv_idx):
+        return mask_mod(b, h, q_idx + start, torch.where(kv_idx < L, kv_idx, kv_idx + start))
+
+    return shifted
 
 
 def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:

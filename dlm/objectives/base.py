@@ -109,6 +109,13 @@ class Objective:
                            f"(max_position_embeddings); use a block/sequence length of at most {limit}")
         return maskable
 
+    @staticmethod
+    def attn_mask(model, mask_mod, B: int, Q: int, K: int | None = None):
+        """``mask_mod`` in the form the model's attention implementation takes (dense for SDPA/eager, a
+        ``BlockMask`` for flex attention)."""
+        return masks.build(mask_mod, B, Q, K, device=model.device,
+                           attn_impl=getattr(model.hf_config, "_attn_implementation", None))
+
     def resolve_block_size(self, model, block_size: int | None) -> int:
         ckpt = model.block_size
         if block_size is None:

@@ -68,8 +68,8 @@ class BlockObjective(Objective):
             t_blocks = schedules.sample_t((B, L), c.eps, c.antithetic, generator, model.device)
             t_tok = t_blocks.gather(1, block_run_ids(b.positions, bs))
         x_t, masked = schedules.mask_tokens(b.input_ids, trainable, t_tok, model.mask_token_id, generator)
-        attn = masks.dense(masks.block_diffusion(L, bs, b.doc_ids, b.key_valid, device=model.device), B, 2 * L,
-                           device=model.device)
+        attn = self.attn_mask(model, masks.block_diffusion(L, bs, b.doc_ids, b.key_valid, device=model.device), B,
+                              2 * L)
         where, targets = score_positions(masked, b.labels, shift, next_ok)
         if shift:  # the weight of a scored pair is the t of the masked token it predicts
             w_tok = torch.ones_like(t_tok)

@@ -35,9 +35,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from dlm.errors import DLMError
 from dlm.model import masks
+from dlm.model.convert import cache_kw
 from dlm.model.lora import get_gated
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, upcast, zero_loss
 
@@ -105,9 +107,7 @@ class IDLMObjective(Objective):
             # (prepare_batch already drops an all-valid attention mask)
             plain = b.key_valid is None and (b.doc_ids is None or bool((b.doc_ids == b.doc_ids[:, :1]).all()))
             # neither padded nor packed: the model's own causal attention (no dense mask, the fastest kernels)
-            clean_attn = None if plain else masks.dense(masks.causal(b.doc_ids, b.key_valid), B, L, device=dev)
-            noisy_attn = masks.dense(masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev), B, L,
-                                     2 * L, device=dev)
+            clean_attn = None if plain else self.attn_mask(model, masks.causal(b.doc_ids, b.key_valid), B, L)
             # Noisy queries before the first block holding a mask are never attended by a mask (masks see noisy
             # keys of their own block only), so the noisy pass starts there: prompts cost nothing twice.
             start = 0
@@ -116,18 +116,18 @@ class IDLMObjective(Objective):
                 first = noisy.float().argmax(1)  # first mask index per row
                 block_start = first - pos.gather(1, first[:, None]).squeeze(1) % bs
                 start = int(block_start[rows].min())
-            if start > 0:
-                noisy_attn = torch.cat([noisy_attn[:, :, start:, :L], noisy_attn[:, :, start:, L + start:]], -1)
+            noisy_mod = masks.introspective_cached(L, bs, b.doc_ids, b.key_valid, device=dev)
+            noisy_attn = self.attn_mask(model, masks.rows_from(noisy_mod, L, start), B, L - start, 2 * L - start)
             build_s = time.perf_counter() - t_build
+            kv = {cache_kw(model): DynamicCache()}  # filled by the clean pass, read by the noisy one
             with torch.no_grad() if gated else contextlib.nullcontext():
-                out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True)
+                out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True, **kv)
             clean_logits = out.logits
             sub = model(input_ids=x_t[:, start:], attention_mask=noisy_attn, position_ids=pos[:, start:],
-                        cache=out.cache, use_cache=False).logits
+                        use_cache=False, **kv).logits
             noisy_logits, noisy_sel = sub, noisy[:, start:]  # all masks are at >= start
         else:
-            attn = masks.dense(masks.introspective(L, bs, b.doc_ids, b.key_valid, device=dev), B, 2 * L,
-                               device=dev)
+            attn = self.attn_mask(model, masks.introspective(L, bs, b.doc_ids, b.key_valid, device=dev), B, 2 * L)
             build_s = time.perf_counter() - t_build
             logits = model(input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn,
                            position_ids=pos.repeat(1, 2)).logits

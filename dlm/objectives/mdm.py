@@ -88,10 +88,10 @@ class MDMObjective(Objective):
         if not maskable:  # flash kernels: full attention through is_causal=False (SPEC 2.1, DiffuLLaMA-7B)
             attn_kw["is_causal"] = False
         elif p >= 1.0:
-            attn_kw["attention_mask"] = masks.dense(masks.full(b.doc_ids, b.key_valid), B, L, device=model.device)
+            attn_kw["attention_mask"] = self.attn_mask(model, masks.full(b.doc_ids, b.key_valid), B, L)
         else:
             mod = masks.annealed(L, p, generator, b.doc_ids, b.key_valid, device=model.device)
-            attn_kw["attention_mask"] = masks.dense(mod, B, L, device=model.device)
+            attn_kw["attention_mask"] = self.attn_mask(model, mod, B, L)
         where, targets = score_positions(masked, b.labels, shift, next_ok)
         build_s = time.perf_counter() - t_build
 

@@ -2,8 +2,10 @@
 
     python bench/forward_cost.py                          # smollm2-135m converted to an I-DLM, random adapters
     python bench/forward_cost.py --model runs/quickstart/train_b2   # a trained gated-LoRA checkpoint
+    python bench/forward_cost.py --device cuda --dtype bf16 --batch-size 1,32 --random-init
 
-Times a KV-cache extend at batch 1 (cache of ``--context`` tokens) for the chunks the engine feeds:
+Times a KV-cache extend (cache of ``--context`` tokens, at each ``--batch-size``) for the chunks the engine
+feeds:
 
 - ``ar``: 1 token (plain AR step);
 - ``isd cold N``: ``[t, M x (N-1)]`` (N tokens, N-1 masks);
@@ -12,7 +14,8 @@ Times a KV-cache extend at batch 1 (cache of ``--context`` tokens) for the chunk
 each with the gated-LoRA adapters acting on the masks and, interleaved, with them idle (same tokens, base maths
 only: what the extra tokens alone cost). Medians of interleaved repeats; ratios to the
 1-token step of the same run. With acceptance a, greedy ISD at N = 2 makes 2 / (2 - a) tokens per forward, so it
-beats AR in wall-clock only when that exceeds the verify/cold cost ratios below.
+beats AR in wall-clock only when that exceeds the verify/cold cost ratios below. ``--random-init`` builds the
+model from its config (same shapes, same cost) for machines that hold the config but not the weights.
 """
 
 from __future__ import annotations
@@ -35,37 +38,73 @@ def main(argv=None) -> int:
     ap.add_argument("--lora-r", type=int, default=32, help="rank of the random adapters when --model has none")
     ap.add_argument("--targets", default="all-linear", help="modules of the random adapters when --model has none "
                     "(comma-separated names, e.g. q_proj,v_proj; default all-linear)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
+    ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
-    from dlm.model.convert import load_any
+    from transformers import DynamicCache
+
+    from dlm.model.convert import cache_kw, convert_ar_to_dlm, load_any
+    from dlm.model.hub import resolve_model_path
     from dlm.model.lora import LoraSettings, get_gated, prepare_model_for_lora
 
-    dlm = load_any(args.model, "idlm")
+    if args.random_init:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        folder = resolve_model_path(args.model)
+        torch.manual_seed(0)
+        ar = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="sdpa",
+                                              dtype=torch.float32)
+        dlm = convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder))
+    else:
+        dlm = load_any(args.model, "idlm")
     if get_gated(dlm) is None:
         prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True,
                                                  target_modules=args.targets))
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     hf, m = dlm.model, dlm.mask_token_id
+    kw = cache_kw(dlm)
     strides = [int(s) for s in args.strides.split(",") if s]
     g = torch.Generator().manual_seed(0)
-    ctx = torch.randint(100, 20000, (1, args.context), generator=g)
     shapes = [("ar", 1, 0)]
     for n in strides:
         shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
+    where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
+    print(f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
+          f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
+    for B in [int(x) for x in args.batch_size.split(",") if x]:
+        bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache)
+    return 0
+
+
+def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache) -> None:
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
 
     with torch.inference_mode():
-        cache = hf(input_ids=ctx, use_cache=True).past_key_values
+        ctx = torch.randint(100, 20000, (B, args.context), generator=g).to(device)
+        cache = DynamicCache()
+        hf(input_ids=ctx, use_cache=True, **{kw: cache})
 
         def one(t: int, masks: int) -> float:
-            ids = torch.randint(100, 20000, (1, t), generator=g)
+            ids = torch.randint(100, 20000, (B, t), generator=g)
             if masks:
-                ids[0, t - masks:] = m
-            pos = torch.arange(args.context, args.context + t)[None]
+                ids[:, t - masks:] = m
+            ids = ids.to(device)
+            pos = torch.arange(args.context, args.context + t, device=device)[None].expand(B, t)
+            sync()
             t0 = time.perf_counter()
-            hf(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True)
+            hf(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
+            sync()
             dt = time.perf_counter() - t0
             cache.crop(-t)  # drop what this step appended
             return dt
@@ -92,15 +131,12 @@ def main(argv=None) -> int:
         with_adapters, bare = measure()
 
     base = with_adapters[shapes[0]]
-    print(f"{len(dlm.gated_lora.adapters)} adapters")
-    print(f"model {args.model}, batch 1, {args.context} tokens in the cache, median of {args.repeats}, "
-          f"{torch.get_num_threads()} threads")
+    print(f"batch {B}")
     print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
     for s in shapes:
         name, t, k = s
-        print(f"{name:<16} {t:>6} {k:>5} {with_adapters[s]:>9.1f} {with_adapters[s] / base:>6.2f} "
-              f"{bare[s]:>8.1f} {bare[s] / base:>6.2f}")
-    return 0
+        print(f"{name:<16} {t:>6} {k:>5} {with_adapters[s]:>9.2f} {with_adapters[s] / base:>6.2f} "
+              f"{bare[s]:>8.2f} {bare[s] / base:>6.2f}")
 
 
 if __name__ == "__main__":

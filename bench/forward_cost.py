@@ -42,6 +42,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
     ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
+    ap.add_argument("--attn", default="dlm_sdpa", choices=["dlm_sdpa", "sdpa"],
+                    help="dlm_sdpa: the engine's attention (no KV copy for masked GQA chunks); sdpa: transformers'")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -67,6 +69,10 @@ def main(argv=None) -> int:
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)
+    if args.attn == "dlm_sdpa":
+        from dlm.decode.attention import use_for_decoding
+
+        use_for_decoding(dlm)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
         shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
     print(f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
-          f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
+          f", {args.dtype}, attention {dlm.hf_config._attn_implementation}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
     for B in [int(x) for x in args.batch_size.split(",") if x]:
         bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache)
     return 0

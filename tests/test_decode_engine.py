@@ -136,3 +136,41 @@ def test_clear_errors():
     r = Engine(dlm, decoder="isd", stride=3).generate([list(range(5, 300)) + list(range(5, 210))],
                                                      SamplingParams(50, ignore_eos=True))[0]
     assert r.finish_reason == "length" and len(r.token_ids) == 512 - 500  # positions 500..511
+
+
+@pytest.mark.parametrize("cpu_enable_gqa", [True, False])
+def test_gqa_decode_attention_equals_sdpa(monkeypatch, cpu_enable_gqa):
+    """dlm_sdpa (no repeated KV cache for masked chunks) gives transformers' sdpa logits, for a chunk of 3 tokens
+    on a cache with holes and for a single masked token, in both of its forms (enable_gqa / packed queries)."""
+    from transformers import DynamicCache
+
+    from dlm.decode import attention
+    from dlm.model.convert import cache_kw
+
+    monkeypatch.setattr(attention, "CPU_ENABLE_GQA", cpu_enable_gqa)
+    model = make_model("llama", heads=4, kv_heads=2)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    prefix = torch.randint(5, 300, (2, 9), generator=torch.Generator().manual_seed(0))
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[0, 2:4] = False  # holes (rejected drafts / padding)
+    kw = cache_kw(model)
+    outs = {}
+    for impl in ("sdpa", "dlm_sdpa"):
+        if impl == "dlm_sdpa":
+            assert attention.use_for_decoding(model)
+        else:
+            model.set_attn_implementation("sdpa")
+        cache = DynamicCache()
+        with torch.no_grad():
+            model(input_ids=prefix, use_cache=True, **{kw: cache})
+            res = []
+            for chunk in ([[7, 8, 9], [10, 11, 12]], [[13], [14]]):
+                ids = torch.tensor(chunk)
+                T, K = ids.shape[1], cache.get_seq_length()
+                pos = torch.arange(K, K + T)[None].expand(2, T)
+                mask = decode_mask(torch.cat([valid, torch.ones(2, K - 9, dtype=torch.bool)], 1), T)
+                res.append(model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                                 **{kw: cache}).logits)
+        outs[impl] = res
+    for a, b in zip(outs["sdpa"], outs["dlm_sdpa"]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -298,6 +298,9 @@ class Engine:
             raise DLMError("the decoding engine builds dense attention masks, which transformers' flex_attention "
                            "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
                            "dlm.model.convert.dense_mask_attention(model))")
+        from dlm.decode.attention import use_for_decoding
+
+        use_for_decoding(model)  # grouped-query models: masked chunks attend to the cache without copying it
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:

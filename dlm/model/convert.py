@@ -32,7 +32,7 @@ from dlm.errors import DLMError
 OBJECTIVES = ("mdm", "block", "idlm")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
 # Attention implementations that accept an arbitrary 4D mask (the DLM objectives need one).
-MASKABLE_ATTN = ("sdpa", "eager", "flex_attention")
+MASKABLE_ATTN = ("sdpa", "eager", "flex_attention", "dlm_sdpa")  # dlm_sdpa: dlm.decode.attention
 
 
 def _hf(model) -> nn.Module:

@@ -42,8 +42,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
     ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
-    ap.add_argument("--attn", default="dlm_sdpa", choices=["dlm_sdpa", "sdpa"],
-                    help="dlm_sdpa: the engine's attention (no KV copy for masked GQA chunks); sdpa: transformers'")
+    ap.add_argument("--attn", default="dlm_sdpa",
+                    help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
+                    "masked grouped-query chunks) and/or sdpa (transformers')")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -69,10 +70,13 @@ def main(argv=None) -> int:
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)
-    if args.attn == "dlm_sdpa":
-        from dlm.decode.attention import use_for_decoding
+    impls = [a for a in args.attn.split(",") if a]
+    if any(a not in ("sdpa", "dlm_sdpa") for a in impls):
+        ap.error(f"--attn takes sdpa and/or dlm_sdpa, got {args.attn!r}")
+    if "dlm_sdpa" in impls:
+        from dlm.decode.attention import register
 
-        use_for_decoding(dlm)
+        register()
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
@@ -85,13 +89,13 @@ def main(argv=None) -> int:
         shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
     print(f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
-          f", {args.dtype}, attention {dlm.hf_config._attn_implementation}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
+          f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
     for B in [int(x) for x in args.batch_size.split(",") if x]:
-        bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache)
+        bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, impls)
     return 0
 
 
-def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache) -> None:
+def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, impls) -> None:
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
@@ -120,29 +124,40 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache) 
 
         def measure() -> tuple[dict, dict]:
             """Interleaved: each repeat times every shape with the adapters on, then with them off (the gate set to
-            match no token, so the same tokens run the bare base model's maths), so machine noise hits both alike."""
-            on, off = ({s: [] for s in shapes} for _ in range(2))
-            for s in shapes:
-                one(*s[1:])  # warm-up
-            for _ in range(args.repeats):
+            match no token, so the same tokens run the bare base model's maths), under each attention
+            implementation in turn, so machine noise hits all alike."""
+            keys = [(a, s) for a in impls for s in shapes]
+            on, off = ({k: [] for k in keys} for _ in range(2))
+            for a in impls:
+                dlm.base_model_hf.set_attn_implementation(a)
                 for s in shapes:
-                    gated.mask_token_id = real_mask
-                    on[s].append(one(*s[1:]))
-                    gated.mask_token_id = -1
-                    off[s].append(one(*s[1:]))
+                    one(*s[1:])  # warm-up
+            for _ in range(args.repeats):
+                for a in impls:
+                    dlm.base_model_hf.set_attn_implementation(a)
+                    for s in shapes:
+                        gated.mask_token_id = real_mask
+                        on[(a, s)].append(one(*s[1:]))
+                        gated.mask_token_id = -1
+                        off[(a, s)].append(one(*s[1:]))
             gated.mask_token_id = real_mask
-            med = lambda d: {s: statistics.median(v) * 1000 for s, v in d.items()}  # noqa: E731
+            med = lambda d: {k: statistics.median(v) * 1000 for k, v in d.items()}  # noqa: E731
             return med(on), med(off)
 
         with_adapters, bare = measure()
 
-    base = with_adapters[shapes[0]]
-    print(f"batch {B}")
-    print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
-    for s in shapes:
-        name, t, k = s
-        print(f"{name:<16} {t:>6} {k:>5} {with_adapters[s]:>9.2f} {with_adapters[s] / base:>6.2f} "
-              f"{bare[s]:>8.2f} {bare[s] / base:>6.2f}")
+    for a in impls:
+        base = with_adapters[(a, shapes[0])]
+        print(f"batch {B}, attention {a}")
+        print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
+        for s in shapes:
+            name, t, k = s
+            on, off = with_adapters[(a, s)], bare[(a, s)]
+            print(f"{name:<16} {t:>6} {k:>5} {on:>9.2f} {on / base:>6.2f} {off:>8.2f} {off / base:>6.2f}")
+    if len(impls) > 1:
+        a0, a1 = impls[0], impls[1]
+        print(f"batch {B}: ms gated, {a1} / {a0}: " + ", ".join(
+            f"{s[0]} {with_adapters[(a1, s)] / with_adapters[(a0, s)]:.2f}" for s in shapes))
 
 
 if __name__ == "__main__":

@@ -138,20 +138,17 @@ def test_clear_errors():
     assert r.finish_reason == "length" and len(r.token_ids) == 512 - 500  # positions 500..511
 
 
-@pytest.mark.parametrize("cpu_enable_gqa", [True, False])
-def test_gqa_decode_attention_equals_sdpa(monkeypatch, cpu_enable_gqa):
-    """dlm_sdpa (no repeated KV cache for masked chunks) gives transformers' sdpa logits, for a chunk of 3 tokens
-    on a cache with holes and for a single masked token, in both of its forms (enable_gqa / packed queries)."""
+def gqa_parity(device="cpu"):
+    """Logits of transformers' sdpa and of dlm_sdpa for a 3-token chunk and a 1-token step on a cache with holes."""
     from transformers import DynamicCache
 
     from dlm.decode import attention
     from dlm.model.convert import cache_kw
 
-    monkeypatch.setattr(attention, "CPU_ENABLE_GQA", cpu_enable_gqa)
-    model = make_model("llama", heads=4, kv_heads=2)
+    model = make_model("llama", heads=4, kv_heads=2).to(device)
     assert model.config.num_key_value_heads < model.config.num_attention_heads
-    prefix = torch.randint(5, 300, (2, 9), generator=torch.Generator().manual_seed(0))
-    valid = torch.ones(2, 9, dtype=torch.bool)
+    prefix = torch.randint(5, 300, (2, 9), generator=torch.Generator().manual_seed(0)).to(device)
+    valid = torch.ones(2, 9, dtype=torch.bool, device=device)
     valid[0, 2:4] = False  # holes (rejected drafts / padding)
     kw = cache_kw(model)
     outs = {}
@@ -165,12 +162,24 @@ def test_gqa_decode_attention_equals_sdpa(monkeypatch, cpu_enable_gqa):
             model(input_ids=prefix, use_cache=True, **{kw: cache})
             res = []
             for chunk in ([[7, 8, 9], [10, 11, 12]], [[13], [14]]):
-                ids = torch.tensor(chunk)
+                ids = torch.tensor(chunk, device=device)
                 T, K = ids.shape[1], cache.get_seq_length()
-                pos = torch.arange(K, K + T)[None].expand(2, T)
-                mask = decode_mask(torch.cat([valid, torch.ones(2, K - 9, dtype=torch.bool)], 1), T)
+                pos = torch.arange(K, K + T, device=device)[None].expand(2, T)
+                extra = torch.ones(2, K - 9, dtype=torch.bool, device=device)
+                mask = decode_mask(torch.cat([valid, extra], 1), T)
                 res.append(model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                                  **{kw: cache}).logits)
         outs[impl] = res
-    for a, b in zip(outs["sdpa"], outs["dlm_sdpa"]):
+    return outs["sdpa"], outs["dlm_sdpa"]
+
+
+@pytest.mark.parametrize("cpu_enable_gqa", [True, False])
+def test_gqa_decode_attention_equals_sdpa(monkeypatch, cpu_enable_gqa):
+    """dlm_sdpa (no repeated KV cache for masked chunks) gives transformers' sdpa logits, for a chunk of 3 tokens
+    on a cache with holes and for a single masked token, in both of its forms (enable_gqa / packed queries)."""
+    from dlm.decode import attention
+
+    monkeypatch.setattr(attention, "CPU_ENABLE_GQA", cpu_enable_gqa)
+    ref, got = gqa_parity("cpu")
+    for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -38,6 +38,15 @@ def test_isd_greedy_equals_ar_greedy_on_cuda(arch):
         assert [r.token_ids for r in batch] == ar, (arch, stride)
 
 
+def test_gqa_decode_attention_equals_sdpa_on_cuda():
+    """dlm_sdpa's packed-query form (the one CUDA takes) gives transformers' sdpa logits."""
+    from test_decode_engine import gqa_parity
+
+    ref, got = gqa_parity("cuda")
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
 def _chat(path, n=48):
     with open(path, "w") as f:
         for i in range(n):

@@ -112,6 +112,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp
 
 @pytest.mark.parametrize("over, msg", [({"seq_length": 600}, "exceeds the model's context of 512"),
                                        ({"data.block_length": 3}, "block_length = 3 does not match"),
+                                       ({"attn_impl": "flex_attention"}, "cannot train on CPU"),
                                        ])
 def test_mismatched_data_is_refused_before_training(tiny, tmp_path, over, msg):
     from dlm.train.loop import train

@@ -172,6 +172,12 @@ def load_training_model(cfg: TrainingConfig) -> DiffusionLM:
     if m.block_size is not None and dlm.block_size != m.block_size:
         raise DLMError(f"model '{m.name}' is an {dlm.objective} DLM with block size {dlm.block_size}, but "
                        f"--block-size {m.block_size} was asked; drop --block-size or start from the AR model")
+    if m.attn_impl == "flex_attention":
+        from dlm.device import get_device
+
+        if get_device().type == "cpu":
+            raise DLMError("--attn-impl flex_attention cannot train on CPU (torch's flex attention has no CPU "
+                           "backward); use --attn-impl sdpa here, flex_attention on CUDA")
     if m.attn_impl != "sdpa":
         try:
             dlm.base_model_hf.set_attn_implementation(m.attn_impl)

@@ -21,7 +21,8 @@ timeout 110 python3 bench/objectives.py --model "$M" --random-init --device cuda
   --lengths 512,2048 --reps 5 --json "$OUT/objectives_sdpa.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
 echo "objectives sdpa: $((SECONDS - t0)) s"
 t0=$SECONDS
-timeout 70 python3 bench/forward_cost.py --model "$M" --random-init --device cuda --dtype bf16 --batch-size 1,32 \
+timeout 120 python3 bench/forward_cost.py --model "$M" --random-init --device cuda --dtype bf16 --batch-size 1,32 \
+  --attn sdpa,dlm_sdpa \
   --repeats 30 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
 echo "forward cost: $((SECONDS - t0)) s"
 t0=$SECONDS

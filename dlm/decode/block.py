@@ -56,6 +56,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
     off = 1 if shift else 0
     limit = max_positions(dlm.hf_config) or 1 << 30
     max_new = params.max_new_tokens
+    kv_kw = cache_kw(dlm)
     results = []
     for rid, prompt in enumerate(prompts):
         check_fits_context(len(prompt), max_new, limit)
@@ -71,7 +72,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
             pos = torch.arange(c, device=device)
             stats.forwards += 1
             dlm(input_ids=x[None, :c], position_ids=pos[None], attention_mask=block_mask(pos, pos, b),
-                **{cache_kw(dlm): cache}, use_cache=True)
+                **{kv_kw: cache}, use_cache=True)
         stopped = False
         for bs in range(first_block, end, b):
             be = min(bs + b, end)
@@ -86,7 +87,7 @@ def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps:
                 k_pos = torch.arange(0, be, device=device)
                 stats.forwards += 1
                 logits = dlm(input_ids=x[None, c:be], position_ids=q_pos[None],
-                             attention_mask=block_mask(q_pos, k_pos, b), **{cache_kw(dlm): cache},
+                             attention_mask=block_mask(q_pos, k_pos, b), **{kv_kw: cache},
                              use_cache=True).logits[0]
                 # keep the KV of everything before this block (finished blocks: written once), drop the rest
                 new_c = max(bs - off, c)

@@ -285,6 +285,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, decoder: str | Decoder = "ar", max_batch_size: int = 8,
                  compact_threshold: float = 0.5, **decoder_kw):
+        from dlm.decode.attention import use_for_decoding
         from dlm.model.convert import cache_kw, max_positions
 
         self.model = model
@@ -298,8 +299,6 @@ class Engine:
             raise DLMError("the decoding engine builds dense attention masks, which transformers' flex_attention "
                            "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
                            "dlm.model.convert.dense_mask_attention(model))")
-        from dlm.decode.attention import use_for_decoding
-
         use_for_decoding(model)  # grouped-query models: masked chunks attend to the cache without copying it
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)

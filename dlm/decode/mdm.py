@@ -127,6 +127,7 @@ def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, 
 
     n = x.numel()
     device = x.device
+    kv_kw = cache_kw(dlm)
     for start in range(p_len, n, block_length):
         end = min(start + block_length, n)
         # the cached prefix stops one early with the shift: the logit scoring `start` comes from start-1
@@ -137,7 +138,7 @@ def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, 
                 # refresh: one full forward; its prefix KV is kept for the block's later passes
                 cache = DynamicCache()
                 stats.forwards += 1
-                logits = dlm(input_ids=x[None], attention_mask=_full_mask(n, device), **{cache_kw(dlm): cache},
+                logits = dlm(input_ids=x[None], attention_mask=_full_mask(n, device), **{kv_kw: cache},
                              use_cache=True).logits[0]
                 for layer in cache.layers:
                     layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
@@ -147,7 +148,7 @@ def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, 
                 stats.forwards += 1
                 mask = torch.ones(1, 1, q, c + q, dtype=torch.bool, device=device)
                 logits = dlm(input_ids=x[None, c:], position_ids=torch.arange(c, n, device=device)[None],
-                             attention_mask=mask, **{cache_kw(dlm): cache}, use_cache=True).logits[0]
+                             attention_mask=mask, **{kv_kw: cache}, use_cache=True).logits[0]
                 for layer in cache.layers:  # drop this pass's KV again: the prefix cache stays as refreshed
                     layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
                 offset = c

@@ -180,10 +180,7 @@ class DiffusionLM(nn.Module):
 
     @property
     def base_model_hf(self) -> nn.Module:
-        m = self.model
-        if hasattr(m, "get_base_model"):
-            m = m.get_base_model()
-        return m
+        return _hf(self.model)
 
     def forward(self, *args, **kwargs):
         return self.model(*args, **kwargs)

@@ -208,6 +208,49 @@ def test_64_concurrent_streams_equal_alone(server, engine, client):
     assert health["status"] == "ok" and health["running"] == 0 and health["waiting"] == 0
 
 
+@pytest.mark.parametrize("decode,kw", [("mdm", dict(method="confidence", steps=6)),
+                                       ("mdm", dict(method="threshold", block_length=4)),
+                                       ("block", dict(steps=2))])
+def test_diffusion_decoders_are_served_batched(tiny_dir, decode, kw):
+    """mdm and block run on the same continuous-batching engine: 12 concurrent streaming requests of different
+    prompt lengths and max_tokens each get what `dlm generate` gives the request alone."""
+    from dlm.decode import generate
+
+    eng = load_engine(str(tiny_dir), decode=decode, max_batch_size=4, **kw)
+    requests = [(f"Request {i}: " + "the cat " * (i % 4), 4 + (i % 5)) for i in range(12)]
+    refs = [generate(eng.model, [encode(eng, p)], decode, SamplingParams(m), batch_size=1, **kw)[0]
+            for p, m in requests]
+    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT))
+
+    async def one(aclient, p, m):
+        stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0, stream=True)
+        text, reasons = "", []
+        async for c in stream:
+            text += c.choices[0].text
+            reasons += [c.choices[0].finish_reason] if c.choices[0].finish_reason else []
+        return text, reasons
+
+    with ServerThread(app) as srv:
+        async def main():
+            aclient = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+            try:
+                return await asyncio.gather(*(one(aclient, p, m) for p, m in requests))
+            finally:
+                await aclient.close()
+
+        outs = asyncio.run(main())
+        for (text, reasons), ref in zip(outs, refs):
+            assert text == ref.text and reasons == [ref.finish_reason]
+        sync = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = sync.completions.create(model=MODEL, prompt=requests[0][0], max_tokens=requests[0][1], temperature=0)
+        assert r.choices[0].text == refs[0].text and r.usage.completion_tokens == len(refs[0].token_ids)
+        # a request whose prompt + max_tokens cannot fit the context is a 4xx, and the server keeps serving
+        long = "word " * 200
+        resp = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": long, "max_tokens": LIMIT})
+        assert 400 <= resp.status_code < 500 and "context" in resp.json()["error"]["message"], resp.text
+        assert sync.models.list().data
+
+
 def test_cancelled_stream_does_not_stall_others(server, client, engine):
     long = client.completions.create(model=MODEL, prompt="Numbers: 0 1 2", max_tokens=LIMIT, temperature=0,
                                      stream=True, extra_body={"ignore_eos": True})
@@ -391,8 +434,10 @@ def test_settings_and_engine_errors(tiny_dir):
         ServeSettings(api_key=" ")
     with pytest.raises(DLMError, match="--stride"):
         load_engine(str(tiny_dir), decode="ar", stride=3)
-    with pytest.raises(DLMError, match="--decode mdm"):
-        load_engine(str(tiny_dir), decode="mdm")
+    with pytest.raises(DLMError, match="--steps: not a setting of --decode ar"):
+        load_engine(str(tiny_dir), decode="ar", steps=4)
+    with pytest.raises(DLMError, match="--block-length, --sampler: not a setting of --decode block"):
+        load_engine(str(tiny_dir), decode="block", method="random", block_length=4)
     with pytest.raises(DLMError, match="--isd-token-budget"):
         load_engine(str(tiny_dir), decode="ar", isd_token_budget=8)
 

@@ -120,7 +120,7 @@ def run(args) -> int:
         warnings.simplefilter("always", UserWarning)
         results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
                            stride=args.stride, draft=args.draft, method=args.sampler, steps=args.steps,
-                           threshold=(args.threshold if args.decode != "block" or args.threshold > 0 else None),
+                           threshold=args.threshold,
                            block_length=args.block_length)
     for w in caught:
         if issubclass(w.category, UserWarning):

@@ -18,13 +18,20 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="DLM folder, AR folder or alias (default smollm2-135m)")
     p.add_argument("--decode", default="isd", choices=("isd", "ar", "mdm", "block"),
-                   help="decoder (default isd; the batching engine runs isd and ar)")
+                   help="decoder (default isd); every decoder runs on the continuous-batching engine")
     p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
     p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
                    help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
     p.add_argument("--isd-token-budget", type=int,
                    help="ISD drafts only while running requests x (2N-1) <= this many tokens per step, plain AR "
                         "steps above (exact either way; default: always draft)")
+    p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
+                   help="mdm sampler (default confidence)")
+    p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "
+                                             "(default the block size)")
+    p.add_argument("--threshold", type=float, help="mdm threshold sampler / block: commit tokens above this "
+                                                   "probability (default 0.9; block: <= 0 means top-k commits)")
+    p.add_argument("--block-length", type=int, help="mdm threshold sampler: semi-AR block length (default 32)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
@@ -61,7 +68,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
                          device=args.device, dtype=args.dtype, draft=args.draft,
-                         isd_token_budget=args.isd_token_budget)
+                         isd_token_budget=args.isd_token_budget, method=args.sampler, steps=args.steps,
+                         threshold=args.threshold, block_length=args.block_length)
     app = create_app(Scheduler(engine, threads=args.threads), settings)
     stride = getattr(engine.decoder, "stride", None)
     print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride})" if stride else "")

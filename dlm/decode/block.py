@@ -1,4 +1,4 @@
-"""Block diffusion decoding for ``block`` DLMs (SDAR / BD3-LM, SPEC section 3).
+"""Block diffusion decoding for ``block`` DLMs (SDAR / BD3-LM, SPEC section 3), as a decoder of the batching engine.
 
 Blocks of ``block_size`` are aligned to absolute positions (block(i) = i // b, as in training). Attention is
 block-causal: a query sees every key of its own block and of earlier blocks. Per block, up to ``steps`` denoising
@@ -10,20 +10,21 @@ KV of a finished block is written once: the first pass of the next block feeds `
 (the finished tokens cannot see the new block under block-causal attention, so their KV is exact) and keeps the
 finished block's KV; later passes reuse it. With ``shift`` (logit i-1 scores token i) the cache stops one token
 short so that the token before the block is fed with it.
+
+On the engine, rows of a batch sit in different blocks at different passes; the prefill forward is the first
+block's first pass (the prompt before that block is cached by it). A finished block is streamed at once, and a
+stop token in it ends the request.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from dlm.decode.engine import GenerationResult
-from dlm.decode.mdm import finish, propose
-from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context
+from dlm.decode.engine import Engine, Row
+from dlm.decode.mdm import DiffusionDecoder, check_steps, propose
 from dlm.errors import DLMError
-from dlm.model.convert import cache_kw
 
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -31,87 +32,68 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor
     return ((k_pos[None, :] // b) <= (q_pos[:, None] // b))[None, None]
 
 
-def _crop(cache, n: int) -> None:
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
+class BlockDecoder(DiffusionDecoder):
+    name = "block"
 
+    def __init__(self, steps: int | None = None, threshold: float | None = 0.9):
+        check_steps(steps)
+        if threshold is not None and float(threshold) <= 0.0:
+            threshold = None  # top-k commits
+        if threshold is not None and not float(threshold) < 1.0:
+            raise DLMError(f"--threshold must be below 1 (or <= 0 for top-k commits), got {threshold}")
+        self.steps, self.threshold = steps, threshold
+        self.block_size, self.shift = 1, False
 
-@torch.inference_mode()
-def block_generate(dlm, prompts: list[list[int]], params: SamplingParams, steps: int | None = None,
-                   threshold: float | None = 0.9, stop_ids=frozenset()) -> list[GenerationResult]:
-    """Generate ``params.max_new_tokens`` tokens per prompt with per-block denoising."""
-    from transformers import DynamicCache
+    def check_model(self, engine: Engine) -> None:
+        spec = engine.spec
+        if spec is None or spec.objective != "block" or not spec.block_size:
+            what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
+            other = "ar" if spec is None else ("isd" if spec.objective == "idlm" else "mdm")
+            raise DLMError(f"--decode block needs a block-diffusion DLM (objective 'block' with a block_size); "
+                           f"this is {what}: use --decode {other}")
+        self.block_size, self.shift = spec.block_size, bool(spec.shift)
 
-    from dlm.model.convert import max_positions
+    def chunk_attention(self, engine: Engine, row: Row, positions: torch.Tensor) -> torch.Tensor:
+        return block_mask(positions, positions, self.block_size)[0, 0]
 
-    spec = getattr(dlm, "spec", None)
-    if spec is None or spec.objective != "block" or not spec.block_size:
-        what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
-        raise DLMError(f"--decode block needs a block-diffusion DLM (objective 'block' with a block_size); this is "
-                       f"{what}: use --decode {'ar' if spec is None else ('isd' if spec.objective == 'idlm' else 'mdm')}")
-    b, mask_id, shift, device = spec.block_size, spec.mask_token_id, spec.shift, dlm.device
-    steps = steps or b
-    if steps < 1:
-        raise DLMError(f"--steps must be >= 1, got {steps}")
-    off = 1 if shift else 0
-    limit = max_positions(dlm.hf_config) or 1 << 30
-    max_new = params.max_new_tokens
-    kv_kw = cache_kw(dlm)
-    results = []
-    for rid, prompt in enumerate(prompts):
-        check_fits_context(len(prompt), max_new, limit)
-        g = params.make_generator()
-        stats = RequestStats(prompt_tokens=len(prompt), start_time=time.perf_counter())
-        p_len = len(prompt)
-        end = p_len + max_new
-        x = torch.tensor(prompt + [mask_id] * max_new, device=device)
-        first_block = (p_len // b) * b
-        c = max(first_block - off, 0)  # cache holds positions [0, c)
-        cache = DynamicCache()
-        if c > 0:
-            pos = torch.arange(c, device=device)
-            stats.forwards += 1
-            dlm(input_ids=x[None, :c], position_ids=pos[None], attention_mask=block_mask(pos, pos, b),
-                **{kv_kw: cache}, use_cache=True)
-        stopped = False
-        for bs in range(first_block, end, b):
-            be = min(bs + b, end)
-            lo = max(bs, p_len)
-            n0 = int((x[lo:be] == mask_id).sum())
-            per_step = math.ceil(n0 / steps)
-            for step in range(steps):
-                masked = (x[lo:be] == mask_id).nonzero().squeeze(-1) + lo
-                if masked.numel() == 0:
-                    break
-                q_pos = torch.arange(c, be, device=device)
-                k_pos = torch.arange(0, be, device=device)
-                stats.forwards += 1
-                logits = dlm(input_ids=x[None, c:be], position_ids=q_pos[None],
-                             attention_mask=block_mask(q_pos, k_pos, b), **{kv_kw: cache},
-                             use_cache=True).logits[0]
-                # keep the KV of everything before this block (finished blocks: written once), drop the rest
-                new_c = max(bs - off, c)
-                _crop(cache, new_c)
-                rows = masked - c - off
-                c = new_c
-                tokens, conf = propose(logits[rows], params, mask_id, g)
-                if step == steps - 1:
-                    commit = torch.ones_like(conf, dtype=torch.bool)
-                elif threshold is not None:
-                    commit = conf > threshold
-                    commit[conf.argmax()] = True
-                else:
-                    commit = torch.zeros_like(conf, dtype=torch.bool)
-                    commit[conf.topk(min(per_step, conf.numel())).indices] = True
-                x[masked[commit]] = tokens[commit]
-            if any(int(t) in stop_ids for t in x[lo:be].tolist()):
-                stopped = True
-                break
-        gen = x[p_len:].tolist()
-        if stopped:  # positions after the stop were never decoded
-            gen = [t for t in gen if t != mask_id]
-        ids, reason = finish(gen, stop_ids, max_new)
-        stats.new_tokens = len(ids)
-        stats.end_time = time.perf_counter()
-        results.append(GenerationResult(rid, list(prompt), ids, None, reason, stats))
-    return results
+    def _start_block(self, engine: Engine, row: Row, bs: int) -> None:
+        st = row.state
+        end = st["x"].numel()
+        be = min(bs + self.block_size, end)
+        lo = max(bs, st["p"])
+        n0 = int((st["x"][lo:be] == engine.mask_token_id).sum())
+        steps = self.steps or self.block_size
+        st.update(bs=bs, be=be, lo=lo, pass_=0, per_step=math.ceil(n0 / steps), block_steps=steps)
+
+    def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
+        x = self._layout(engine, row)
+        p = len(row.prompt_ids)
+        self._start_block(engine, row, (p // self.block_size) * self.block_size)
+        return x[p: row.state["be"]].tolist()
+
+    def chunk(self, engine: Engine, row: Row) -> list[int]:
+        return row.state["x"][row.pos: row.state["be"]].tolist()
+
+    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        st = row.state
+        x, bs, be, lo = st["x"], st["bs"], st["be"], st["lo"]
+        # keep the KV of everything before this block (finished blocks: written once), drop the rest
+        keep = max(bs - (1 if self.shift else 0), 0) - row.pos
+        masked = (x[lo:be] == engine.mask_token_id).nonzero().squeeze(-1) + lo
+        tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
+        st["pass_"] += 1
+        if st["pass_"] >= st["block_steps"]:
+            commit = torch.ones_like(conf, dtype=torch.bool)
+        elif self.threshold is not None:
+            commit = conf > self.threshold
+            commit[conf.argmax()] = True
+        else:
+            commit = torch.zeros_like(conf, dtype=torch.bool)
+            commit[conf.topk(min(st["per_step"], conf.numel())).indices] = True
+        x[masked[commit]] = tokens[commit]
+        if bool((x[lo:be] == engine.mask_token_id).any()):
+            return [], keep
+        out = self._emit(engine, row)  # the finished block, in order
+        if be < x.numel():
+            self._start_block(engine, row, bs + self.block_size)
+        return out, keep

@@ -9,7 +9,9 @@ have their own prompt lengths and advance by different numbers of tokens per ste
 
 Every step is one "extend" forward: each row feeds a chunk of tokens (its pending token first, then whatever its
 decoder wants: nothing for AR, drafts and masks for ISD) under strict causal attention over its valid slots
-(:func:`decode_mask`). The decoder then says which tokens it commits and how many leading chunk tokens keep their
+(:func:`decode_mask`). The diffusion decoders (``mdm``, ``block``) feed the uncached part of their sequence
+(prompt tail, committed tokens, masks) and say how its tokens attend to each other (bidirectional, block-causal);
+their queries see every valid cached slot of their row. The decoder then says which tokens it commits and how many leading chunk tokens keep their
 KV; the rest become holes, and trailing columns that are a hole in every row are cropped right away. When holes
 make up most of the cache, :meth:`KVBatch.compact` gathers each row's live slots together (one copy).
 
@@ -101,8 +103,10 @@ class KVBatch:
         return 0 if self.valid is None else self.valid.shape[1]
 
     def _layers(self):
+        # initialized layers (a row set that keeps no KV still has [B, H, 0, D] tensors; an unused layer has
+        # transformers' 1-D placeholder)
         return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", True)
-                and getattr(layer, "keys", None) is not None and layer.keys.numel() > 0]
+                and getattr(layer, "keys", None) is not None and layer.keys.dim() == 4]
 
     def _apply(self, fn) -> None:
         for layer in self._layers():
@@ -236,16 +240,35 @@ class Row:
 class Decoder:
     """How a row turns logits into tokens. The engine calls, per row:
 
+    - ``check_request(engine, row)``: refuse a request this decoder cannot run (raises DLMError), at ``add``;
     - ``prefill_suffix(engine, row) -> list[int]``: tokens fed after the prompt in the prefill forward;
-    - ``chunk(engine, row) -> list[int]``: the tokens of this step's forward, starting with ``row.last``;
-    - ``consume(engine, row, logits [Q, V]) -> (committed_ids, keep)``: ``logits[0]`` is the output at the pending
-      token; ``keep`` = how many leading chunk tokens keep their KV (the committed ones that are now context).
+    - ``chunk(engine, row) -> list[int]``: the tokens of this step's forward, fed at positions ``row.pos ..``
+      (``row.last`` first for the causal decoders). A decoder may move ``row.pos`` back to re-feed positions it
+      already cached only together with ``row.state["fresh"] = True``: the row's cached KV is then dropped;
+    - ``consume(engine, row, logits [Q, V]) -> (committed_ids, keep)``: ``logits[j]`` is the output at position
+      ``row.pos + j`` (in the prefill ``row.pos`` is the last prompt token's position and the logits start there);
+      ``keep`` = how many chunk tokens from ``row.pos`` on keep their KV (the ones that are now context; in the
+      prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
+      Committed ids are appended in order; setting ``row.state["done"]`` ends the request ("length").
+
+    ``causal`` decoders (``ar``, ``isd``) run under strict causal attention over the row's valid slots. The others
+    (``mdm``, ``block``) give the attention among a chunk's own tokens with ``chunk_attention``; their queries see
+    every valid cached slot of their row.
     """
 
     name = "base"
+    causal = True
 
     def check_model(self, engine: "Engine") -> None:
         pass
+
+    def check_request(self, engine: "Engine", row: "Row") -> None:
+        pass
+
+    def chunk_attention(self, engine: "Engine", row: "Row", positions: torch.Tensor) -> torch.Tensor:
+        """[n, n] boolean attention among a chunk's tokens at absolute ``positions`` [n] (True = may attend)."""
+        n = positions.numel()
+        return torch.ones(n, n, dtype=torch.bool).tril_()
 
     def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
         return []
@@ -276,8 +299,18 @@ def make_decoder(name: str | Decoder, **kw) -> Decoder:
         from dlm.decode.isd import ISDDecoder
 
         return ISDDecoder(**kw)
-    raise DLMError(f"unknown engine decoder '{name}': the KV-cache engine runs 'ar' and 'isd' "
-                   f"(mdm and block run through dlm.decode.generate)")
+    if name == "mdm":
+        from dlm.decode.mdm import MDMDecoder
+
+        return MDMDecoder(**kw)
+    if name == "block":
+        from dlm.decode.block import BlockDecoder
+
+        return BlockDecoder(**kw)
+    from dlm.errors import closest
+
+    raise DLMError(f"unknown decoder '{name}' (--decode): use ar, mdm, block or isd (did you mean "
+                   f"{closest(name, ('ar', 'mdm', 'block', 'isd'))}?)")
 
 
 class Engine:
@@ -340,6 +373,7 @@ class Engine:
         row = Row(request_id=request_id, prompt_ids=prompt_ids, params=params,
                   generator=params.make_generator(), stop_ids=stop_ids, on_tokens=on_tokens,
                   stats=RequestStats(prompt_tokens=len(prompt_ids)))
+        self.decoder.check_request(self, row)
         row.stats.start_time = time.perf_counter()
         self.waiting.append(row)
         return request_id
@@ -364,14 +398,14 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
         """One decode forward for the running rows, then prefill + join of waiting requests (room allowing; one
-        forward per group of equal prompt length)."""
+        forward per group of equal prompt and suffix lengths)."""
         events: list[StepEvent] = []
         if self.rows:
             events += self._decode_step()
         room = self.max_batch_size - len(self.rows)
         if self.waiting and room > 0:
             joining, self.waiting = self.waiting[:room], self.waiting[room:]
-            groups: dict[int, list[Row]] = {}
+            groups: dict[tuple[int, int], list[Row]] = {}
             for row in joining:
                 row.last, row.pos = row.prompt_ids[-1], len(row.prompt_ids) - 1
                 suffix = self.decoder.prefill_suffix(self, row)
@@ -379,7 +413,7 @@ class Engine:
                     suffix = []
                     row.state["no_room"] = True
                 row.state["suffix"] = suffix
-                groups.setdefault(len(row.prompt_ids) + len(suffix), []).append(row)
+                groups.setdefault((len(row.prompt_ids), len(suffix)), []).append(row)
             for group in groups.values():
                 events += self._prefill(group)
         return events
@@ -397,6 +431,10 @@ class Engine:
         ids = torch.tensor([r.prompt_ids + r.state.pop("suffix") for r in rows], device=self.device)
         pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
         mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
+        if not self.decoder.causal:
+            positions = torch.arange(n)
+            mask = torch.stack([self.decoder.chunk_attention(self, r, positions) for r in rows])[:, None]
+            mask = mask.to(self.device)
         kv = KVBatch()
         n_out = n - len(rows[0].prompt_ids) + 1
         logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=n_out)
@@ -405,7 +443,7 @@ class Engine:
         for i, row in enumerate(rows):
             row.stats.forwards += 1
             committed, keep = self.decoder.consume(self, row, logits[i])
-            keep_mask[i, : len(row.prompt_ids) - 1 + keep] = True
+            keep_mask[i, : max(len(row.prompt_ids) - 1 + keep, 0)] = True
             row.pos += keep
             row.stats.first_token_time = time.perf_counter()
             events.append(self._commit(row, committed))
@@ -431,9 +469,15 @@ class Engine:
         start = torch.tensor([r.pos for r in rows])
         # pads (at the end of short chunks) get clamped positions: harmless, nobody attends to them
         pos = (start[:, None] + torch.arange(q)[None]).clamp_(max=self.max_positions - 1)
-        # No holes in the cache (plain AR, or ISD rows that kept every token): the model's own causal mask is the
-        # same, and without an explicit mask a 1-token step needs none at all (cheaper attention).
-        mask = None if bool(self.kv.valid.all()) else decode_mask(self.kv.valid, q)
+        fresh = [i for i, r in enumerate(rows) if r.state.pop("fresh", False)]
+        if fresh:  # these rows re-feed from an earlier position: their cached KV goes
+            self.kv.valid[fresh] = False
+        if self.decoder.causal:
+            # No holes in the cache (plain AR, or ISD rows that kept every token): the model's own causal mask is
+            # the same, and without an explicit mask a 1-token step needs none at all (cheaper attention).
+            mask = None if bool(self.kv.valid.all()) else decode_mask(self.kv.valid, q)
+        else:
+            mask = self._chunk_mask(rows, chunks, pos, q)
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
         keep = torch.zeros(b, q, dtype=torch.bool)
         events = []
@@ -453,6 +497,22 @@ class Engine:
             self.kv.compact()
         return events
 
+    def _chunk_mask(self, rows: list[Row], chunks: list[list[int]], pos: torch.Tensor, q: int) -> torch.Tensor:
+        """[B, 1, Q, K + Q] mask for non-causal decoders: every valid cached slot of the row, the decoder's
+        pattern among the chunk's own tokens, and pads (the tail of a short chunk) attending to themselves only
+        (so no query row is empty) while no real token attends to them."""
+        valid = self.kv.valid.cpu()
+        b, k = valid.shape
+        mask = torch.zeros(b, 1, q, k + q, dtype=torch.bool)
+        mask[:, 0, :, :k] = valid[:, None, :]
+        for i, (row, c) in enumerate(zip(rows, chunks)):
+            n = len(c)
+            mask[i, 0, :n, k: k + n] = self.decoder.chunk_attention(self, row, pos[i, :n])
+            if n < q:
+                mask[i, 0, n:, :k] = False
+                mask[i, 0, n:, k + n:] = torch.eye(q - n, dtype=torch.bool)
+        return mask.to(self.device)
+
     # -- bookkeeping --------------------------------------------------------------------------------------
     def _commit(self, row: Row, committed: list[int]) -> StepEvent:
         """Append committed tokens, applying stop tokens, max_new_tokens, the context end and stop strings."""
@@ -467,7 +527,7 @@ class Engine:
                 row.finished, row.finish_reason = True, "length"
                 break
         row.out.extend(new)
-        if not row.finished and row.pos + 1 >= self.max_positions:
+        if not row.finished and (row.pos + 1 >= self.max_positions or row.state.get("done")):
             row.finished, row.finish_reason = True, "length"
         if p.stop_strings and self.tokenizer is not None and new:
             text = self.tokenizer.decode(row.out, skip_special_tokens=True)

@@ -1,32 +1,34 @@
-"""Masked-diffusion samplers for bidirectional ``mdm`` DLMs (SPEC section 2.2).
+"""Masked-diffusion samplers for bidirectional ``mdm`` DLMs (SPEC section 2.2), as a decoder of the batching engine.
 
-All start with every generated position = M and run forward passes with full (bidirectional) attention. With the
-model's ``shift`` (DiffuLLaMA/Dream), the logit at i-1 scores position i; without it (LLaDA), the logit at i.
+Every generated position starts as M and the passes run with full (bidirectional) attention. With the model's
+``shift`` (DiffuLLaMA/Dream), the logit at i-1 scores position i; without it (LLaDA), the logit at i.
 
 - ``confidence`` (low-confidence remasking): each of ``steps`` passes predicts every masked position and commits
   the most confident so that ``floor(n0 * (T - s) / T)`` stay masked after pass s (none after the last).
 - ``random``: at step k = T-1 .. 0 every still-masked position is committed with probability 1/(k+1) (so all are
-  resolved at k = 0); tokens by temperature/top-p sampling.
+  resolved at k = 0); tokens by temperature/top-p sampling. A step that would commit nothing skips its forward.
 - ``threshold`` (Fast-dLLM): semi-autoregressive blocks of ``block_length``; within a block each pass commits every
   masked token whose probability exceeds ``threshold`` (at least the most confident one). The KV of the finished
   prefix is cached: refreshed by one full forward at the start of each block, reused by the block's later passes
   (approximate for a bidirectional model, as in Fast-dLLM).
 
-Rows are decoded one at a time (the sequences are short and the passes full-length); every function returns one
-:class:`~dlm.decode.engine.GenerationResult` per prompt with ``forwards`` counted.
+On the engine (:class:`dlm.decode.engine.Engine`) a batch of requests with different prompt lengths, lengths and
+schedules runs together: each step is one forward of every running row's sequence (``confidence``/``random``: the
+whole sequence, nothing cached; ``threshold``: the part after the cached prefix). Committed tokens are final, so a
+row streams the resolved prefix of its answer as it grows, and stops as soon as that prefix holds a stop token
+(the passes the reference would still spend on positions after the stop are saved; the tokens are the same).
+The first pass is the request's prefill forward.
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
-from dlm.decode.engine import GenerationResult
-from dlm.decode.sampling import RequestStats, SamplingParams, check_fits_context, probs_from_logits, sample, suppress
+from dlm.decode.engine import Decoder, Engine, Row
+from dlm.decode.sampling import SamplingParams, check_fits_context, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
-from dlm.model.convert import cache_kw
 
 METHODS = ("confidence", "random", "threshold")
 
@@ -43,117 +45,142 @@ def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int, generato
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
 
 
-def _full_mask(n: int, device) -> torch.Tensor:
-    return torch.ones(1, 1, n, n, dtype=torch.bool, device=device)
+def check_steps(steps: int | None) -> None:
+    if steps is not None and (not isinstance(steps, int) or steps < 1):
+        raise DLMError(f"--steps must be a positive integer, got {steps}")
 
 
-def _scored(logits_rows: torch.Tensor, positions: torch.Tensor, shift: bool, offset: int = 0) -> torch.Tensor:
-    """Logits that score ``positions`` (absolute), given logits for absolute positions offset.."""
-    return logits_rows[positions - offset - (1 if shift else 0)]
+class DiffusionDecoder(Decoder):
+    """What the whole-sequence decoders (mdm, block) share: the row's sequence ``x`` (prompt + masks) laid out at
+    once, emission of the resolved prefix in order, and the context check."""
+
+    causal = False
+
+    def check_request(self, engine: Engine, row: Row) -> None:
+        check_fits_context(len(row.prompt_ids), row.params.max_new_tokens, engine.max_positions)
+
+    def _layout(self, engine: Engine, row: Row) -> torch.Tensor:
+        p = len(row.prompt_ids)
+        x = torch.tensor(row.prompt_ids + [engine.mask_token_id] * row.params.max_new_tokens)
+        row.state.update(x=x, p=p, emitted=p)
+        return x
+
+    def _scores(self, row: Row, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits scoring absolute ``positions``; ``logits[j]`` is the output at position ``row.pos + j``."""
+        return logits[positions - row.pos - (1 if self.shift else 0)]
+
+    def _emit(self, engine: Engine, row: Row) -> list[int]:
+        """The newly resolved prefix of the answer (tokens are final once committed)."""
+        x, start = row.state["x"], row.state["emitted"]
+        masked = (x[start:] == engine.mask_token_id).nonzero()
+        stop = start + int(masked[0]) if masked.numel() else x.numel()
+        row.state["emitted"] = stop
+        return x[start:stop].tolist()
 
 
-def finish(result_ids: list[int], stop_ids, max_new: int) -> tuple[list[int], str]:
-    for i, t in enumerate(result_ids[:max_new]):
-        if t in stop_ids:
-            return result_ids[: i + 1], "stop"
-    return result_ids[:max_new], "length"
+class MDMDecoder(DiffusionDecoder):
+    name = "mdm"
 
+    def __init__(self, method: str = "confidence", steps: int | None = None, threshold: float | None = 0.9,
+                 block_length: int = 32):
+        if method not in METHODS:
+            raise DLMError(f"unknown mdm sampler '{method}' (--sampler): use one of {', '.join(METHODS)}")
+        check_steps(steps)
+        threshold = 0.9 if threshold is None else float(threshold)
+        if method == "threshold" and not 0.0 <= threshold < 1.0:
+            raise DLMError(f"--threshold must be in [0, 1) for the threshold sampler, got {threshold}")
+        if not isinstance(block_length, int) or block_length < 1:
+            raise DLMError(f"--block-length must be a positive integer, got {block_length}")
+        self.method, self.steps, self.threshold, self.block_length = method, steps, threshold, block_length
+        self.shift = True
 
-@torch.inference_mode()
-def mdm_generate(dlm, prompts: list[list[int]], params: SamplingParams, method: str = "confidence",
-                 steps: int | None = None, threshold: float = 0.9, block_length: int = 32,
-                 stop_ids=frozenset()) -> list[GenerationResult]:
-    """Sample ``params.max_new_tokens`` tokens after each prompt with a masked-diffusion sampler."""
-    if method not in METHODS:
-        raise DLMError(f"unknown mdm sampler '{method}': use one of {', '.join(METHODS)}")
-    spec = getattr(dlm, "spec", None)
-    if spec is None:
-        raise DLMError("--decode mdm needs a DLM with a mask token; convert the model first (dlm convert)")
-    mask_id, shift, device = spec.mask_token_id, spec.shift, dlm.device
-    max_new = params.max_new_tokens
-    steps = steps or max_new
-    if steps < 1:
-        raise DLMError(f"--steps must be >= 1, got {steps}")
-    from dlm.model.convert import max_positions
+    def check_model(self, engine: Engine) -> None:
+        spec = engine.spec
+        if spec is None or engine.mask_token_id is None:
+            raise DLMError("--decode mdm needs a DLM with a mask token; convert the model first "
+                           "(dlm convert --objective mdm)")
+        if spec.objective != "mdm":
+            raise DLMError(f"--decode mdm needs a bidirectional masked-diffusion model (objective 'mdm'); this is "
+                           f"a '{spec.objective}' model: use --decode {'isd' if spec.objective == 'idlm' else 'block'}")
+        self.shift = bool(spec.shift)
 
-    limit = max_positions(dlm.hf_config) or 1 << 30
-    results = []
-    for rid, prompt in enumerate(prompts):
-        check_fits_context(len(prompt), max_new, limit)
-        g = params.make_generator()
-        stats = RequestStats(prompt_tokens=len(prompt), start_time=time.perf_counter())
-        p_len = len(prompt)
-        x = torch.tensor(prompt + [mask_id] * max_new, device=device)
-        n = x.numel()
+    def chunk_attention(self, engine: Engine, row: Row, positions: torch.Tensor) -> torch.Tensor:
+        n = positions.numel()
+        return torch.ones(n, n, dtype=torch.bool)
 
-        def forward_full():
-            stats.forwards += 1
-            return dlm(input_ids=x[None], attention_mask=_full_mask(n, device)).logits[0]
+    # -- planning: decide what the next pass commits (before its forward, so a pass that commits nothing is
+    # never run), in the order the reference sampler draws its random numbers
+    def _plan(self, engine: Engine, row: Row) -> None:
+        st = row.state
+        x = st["x"]
+        masked = (x == engine.mask_token_id).nonzero().squeeze(-1)
+        st["masked"] = masked
+        if self.method == "confidence":
+            total, n_gen = st["steps"], row.params.max_new_tokens
+            while True:
+                st["s"] += 1
+                remain = math.floor(n_gen * (total - st["s"]) / total)
+                if masked.numel() - remain > 0:
+                    st["n_commit"] = masked.numel() - remain
+                    return
+        elif self.method == "random":
+            while True:
+                k = st["k"]
+                st["k"] -= 1
+                commit = torch.rand(masked.numel(), generator=row.generator) < 1.0 / (k + 1)
+                if bool(commit.any()):
+                    st["commit"] = commit
+                    return
 
-        if method == "confidence":
-            for s in range(1, steps + 1):
-                masked = (x == mask_id).nonzero().squeeze(-1)
-                if masked.numel() == 0:
-                    break
-                remain = math.floor(max_new * (steps - s) / steps)
-                n_commit = masked.numel() - remain
-                if n_commit <= 0:
-                    continue
-                tokens, conf = propose(_scored(forward_full(), masked, shift), params, mask_id, g)
-                top = conf.topk(n_commit).indices
-                x[masked[top]] = tokens[top]
-        elif method == "random":
-            for k in range(steps - 1, -1, -1):
-                masked = (x == mask_id).nonzero().squeeze(-1)
-                if masked.numel() == 0:
-                    break
-                commit = torch.rand(masked.numel(), generator=g) < 1.0 / (k + 1)
-                if not bool(commit.any()):
-                    continue  # nothing would change: skip the forward
-                tokens, _ = propose(_scored(forward_full(), masked, shift), params, mask_id, g)
-                x[masked[commit]] = tokens[commit]
+    def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
+        self._layout(engine, row)
+        p, shift = len(row.prompt_ids), 1 if self.shift else 0
+        row.state.update(steps=self.steps or row.params.max_new_tokens, s=0)
+        row.state["k"] = row.state["steps"] - 1
+        if self.method == "threshold":
+            row.state.update(start=p, c=p - shift, refresh=False)
+        self._plan(engine, row)
+        return [engine.mask_token_id] * row.params.max_new_tokens
+
+    def chunk(self, engine: Engine, row: Row) -> list[int]:
+        x = row.state["x"]
+        if self.method != "threshold":
+            return x.tolist()  # the whole sequence, at positions 0.. (row.pos stays 0: nothing is cached)
+        if row.state.pop("refresh", False):
+            row.state["fresh"] = True  # a full forward at the start of a block: recompute the prefix KV
+            row.pos = 0
+            return x.tolist()
+        return x[row.pos:].tolist()
+
+    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        st, p = row.state, row.params
+        x = st["x"]
+        if self.method == "threshold":
+            return self._consume_threshold(engine, row, logits)
+        masked = st["masked"]
+        tokens, conf = propose(self._scores(row, logits, masked), p, engine.mask_token_id, row.generator)
+        if self.method == "confidence":
+            top = conf.topk(st["n_commit"]).indices
+            x[masked[top]] = tokens[top]
         else:
-            _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, mask_id, shift)
-        ids, reason = finish(x[p_len:].tolist(), stop_ids, max_new)
-        stats.new_tokens = len(ids)
-        stats.end_time = time.perf_counter()
-        results.append(GenerationResult(rid, list(prompt), ids, None, reason, stats))
-    return results
-
-
-def _threshold_blocks(dlm, x, p_len, params, g, stats, threshold, block_length, mask_id, shift) -> None:
-    """Fast-dLLM: semi-AR blocks, confidence-threshold commits, prefix KV cache refreshed once per block."""
-    from transformers import DynamicCache
-
-    n = x.numel()
-    device = x.device
-    kv_kw = cache_kw(dlm)
-    for start in range(p_len, n, block_length):
-        end = min(start + block_length, n)
-        # the cached prefix stops one early with the shift: the logit scoring `start` comes from start-1
-        c = start - 1 if shift else start
-        first = True
-        while bool((x[start:end] == mask_id).any()):
-            if first:
-                # refresh: one full forward; its prefix KV is kept for the block's later passes
-                cache = DynamicCache()
-                stats.forwards += 1
-                logits = dlm(input_ids=x[None], attention_mask=_full_mask(n, device), **{kv_kw: cache},
-                             use_cache=True).logits[0]
-                for layer in cache.layers:
-                    layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
-                offset, first = 0, False
-            else:
-                q = n - c
-                stats.forwards += 1
-                mask = torch.ones(1, 1, q, c + q, dtype=torch.bool, device=device)
-                logits = dlm(input_ids=x[None, c:], position_ids=torch.arange(c, n, device=device)[None],
-                             attention_mask=mask, **{kv_kw: cache}, use_cache=True).logits[0]
-                for layer in cache.layers:  # drop this pass's KV again: the prefix cache stays as refreshed
-                    layer.keys, layer.values = layer.keys[:, :, :c], layer.values[:, :, :c]
-                offset = c
-            masked = (x[start:end] == mask_id).nonzero().squeeze(-1) + start
-            tokens, conf = propose(_scored(logits, masked, shift, offset), params, mask_id, g)
-            commit = conf > threshold
-            commit[conf.argmax()] = True
+            commit = st["commit"]
             x[masked[commit]] = tokens[commit]
+        out = self._emit(engine, row)
+        if bool((x == engine.mask_token_id).any()):
+            self._plan(engine, row)
+        return out, -row.pos  # nothing is cached: the next pass feeds the whole sequence again
+
+    def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+        st = row.state
+        x, start, c = st["x"], st["start"], st["c"]
+        end = min(start + self.block_length, x.numel())
+        keep = c - row.pos  # a refresh (or the prefill) keeps the prefix before the block; later passes nothing
+        masked = (x[start:end] == engine.mask_token_id).nonzero().squeeze(-1) + start
+        tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
+        commit = conf > self.threshold
+        commit[conf.argmax()] = True
+        x[masked[commit]] = tokens[commit]
+        if not bool((x[start:end] == engine.mask_token_id).any()) and end < x.numel():
+            start = end  # next block: its first pass refreshes the prefix cache
+            st.update(start=start, c=start - (1 if self.shift else 0), refresh=True)
+        return self._emit(engine, row), keep

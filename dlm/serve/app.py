@@ -55,29 +55,40 @@ class ServeSettings:
 # -- model + engine -------------------------------------------------------------------------------------------
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
                 device: str | None = None, dtype: str | None = None, draft: str = "sample",
-                isd_token_budget: int | None = None):
-    """Load ``model`` (DLM folder, AR folder or alias; plain AR models are converted on the fly to idlm) and build
-    the decoding :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while
-    running rows x (2N-1) stays within it, plain AR steps above (:class:`~dlm.serve.adaptive.BudgetedISD`)."""
+                isd_token_budget: int | None = None, **diffusion_kw):
+    """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
+    ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
+    :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
+    (2N-1) stays within it, plain AR steps above (:class:`~dlm.serve.adaptive.BudgetedISD`). ``diffusion_kw``:
+    the mdm sampler's ``method``, ``steps``, ``threshold``, ``block_length``; block's ``steps``, ``threshold``."""
+    from dlm.decode import decoder_options
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
+    from dlm.model.hub import resolve_model_path
 
     if decode not in ("isd", "ar", "mdm", "block"):
         raise DLMError(f"--decode must be one of isd, ar, mdm, block; got '{decode}'")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise DLMError(f"--max-batch-size must be a positive integer, got {max_batch_size}")
-    if decode in ("mdm", "block"):
-        raise DLMError(f"--decode {decode}: the continuous-batching engine (dlm.decode.engine) runs 'isd' and "
-                       f"'ar' only, so the server cannot batch {decode} requests yet; serve an I-DLM with "
-                       f"--decode isd, or any model with --decode ar")
     if decode != "isd" and stride is not None:
         raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if decode != "isd" and isd_token_budget is not None:
         raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    allowed = {"mdm": {"method", "steps", "threshold", "block_length"}, "block": {"steps", "threshold"}}
+    extra = {k for k, v in diffusion_kw.items() if v is not None} - allowed.get(decode, set())
+    if extra:
+        flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
+        raise DLMError(f"{flags}: not a setting of --decode {decode} (mdm takes --sampler, --steps, --threshold, "
+                       f"--block-length; block takes --steps, --threshold)")
     dev = get_device(device)
-    dlm = load_any(model, dtype=get_dtype(dtype, dev), device=dev)
-    kw = {"stride": stride, "draft": draft} if decode == "isd" else {}
+    folder = resolve_model_path(model)
+    config = folder / "config.json"
+    is_dlm = config.is_file() and "dlm_objective" in json.loads(config.read_text())
+    objective = None if is_dlm else {"mdm": "mdm", "block": "block"}.get(decode, "idlm")
+    dlm = load_any(folder, objective, dtype=get_dtype(dtype, dev), device=dev)
+    kw = decoder_options(decode, stride=stride, draft=draft,
+                         **{k: v for k, v in diffusion_kw.items() if v is not None})
     if isd_token_budget is not None:
         from dlm.serve.adaptive import BudgetedISD
 

@@ -28,7 +28,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
              stride: int | None = None, draft: str = "sample", method: str = "confidence", steps: int | None = None,
              threshold: float | None = 0.9, block_length: int = 32, on_tokens=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
-    batching; returns one GenerationResult per prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is
+    batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
+    prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is
     known, ``stats`` with forwards/TPF/acceptance). ``threshold=None`` selects block's top-k commits."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams

@@ -445,7 +445,6 @@ class Engine:
             committed, keep = self.decoder.consume(self, row, logits[i])
             keep_mask[i, : max(len(row.prompt_ids) - 1 + keep, 0)] = True
             row.pos += keep
-            row.stats.first_token_time = time.perf_counter()
             events.append(self._commit(row, committed))
         kv.after_extend(keep_mask.to(self.device))
         done = [i for i, r in enumerate(rows) if r.finished]
@@ -526,6 +525,8 @@ class Engine:
             if len(row.out) + len(new) >= p.max_new_tokens:
                 row.finished, row.finish_reason = True, "length"
                 break
+        if new and not row.out:
+            row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
         if not row.finished and (row.pos + 1 >= self.max_positions or row.state.get("done")):
             row.finished, row.finish_reason = True, "length"

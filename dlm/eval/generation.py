@@ -36,23 +36,16 @@ def generate_tokens(em: EvalModel, prompts: Sequence[list[int]], max_new_tokens:
                     steps: int | None = None, seed: int = 0, batch_size: int = 8) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids) through :func:`dlm.decode.generate`; ``max_new_tokens[i]``
     tokens for prompt i (fewer if the model stops at EOS). ``steps``: denoising steps of the diffusion decoders
-    (the engine's default when None). Prompts are grouped by length budget, one engine call per group."""
+    (the engine's default when None). One engine run: requests of different lengths share the batch."""
     from dlm.decode import generate
     from dlm.decode.sampling import SamplingParams
 
     decoder = resolve_decoder(em, decode)
     model = em.dlm if em.dlm is not None else em.model
-    out: list[list[int] | None] = [None] * len(prompts)
-    groups: dict[int, list[int]] = {}
-    for i, n in enumerate(max_new_tokens):
-        groups.setdefault(int(n), []).append(i)
-    for n, idx in groups.items():
-        params = SamplingParams(max_new_tokens=n, temperature=0.0, seed=seed)
-        results = generate(model, [list(prompts[i]) for i in idx], decoder, params, tokenizer=em.tokenizer,
-                           batch_size=batch_size, steps=steps)
-        for i, r in zip(idx, results):
-            out[i] = list(r.token_ids)
-    return out  # type: ignore[return-value]
+    params = [SamplingParams(max_new_tokens=int(n), temperature=0.0, seed=seed) for n in max_new_tokens]
+    results = generate(model, [list(p) for p in prompts], decoder, params, tokenizer=em.tokenizer,
+                       batch_size=batch_size, steps=steps)
+    return [list(r.token_ids) for r in results]
 
 
 def _prompt_ids(em: EvalModel, ex: GenExample) -> list[int]:

@@ -70,6 +70,53 @@ def test_decode_mask_and_kv_compaction():
     assert kv.cache.layers[0].keys.view(2, 2).tolist() == [[0.0, 2.0], [4.0, 5.0]]
 
 
+def test_growing_cache_equals_concatenation(monkeypatch):
+    """The in-place cache layer holds exactly what transformers' torch.cat layer holds through every KVBatch
+    operation: appends, tail crops, selects, merges, compaction (each re-buffering or writing in place)."""
+    from dlm.decode import engine as eng_mod
+
+    g = torch.Generator().manual_seed(0)
+
+    def run(growing: bool):
+        monkeypatch.setattr(eng_mod, "GROWING_CACHE", growing)
+        torch.manual_seed(1)
+        kv, snapshots = KVBatch(), []
+
+        def extend(batch, t, keep_from):
+            for layer in range(2):
+                k = torch.randn(batch, 2, t, 3, generator=g)
+                kv.cache.update(k, k + 1, layer)
+            keep = torch.zeros(batch, t, dtype=torch.bool)
+            keep[:, :keep_from] = True
+            kv.after_extend(keep)
+
+        extend(2, 5, 5)
+        for step in range(12):
+            extend(2, 1 + step % 3, 1 + step % 2)  # ISD-like: some appended slots become holes, tails are cropped
+            if step == 4:
+                other = KVBatch()
+                for layer in range(2):
+                    k = torch.randn(1, 2, 3, 3, generator=g)
+                    other.cache.update(k, k * 2, layer)
+                other.after_extend(torch.ones(1, 3, dtype=torch.bool))
+                kv.merge(other)
+                kv.select(torch.tensor([0, 2]))
+            if step == 8:
+                kv.compact()
+            snapshots.append([(layer.keys.clone(), layer.values.clone()) for layer in kv.cache.layers])
+        return snapshots, kv.valid
+
+    state = g.get_state()
+    ref, ref_valid = run(False)
+    g.set_state(state)
+    got, got_valid = run(True)
+    assert torch.equal(ref_valid, got_valid)
+    for a, b in zip(ref, got):
+        for (ka, va), (kb, vb) in zip(a, b):
+            assert torch.equal(ka, kb) and torch.equal(va, vb)
+    assert eng_mod.KVBatch().cache.layer_class_to_replicate.__name__ == "GrowingLayer"
+
+
 def test_holes_and_compaction_do_not_change_outputs():
     dlm = idlm("qwen3")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)

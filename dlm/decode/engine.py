@@ -85,6 +85,48 @@ def _shared_decode_mask():
 
 
 # -- the batched KV cache -----------------------------------------------------------------------------------
+GROWING_CACHE = True  # False: transformers' DynamicLayer (a torch.cat of the whole cache per layer and step)
+
+_growing_layer = []
+
+
+def _growing_layer_class():
+    """A ``DynamicLayer`` whose keys/values are views of a larger buffer, so that appending a chunk writes it in
+    place instead of copying the whole cache (``torch.cat``) in every layer at every step. Whatever replaces the
+    tensors (``select``/``merge``/``compact``, a crop from the left) makes the next append re-buffer once."""
+    if _growing_layer:
+        return _growing_layer[0]
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            k, v = self.keys, self.values
+            b, h, t, d = key_states.shape
+            n = k.shape[-2] if k.dim() == 4 else 0
+            buf = getattr(self, "_buf", None)
+            fits = (buf is not None and k.dim() == 4 and k.data_ptr() == buf[0].data_ptr()
+                    and v.data_ptr() == buf[1].data_ptr() and k.stride() == buf[0].stride()
+                    and buf[0].shape[:2] == (b, h) and n + t <= buf[0].shape[2])
+            if not fits:
+                cap = max(2 * (n + t), 64)
+                kb = key_states.new_empty(b, h, cap, d)
+                vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
+                if n:
+                    kb[:, :, :n].copy_(k)
+                    vb[:, :, :n].copy_(v)
+                self._buf = buf = (kb, vb)
+            kb, vb = buf
+            kb[:, :, n: n + t].copy_(key_states)
+            vb[:, :, n: n + t].copy_(value_states)
+            self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+            return self.keys, self.values
+
+    _growing_layer.append(GrowingLayer)
+    return GrowingLayer
+
+
 class KVBatch:
     """A DynamicCache plus per-row valid slots; supports extend, keep/crop, merge, select and compact."""
 
@@ -92,6 +134,8 @@ class KVBatch:
         from transformers import DynamicCache
 
         self.cache = DynamicCache()
+        if GROWING_CACHE and getattr(self.cache, "layer_class_to_replicate", None) is not None:
+            self.cache.layer_class_to_replicate = _growing_layer_class()
         self.valid: torch.Tensor | None = None  # [B, S] bool
 
     @property

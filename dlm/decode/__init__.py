@@ -29,8 +29,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
              threshold: float | None = 0.9, block_length: int = 32, on_tokens=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
-    prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is
-    known, ``stats`` with forwards/TPF/acceptance). ``threshold=None`` selects block's top-k commits."""
+    prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/
+    acceptance). ``threshold=None`` (or <= 0) selects block's top-k commits."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.errors import DLMError, closest

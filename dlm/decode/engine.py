@@ -11,9 +11,10 @@ Every step is one "extend" forward: each row feeds a chunk of tokens (its pendin
 decoder wants: nothing for AR, drafts and masks for ISD) under strict causal attention over its valid slots
 (:func:`decode_mask`). The diffusion decoders (``mdm``, ``block``) feed the uncached part of their sequence
 (prompt tail, committed tokens, masks) and say how its tokens attend to each other (bidirectional, block-causal);
-their queries see every valid cached slot of their row. The decoder then says which tokens it commits and how many leading chunk tokens keep their
-KV; the rest become holes, and trailing columns that are a hole in every row are cropped right away. When holes
-make up most of the cache, :meth:`KVBatch.compact` gathers each row's live slots together (one copy).
+their queries see every valid cached slot of their row. The decoder then says which tokens it commits and how
+many leading chunk tokens keep their KV; the rest become holes, and trailing columns that are a hole in every row
+are cropped right away. When holes make up most of the cache, :meth:`KVBatch.compact` gathers each row's live
+slots together (one copy).
 
 Requests join between steps (``add`` -> prefilled alone at batch 1, so their prefill never depends on the
 neighbours, then merged into the running cache by left-padding the shorter side with holes) and leave between
@@ -293,7 +294,7 @@ class Decoder:
       ``row.pos + j`` (in the prefill ``row.pos`` is the last prompt token's position and the logits start there);
       ``keep`` = how many chunk tokens from ``row.pos`` on keep their KV (the ones that are now context; in the
       prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
-      Committed ids are appended in order; setting ``row.state["done"]`` ends the request ("length").
+      Committed ids are appended in order.
 
     ``causal`` decoders (``ar``, ``isd``) run under strict causal attention over the row's valid slots. The others
     (``mdm``, ``block``) give the attention among a chunk's own tokens with ``chunk_attention``; their queries see
@@ -572,7 +573,7 @@ class Engine:
         if new and not row.out:
             row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
-        if not row.finished and (row.pos + 1 >= self.max_positions or row.state.get("done")):
+        if not row.finished and row.pos + 1 >= self.max_positions:
             row.finished, row.finish_reason = True, "length"
         if p.stop_strings and self.tokenizer is not None and new:
             text = self.tokenizer.decode(row.out, skip_special_tokens=True)

@@ -93,8 +93,8 @@ def run(args) -> int:
         convert_kw = {}
         if "dlm_objective" not in fields and args.decode == "isd" and args.stride:
             convert_kw["block_size"] = args.stride - 1  # untrained anyway: no stride warning on the fly
-        model = load_any(folder, objective if "dlm_objective" not in fields else None,
-                         dtype=get_dtype(args.dtype, device), device=device, **convert_kw)
+        model = load_any(folder, convert_to=objective, dtype=get_dtype(args.dtype, device), device=device,
+                         **convert_kw)
     else:
         from dlm.model.hub import load_model, load_tokenizer
 

@@ -548,12 +548,11 @@ class Engine:
         valid = self.kv.valid.cpu()
         b, k = valid.shape
         mask = torch.zeros(b, 1, q, k + q, dtype=torch.bool)
-        mask[:, 0, :, :k] = valid[:, None, :]
         for i, (row, c) in enumerate(zip(rows, chunks)):
             n = len(c)
+            mask[i, 0, :n, :k] = valid[i]
             mask[i, 0, :n, k: k + n] = self.decoder.chunk_attention(self, row, pos[i, :n])
             if n < q:
-                mask[i, 0, n:, :k] = False
                 mask[i, 0, n:, k + n:] = torch.eye(q - n, dtype=torch.bool)
         return mask.to(self.device)
 

@@ -235,8 +235,10 @@ class AutoDLMForCausalLM:
 
 
 def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtype=None, device=None,
-             **convert_kw) -> DiffusionLM:
-    """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias (objective required)."""
+             convert_to: str | None = None, **convert_kw) -> DiffusionLM:
+    """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias. ``objective``: the
+    objective a DLM folder must have and the one an AR model is converted to; ``convert_to``: only the latter (a
+    DLM folder loads whatever its objective). Conversion defaults to idlm."""
     from dlm.model.hub import resolve_model_path
 
     folder = resolve_model_path(name_or_path)
@@ -246,7 +248,7 @@ def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtyp
         if objective is not None and objective != dlm.objective:
             raise DLMError(f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}'")
         return dlm
-    dlm = convert_ar_to_dlm(folder, objective or "idlm", **convert_kw)
+    dlm = convert_ar_to_dlm(folder, objective or convert_to or "idlm", **convert_kw)
     if dtype is not None:
         dlm.to(dtype)
     if device is not None:

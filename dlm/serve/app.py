@@ -65,7 +65,6 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
-    from dlm.model.hub import resolve_model_path
 
     if decode not in ("isd", "ar", "mdm", "block"):
         raise DLMError(f"--decode must be one of isd, ar, mdm, block; got '{decode}'")
@@ -75,18 +74,14 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if decode != "isd" and isd_token_budget is not None:
         raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got --decode {decode})")
-    allowed = {"mdm": {"method", "steps", "threshold", "block_length"}, "block": {"steps", "threshold"}}
-    extra = {k for k, v in diffusion_kw.items() if v is not None} - allowed.get(decode, set())
+    extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
         raise DLMError(f"{flags}: not a setting of --decode {decode} (mdm takes --sampler, --steps, --threshold, "
                        f"--block-length; block takes --steps, --threshold)")
     dev = get_device(device)
-    folder = resolve_model_path(model)
-    config = folder / "config.json"
-    is_dlm = config.is_file() and "dlm_objective" in json.loads(config.read_text())
-    objective = None if is_dlm else {"mdm": "mdm", "block": "block"}.get(decode, "idlm")
-    dlm = load_any(folder, objective, dtype=get_dtype(dtype, dev), device=dev)
+    dlm = load_any(model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"),
+                   dtype=get_dtype(dtype, dev), device=dev)
     kw = decoder_options(decode, stride=stride, draft=draft,
                          **{k: v for k, v in diffusion_kw.items() if v is not None})
     if isd_token_budget is not None:

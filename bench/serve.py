@@ -4,6 +4,7 @@ run, through the same server code (FastAPI + the engine thread) and the official
     python bench/serve.py                                   # smollm2-135m, ar vs isd, concurrency 1, 8, 32
     python bench/serve.py --model runs/idlm/final --stride 3 --max-tokens 32 --output bench_serve.json
     python bench/serve.py --decodes ar,isd,isd:6     # also isd that drafts only while rows x (2N-1) <= 6
+    python bench/serve.py --decodes ar,isd,isd:auto  # also isd that measures whether drafting pays
 
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
 (greedy, `ignore_eos` so that every request produces exactly --max-tokens tokens). Reported per decoder and level:
@@ -90,13 +91,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
     ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
-                    "with --isd-token-budget B")
+                    "with --isd-token-budget B (an integer or auto)")
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
     ap.add_argument("--max-batch-size", type=int, help="engine batch (default: the largest concurrency)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    ap.add_argument("--rounds", type=int, default=1, help="run every level this many times, interleaved, and "
+                    "report the sums (default 1)")
     ap.add_argument("--output", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -125,35 +128,52 @@ def main(argv=None) -> int:
     servers = {}
     with contextlib.ExitStack() as stack:
         for decode in decodes:
-            name, _, budget = decode.partition(":")  # "isd:6" = isd with --isd-token-budget 6
+            name, _, budget = decode.partition(":")  # "isd:6" / "isd:auto" = isd with --isd-token-budget 6 / auto
             kw = {"stride": args.stride} if name == "isd" and args.stride else {}
             if budget:
-                from dlm.serve.adaptive import BudgetedISD
-
-                engine = Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(int(budget), **kw), max_batch_size=batch)
-            else:
-                engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
+                kw["token_budget"] = budget
+            engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
             app = create_app(Scheduler(engine, threads=args.threads),
                              ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
             srv = stack.enter_context(ServerThread(app))
             asyncio.run(_level(srv.url, "bench", 1, 1, 4))  # warm-up
             servers[decode] = (srv, engine)
+        raw = {}  # (decode, c) -> summed measurements over the rounds
+        for rnd in range(args.rounds):
+            for c in levels:
+                for decode in decodes:
+                    srv, engine = servers[decode]
+                    before = _metric_values(httpx.get(srv.url + "/metrics").text)
+                    n = max(c, args.min_requests)
+                    cpu0 = time.process_time()
+                    res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens))
+                    cpu = time.process_time() - cpu0
+                    after = _metric_values(httpx.get(srv.url + "/metrics").text)
+                    d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                    acc = raw.setdefault((decode, c), {"res": [], "wall": 0.0, "cpu": 0.0, "n": 0, "d": {},
+                                                       "load": []})
+                    acc["res"] += res
+                    acc["wall"] += wall
+                    acc["cpu"] += cpu
+                    acc["n"] += n
+                    acc["load"].append(os.getloadavg()[0])
+                    for k, v in d.items():
+                        acc["d"][k] = acc["d"].get(k, 0) + v
+                    toks = sum(r["tokens"] for r in res)
+                    print(f"  round {rnd + 1} {decode:>8} c={c:<3} {toks / wall:7.1f} tok/s  "
+                          f"tpf {d['dlm_generation_tokens_total'] / max(d['dlm_forwards_total'], 1):.2f}  "
+                          f"load {os.getloadavg()[0]:.1f}", flush=True)
         rows = []
         for c in levels:
             for decode in decodes:
-                srv, engine = servers[decode]
-                before = _metric_values(httpx.get(srv.url + "/metrics").text)
-                n = max(c, args.min_requests)
-                cpu0 = time.process_time()
-                res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens))
-                cpu = time.process_time() - cpu0
-                after = _metric_values(httpx.get(srv.url + "/metrics").text)
-                d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+                acc = raw[(decode, c)]
+                res, d, wall = acc["res"], acc["d"], acc["wall"]
                 toks = sum(r["tokens"] for r in res)
                 ttfts = [r["ttft"] for r in res]
-                row = {"decode": decode, "stride": getattr(engine.decoder, "stride", None), "concurrency": c,
-                       "requests": n, "output_tokens": toks, "wall_s": wall, "tokens_per_s": toks / wall,
-                       "cpu_s_per_token": cpu / max(toks, 1), "load_average": os.getloadavg()[0],
+                row = {"decode": decode, "stride": getattr(servers[decode][1].decoder, "stride", None),
+                       "concurrency": c, "requests": acc["n"], "output_tokens": toks, "wall_s": wall,
+                       "tokens_per_s": toks / wall, "cpu_s_per_token": acc["cpu"] / max(toks, 1),
+                       "load_average": statistics.fmean(acc["load"]),
                        "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
                        "tpot_mean_s": statistics.fmean(r["tpot"] for r in res),
                        "tpf": d["dlm_generation_tokens_total"] / max(d["dlm_forwards_total"], 1),
@@ -161,19 +181,16 @@ def main(argv=None) -> int:
                                       if d.get("dlm_draft_proposed_total") else None),
                        "engine_steps": d["dlm_engine_steps_total"]}
                 rows.append(row)
-                print(f"  {decode:>5} c={c:<3} {row['tokens_per_s']:7.1f} tok/s  ttft {row['ttft_p50_s']*1e3:7.0f} ms"
-                      f"  tpot {row['tpot_mean_s']*1e3:6.0f} ms  tpf {row['tpf']:.2f}  "
-                      f"load {row['load_average']:.1f}", flush=True)
 
     base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
     print()
-    hdr = (f"{'decode':<6} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
+    hdr = (f"{'decode':<8} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
            f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"{r['decode']:<6} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+        print(f"{r['decode']:<8} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
               f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
               f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
               f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f}")

@@ -451,20 +451,14 @@ def test_cli_registers_serve():
     assert args.max_batch_size == 4 and args.served_model_name == "m"
 
 
-def test_isd_token_budget_drafts_alone_and_steps_ar_when_busy(engine):
-    """With a budget of one ISD row (5 tokens at stride 3), a lone request drafts and concurrent ones run AR
-    steps; the greedy output is the same either way."""
-    from dlm.serve.adaptive import BudgetedISD
+def test_isd_token_budget_flag_reaches_the_decoder(tiny_dir):
+    """--isd-token-budget: an int is a fixed budget, 'auto' the measured policy (dlm.decode.schedule, tested in
+    tests/test_decode_schedule.py); a bad value is refused before the model loads."""
+    from dlm.decode.schedule import MeasuredDraft, TokenBudget
 
-    eng = Engine(engine.model, engine.tokenizer, decoder=BudgetedISD(5, stride=3), max_batch_size=8)
-    sp = SamplingParams(max_new_tokens=10, temperature=0.0, ignore_eos=True)
-    prompts = [encode(engine, p) for p in ("The cat", "The dog sat", "Numbers: 1 2", "To be")]
-    lone = eng.generate([prompts[0]], sp)[0]
-    assert sum(lone.stats.proposed) > 0  # drafted
-    busy = eng.generate(prompts, sp)
-    assert all(sum(r.stats.proposed) == 0 for r in busy)  # 4 rows x 5 tokens > 5: never verified drafts
-    for p, r in zip(prompts, busy):
-        assert r.token_ids == alone(engine, p, 10, decoder="ar", ignore_eos=True).token_ids
-    assert lone.token_ids == busy[0].token_ids
+    eng = load_engine(str(tiny_dir), decode="isd", isd_token_budget="auto")
+    assert isinstance(eng.decoder.policy, MeasuredDraft)
+    eng = load_engine(str(tiny_dir), decode="isd", isd_token_budget="6")
+    assert isinstance(eng.decoder.policy, TokenBudget) and eng.decoder.policy.budget == 6
     with pytest.raises(DLMError, match="--isd-token-budget"):
-        BudgetedISD(0)
+        load_engine("/nonexistent", decode="isd", isd_token_budget="fast")

@@ -24,6 +24,10 @@ def add_arguments(p) -> None:
     p.add_argument("--stride", type=int, default=None, help="ISD stride N (default: the model's block_size + 1)")
     p.add_argument("--draft", default="sample", choices=["sample", "argmax"],
                    help="ISD drafts: sampled from q (exact) or argmax (approximate, biased when sampling)")
+    p.add_argument("--isd-token-budget", default=None,
+                   help="ISD: draft only while batch rows x (2N-1) <= this many tokens per step, or 'auto': measure "
+                        "per batch size whether drafting is faster than plain AR steps and run the faster "
+                        "(greedy output unchanged; default: always draft)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -79,6 +83,13 @@ def run(args) -> int:
     from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
 
+    if args.isd_token_budget is not None:
+        if args.decode != "isd":
+            raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd "
+                           f"(got --decode {args.decode})")
+        from dlm.decode.schedule import make_policy
+
+        make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
     prompts = read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
@@ -119,7 +130,8 @@ def run(args) -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
-                           stride=args.stride, draft=args.draft, method=args.sampler, steps=args.steps,
+                           stride=args.stride, draft=args.draft, token_budget=args.isd_token_budget,
+                           method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
                            block_length=args.block_length)
     for w in caught:

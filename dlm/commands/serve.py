@@ -22,9 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
     p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
                    help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
-    p.add_argument("--isd-token-budget", type=int,
+    p.add_argument("--isd-token-budget",
                    help="ISD drafts only while running requests x (2N-1) <= this many tokens per step, plain AR "
-                        "steps above (exact either way; default: always draft)")
+                        "steps above; 'auto': measure per batch size whether drafting is faster than AR steps and "
+                        "run the faster (exact either way; default: always draft)")
     p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
                    help="mdm sampler (default confidence)")
     p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "

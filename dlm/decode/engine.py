@@ -294,7 +294,9 @@ class Decoder:
       ``row.pos + j`` (in the prefill ``row.pos`` is the last prompt token's position and the logits start there);
       ``keep`` = how many chunk tokens from ``row.pos`` on keep their KV (the ones that are now context; in the
       prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
-      Committed ids are appended in order.
+      Committed ids are appended in order;
+    - ``plan_step`` / ``step_done``: once per decode step, before the chunks and after the commits (with the
+      step's wall time and committed tokens), for decoders that adapt to measured cost.
 
     ``causal`` decoders (``ar``, ``isd``) run under strict causal attention over the row's valid slots. The others
     (``mdm``, ``block``) give the attention among a chunk's own tokens with ``chunk_attention``; their queries see
@@ -317,6 +319,12 @@ class Decoder:
 
     def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
         return []
+
+    def plan_step(self, engine: "Engine", rows: list[Row]) -> None:
+        """Called once before each decode step's ``chunk`` calls (e.g. ISD decides whether this step drafts)."""
+
+    def step_done(self, engine: "Engine", rows: list[Row], seconds: float, tokens: int) -> None:
+        """Called after each decode step with its wall time (chunks, forward, consume) and committed tokens."""
 
     def chunk(self, engine: "Engine", row: Row) -> list[int]:
         raise NotImplementedError
@@ -503,7 +511,9 @@ class Engine:
         return events
 
     def _decode_step(self) -> list[StepEvent]:
+        t0 = time.perf_counter()
         rows = self.rows
+        self.decoder.plan_step(self, rows)
         chunks = [self.decoder.chunk(self, r) for r in rows]
         q = max(len(c) for c in chunks)
         b = len(rows)
@@ -525,13 +535,16 @@ class Engine:
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
         keep = torch.zeros(b, q, dtype=torch.bool)
         events = []
+        tokens = 0
         for i, (row, c) in enumerate(zip(rows, chunks)):
             row.stats.forwards += 1
             committed, k = self.decoder.consume(self, row, logits[i, : len(c)])
+            tokens += len(committed)
             keep[i, :k] = True
             row.pos += k
             events.append(self._commit(row, committed))
         self.kv.after_extend(keep.to(self.device))
+        self.decoder.step_done(self, rows, time.perf_counter() - t0, tokens)
         if any(r.finished for r in rows):
             for r in rows:
                 if r.finished:

@@ -27,6 +27,7 @@ import torch
 
 from dlm.decode.engine import Decoder, Engine, Row, warn
 from dlm.decode.sampling import probs_from_logits, sample, suppress
+from dlm.decode.schedule import make_policy
 from dlm.errors import DLMError
 
 DRAFT_MODES = ("sample", "argmax")
@@ -41,13 +42,18 @@ def supported_strides(block_size: int | None) -> list[int]:
 class ISDDecoder(Decoder):
     name = "isd"
 
-    def __init__(self, stride: int | None = None, draft: str = "sample"):
+    def __init__(self, stride: int | None = None, draft: str = "sample", token_budget: int | str | None = None):
         if draft not in DRAFT_MODES:
             raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
         if stride is not None and (not isinstance(stride, int) or stride < 2):
             raise DLMError(f"--stride must be an integer >= 2 (N-1 drafts per step), got {stride}")
         self.stride = stride
         self.draft = draft
+        self.token_budget = token_budget
+        if token_budget is not None:  # refuse a bad value at construction, before the model is checked
+            make_policy(token_budget, stride or 2)
+        self.policy = None  # set in check_model, once the stride is known
+        self._drafting = True  # this step's choice (plan_step)
 
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
@@ -69,6 +75,14 @@ class ISDDecoder(Decoder):
             warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
                  f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
                  f"the trained block are poor")
+        self.policy = make_policy(self.token_budget, self.stride)
+
+    # -- when to draft (dlm.decode.schedule) -------------------------------------------------------------------
+    def plan_step(self, engine: Engine, rows: list[Row]) -> None:
+        self._drafting = self.policy.drafting(len(rows))
+
+    def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
+        self.policy.observe(len(rows), self._drafting, seconds, tokens)
 
     # -- chunks -------------------------------------------------------------------------------------------
     def _room(self, engine: Engine, row: Row) -> bool:
@@ -79,12 +93,14 @@ class ISDDecoder(Decoder):
         n = self.stride
         if len(row.prompt_ids) + n - 1 > engine.max_positions:
             return []
+        if not self.policy.peek(len(engine.rows) + 1):  # the joining row counts itself
+            return []
         return [engine.mask_token_id] * (n - 1)
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         n = self.stride
-        if not self._room(engine, row):
-            # near the end of the context: a plain AR step (still exact)
+        if not self._drafting or not self._room(engine, row):
+            # the policy says drafting does not pay now, or near the end of the context: a plain AR step (exact)
             row.state.update(mode="ar", drafts=None, q=None)
             return [row.last]
         m = engine.mask_token_id

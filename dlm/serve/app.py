@@ -55,11 +55,12 @@ class ServeSettings:
 # -- model + engine -------------------------------------------------------------------------------------------
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
                 device: str | None = None, dtype: str | None = None, draft: str = "sample",
-                isd_token_budget: int | None = None, **diffusion_kw):
+                isd_token_budget: int | str | None = None, **diffusion_kw):
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
-    (2N-1) stays within it, plain AR steps above (:class:`~dlm.serve.adaptive.BudgetedISD`). ``diffusion_kw``:
+    (2N-1) stays within it, plain AR steps above; ``'auto'`` measures per batch size whether drafting pays
+    (:mod:`dlm.decode.schedule`). ``diffusion_kw``:
     the mdm sampler's ``method``, ``steps``, ``threshold``, ``block_length``; block's ``steps``, ``threshold``."""
     from dlm.decode import decoder_options
     from dlm.decode.engine import Engine
@@ -79,16 +80,15 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
         raise DLMError(f"{flags}: not a setting of --decode {decode} (mdm takes --sampler, --steps, --threshold, "
                        f"--block-length; block takes --steps, --threshold)")
+    if isd_token_budget is not None:
+        from dlm.decode.schedule import make_policy
+
+        make_policy(isd_token_budget, stride or 2)  # a bad value fails before the model loads
     dev = get_device(device)
     dlm = load_any(model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"),
                    dtype=get_dtype(dtype, dev), device=dev)
-    kw = decoder_options(decode, stride=stride, draft=draft,
+    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget,
                          **{k: v for k, v in diffusion_kw.items() if v is not None})
-    if isd_token_budget is not None:
-        from dlm.serve.adaptive import BudgetedISD
-
-        return Engine(dlm, dlm.tokenizer, decoder=BudgetedISD(isd_token_budget, **kw),
-                      max_batch_size=max_batch_size)
     return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, **kw)
 
 

@@ -1,0 +1,208 @@
+"""When ISD's drafts pay: per-step draft policies (plain AR steps otherwise; the output stays exact either way).
+
+Speculation costs compute. An ISD row feeds up to 2N-1 tokens per step for at most N committed ones. While the
+device is latency-bound (one request; a GPU at small batch) the extra tokens are nearly free and drafting wins;
+once the batch makes it compute-bound (this CPU at 8 requests: a verify step costs 1.4x an AR step) they are
+not, and a low acceptance never pays. A policy says, before each decode step, whether the step drafts (ISD
+chunks) or runs plain AR steps (``[pending token]`` chunks: the model's own next-token distribution, exactly what
+ISD preserves; pending drafts are dropped and rows cold-start when drafting resumes).
+
+- :class:`AlwaysDraft`: ISD at every step (the default);
+- :class:`TokenBudget`: draft while ``running rows x (2N-1) <= budget`` tokens per step (a fixed rule);
+- :class:`MeasuredDraft` (``auto``): measures, per batch-size bucket, committed tokens per second of decode
+  step with and without drafting, and runs the faster (goodput-based speculation control, as in SmartSpec,
+  Liu et al. 2024). Both modes are tried when a bucket is first seen; the losing one is re-tried in short bursts,
+  less and less often while it keeps losing (exponential back-off), so the choice follows acceptance and load
+  drift. Greedy output is the same token for token whatever it picks; with sampling the output keeps the model's
+  distribution but a seed no longer fixes the draws (AR and ISD steps use the generator differently and the
+  choice depends on measured time).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+from dlm.errors import DLMError
+
+
+class AlwaysDraft:
+    name = "always"
+
+    def drafting(self, rows: int) -> bool:
+        return True
+
+    def peek(self, rows: int) -> bool:
+        return True
+
+    def observe(self, rows: int, drafted: bool, seconds: float, tokens: int) -> None:
+        pass
+
+
+class TokenBudget(AlwaysDraft):
+    name = "budget"
+
+    def __init__(self, budget: int, stride: int):
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+            raise DLMError(f"--isd-token-budget must be a positive integer or 'auto', got {budget!r}")
+        self.budget, self.stride = budget, stride
+
+    def drafting(self, rows: int) -> bool:
+        return rows * (2 * self.stride - 1) <= self.budget
+
+    peek = drafting
+
+
+class _Bucket:
+    __slots__ = ("window", "burst_mode", "burst_left", "since", "period", "choice_before")
+
+    def __init__(self, period: int):
+        self.window = {True: collections.deque(), False: collections.deque()}  # (seconds, tokens, rows)
+        self.burst_mode: bool | None = None
+        self.burst_left = 0
+        self.since = 0
+        self.period = period
+        self.choice_before: bool | None = None
+
+
+class MeasuredDraft(AlwaysDraft):
+    """Goodput-based drafting: per batch-size bucket (1, 2, 3-4, 5-8, ...), the committed tokens per second of
+    each mode's most recent decode steps covering ``window`` row-steps (48 steps alone, 6 at batch 8: a row's
+    tokens per step vary, 1 or up to N, so the estimate needs rows x steps samples, not steps); the faster mode
+    runs.
+
+    - A new bucket starts in the mode a measured neighbour implies (AR chosen at a smaller batch -> AR; drafting
+      chosen at a larger batch -> drafting; :meth:`_guess`) and tries the other at its first period; with no
+      such neighbour it runs a drafting burst, then an AR burst, then picks. A burst is ``draft_burst`` (``ar_burst``)
+      row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted: every row
+      cold-starts there (one token, masks fed), a switching cost paid once per switch, not the steady state that
+      the choice is about.
+    - The losing mode is re-run for one burst after ``period`` steps of the winner; the period doubles (up to
+      ``max_period``) each time the burst confirms the choice and falls back to ``period`` when it flips it.
+    - ``margin``: drafting must beat AR by this fraction (drafting changes the sampling draws and costs memory;
+      at parity AR is the safer pick).
+    """
+
+    name = "auto"
+
+    def __init__(self, window: int = 96, draft_burst: int = 16, ar_burst: int = 4, period: int = 24,
+                 max_period: int = 96, margin: float = 0.02):
+        if draft_burst < 1 or ar_burst < 1 or window < 1:
+            raise DLMError("MeasuredDraft: need draft_burst, ar_burst and window >= 1")
+        self.window, self.draft_burst, self.ar_burst = window, draft_burst, ar_burst
+        self.base_period, self.max_period, self.margin = period, max_period, margin
+        self.buckets: dict[int, _Bucket] = {}
+        self._prev = True  # the previous step's mode (whatever its bucket): rows carry their ISD state across
+        self._switched = False
+
+    @staticmethod
+    def bucket_of(rows: int) -> int:
+        return max(rows - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
+
+    def _bucket(self, rows: int) -> _Bucket:
+        k = self.bucket_of(rows)
+        if k not in self.buckets:
+            self.buckets[k] = _Bucket(self.base_period)
+        return self.buckets[k]
+
+    def _rate(self, k: int, drafted: bool) -> float | None:
+        w = self.buckets[k].window[drafted] if k in self.buckets else ()
+        secs = sum(s for s, _, _ in w)
+        return sum(t for _, t, _ in w) / secs if w and secs > 0 else None
+
+    def rate(self, rows: int, drafted: bool) -> float | None:
+        """Committed tokens per second of the bucket's recent steps in one mode (None before any)."""
+        return self._rate(self.bucket_of(rows), drafted)
+
+    def _decided(self, k: int) -> bool | None:
+        d, a = self._rate(k, True), self._rate(k, False)
+        if d is None or a is None:
+            return None
+        return d > a * (1 + self.margin)
+
+    def _guess(self, k: int) -> bool | None:
+        """A bucket's mode before it measured both: the extra tokens of a drafting step cost more, relative to
+        an AR step, the larger the batch, while acceptance does not depend on it. So AR chosen at a smaller batch
+        means AR here, and drafting chosen at a larger batch means drafting here (no costly first burst)."""
+        if any(self._decided(j) is False for j in self.buckets if j < k):
+            return False
+        if any(self._decided(j) is True for j in self.buckets if j > k):
+            return True
+        return None
+
+    def peek(self, rows: int) -> bool:
+        """The mode the next step at this batch size would most likely run (no side effects): for the prefill of a
+        joining request, which decides whether it appends its first masks."""
+        k = self.bucket_of(rows)
+        b = self.buckets.get(k)
+        if b is not None and b.burst_left > 0:
+            return bool(b.burst_mode)
+        best = self._decided(k)
+        if best is None:
+            best = self._guess(k)
+        return True if best is None else best
+
+    def drafting(self, rows: int) -> bool:
+        mode = self._choose(rows)
+        self._switched = mode and not self._prev
+        self._prev = mode
+        return mode
+
+    def _choose(self, rows: int) -> bool:
+        k = self.bucket_of(rows)
+        b = self._bucket(rows)
+        if b.burst_left > 0:
+            b.burst_left -= 1
+            return bool(b.burst_mode)
+        best = self._decided(k)
+        if b.burst_mode is not None and b.choice_before is not None and best is not None:
+            # an exploration burst just ended: back off while it confirms the choice, start over when it flips it
+            b.period = min(2 * b.period, self.max_period) if best == b.choice_before else self.base_period
+            b.choice_before = None
+        b.burst_mode = None
+        if best is None:
+            best = self._guess(k)
+            if best is None:
+                for mode in (True, False):  # nothing to go by: measure both modes first
+                    if not b.window[mode]:
+                        return self._start_burst(b, mode, rows)
+        b.since += 1
+        if b.since >= b.period:
+            b.since = 0
+            b.choice_before = best
+            return self._start_burst(b, not best, rows)
+        return best
+
+    def _start_burst(self, b: _Bucket, mode: bool, rows: int) -> bool:
+        b.burst_mode = mode
+        steps = max(3, -(-self.draft_burst // rows)) if mode else max(2, -(-self.ar_burst // rows))
+        b.burst_left = steps - 1 + (mode and not self._prev)  # plus the uncounted cold start
+        return mode
+
+    def observe(self, rows: int, drafted: bool, seconds: float, tokens: int) -> None:
+        if drafted and self._switched:
+            return
+        if seconds > 0 and math.isfinite(seconds) and rows > 0:
+            w = self._bucket(rows).window[drafted]
+            w.append((seconds, tokens, rows))
+            covered = sum(r for _, _, r in w)
+            while covered - w[0][2] >= self.window:
+                covered -= w.popleft()[2]
+
+
+def make_policy(token_budget, stride: int):
+    """``None`` -> always draft; an int -> :class:`TokenBudget`; ``'auto'`` -> :class:`MeasuredDraft`; an object
+    with ``drafting``/``peek``/``observe`` (a policy of your own) is used as is."""
+    if token_budget is None:
+        return AlwaysDraft()
+    if all(hasattr(token_budget, a) for a in ("drafting", "peek", "observe")):
+        return token_budget
+    if isinstance(token_budget, str):
+        if token_budget.strip().lower() == "auto":
+            return MeasuredDraft()
+        try:
+            token_budget = int(token_budget)
+        except ValueError:
+            raise DLMError(f"--isd-token-budget must be a positive integer or 'auto', got {token_budget!r}") \
+                from None
+    return TokenBudget(token_budget, stride)

@@ -1,0 +1,152 @@
+"""When ISD drafts: the policies of dlm.decode.schedule (always, a token budget, measured goodput) pick the
+faster mode per batch size, and whatever they pick the greedy output is AR's, token for token."""
+
+import random
+
+import pytest
+
+from dlm import convert_ar_to_dlm
+from dlm.decode.engine import Engine
+from dlm.decode.sampling import SamplingParams
+from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, TokenBudget, make_policy
+from dlm.errors import DLMError
+from dlm.testing import make_model, make_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22], [30, 31, 32, 33]]
+
+
+def simulate(policy, steps, rows, draft_cost, acceptance, noise=0.1, seed=0):
+    """Runs ``steps`` decode steps at batch ``rows`` on a synthetic device with ISD N=2: an AR step costs 1
+    (+-noise) and commits one token per row; a drafting step costs ``draft_cost`` and each row commits one token
+    from a cold start (then verifies next step) or, verifying, two with probability ``acceptance`` (and verifies
+    again) else one (and cold-starts): TPF 2 / (2 - a). Returns the modes chosen."""
+    rng = random.Random(seed)
+    verifying = [False] * rows
+    modes = []
+    for _ in range(steps):
+        d = policy.drafting(rows)
+        cost = (draft_cost if d else 1.0) * (1 + rng.uniform(-noise, noise))
+        tokens = 0
+        for i in range(rows):
+            if not d:
+                tokens, verifying[i] = tokens + 1, False
+            elif not verifying[i]:
+                tokens, verifying[i] = tokens + 1, True
+            else:
+                ok = rng.random() < acceptance
+                tokens, verifying[i] = tokens + (2 if ok else 1), ok
+        policy.observe(rows, d, cost, tokens)
+        modes.append(d)
+    return modes
+
+
+def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
+    """The CPU figures of bench/forward_cost.py: a verify step costs ~1.15x an AR step at batch 1 and ~1.45x at
+    batch 8; with acceptance 0.46 (TPF 1.3) drafting is 1.13x faster alone and 0.9x in a batch of 8."""
+    alone, busy = [], []
+    for seed in range(4):  # the choice is statistical: a few independent runs, each with its own policy
+        p = MeasuredDraft()
+        alone += simulate(p, 600, 1, draft_cost=1.15, acceptance=0.46, seed=seed)[100:]
+        busy += simulate(p, 600, 8, draft_cost=1.45, acceptance=0.46, seed=seed + 10)
+    assert sum(alone) / len(alone) > 0.8  # drafting, with short AR exploration bursts
+    assert sum(busy) / len(busy) < 0.1  # AR, with short drafting exploration bursts
+    # exploration backs off while it keeps confirming the choice: fewer mode switches late than early
+    switches = lambda m: sum(a != b for a, b in zip(m, m[1:]))  # noqa: E731
+    busy = simulate(MeasuredDraft(), 600, 8, draft_cost=1.45, acceptance=0.46)
+    assert switches(busy[300:]) < switches(busy[:300])
+    assert p.bucket_of(1) != p.bucket_of(8) and p.bucket_of(5) == p.bucket_of(8) and p.bucket_of(9) != p.bucket_of(8)
+
+
+def test_measured_policy_stops_drafting_when_acceptance_drops():
+    p = MeasuredDraft()
+    before = simulate(p, 400, 2, draft_cost=1.1, acceptance=0.6)
+    assert sum(before[100:]) / 300 > 0.9
+    after = simulate(p, 400, 2, draft_cost=1.1, acceptance=0.0, seed=2)  # drafts now always rejected
+    # the running mode's window is fresh: the switch comes within about one window of drafting steps
+    assert sum(after[40:]) / 360 < 0.15
+
+
+def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
+    """Drafting's relative cost grows with the batch: AR measured better at batch 8 means a batch of 32 starts
+    with AR steps (no costly drafting burst first); drafting measured better at batch 4 means batch 1 starts
+    drafting. Each still tries the other mode after its first period."""
+    p = MeasuredDraft()
+    simulate(p, 200, 8, draft_cost=1.45, acceptance=0.46)
+    big = simulate(p, 200, 32, draft_cost=1.6, acceptance=0.46)
+    assert not any(big[: p.base_period - 1]) and sum(big) / len(big) < 0.1
+    p = MeasuredDraft()
+    simulate(p, 200, 4, draft_cost=1.1, acceptance=0.6, seed=3)
+    small = simulate(p, 200, 1, draft_cost=1.05, acceptance=0.6, seed=4)
+    assert all(small[: p.base_period - 1]) and sum(small) / len(small) > 0.8
+
+
+def test_policy_values_and_errors():
+    assert isinstance(make_policy(None, 2), AlwaysDraft)
+    assert isinstance(make_policy("auto", 2), MeasuredDraft) and isinstance(make_policy("AUTO", 3), MeasuredDraft)
+    b = make_policy("6", 2)
+    assert isinstance(b, TokenBudget) and b.drafting(2) and not b.drafting(3)  # 2 x 3 <= 6 < 3 x 3
+    for bad in (0, -1, "x", "1.5", True):
+        with pytest.raises(DLMError, match="--isd-token-budget"):
+            make_policy(bad, 2)
+
+
+def idlm():
+    return convert_ar_to_dlm(make_model("llama", seed=1), "idlm", block_size=2, tokenizer=make_tokenizer())
+
+
+class Alternate(AlwaysDraft):
+    """Drafts on two steps of every four (a cold start, then a verify), and records what the engine reports."""
+
+    def __init__(self):
+        self.i, self.seen = 0, []
+
+    def drafting(self, rows):
+        self.i += 1
+        return self.i % 4 in (1, 2)
+
+    def peek(self, rows):
+        return True
+
+    def observe(self, rows, drafted, seconds, tokens):
+        self.seen.append((rows, drafted, seconds, tokens))
+
+
+@pytest.mark.parametrize("budget", [None, 5, "auto", "alternate"])
+def test_any_policy_keeps_greedy_isd_equal_to_ar(budget):
+    dlm = idlm()
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(PROMPTS, params)]
+    policy = Alternate() if budget == "alternate" else budget
+    eng = Engine(dlm, decoder="isd", stride=3, token_budget=policy, max_batch_size=3)
+    out = eng.generate(PROMPTS, params)
+    assert [r.token_ids for r in out] == ar
+    if budget == "alternate":
+        assert {d for _, d, _, _ in policy.seen} == {True, False}  # both kinds of step ran
+        assert all(s > 0 and 1 <= rows <= 3 for rows, _, s, _ in policy.seen)
+        # every token after each request's first (which its prefill gives) came from an observed decode step
+        assert sum(t for *_, t in policy.seen) == sum(len(r.token_ids) - 1 for r in out)
+        assert sum(sum(r.stats.proposed) for r in out) > 0
+
+
+def test_token_budget_drafts_alone_and_steps_ar_when_busy():
+    """With a budget of one ISD row (5 tokens at stride 3), a lone request drafts and concurrent ones run AR
+    steps."""
+    dlm = idlm()
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eng = Engine(dlm, decoder="isd", stride=3, token_budget=5, max_batch_size=8)
+    lone = eng.generate([PROMPTS[0]], sp)[0]
+    assert sum(lone.stats.proposed) > 0
+    busy = eng.generate(PROMPTS[:4], sp)
+    assert all(sum(r.stats.proposed) == 0 for r in busy)  # 4 rows x 5 tokens > 5: never verified drafts
+    assert busy[0].token_ids == lone.token_ids
+
+
+def test_generate_cli_checks_the_budget_flag(tmp_path, capsys):
+    from dlm.cli import main
+
+    assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "ar", "--isd-token-budget", "4"]) != 0
+    assert "--isd-token-budget is an ISD setting" in capsys.readouterr().err
+    assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "isd", "--isd-token-budget", "soon"]) != 0
+    assert "positive integer or 'auto'" in capsys.readouterr().err

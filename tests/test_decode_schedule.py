@@ -83,7 +83,7 @@ def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
 
 
 def test_policy_values_and_errors():
-    assert isinstance(make_policy(None, 2), AlwaysDraft)
+    assert isinstance(make_policy(None, 2), AlwaysDraft) and isinstance(make_policy("always", 2), AlwaysDraft)
     assert isinstance(make_policy("auto", 2), MeasuredDraft) and isinstance(make_policy("AUTO", 3), MeasuredDraft)
     b = make_policy("6", 2)
     assert isinstance(b, TokenBudget) and b.drafting(2) and not b.drafting(3)  # 2 x 3 <= 6 < 3 x 3
@@ -149,4 +149,4 @@ def test_generate_cli_checks_the_budget_flag(tmp_path, capsys):
     assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "ar", "--isd-token-budget", "4"]) != 0
     assert "--isd-token-budget is an ISD setting" in capsys.readouterr().err
     assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "isd", "--isd-token-budget", "soon"]) != 0
-    assert "positive integer or 'auto'" in capsys.readouterr().err
+    assert "positive integer, 'auto' or 'always'" in capsys.readouterr().err

@@ -316,6 +316,7 @@ def test_models_health_metrics(server, client):
     assert values["dlm_generation_tokens_total"] >= 4
     assert 1.0 <= values["dlm_tokens_per_forward"] <= 3.0  # stride 3: at most 3 tokens per forward
     assert values["dlm_draft_proposed_total"] > 0
+    assert values['dlm_isd_steps_total{mode="draft"}'] > 0 and values['dlm_isd_steps_total{mode="ar"}'] == 0
     assert values['dlm_time_to_first_token_seconds_bucket{le="+Inf"}'] == values[
         "dlm_time_to_first_token_seconds_count"]
 
@@ -449,6 +450,11 @@ def test_cli_registers_serve():
                                       "--served-model-name", "m", "--max-batch-size", "4"])
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
+    from dlm.commands.serve import isd_token_budget
+
+    assert isd_token_budget(args) is None  # ar: no drafting policy
+    assert isd_token_budget(build_parser().parse_args(["serve"])) == "auto"  # the server's default for isd
+    assert isd_token_budget(build_parser().parse_args(["serve", "--isd-token-budget", "always"])) == "always"
 
 
 def test_isd_token_budget_flag_reaches_the_decoder(tiny_dir):

@@ -27,7 +27,8 @@ def add_arguments(p) -> None:
     p.add_argument("--isd-token-budget", default=None,
                    help="ISD: draft only while batch rows x (2N-1) <= this many tokens per step, or 'auto': measure "
                         "per batch size whether drafting is faster than plain AR steps and run the faster "
-                        "(greedy output unchanged; default: always draft)")
+                        "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
+                        "default 'always': draft at every step")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)

@@ -15,6 +15,14 @@ from __future__ import annotations
 import argparse
 
 
+def isd_token_budget(args) -> str | None:
+    """The drafting policy a server runs: the flag, else ``auto`` for ISD (a server's load varies, and drafting in
+    a large batch can cost more than it gains), else none."""
+    if args.isd_token_budget is not None:
+        return args.isd_token_budget
+    return "auto" if args.decode == "isd" else None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="DLM folder, AR folder or alias (default smollm2-135m)")
     p.add_argument("--decode", default="isd", choices=("isd", "ar", "mdm", "block"),
@@ -23,9 +31,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
                    help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
     p.add_argument("--isd-token-budget",
-                   help="ISD drafts only while running requests x (2N-1) <= this many tokens per step, plain AR "
-                        "steps above; 'auto': measure per batch size whether drafting is faster than AR steps and "
-                        "run the faster (exact either way; default: always draft)")
+                   help="when ISD drafts: 'auto' (default) measures per batch size whether drafting or plain AR "
+                        "steps commit more tokens per second and runs the faster; an integer T drafts only while "
+                        "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
+                        "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
+                        "in every case")
     p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
                    help="mdm sampler (default confidence)")
     p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "
@@ -69,11 +79,13 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
                          device=args.device, dtype=args.dtype, draft=args.draft,
-                         isd_token_budget=args.isd_token_budget, method=args.sampler, steps=args.steps,
+                         isd_token_budget=isd_token_budget(args), method=args.sampler, steps=args.steps,
                          threshold=args.threshold, block_length=args.block_length)
     app = create_app(Scheduler(engine, threads=args.threads), settings)
     stride = getattr(engine.decoder, "stride", None)
-    print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride})" if stride else "")
+    policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
+    print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride}, drafting: {policy})"
+                                                                      if stride else "")
           + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         logging.getLogger("dlm.serve").warning("binding %s without --api-key: anyone who can reach this port can "

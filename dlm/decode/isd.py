@@ -15,6 +15,10 @@ Stride N. With the I-DLM shift a mask stands in for the token at its own positio
   If all N-1 are accepted, the logit at d_{N-1} gives a free token (drawn from p) and the masks at p+N..p+2N-2
   give the next drafts: N tokens from one forward. Mask KV never stays in the cache.
 
+When to draft: ``token_budget`` picks a policy of :mod:`dlm.decode.schedule` (always; while rows x (2N-1) <= T;
+``'auto'``: whichever of drafting and plain AR steps measures faster at the current batch size). A step the
+policy runs without drafts feeds ``[pending token]`` per row: an AR step, exact like everything else here.
+
 Exactness: with drafts *sampled* from q (the default) the output has exactly the model's causal distribution p
 after temperature/top-k/top-p (the same transform is applied to p and q, once). ``draft="argmax"`` is the
 reference's choice (higher acceptance) and is biased towards the argmax when sampling; it is an explicit,
@@ -54,6 +58,7 @@ class ISDDecoder(Decoder):
             make_policy(token_budget, stride or 2)
         self.policy = None  # set in check_model, once the stride is known
         self._drafting = True  # this step's choice (plan_step)
+        self.mode_steps = {"draft": 0, "ar": 0}  # decode steps by the policy's choice (for /metrics)
 
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
@@ -80,6 +85,7 @@ class ISDDecoder(Decoder):
     # -- when to draft (dlm.decode.schedule) -------------------------------------------------------------------
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:
         self._drafting = self.policy.drafting(len(rows))
+        self.mode_steps["draft" if self._drafting else "ar"] += 1
 
     def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
         self.policy.observe(len(rows), self._drafting, seconds, tokens)

@@ -44,7 +44,7 @@ class TokenBudget(AlwaysDraft):
 
     def __init__(self, budget: int, stride: int):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise DLMError(f"--isd-token-budget must be a positive integer or 'auto', got {budget!r}")
+            raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got {budget!r}")
         self.budget, self.stride = budget, stride
 
     def drafting(self, rows: int) -> bool:
@@ -67,14 +67,14 @@ class _Bucket:
 
 class MeasuredDraft(AlwaysDraft):
     """Goodput-based drafting: per batch-size bucket (1, 2, 3-4, 5-8, ...), the committed tokens per second of
-    each mode's most recent decode steps covering ``window`` row-steps (48 steps alone, 6 at batch 8: a row's
+    each mode's most recent decode steps covering ``window`` row-steps (96 steps alone, 12 at batch 8: a row's
     tokens per step vary, 1 or up to N, so the estimate needs rows x steps samples, not steps); the faster mode
     runs.
 
     - A new bucket starts in the mode a measured neighbour implies (AR chosen at a smaller batch -> AR; drafting
       chosen at a larger batch -> drafting; :meth:`_guess`) and tries the other at its first period; with no
-      such neighbour it runs a drafting burst, then an AR burst, then picks. A burst is ``draft_burst`` (``ar_burst``)
-      row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted: every row
+      such neighbour it runs a drafting burst, then an AR burst, then picks. A burst is ``draft_burst``
+      (``ar_burst``) row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted: every row
       cold-starts there (one token, masks fed), a switching cost paid once per switch, not the steady state that
       the choice is about.
     - The losing mode is re-run for one burst after ``period`` steps of the winner; the period doubles (up to
@@ -191,9 +191,10 @@ class MeasuredDraft(AlwaysDraft):
 
 
 def make_policy(token_budget, stride: int):
-    """``None`` -> always draft; an int -> :class:`TokenBudget`; ``'auto'`` -> :class:`MeasuredDraft`; an object
-    with ``drafting``/``peek``/``observe`` (a policy of your own) is used as is."""
-    if token_budget is None:
+    """``None`` or ``'always'`` -> always draft; an int -> :class:`TokenBudget`; ``'auto'`` ->
+    :class:`MeasuredDraft`; an object with ``drafting``/``peek``/``observe`` (a policy of your own) is used as
+    is."""
+    if token_budget is None or (isinstance(token_budget, str) and token_budget.strip().lower() == "always"):
         return AlwaysDraft()
     if all(hasattr(token_budget, a) for a in ("drafting", "peek", "observe")):
         return token_budget
@@ -203,6 +204,7 @@ def make_policy(token_budget, stride: int):
         try:
             token_budget = int(token_budget)
         except ValueError:
-            raise DLMError(f"--isd-token-budget must be a positive integer or 'auto', got {token_budget!r}") \
+            raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got "
+                           f"{token_budget!r}") \
                 from None
     return TokenBudget(token_budget, stride)

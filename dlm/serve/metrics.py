@@ -9,6 +9,7 @@ Exposed (all prefixed ``dlm_``):
 - ``prompt_tokens_total``, ``generation_tokens_total``, ``forwards_total`` (request-forwards, prefill included),
   ``engine_steps_total``, ``tokens_per_forward`` (generation tokens / request-forwards since start);
 - ``draft_proposed_total``, ``draft_accepted_total``, ``draft_acceptance`` (ISD acceptance, all draft positions);
+- ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-token-budget``);
 - ``queue_length`` (requests waiting for a batch slot), ``running_requests`` (in the running batch);
 - histograms ``time_to_first_token_seconds``, ``time_per_output_token_seconds``, ``request_latency_seconds``.
 """
@@ -58,6 +59,7 @@ class Metrics:
         self.steps = 0
         self.proposed = 0
         self.accepted = 0
+        self.isd_steps: dict = {}
         self.queue_length = 0
         self.running = 0
         self.ttft = Histogram(LATENCY_BUCKETS)
@@ -65,10 +67,12 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
 
     # -- updates --------------------------------------------------------------------------------------------
-    def on_step(self, queue_length: int, running: int) -> None:
+    def on_step(self, queue_length: int, running: int, isd_steps: dict | None = None) -> None:
         with self.lock:
             self.steps += 1
             self.queue_length, self.running = queue_length, running
+            if isd_steps is not None:
+                self.isd_steps = dict(isd_steps)
 
     def set_load(self, queue_length: int, running: int) -> None:
         with self.lock:
@@ -122,6 +126,10 @@ class Metrics:
             metric("draft_accepted_total", "counter", "ISD drafts accepted.", [("", self.accepted)])
             acc = self.accepted / self.proposed if self.proposed else 0.0
             metric("draft_acceptance", "gauge", "ISD draft acceptance rate since start.", [("", round(acc, 6))])
+            if self.isd_steps:
+                metric("isd_steps_total", "counter", "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR "
+                       "steps chosen by --isd-token-budget).",
+                       [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())])
             metric("queue_length", "gauge", "Requests waiting for a slot in the running batch.",
                    [("", self.queue_length)])
             metric("running_requests", "gauge", "Requests in the running batch.", [("", self.running)])

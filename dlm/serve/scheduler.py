@@ -135,7 +135,7 @@ class Scheduler:
                     continue
                 self._deliver(events)
                 waiting, running = self.load()
-                self.metrics.on_step(waiting, running)
+                self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None))
 
     def _drain(self) -> None:
         while True:

@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for c in levels:
                 for decode in decodes:
-                    srv, engine = servers[decode]
+                    srv = servers[decode][0]
                     before = _metric_values(httpx.get(srv.url + "/metrics").text)
                     n = max(c, args.min_requests)
                     cpu0 = time.process_time()

@@ -42,7 +42,7 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
         raise DLMError(f"unknown decoder '{decode}' (--decode): did you mean {closest(decode, DECODERS)}?")
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, method=method, steps=steps, threshold=threshold,
-                         block_length=block_length)
+    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, method=method, steps=steps,
+                         threshold=threshold, block_length=block_length)
     engine = Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, **kw)
     return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)

@@ -53,11 +53,32 @@ class TokenBudget(AlwaysDraft):
     peek = drafting
 
 
+class _Window:
+    """One mode's most recent decode steps, covering at least ``size`` row-steps, with running totals."""
+
+    __slots__ = ("steps", "seconds", "tokens", "rows")
+
+    def __init__(self):
+        self.steps = collections.deque()  # (seconds, tokens, rows)
+        self.seconds, self.tokens, self.rows = 0.0, 0, 0
+
+    def add(self, seconds: float, tokens: int, rows: int, size: int) -> None:
+        self.steps.append((seconds, tokens, rows))
+        self.seconds, self.tokens, self.rows = self.seconds + seconds, self.tokens + tokens, self.rows + rows
+        while self.rows - self.steps[0][2] >= size:
+            s, t, r = self.steps.popleft()
+            self.seconds, self.tokens, self.rows = self.seconds - s, self.tokens - t, self.rows - r
+
+    def rate(self) -> float | None:
+        """Committed tokens per second (None before any step)."""
+        return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
+
+
 class _Bucket:
     __slots__ = ("window", "burst_mode", "burst_left", "since", "period", "choice_before")
 
     def __init__(self, period: int):
-        self.window = {True: collections.deque(), False: collections.deque()}  # (seconds, tokens, rows)
+        self.window = {True: _Window(), False: _Window()}
         self.burst_mode: bool | None = None
         self.burst_left = 0
         self.since = 0
@@ -74,9 +95,9 @@ class MeasuredDraft(AlwaysDraft):
     - A new bucket starts in the mode a measured neighbour implies (AR chosen at a smaller batch -> AR; drafting
       chosen at a larger batch -> drafting; :meth:`_guess`) and tries the other at its first period; with no
       such neighbour it runs a drafting burst, then an AR burst, then picks. A burst is ``draft_burst``
-      (``ar_burst``) row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted: every row
-      cold-starts there (one token, masks fed), a switching cost paid once per switch, not the steady state that
-      the choice is about.
+      (``ar_burst``) row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted:
+      every row cold-starts there (one token, masks fed), a switching cost paid once per switch, not the steady
+      state that the choice is about.
     - The losing mode is re-run for one burst after ``period`` steps of the winner; the period doubles (up to
       ``max_period``) each time the burst confirms the choice and falls back to ``period`` when it flips it.
     - ``margin``: drafting must beat AR by this fraction (drafting changes the sampling draws and costs memory;
@@ -99,23 +120,16 @@ class MeasuredDraft(AlwaysDraft):
     def bucket_of(rows: int) -> int:
         return max(rows - 1, 0).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
 
-    def _bucket(self, rows: int) -> _Bucket:
-        k = self.bucket_of(rows)
+    def _bucket(self, k: int) -> _Bucket:
         if k not in self.buckets:
             self.buckets[k] = _Bucket(self.base_period)
         return self.buckets[k]
 
-    def _rate(self, k: int, drafted: bool) -> float | None:
-        w = self.buckets[k].window[drafted] if k in self.buckets else ()
-        secs = sum(s for s, _, _ in w)
-        return sum(t for _, t, _ in w) / secs if w and secs > 0 else None
-
-    def rate(self, rows: int, drafted: bool) -> float | None:
-        """Committed tokens per second of the bucket's recent steps in one mode (None before any)."""
-        return self._rate(self.bucket_of(rows), drafted)
-
     def _decided(self, k: int) -> bool | None:
-        d, a = self._rate(k, True), self._rate(k, False)
+        b = self.buckets.get(k)
+        if b is None:
+            return None
+        d, a = b.window[True].rate(), b.window[False].rate()
         if d is None or a is None:
             return None
         return d > a * (1 + self.margin)
@@ -150,7 +164,7 @@ class MeasuredDraft(AlwaysDraft):
 
     def _choose(self, rows: int) -> bool:
         k = self.bucket_of(rows)
-        b = self._bucket(rows)
+        b = self._bucket(k)
         if b.burst_left > 0:
             b.burst_left -= 1
             return bool(b.burst_mode)
@@ -164,7 +178,7 @@ class MeasuredDraft(AlwaysDraft):
             best = self._guess(k)
             if best is None:
                 for mode in (True, False):  # nothing to go by: measure both modes first
-                    if not b.window[mode]:
+                    if not b.window[mode].steps:
                         return self._start_burst(b, mode, rows)
         b.since += 1
         if b.since >= b.period:
@@ -183,11 +197,7 @@ class MeasuredDraft(AlwaysDraft):
         if drafted and self._switched:
             return
         if seconds > 0 and math.isfinite(seconds) and rows > 0:
-            w = self._bucket(rows).window[drafted]
-            w.append((seconds, tokens, rows))
-            covered = sum(r for _, _, r in w)
-            while covered - w[0][2] >= self.window:
-                covered -= w.popleft()[2]
+            self._bucket(self.bucket_of(rows)).window[drafted].add(seconds, tokens, rows, self.window)
 
 
 def make_policy(token_budget, stride: int):

@@ -91,17 +91,22 @@ class IDLMConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW with a warm-up then cosine or constant schedule."""
+    """AdamW with a warm-up then a cosine, constant or warm-up-stable-decay (wsd) schedule.
+
+    The decaying schedules follow the run's progress: the larger of the optimizer steps done over
+    ``train.max_train_steps`` and, when ``train.max_minutes`` is set, the time spent over that budget, so a run
+    bounded by time (a huge step limit) still decays and ends at the floor when its minutes run out."""
 
     learning_rate: float = 1e-4
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.95
     adam_eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | constant
+    schedule: str = "cosine"  # cosine | constant | wsd (constant, then linear to the floor over decay_ratio)
     warmup_ratio: float = 0.0  # fraction of max_train_steps
     warmup_steps: int | None = None  # overrides warmup_ratio
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of learning_rate
+    min_lr_ratio: float = 0.0  # cosine / wsd floor, as a fraction of learning_rate
+    decay_ratio: float = 0.2  # wsd: the last fraction of the run that decays to the floor
     max_grad_norm: float = 1.0  # 0 disables clipping
     fused: str = "auto"  # auto | true | false
 
@@ -223,7 +228,10 @@ class TrainingConfig:
         _choice("mdm.attention", self.mdm.attention, ("annealed", "full"))
         _choice("block.t_per", self.block.t_per, ("sample", "block"))
         _choice("idlm.idlm_loss_type", self.idlm.idlm_loss_type, ("ar", "distill"))
-        _choice("optim.schedule", o.schedule, ("cosine", "constant"))
+        _choice("optim.schedule", o.schedule, ("cosine", "constant", "wsd"))
+        if not 0 < o.decay_ratio <= 1:
+            raise DLMError(f"optim.decay_ratio must be in (0, 1], got {o.decay_ratio} (the share of the run over "
+                           f"which --optim.schedule wsd decays)")
         _choice("optim.fused", str(o.fused).lower(), ("auto", "true", "false"))
         _choice("train.mixed_precision", t.mixed_precision, ("auto", "no", "bf16", "fp16"))
         for key, value in (("train.batch_size", t.batch_size), ("train.gradient_accumulate_every",

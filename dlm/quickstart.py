@@ -44,6 +44,7 @@ class QuickstartConfig:
     lora_r: int = 64
     lora_targets: str = "q_proj,v_proj"  # adapter modules: comma-separated names, or all-linear
     learning_rate: float = 2e-3
+    lr_schedule: str = "constant"  # per stage, after 10 warm-up steps: constant | wsd (decay over the last 25%) | cosine
     batch_size: int = 2
     seq_length: int = 192
     loss_type: str = "distill"  # distill (soft targets from the clean pass) | ar (hard labels)
@@ -63,6 +64,8 @@ class QuickstartConfig:
             raise DLMError("--curriculum block sizes must be >= 1 (e.g. 1,2)")
         if any(n < 2 for n in self.strides):
             raise DLMError("--strides must be >= 2 (stride N uses N-1 masks)")
+        if self.lr_schedule not in ("constant", "wsd", "cosine"):
+            raise DLMError(f"--lr-schedule must be constant, wsd or cosine, got {self.lr_schedule!r}")
         if self.loss_type not in ("distill", "ar"):
             raise DLMError("--loss-type must be distill or ar")
         return self
@@ -161,7 +164,8 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
             "model": {"objective": "idlm", "block_size": b},
             "data": {"data": str(data), "seq_length": cfg.seq_length, "eval_fraction": 0.02, "seed": cfg.seed},
             "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0, "loss_auto_balance": False},
-            "optim": {"learning_rate": cfg.learning_rate, "schedule": "constant", "warmup_steps": 10,
+            "optim": {"learning_rate": cfg.learning_rate, "schedule": cfg.lr_schedule, "warmup_steps": 10,
+                      "decay_ratio": 0.25,
                       "weight_decay": 0.0},
             "train": {"batch_size": cfg.batch_size, "max_train_steps": 1_000_000, "max_minutes": minutes,
                       "output_dir": str(stage_dir), "save_every": 50, "keep_last": 1, "seed": cfg.seed + i,
@@ -313,7 +317,8 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
     lines = [
         "# dlm quickstart report", "",
         f"Model `{cfg.model}` -> I-DLM with gated LoRA (r={cfg.lora_r}), curriculum block sizes "
-        f"{list(cfg.curriculum)}, {cfg.minutes:g} training minutes, loss `{cfg.loss_type}`.",
+        f"{list(cfg.curriculum)}, {cfg.minutes:g} training minutes, loss `{cfg.loss_type}`, learning rate "
+        f"{cfg.learning_rate:g} ({cfg.lr_schedule}).",
         f"Measured on {results['prompts']} held-out instructions, greedy, batch 1, up to {results['max_new_tokens']} "
         f"new tokens.", "", tbl, "",
     ]

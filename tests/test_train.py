@@ -194,6 +194,52 @@ def test_lr_schedule():
     assert lr_factor(10, 10, 2, "cosine", 0.1) == pytest.approx(0.1)
     assert lr_factor(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)
     assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0
+    # wsd: constant, then linear to the floor over the last decay_ratio of the run
+    assert [lr_factor(s, 10, 0, "wsd", 0.0, decay_ratio=0.2) for s in (0, 8, 9, 10)] == \
+        [1.0, 1.0, pytest.approx(0.5), pytest.approx(0.0, abs=1e-12)]
+    assert lr_factor(10, 10, 0, "wsd", 0.1, decay_ratio=0.2) == pytest.approx(0.1)
+    # a time budget drives the progress when it is ahead of the steps (a huge step limit under --max-minutes)
+    assert lr_factor(5, 10**6, 2, "cosine", 0.0, time_fraction=0.5) == pytest.approx(0.5)
+    assert lr_factor(5, 10**6, 2, "wsd", 0.0, time_fraction=0.9, decay_ratio=0.2) == pytest.approx(0.5)
+    assert lr_factor(5, 10**6, 2, "wsd", 0.0, time_fraction=1.7, decay_ratio=0.2) == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(9, 10, 0, "cosine", 0.0, time_fraction=0.0) == lr_factor(9, 10, 0, "cosine", 0.0)
+    assert lr_factor(1, 10, 2, "wsd", 0.0, time_fraction=0.99) == 1.0  # warm-up first
+
+
+def test_time_bounded_run_decays_to_the_floor_when_its_minutes_run_out(tiny, tmp_path, monkeypatch):
+    """--max-minutes with a step limit never reached: wsd holds the peak, then decays over the budget's last half
+    and ends near 0; a checkpoint records the seconds trained (a resumed run continues the schedule from them)."""
+    import dlm.train.loop as loop
+
+    class Clock:  # each time.time() call advances 1 s: a deterministic 60 s budget
+        now = 1_000_000.0
+
+        @classmethod
+        def time(cls):
+            cls.now += 1.0
+            return cls.now
+
+        perf_counter = staticmethod(__import__("time").perf_counter)
+
+    monkeypatch.setattr(loop, "time", Clock)
+    out = tmp_path / "wsd"
+    result = loop.train(make_cfg(tiny, out, max_train_steps=10**6, max_minutes=1.0, **{"optim.warmup_steps": 2,
+                                 "optim.schedule": "wsd", "optim.decay_ratio": 0.5}))
+    assert result.stopped == "max_minutes" and result.step > 8
+    lrs = [r["lr"] for r in log_lines(out) if "loss" in r]
+    peak = 1e-3
+    assert lrs[:2] == [pytest.approx(peak / 2), pytest.approx(peak)]
+    assert lrs[len(lrs) // 3] == pytest.approx(peak)  # still stable a third of the way in
+    tail = lrs[2:]
+    assert all(b <= a + 1e-15 for a, b in zip(tail, tail[1:]))  # never rises again
+    assert lrs[-1] < 0.25 * peak  # decayed by the end of the budget
+    state = json.loads(next((out / "checkpoints").iterdir()).joinpath("trainer_state.json").read_text())
+    assert state["train_seconds"] > 60
+
+
+def test_bad_decay_ratio_is_refused(tiny, tmp_path):
+    with pytest.raises(DLMError, match="optim.decay_ratio"):
+        make_cfg(tiny, tmp_path / "x", **{"optim.schedule": "wsd", "optim.decay_ratio": 0.0}).validate()
 
 
 def write_shards(folder, prefix, vocab, n_files=2, chunk=256, seed=0):

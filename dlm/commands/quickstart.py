@@ -35,6 +35,9 @@ def add_arguments(p) -> None:
                    help="modules with adapters: comma-separated names (default q_proj,v_proj) or all-linear; each "
                         "adapter costs the same at decode whatever its rank, so fewer, wider adapters are cheaper")
     p.add_argument("--learning-rate", type=float, default=2e-3)
+    p.add_argument("--lr-schedule", choices=["constant", "wsd", "cosine"], default="constant",
+                   help="learning rate per curriculum stage after 10 warm-up steps: constant, wsd (constant, then "
+                   "linear to 0 over the stage's last 25%% of minutes) or cosine (over the stage's minutes)")
     p.add_argument("--batch-size", type=int, default=2)
     p.add_argument("--seq-length", type=int, default=192)
     p.add_argument("--loss-type", choices=["distill", "ar"], default="distill",
@@ -52,7 +55,7 @@ def run(args) -> int:
         model=args.model, output=args.output, minutes=args.minutes, data=args.data,
         num_instructions=args.num_instructions, answer_tokens=args.answer_tokens, curriculum=args.curriculum,
         curriculum_split=args.curriculum_split, lora_r=args.lora_r, lora_targets=args.lora_targets,
-        learning_rate=args.learning_rate,
+        learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
         eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
     )

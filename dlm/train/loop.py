@@ -89,15 +89,26 @@ class RoutedDLM(DiffusionLM):
 
 
 # ----------------------------------------------------------------------------------------------- pieces
-def lr_factor(step: int, max_steps: int, warmup: int, schedule: str, min_ratio: float) -> float:
+def lr_factor(step: int, max_steps: int, warmup: int, schedule: str, min_ratio: float,
+              time_fraction: float | None = None, decay_ratio: float = 0.2) -> float:
     """Multiplier of the peak learning rate for optimizer step ``step`` (0-based): linear warm-up over ``warmup``
-    steps, then constant or cosine down to ``min_ratio`` at ``max_steps``."""
+    steps, then constant, cosine down to ``min_ratio``, or ``wsd``: constant, then linear down to ``min_ratio`` over
+    the last ``decay_ratio`` of the run. The run's progress is the larger of the steps after warm-up over
+    ``max_steps - warmup`` and ``time_fraction`` (time spent over a ``max_minutes`` budget, when there is one)."""
     if warmup > 0 and step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
     span = max(1, max_steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    progress = (step - warmup) / span
+    if time_fraction is not None:
+        progress = max(progress, time_fraction)
+    progress = min(1.0, max(0.0, progress))
+    if schedule == "wsd":
+        start = 1.0 - decay_ratio
+        if progress <= start:
+            return 1.0
+        return min_ratio + (1 - min_ratio) * (1.0 - (progress - start) / decay_ratio)
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
@@ -463,8 +474,12 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
     dlm.train()
     optimizer = build_optimizer(params, cfg, accelerator.device)
     warm = warmup_steps(cfg)
+    # Share of a max_minutes budget spent (the main process's clock, summed across processes with the step's
+    # stats so every replica gets the same learning rate); None without a budget.
+    clock: dict[str, float | None] = {"fraction": 0.0 if cfg.train.max_minutes else None}
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule, cfg.optim.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule, cfg.optim.min_lr_ratio,
+                                       clock["fraction"], cfg.optim.decay_ratio))
     ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if ds_plugin is not None:  # no prepared DataLoader, so accelerate cannot infer DeepSpeed's "auto" batch fields
         ds_conf = ds_plugin.deepspeed_config
@@ -482,6 +497,7 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
     gen.manual_seed(cfg.train.seed * 1_000_003 + rank)
 
     step, tokens_total = 0, 0
+    prior_s = 0.0  # training seconds of the interrupted runs this one resumes (for a time-bounded schedule)
     last_ckpt: Path | None = None
     if resume_from is not None:
         state, rank_state = ckpt_mod.load_checkpoint(accelerator, resume_from)
@@ -491,6 +507,7 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
                 raise DLMError(f"cannot resume '{resume_from}': it was trained with model.{key} = {saved[key]!r}, "
                                f"this run asks for {getattr(cfg.model, key)!r}")
         step, tokens_total = int(state["step"]), int(state["tokens"])
+        prior_s = float(state.get("train_seconds", 0.0))
         data.load_state_dict(rank_state["data"])
         gen.set_state(rank_state["generator"])
         last_ckpt = resume_from
@@ -509,7 +526,7 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
 
     def save(at_step: int) -> Path:
         state = {"step": at_step, "tokens": tokens_total, "world_size": world, "time": time.time(),
-                 "config": cfg.to_dict()}
+                 "train_seconds": prior_s + time.time() - t0, "config": cfg.to_dict()}
         rank_state = {"data": data.state_dict(), "generator": gen.get_state()}
         return ckpt_mod.save_checkpoint(accelerator, dlm, wrapped, cfg.checkpoint_dir, at_step, state, rank_state,
                                         keep_last=cfg.train.keep_last)
@@ -546,9 +563,12 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
                         parts[k] = parts.get(k, 0.0) + float(v) / accum
                     if accelerator.sync_gradients:
                         over = budget_s is not None and main and time.time() - t0 > budget_s
+                        # A resumed run gets a fresh budget on top of the seconds already trained.
+                        frac = (prior_s + time.time() - t0) / (prior_s + budget_s) if budget_s and main else 0.0
                         finite = bool(torch.isfinite(loss_sum))
                         stats = torch.tensor([float(loss_sum) if finite else 0.0, ntok, 0 if finite else 1,
-                                              1 if over else 0], dtype=torch.float64, device=accelerator.device)
+                                              1 if over else 0, frac], dtype=torch.float64,
+                                             device=accelerator.device)
                         stats = accelerator.reduce(stats, "sum")
                         if stats[2] > 0:
                             raise DLMError(
@@ -565,6 +585,8 @@ def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
             lr = scheduler.get_last_lr()[0]
+            if clock["fraction"] is not None:
+                clock["fraction"] = float(stats[4])
             scheduler.step()
             step += 1
             loss = float(stats[0]) / (accum * world)

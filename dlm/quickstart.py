@@ -309,6 +309,32 @@ def plots(results: dict, out: Path) -> list[str]:
     return made
 
 
+def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
+    """Per curriculum stage, from its ``train_log.jsonl``: optimizer steps, trained target tokens, seconds, and the
+    masks' argmax agreement with the clean pass over the stage's last 50 steps (the training-side view of
+    acceptance). How many steps a budget buys depends on the machine, and the acceptance on the steps."""
+    stages = []
+    for b in cfg.curriculum:
+        path = out / f"train_b{b}" / "train_log.jsonl"
+        if not path.is_file():
+            continue
+        steps, agree, end = [], [], None
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            if "loss" in rec and "step" in rec:
+                steps.append(rec)
+                agree.append(rec.get("parts", {}).get("mask_greedy_agree", float("nan")))
+            elif rec.get("event") == "end":
+                end = rec
+        if not steps:
+            continue
+        last = agree[-50:]
+        stages.append({"block_size": b, "steps": steps[-1]["step"], "tokens": steps[-1]["tokens"],
+                       "seconds": round(steps[-1]["elapsed_s"], 1), "finished": end is not None,
+                       "train_agreement_last50": round(sum(last) / len(last), 4)})
+    return stages
+
+
 def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict) -> str:
     tbl = table(results)
     imgs = plots(results, out)
@@ -327,6 +353,12 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
                   f"{best['speedup_vs_generate']:.2f}x the base model's generate, output identical to the base "
                   f"model on {best['identical_to_base']} prompts.", ""]
     lines += [f"Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
+    for st in results.get("training", []):
+        lines += [f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "
+                  f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step); mask argmax == clean "
+                  f"argmax on {st['train_agreement_last50']:.2f} of the last 50 steps' training targets."]
+    if results.get("training"):
+        lines += [""]
     lines += [f"![{i}]({i})" for i in imgs]
     lines += ["", "Configuration:", "", "```json", json.dumps(asdict(cfg), indent=1), "```"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
@@ -353,6 +385,7 @@ def run(cfg: QuickstartConfig, log=print) -> dict:
     results = measure(cfg, model_dir, log)
     seconds["measure"] = time.time() - t
     results["seconds"] = seconds
+    results["training"] = training_summary(cfg, out)
     results["config"] = asdict(cfg)
     tmp = out / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=1))

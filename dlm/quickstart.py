@@ -272,13 +272,10 @@ def plots(results: dict, out: Path) -> list[str]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     offset = 0
     for stage in sorted(out.glob("train_b*/train_log.jsonl")):
-        steps, losses, agree = [], [], []
-        for line in stage.read_text().splitlines():
-            rec = json.loads(line)
-            if "loss" in rec and "step" in rec:
-                steps.append(offset + rec["step"])
-                losses.append(rec["loss"])
-                agree.append(rec.get("parts", {}).get("mask_greedy_agree", float("nan")))
+        records, _ = read_train_log(stage)
+        steps = [offset + rec["step"] for rec in records]
+        losses = [rec["loss"] for rec in records]
+        agree = [_agreement(rec) for rec in records]
         if steps:
             ax.plot(steps, losses, label=stage.parent.name)
             k = 10
@@ -309,6 +306,23 @@ def plots(results: dict, out: Path) -> list[str]:
     return made
 
 
+def read_train_log(path: Path) -> tuple[list[dict], dict | None]:
+    """A stage's ``train_log.jsonl``: its per-step records, and its end event (None if the stage did not finish)."""
+    steps, end = [], None
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec and "step" in rec:
+            steps.append(rec)
+        elif rec.get("event") == "end":
+            end = rec
+    return steps, end
+
+
+def _agreement(rec: dict) -> float:
+    """How often the masks' argmax matched the clean pass's in one logged step."""
+    return rec.get("parts", {}).get("mask_greedy_agree", float("nan"))
+
+
 def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
     """Per curriculum stage, from its ``train_log.jsonl``: optimizer steps, trained target tokens, seconds, and the
     masks' argmax agreement with the clean pass over the stage's last 50 steps (the training-side view of
@@ -318,17 +332,10 @@ def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
         path = out / f"train_b{b}" / "train_log.jsonl"
         if not path.is_file():
             continue
-        steps, agree, end = [], [], None
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "loss" in rec and "step" in rec:
-                steps.append(rec)
-                agree.append(rec.get("parts", {}).get("mask_greedy_agree", float("nan")))
-            elif rec.get("event") == "end":
-                end = rec
+        steps, end = read_train_log(path)
         if not steps:
             continue
-        last = agree[-50:]
+        last = [_agreement(rec) for rec in steps[-50:]]
         stages.append({"block_size": b, "steps": steps[-1]["step"], "tokens": steps[-1]["tokens"],
                        "seconds": round(steps[-1]["elapsed_s"], 1), "finished": end is not None,
                        "train_agreement_last50": round(sum(last) / len(last), 4)})

@@ -103,7 +103,7 @@ def lr_factor(step: int, max_steps: int, warmup: int, schedule: str, min_ratio: 
     progress = (step - warmup) / span
     if time_fraction is not None:
         progress = max(progress, time_fraction)
-    progress = min(1.0, max(0.0, progress))
+    progress = min(1.0, progress)
     if schedule == "wsd":
         start = 1.0 - decay_ratio
         if progress <= start:

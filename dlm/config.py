@@ -142,6 +142,7 @@ class EvalConfig:
     eval_history_path: str | None = None  # default output_dir/eval_history.jsonl
     eval_batches: int = 4  # held-out batches for the held-out loss
     eval_limit: int = 50  # examples per task evaluation
+    eval_batch_size: int = 8  # generation batch of the task evaluations (lambada, poem_reverse, isd_acceptance)
     eval_data_dir: str | None = None  # folder with <task>/ files for the task evaluations
 
 
@@ -236,7 +237,8 @@ class TrainingConfig:
         _choice("train.mixed_precision", t.mixed_precision, ("auto", "no", "bf16", "fp16"))
         for key, value in (("train.batch_size", t.batch_size), ("train.gradient_accumulate_every",
                            t.gradient_accumulate_every), ("train.max_train_steps", t.max_train_steps),
-                           ("data.seq_length", d.seq_length), ("train.log_every", t.log_every)):
+                           ("data.seq_length", d.seq_length), ("train.log_every", t.log_every),
+                           ("eval.eval_batch_size", e.eval_batch_size)):
             if not isinstance(value, int) or value < 1:
                 raise DLMError(f"{key} must be a positive integer, got {value!r}")
         for key, value in (("train.save_every", t.save_every), ("eval.eval_every", e.eval_every),

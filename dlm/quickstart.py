@@ -108,10 +108,11 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
 
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
+    from dlm.device import get_device
     from dlm.model.hub import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model)
+    model = load_model(cfg.model, device=get_device())  # a GPU, where there is one (fp32: the same greedy answers)
     engine = Engine(model, tokenizer, decoder="ar", max_batch_size=cfg.distill_batch_size)
     params = SamplingParams(max_new_tokens=cfg.answer_tokens, temperature=0.0)
 
@@ -137,11 +138,35 @@ def stage_minutes(cfg: QuickstartConfig) -> list[float]:
     return [cfg.minutes * s / total for s in split]
 
 
+def lora_settings(cfg: QuickstartConfig):
+    """The gated adapters a quickstart run trains (gated: the clean path stays the base model)."""
+    from dlm.model.lora import LoraSettings
+
+    return LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True, target_modules=cfg.lora_targets)
+
+
+def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_dir: Path, *, minutes: float | None,
+                    seed: int, resume: str | None = None, max_train_steps: int = 1_000_000,
+                    save_every: int = 50) -> dict:
+    """The training settings of one curriculum stage (``dlm train``'s config sections); ``bench/acceptance_curve.py``
+    trains with the same ones."""
+    return {
+        "model": {"objective": "idlm", "block_size": block_size},
+        "data": {"data": str(data), "seq_length": cfg.seq_length, "eval_fraction": 0.02, "seed": cfg.seed},
+        "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0, "loss_auto_balance": False},
+        "optim": {"learning_rate": cfg.learning_rate, "schedule": cfg.lr_schedule, "warmup_steps": 10,
+                  "decay_ratio": 0.25, "weight_decay": 0.0},
+        "train": {"batch_size": cfg.batch_size, "max_train_steps": max_train_steps, "max_minutes": minutes,
+                  "output_dir": str(stage_dir), "save_every": save_every, "keep_last": 1, "seed": seed,
+                  "resume": resume, "overwrite": resume is None},
+        "eval": {"eval_every": 0},
+    }
+
+
 def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
     """Train each curriculum stage; return the final model folder."""
     from dlm.config import load_config
     from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
-    from dlm.model.lora import LoraSettings
     from dlm.train.loop import train
 
     previous: Path | None = None
@@ -154,25 +179,12 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
         resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) \
             else None
         if previous is None:
-            dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b,
-                                    lora=LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True,
-                                                      target_modules=cfg.lora_targets))
+            dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b, lora=lora_settings(cfg))
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(previous)
             dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block
-        overrides = {
-            "model": {"objective": "idlm", "block_size": b},
-            "data": {"data": str(data), "seq_length": cfg.seq_length, "eval_fraction": 0.02, "seed": cfg.seed},
-            "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0, "loss_auto_balance": False},
-            "optim": {"learning_rate": cfg.learning_rate, "schedule": cfg.lr_schedule, "warmup_steps": 10,
-                      "decay_ratio": 0.25,
-                      "weight_decay": 0.0},
-            "train": {"batch_size": cfg.batch_size, "max_train_steps": 1_000_000, "max_minutes": minutes,
-                      "output_dir": str(stage_dir), "save_every": 50, "keep_last": 1, "seed": cfg.seed + i,
-                      "resume": resume, "overwrite": resume is None},
-            "eval": {"eval_every": 0},
-        }
-        tcfg = load_config(None, overrides)
+        tcfg = load_config(None, stage_overrides(cfg, b, data, stage_dir, minutes=minutes, seed=cfg.seed + i,
+                                                 resume=resume))
         log(f"train: stage b{b} (stride {b + 1}) for {minutes:.1f} min -> {stage_dir}")
         train(tcfg, dlm=dlm)
         (stage_dir / "DONE").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -83,3 +83,93 @@ def test_history_table_and_plot(tmp_path, capsys):
     assert "a:step_00000500" in capsys.readouterr().out
     (tmp_path / "junk.jsonl").write_text("not json\n")
     assert main(["eval", "--history-paths", str(tmp_path / "junk.jsonl")]) == 2
+
+
+# -- isd_acceptance: an I-DLM's drafting quality -----------------------------------------------------------------
+def _idlm(seed=1, block_size=1):
+    from dlm.model.convert import convert_ar_to_dlm
+
+    return convert_ar_to_dlm(make_model("llama", seed=seed), "idlm", block_size=block_size, tokenizer=make_tokenizer())
+
+
+def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
+    """The task's figures are the ISD engine's own counts on the same prompts, and ISD output == greedy AR."""
+    from dlm.decode import generate
+    from dlm.decode.sampling import SamplingParams
+    from dlm.eval.scoring import as_eval_model
+    from dlm.eval.generation import _prompt_ids
+    from dlm.eval.tasks import load_task
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me about item {i}"},
+                                                        {"role": "assistant", "content": "ok"}]}) + "\n"
+                               for i in range(5)))
+    dlm = _idlm(block_size=2)
+    r = run_eval(dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, stride=3, batch_size=3,
+                 keep_predictions=True)["isd_acceptance"]
+    ex = load_task("isd_acceptance", paths={"isd_acceptance": str(prompts)})
+    assert [e.prompt for e in ex] == [f"tell me about item {i}" for i in range(5)]
+    em = as_eval_model(dlm)
+    direct = generate(dlm, [_prompt_ids(em, e) for e in ex], "isd",
+                      [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5, batch_size=3, stride=3)
+    prop = [sum(x.stats.proposed[i] for x in direct) for i in range(2)]
+    acc = [sum(x.stats.accepted[i] for x in direct) for i in range(2)]
+    assert r["stride"] == 3 and r["n"] == 5 and r["drafts"] == prop
+    assert r["acceptance"] == [a / p for a, p in zip(acc, prop)]
+    assert r["acc"] == r["acceptance"][0] and r["acc_pos2"] == r["acceptance"][1]
+    assert r["tpf"] == sum(len(x.token_ids) for x in direct) / sum(x.stats.forwards for x in direct)
+    assert r["identical"] == 1.0 and all(p["identical_to_ar"] for p in r["predictions"])
+
+
+def test_isd_acceptance_of_a_perfect_drafter_is_one():
+    """A model whose every position (masks included) predicts the same token: each draft is accepted, N=2 commits
+    two tokens per verify step."""
+    import torch
+
+    dlm = _idlm(block_size=1)
+    hf = dlm.base_model_hf
+    with torch.no_grad():
+        hf.model.norm.weight.zero_()  # hidden states -> 0, so the logits are the hook's bias alone
+    bias = torch.zeros(hf.config.vocab_size)
+    bias[42] = 5.0
+    hf.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
+    r = run_eval(dlm, "isd_acceptance", limit=3)["isd_acceptance"]  # the built-in held-out instructions
+    assert r["acc"] == 1.0 and r["identical"] == 1.0 and r["stride"] == 2
+    # 64 tokens: the prefill commits 1 and drafts, then every forward commits 2 -> 1 + 32 forwards (the last one
+    # commits only the 64th token's share) - TPF well above 1.9
+    assert 1.9 < r["tpf"] <= 2.0
+
+
+def test_isd_acceptance_data_and_bad_input(tmp_path, capsys):
+    from dlm.data.distill import builtin_instructions
+    from dlm.errors import DLMError
+    from dlm.eval.tasks import load_task
+
+    builtin = load_task("isd_acceptance")
+    assert [e.prompt for e in builtin] == builtin_instructions("heldout") and len(builtin) == 320
+    assert all(e.chat and e.max_new_tokens == 64 for e in builtin)
+    (tmp_path / "isd_acceptance").mkdir()
+    (tmp_path / "isd_acceptance" / "p.txt").write_text("first prompt\n\nsecond prompt\n")
+    assert [e.prompt for e in load_task("isd_acceptance", tmp_path)] == ["first prompt", "second prompt"]
+    jl = tmp_path / "q.jsonl"
+    jl.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert [e.prompt for e in load_task("isd_acceptance", paths={"isd_acceptance": str(jl)})] == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt here"}\n')
+    with pytest.raises(DLMError, match="known isd_acceptance layout"):
+        load_task("isd_acceptance", paths={"isd_acceptance": str(bad)})
+    with pytest.raises(DLMError, match="measures the drafts of an I-DLM"):
+        run_eval(make_model("llama"), "isd_acceptance", tokenizer=make_tokenizer(), limit=1)
+    from dlm.model.convert import convert_ar_to_dlm
+
+    with pytest.raises(DLMError, match="'mdm' model"):
+        run_eval(convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer()), "isd_acceptance", limit=1)
+    # the CLI: a table with TPF and the exactness row; a bad file is a one-line error, exit 2
+    model = tmp_path / "idlm"
+    _idlm(block_size=1).save_pretrained(model)
+    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "isd_acceptance acc" in out and "isd_acceptance tpf" in out and "isd_acceptance identical    1.0000" in out
+    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--isd-acceptance-path",
+                 str(bad)]) == 2
+    assert "expected JSONL chat records" in capsys.readouterr().err

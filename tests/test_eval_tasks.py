@@ -124,4 +124,4 @@ def test_bad_inputs(tmp_path, shared_data):
         parse_task_list("piqaa")
     with pytest.raises(DLMError, match="--data-dir"):
         load_task("piqa", None)
-    assert set(TASKS) == {"hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem_reverse"}
+    assert set(TASKS) == {"hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem_reverse", "isd_acceptance"}

@@ -300,6 +300,19 @@ def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, shared_d
     assert 0 <= rec["metrics"]["piqa/acc"] <= 1 and rec["metrics"]["heldout_loss"] > 0
 
 
+def test_scheduled_isd_acceptance_needs_no_data(tiny, tmp_path):
+    """An I-DLM run can log its drafts' acceptance as it trains (built-in held-out prompts, the model's stride)."""
+    from dlm.train.loop import train
+
+    out = tmp_path / "isd"
+    train(make_cfg(tiny, out, max_train_steps=2, eval_every=2, eval_tasks="isd_acceptance",
+                   **{"eval.eval_limit": 2}))
+    m = json.loads((out / "eval_history.jsonl").read_text().splitlines()[0])["metrics"]
+    assert m["isd_acceptance/stride"] == 3 and m["isd_acceptance/identical"] == 1.0
+    assert 0 <= m["isd_acceptance/acc"] <= 1 and 0 <= m["isd_acceptance/acc_pos2"] <= 1
+    assert 1 <= m["isd_acceptance/tpf"] <= 3
+
+
 def test_only_complete_checkpoints_count(tmp_path):
     from dlm.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
 

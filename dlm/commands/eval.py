@@ -4,6 +4,11 @@ Benchmarks (multiple choice: hellaswag, winogrande, piqa, siqa; generation: lamb
 
     dlm eval --model smollm2-135m --eval-tasks piqa,siqa --data-dir ../shared/data --limit 100 --output r.json
 
+An I-DLM's drafting quality (greedy ISD: acceptance per draft position, TPF, output == greedy AR), on dlm's
+built-in held-out instructions unless --isd-acceptance-path gives prompts (chat JSONL, {"prompt"} JSONL or text):
+
+    dlm eval --model runs/quickstart/train_b2 --eval-tasks isd_acceptance --limit 48 --stride 2 --dtype float32
+
 Diffusion LMs (objective mdm/block) are scored by the denoising loss (--diffusion-steps T masks per choice,
 deterministic for a --seed); AR models and I-DLMs by the exact log-likelihood. A plain AR folder/alias is scored as
 the AR model unless --objective converts it on the fly.
@@ -24,10 +29,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--objective", choices=("mdm", "block", "idlm"),
                    help="convert a plain AR model on the fly to this DLM kind before evaluating")
     g.add_argument("--eval-tasks", default="hellaswag,winogrande,piqa,siqa",
-                   help="comma-separated: hellaswag,winogrande,piqa,siqa,lambada,poem_reverse")
+                   help="comma-separated: hellaswag,winogrande,piqa,siqa,lambada,poem_reverse,isd_acceptance")
     g.add_argument("--data-dir", help="folder holding one sub-folder per task (piqa/, siqa/, ...)")
     for task in ("hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem"):
         g.add_argument(f"--{task}-path", help=f"{task} data file or folder (overrides --data-dir)")
+    g.add_argument("--isd-acceptance-path", help="isd_acceptance prompts: chat JSONL, JSONL with 'prompt', or one "
+                   "prompt per line (default: the built-in held-out instructions)")
     g.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     g.add_argument("--output", help="write the results as JSON to this file")
     g.add_argument("--predictions", action="store_true", help="include per-example predictions in --output")
@@ -42,6 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--poem-direction", default="ftb", choices=("ftb", "btf"),
                    help="poem_reverse: ftb = give the first line, ask the next; btf = the reverse")
     s.add_argument("--gen-length", type=int, default=28, help="poem_reverse: tokens to generate (default 28)")
+    s.add_argument("--stride", type=int, help="isd_acceptance: the ISD stride N (default: the model's "
+                   "block_size + 1)")
     s.add_argument("--batch-size", type=int, default=8, help="generation batch size")
     s.add_argument("--token-budget", type=int, default=8192,
                    help="scoring batch size in tokens (rows x padded length per forward)")
@@ -61,6 +70,9 @@ def _print_results(results: dict) -> None:
         metrics = ["acc"] + (["acc_norm"] if "acc_norm" in r else [])
         for m in metrics:
             print(f"{task:<14} {m:<9} {r[m]:>9.4f} {r[m + '_stderr']:>8.4f} {r['n']:>9d} {r['seconds']:>9.1f}")
+        # isd_acceptance: the later draft positions, TPF and the exactness check (no standard error)
+        for m in sorted(k for k in r if k.startswith("acc_pos")) + [k for k in ("tpf", "identical") if k in r]:
+            print(f"{task:<14} {m:<9} {r[m]:>9.4f} {'-':>8} {r['n']:>9d} {r['seconds']:>9.1f}")
 
 
 def _write_json(path: str, payload: dict) -> None:
@@ -102,6 +114,7 @@ def run(args) -> int:
 
     paths = {t: getattr(args, f"{t}_path") for t in ("hellaswag", "winogrande", "piqa", "siqa", "lambada")}
     paths["poem_reverse"] = args.poem_path
+    paths["isd_acceptance"] = args.isd_acceptance_path
     for name in parse_task_list(args.eval_tasks):  # fail on bad data before loading the model
         options = {"direction": args.poem_direction} if name == "poem_reverse" else {}
         load_task(name, args.data_dir, paths, **options)
@@ -119,12 +132,12 @@ def run(args) -> int:
                        limit=args.limit, scoring=args.scoring, diffusion_steps=args.diffusion_steps, seed=args.seed,
                        decode=args.decode, gen_steps=args.gen_steps, poem_direction=args.poem_direction,
                        poem_gen_length=args.gen_length, batch_size=args.batch_size, token_budget=args.token_budget,
-                       keep_predictions=args.predictions, log=lambda s: print(s, flush=True))
+                       keep_predictions=args.predictions, stride=args.stride, log=lambda s: print(s, flush=True))
     print()
     _print_results(results)
     if args.output:
         _write_json(args.output, {"model": str(args.model), "settings": {
             "scoring": args.scoring, "diffusion_steps": args.diffusion_steps, "seed": args.seed,
-            "decode": args.decode, "limit": args.limit}, "results": results})
+            "decode": args.decode, "limit": args.limit, "stride": args.stride}, "results": results})
         print(f"wrote {args.output}")
     return 0

@@ -91,3 +91,54 @@ def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str
     if keep_predictions:
         result["predictions"] = preds
     return result
+
+
+def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, stride: int | None = None,
+                      batch_size: int = 8, keep_predictions: bool = False) -> dict:
+    """Greedy ISD on the examples' prompts: acceptance per draft position, TPF, and the share of prompts whose ISD
+    output equals the model's own greedy ``ar`` output (1.0 for a correct decoder; with gated LoRA that output is
+    the base model's). ``acc`` = first-position acceptance; ``acc_stderr`` its binomial standard error over the
+    drafts (drafts of one answer are not independent, so read it as a lower bound). ``stride``: the decoder's N
+    (default: the model's trained ``block_size + 1``)."""
+    from dlm.decode import generate
+    from dlm.decode.sampling import SamplingParams
+
+    if em.dlm is None or em.objective != "idlm":
+        what = "a plain AR model" if em.dlm is None else f"a '{em.objective}' model"
+        raise DLMError(f"{task} measures the drafts of an I-DLM (objective 'idlm'); this is {what}. Convert it "
+                       f"with dlm convert --objective idlm, or drop {task} from --eval-tasks")
+    t0 = time.perf_counter()
+    prompts = [_prompt_ids(em, ex) for ex in examples]
+    params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
+    isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size, stride=stride)
+    ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size)
+    proposed: list[int] = []
+    accepted: list[int] = []
+    tokens = forwards = same = 0
+    preds = []
+    for ex, r, a in zip(examples, isd, ar):
+        for i, (p_, a_) in enumerate(zip(r.stats.proposed or [], r.stats.accepted or [])):
+            if i == len(proposed):
+                proposed.append(0)
+                accepted.append(0)
+            proposed[i] += p_
+            accepted[i] += a_
+        tokens += len(r.token_ids)
+        forwards += r.stats.forwards
+        equal = list(r.token_ids) == list(a.token_ids)
+        same += equal
+        preds.append({"id": ex.id, "output": em.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                      "identical_to_ar": equal, "forwards": r.stats.forwards, "tokens": len(r.token_ids)})
+    rates = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
+    first = rates[0] if rates else 0.0
+    n0 = proposed[0] if proposed else 0
+    result = {"acc": first, "acc_stderr": (first * (1 - first) / n0) ** 0.5 if n0 else 0.0,
+              "acceptance": rates, "drafts": proposed, "tpf": tokens / max(forwards, 1),
+              "identical": same / len(examples), "n": len(examples), "decode": "isd",
+              "stride": stride if stride is not None else (em.dlm.block_size or 1) + 1,
+              "seconds": time.perf_counter() - t0}
+    for i, rate in enumerate(rates[1:], 2):  # flat numbers, so eval histories keep every position
+        result[f"acc_pos{i}"] = rate
+    if keep_predictions:
+        result["predictions"] = preds
+    return result

@@ -6,7 +6,7 @@ import time
 from typing import Sequence
 
 from dlm.errors import DLMError
-from dlm.eval.generation import GenerateFn, evaluate_generation
+from dlm.eval.generation import GenerateFn, evaluate_drafting, evaluate_generation
 from dlm.eval.multiple_choice import evaluate_multiple_choice
 from dlm.eval.scoring import DEFAULT_TOKEN_BUDGET, as_eval_model
 from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
@@ -18,7 +18,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
              paths: dict | None = None, limit: int | None = None, scoring: str = "auto", diffusion_steps: int = 32,
              seed: int = 0, decode: str = "auto", gen_steps: int | None = None, poem_direction: str = "ftb",
              poem_gen_length: int = 28, batch_size: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
-             keep_predictions: bool = False, generate_fn: GenerateFn | None = None, log=None) -> dict:
+             keep_predictions: bool = False, generate_fn: GenerateFn | None = None, stride: int | None = None,
+             log=None) -> dict:
     """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
     "seconds", ...}}``.
 
@@ -29,6 +30,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
       examples of each task.
     - Generation tasks (lambada, poem_reverse) decode greedily with ``decode`` (auto | ar | mdm | block | isd),
       ``gen_steps`` denoising steps for diffusion decoders.
+    - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD at stride ``stride`` (default: the model's
+      ``block_size + 1``) and reports acceptance per draft position, TPF and whether the output equals greedy AR.
     - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
       so a training loop can call this between steps. ``log(str)`` receives one line per finished task.
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
@@ -52,7 +55,10 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                 examples = loaded[name]
                 if not examples:
                     raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
-                if module.KIND == "mc":
+                if module.KIND == "isd":
+                    res = evaluate_drafting(em, examples, name, stride=stride, batch_size=batch_size,
+                                            keep_predictions=keep_predictions)
+                elif module.KIND == "mc":
                     res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
                                                    token_budget=token_budget, keep_predictions=keep_predictions)
                 else:
@@ -61,7 +67,11 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                                               keep_predictions=keep_predictions)
                 res["seconds"] = time.perf_counter() - t0
                 results[name] = res
-                if log is not None:
+                if log is not None and module.KIND == "isd":
+                    log(f"{name}: N={res['stride']} acceptance {', '.join(f'{a:.3f}' for a in res['acceptance'])}, "
+                        f"TPF {res['tpf']:.3f}, identical to AR {res['identical']:.0%} on {res['n']} prompts "
+                        f"({res['seconds']:.1f} s)")
+                elif log is not None:
                     log(f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
                         f"({res['seconds']:.1f} s)")
         finally:

@@ -1,7 +1,8 @@
 """Benchmark tasks, one module per benchmark; :data:`TASKS` maps the task name to its module.
 
-Each module has ``NAME``, ``KIND`` ("mc" | "gen"), ``SUBDIR`` (its folder inside ``--data-dir``) and
-``load(path, ...)`` returning :class:`~dlm.eval.tasks.base.MCExample` or :class:`~dlm.eval.tasks.base.GenExample`.
+Each module has ``NAME``, ``KIND`` ("mc" | "gen" | "isd": drafting quality), ``SUBDIR`` (its folder inside
+``--data-dir``) and ``load(path, ...)`` returning :class:`~dlm.eval.tasks.base.MCExample` or
+:class:`~dlm.eval.tasks.base.GenExample`; a module with ``BUILTIN = True`` loads built-in data when given none.
 """
 
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlm.errors import DLMError, closest
-from dlm.eval.tasks import hellaswag, lambada, piqa, poem_reverse, siqa, winogrande
+from dlm.eval.tasks import hellaswag, isd_acceptance, lambada, piqa, poem_reverse, siqa, winogrande
 from dlm.eval.tasks.base import GenExample, MCExample
 
-TASKS = {m.NAME: m for m in (hellaswag, winogrande, piqa, siqa, lambada, poem_reverse)}
+TASKS = {m.NAME: m for m in (hellaswag, winogrande, piqa, siqa, lambada, poem_reverse, isd_acceptance)}
 DEFAULT_TASKS = ("hellaswag", "winogrande", "piqa", "siqa")
 
 __all__ = ["TASKS", "DEFAULT_TASKS", "MCExample", "GenExample", "parse_task_list", "task_path", "load_task"]
@@ -50,4 +51,7 @@ def task_path(name: str, data_dir=None, paths: dict | None = None) -> Path:
 def load_task(name: str, data_dir=None, paths: dict | None = None, **options) -> list:
     """The examples of task ``name`` (``options`` go to the task's loader, e.g. direction= for poem_reverse)."""
     module = TASKS[name]
+    if getattr(module, "BUILTIN", False) and not (paths and paths.get(name)) and \
+            (data_dir is None or not (Path(data_dir).expanduser() / module.SUBDIR).exists()):
+        return module.load(None, **options)  # a task with built-in data (isd_acceptance) needs no files
     return module.load(task_path(name, data_dir, paths), **options)

@@ -200,21 +200,23 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     from dlm.data.distill import builtin_instructions
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
+    from dlm.device import get_device
     from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
     from dlm.model.hub import load_model, load_tokenizer
 
+    device = get_device()  # where training ran: a GPU, where there is one
     tokenizer = load_tokenizer(cfg.model)
-    base = load_model(cfg.model)
+    base = load_model(cfg.model, device=device)
     prompts = [_chat_prompt_ids(tokenizer, x) for x in builtin_instructions("heldout", n=cfg.eval_prompts)]
     eos = tokenizer.eos_token_id
 
     # The base model's own generate, batch 1, greedy (the baseline everybody knows).
     ref, t_ref, n_ref = [], 0.0, 0
     with torch.inference_mode():
-        warm = torch.tensor([prompts[0]])  # first calls pay one-off allocation costs: keep them out of the timing
+        warm = torch.tensor([prompts[0]], device=device)  # first calls pay one-off costs: not timed
         base.generate(warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, do_sample=False, pad_token_id=eos)
         for p in prompts:
-            ids = torch.tensor([p])
+            ids = torch.tensor([p], device=device)
             t = time.perf_counter()
             o = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.eval_tokens,
                               do_sample=False, pad_token_id=eos)
@@ -225,8 +227,8 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     base_tps = n_ref / t_ref
     log(f"measure: transformers generate {base_tps:.1f} tok/s over {len(prompts)} prompts")
 
-    dlm = AutoDLMForCausalLM.from_pretrained(model_dir) if model_dir else \
-        convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1)
+    dlm = AutoDLMForCausalLM.from_pretrained(model_dir, device=device) if model_dir else \
+        convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1).to(device)
     rows = []
     params = SamplingParams(max_new_tokens=cfg.eval_tokens, temperature=0.0)
     for decoder, stride in [("ar", None)] + [("isd", n) for n in cfg.strides]:

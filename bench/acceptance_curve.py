@@ -49,6 +49,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bf16", action="store_true", help="train with bf16 autocast on a GPU (default fp32, as on a "
                    "CPU; the evaluations then run under the same autocast)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --output up to --steps (its eval "
+                   "history is kept; the step-0 row comes from --json of the first run, if given and present)")
     p.add_argument("--json", help="write the table's rows here")
     a = p.parse_args()
 
@@ -62,6 +64,8 @@ def main() -> None:
 
     if not Path(a.data).is_file():
         sys.exit(f"--data '{a.data}' does not exist")
+    if a.resume and not (a.output and (Path(a.output) / "run" / "checkpoints").is_dir()):
+        sys.exit("--resume needs the --output folder of an earlier run (with run/checkpoints)")
     cfg = QuickstartConfig(model=a.model, lora_r=a.lora_r, lora_targets=a.lora_targets, learning_rate=a.learning_rate,
                            lr_schedule=a.lr_schedule, batch_size=a.batch_size, seq_length=a.seq_length, seed=a.seed)
     tmp = None if a.output else tempfile.TemporaryDirectory(prefix="dlm-acc-curve-")
@@ -71,12 +75,17 @@ def main() -> None:
     dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=a.block_size, lora=lora_settings(cfg))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dlm.to(device)
-    t = time.perf_counter()
-    r0 = run_eval(dlm, ["isd_acceptance"], limit=a.eval_prompts, batch_size=a.eval_batch_size)["isd_acceptance"]
-    print(f"step 0: acceptance {r0['acceptance']} TPF {r0['tpf']:.3f} ({time.perf_counter() - t:.1f} s)", flush=True)
+    if a.resume:
+        prev = json.loads(Path(a.json).read_text())["rows"] if a.json and Path(a.json).is_file() else []
+        r0 = next((r for r in prev if r["step"] == 0), None)
+    else:
+        t = time.perf_counter()
+        r0 = run_eval(dlm, ["isd_acceptance"], limit=a.eval_prompts, batch_size=a.eval_batch_size)["isd_acceptance"]
+        print(f"step 0: acceptance {r0['acceptance']} TPF {r0['tpf']:.3f} ({time.perf_counter() - t:.1f} s)",
+              flush=True)
 
     over = stage_overrides(cfg, a.block_size, Path(a.data), out / "run", minutes=a.minutes, seed=a.seed,
-                           max_train_steps=a.steps, save_every=0)
+                           resume="auto" if a.resume else None, max_train_steps=a.steps, save_every=0)
     over["eval"] = {"eval_every": a.eval_every, "eval_tasks": ["isd_acceptance"], "eval_limit": a.eval_prompts,
                     "eval_batch_size": a.eval_batch_size}
     over["train"]["progress"] = False
@@ -87,12 +96,17 @@ def main() -> None:
     wall = time.time() - t
 
     log = [json.loads(x) for x in (out / "run" / "train_log.jsonl").read_text().splitlines()]
-    elapsed = {r["step"]: r["elapsed_s"] for r in log if "elapsed_s" in r and "loss" in r}
+    elapsed, offset, last = {}, 0.0, 0.0  # training seconds, summed over a resumed run's pieces
+    for r in log:
+        if r.get("event") == "resume":
+            offset = last
+        if "loss" in r and "elapsed_s" in r:
+            last = elapsed[r["step"]] = offset + r["elapsed_s"]
     start = next((r for r in log if r.get("event") == "start"), {})
     history = [json.loads(x) for x in (out / "run" / "eval_history.jsonl").read_text().splitlines()] \
         if (out / "run" / "eval_history.jsonl").is_file() else []
-    rows = [{"step": 0, "epochs": 0.0, "train_s": 0.0, "acceptance": r0["acceptance"], "tpf": r0["tpf"],
-             "identical": r0["identical"]}]
+    rows = [] if r0 is None else [{"step": 0, "epochs": 0.0, "train_s": 0.0, "acceptance": r0["acceptance"],
+                                   "tpf": r0["tpf"], "identical": r0["identical"]}]
     for h in history:
         m = h["metrics"]
         acc = [m["isd_acceptance/acc"]] + [m[f"isd_acceptance/acc_pos{i}"] for i in range(2, a.block_size + 1)]

@@ -54,9 +54,8 @@ def main() -> None:
     p.add_argument("--json", help="write the table's rows here")
     a = p.parse_args()
 
-    import torch
-
     from dlm.config import load_config
+    from dlm.device import get_device
     from dlm.eval import run_eval
     from dlm.model.convert import convert_ar_to_dlm
     from dlm.quickstart import lora_settings, stage_overrides
@@ -73,7 +72,7 @@ def main() -> None:
     records = sum(1 for line in open(a.data) if line.strip())
 
     dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=a.block_size, lora=lora_settings(cfg))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = get_device()  # the device train() will use ($DLM_DEVICE, else cuda > mps > cpu)
     dlm.to(device)
     if a.resume:
         prev = json.loads(Path(a.json).read_text())["rows"] if a.json and Path(a.json).is_file() else []

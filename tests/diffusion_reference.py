@@ -66,9 +66,8 @@ def reference_mdm(dlm, prompt, params, method="confidence", steps=None, threshol
         for start in range(p, n, block_length):
             end = min(start + block_length, n)
             c = start - shift
-            first = True
+            first, cache = True, DynamicCache()
             while bool((x[start:end] == mask_id).any()):
-                cache = cache if not first else DynamicCache()
                 if first:
                     logits, offset, first = full(**{kw: cache}, use_cache=True), 0, False
                 else:

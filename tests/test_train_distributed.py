@@ -5,8 +5,6 @@ import socket
 import subprocess
 import sys
 
-import pytest
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -40,8 +40,10 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=250)
     p.add_argument("--eval-prompts", type=int, default=48, help="held-out instructions per evaluation (<= 320)")
     p.add_argument("--eval-batch-size", type=int, default=16)
-    p.add_argument("--lora-r", type=int, default=d.lora_r)
-    p.add_argument("--lora-targets", default=d.lora_targets)
+    p.add_argument("--adapters", default=d.adapters, choices=("gated", "merged"),
+                   help="gated (the quickstart default) or merged: plain LoRA on every position, CE_clean on")
+    p.add_argument("--lora-r", type=int, default=None, help="default: the quickstart's for --adapters")
+    p.add_argument("--lora-targets", default=None, help="default: the quickstart's for --adapters")
     p.add_argument("--learning-rate", type=float, default=d.learning_rate)
     p.add_argument("--lr-schedule", default=d.lr_schedule, choices=("constant", "wsd", "cosine"))
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -65,8 +67,10 @@ def main() -> None:
         sys.exit(f"--data '{a.data}' does not exist")
     if a.resume and not (a.output and (Path(a.output) / "run" / "checkpoints").is_dir()):
         sys.exit("--resume needs the --output folder of an earlier run (with run/checkpoints)")
-    cfg = QuickstartConfig(model=a.model, lora_r=a.lora_r, lora_targets=a.lora_targets, learning_rate=a.learning_rate,
-                           lr_schedule=a.lr_schedule, batch_size=a.batch_size, seq_length=a.seq_length, seed=a.seed)
+    cfg = QuickstartConfig(model=a.model, adapters=a.adapters, lora_r=a.lora_r, lora_targets=a.lora_targets,
+                           learning_rate=a.learning_rate, lr_schedule=a.lr_schedule, batch_size=a.batch_size,
+                           seq_length=a.seq_length, seed=a.seed).validate()
+    a.lora_r, a.lora_targets = cfg.lora_r, cfg.lora_targets
     tmp = None if a.output else tempfile.TemporaryDirectory(prefix="dlm-acc-curve-")
     out = Path(a.output or tmp.name)
     records = sum(1 for line in open(a.data) if line.strip())

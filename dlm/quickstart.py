@@ -8,10 +8,13 @@ interrupted run stopped; finished stages are skipped):
    generated in batches by the engine and written as chat JSONL (``data/self_distill.jsonl``), or ``--data FILE``;
 3. **train**: convert to an I-DLM with gated LoRA (adapters act on mask positions only, so the clean path and
    hence the ISD output stay exactly the base model's) and train with the stride curriculum (block size 1, then
-   2, ...) within a ``--minutes`` budget, the masks learning the clean pass's soft distribution;
-4. **measure**: on held-out instructions (topics never trained on): greedy ISD output == base greedy output,
-   TPF and acceptance per draft position for N = 2, 3, 4, and wall-clock tokens/s against the base model's own
-   transformers ``generate`` at batch 1;
+   2, ...) within a ``--minutes`` budget, the masks learning the clean pass's soft distribution. ``--adapters
+   merged`` trains plain LoRA on every position instead (``CE_noisy + CE_clean``, merged into the weights at each
+   stage's end): no adapter work at decode time, but the output is then the trained model's own greedy output,
+   which drifts from the base model's;
+4. **measure**: on held-out instructions (topics never trained on): greedy ISD output == the same model's greedy
+   AR output (with gated adapters: the base model's), TPF and acceptance per draft position for N = 2, 3, 4, and
+   wall-clock tokens/s against the base model's own transformers ``generate`` at batch 1;
 5. **report**: ``report.md`` + ``results.json`` + PNG plots in ``--output``; the table is printed.
 """
 
@@ -21,7 +24,7 @@ import json
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dlm.errors import DLMError
@@ -38,11 +41,16 @@ class QuickstartConfig:
     distill_batch_size: int = 16
     curriculum: tuple[int, ...] = (1, 2)  # block sizes trained in order
     curriculum_split: tuple[float, ...] | None = None  # share of the minutes per stage (default: 2, 1, 1, ...)
-    # Adapters on q and v only, rank 64: at batch 1 each adapter's decode cost is per operation, not per byte, and
-    # 60 adapters instead of 210 took an ISD N=2 verify forward from 1.35x to 1.22x of an AR step; in 30-minute
-    # runs on the same data, N=2 acceptance 0.46 vs 0.49 but ISD 1.08x `dlm ar` vs 0.95x.
-    lora_r: int = 64
-    lora_targets: str = "q_proj,v_proj"  # adapter modules: comma-separated names, or all-linear
+    # gated: adapters on mask positions only, the output stays exactly the base model's (each adapter runs at
+    # decode time); merged: plain LoRA on every position, merged into the weights (free at decode; the output is
+    # the trained model's own, close to but not equal to the base model's).
+    adapters: str = "gated"
+    # Gated default: q and v only, rank 64: at batch 1 each adapter's decode cost is per operation, not per byte,
+    # and 60 adapters instead of 210 took an ISD N=2 verify forward from 1.35x to 1.22x of an AR step; in 30-minute
+    # runs on the same data, N=2 acceptance 0.46 vs 0.49 but ISD 1.08x `dlm ar` vs 0.95x. Merged adapters cost
+    # nothing at decode, so they default to every projection (all-linear, rank 32). None: that mode's default.
+    lora_r: int | None = None
+    lora_targets: str | None = None  # adapter modules: comma-separated names, or all-linear
     learning_rate: float = 2e-3
     lr_schedule: str = "constant"  # per stage, after 10 warm-up steps: constant | wsd (decay over the last 25%) | cosine
     batch_size: int = 2
@@ -54,7 +62,19 @@ class QuickstartConfig:
     seed: int = 0
     min_free_gb: float = 2.0
 
+    def __post_init__(self):
+        if self.lora_r is None:
+            self.lora_r = 32 if self.adapters == "merged" else 64
+        if self.lora_targets is None:
+            self.lora_targets = "all-linear" if self.adapters == "merged" else "q_proj,v_proj"
+
+    @property
+    def gated(self) -> bool:
+        return self.adapters == "gated"
+
     def validate(self) -> "QuickstartConfig":
+        if self.adapters not in ("gated", "merged"):
+            raise DLMError(f"--adapters must be gated or merged, got {self.adapters!r}")
         if not self.minutes or self.minutes <= 0:
             raise DLMError(f"--minutes must be positive (got {self.minutes}): it is the training budget; "
                            f"use e.g. --minutes 10 for a short run")
@@ -139,10 +159,10 @@ def stage_minutes(cfg: QuickstartConfig) -> list[float]:
 
 
 def lora_settings(cfg: QuickstartConfig):
-    """The gated adapters a quickstart run trains (gated: the clean path stays the base model)."""
+    """The adapters a quickstart run trains (gated: the clean path stays the base model; merged: plain LoRA)."""
     from dlm.model.lora import LoraSettings
 
-    return LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=True, target_modules=cfg.lora_targets)
+    return LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=cfg.gated, target_modules=cfg.lora_targets)
 
 
 def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_dir: Path, *, minutes: float | None,
@@ -153,7 +173,9 @@ def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_di
     return {
         "model": {"objective": "idlm", "block_size": block_size},
         "data": {"data": str(data), "seq_length": cfg.seq_length, "eval_fraction": 0.02, "seed": cfg.seed},
-        "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0, "loss_auto_balance": False},
+        # gated: the clean pass is the frozen base model, its loss a constant; merged: CE_clean keeps the clean pass
+        # on the base model's answers while the same adapters learn to draft
+        "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0 if cfg.gated else 1.0, "loss_auto_balance": False},
         "optim": {"learning_rate": cfg.learning_rate, "schedule": cfg.lr_schedule, "warmup_steps": 10,
                   "decay_ratio": 0.25, "weight_decay": 0.0},
         "train": {"batch_size": cfg.batch_size, "max_train_steps": max_train_steps, "max_minutes": minutes,
@@ -167,6 +189,7 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
     """Train each curriculum stage; return the final model folder."""
     from dlm.config import load_config
     from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+    from dlm.model.lora import prepare_model_for_lora
     from dlm.train.loop import train
 
     previous: Path | None = None
@@ -183,6 +206,8 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(previous)
             dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block
+            if not cfg.gated:  # the previous stage's adapters are merged into its weights: fresh ones on top
+                prepare_model_for_lora(dlm, lora_settings(cfg))
         tcfg = load_config(None, stage_overrides(cfg, b, data, stage_dir, minutes=minutes, seed=cfg.seed + i,
                                                  resume=resume))
         log(f"train: stage b{b} (stride {b + 1}) for {minutes:.1f} min -> {stage_dir}")
@@ -229,11 +254,15 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
 
     dlm = AutoDLMForCausalLM.from_pretrained(model_dir, device=device) if model_dir else \
         convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1).to(device)
-    rows = []
+    # Gated adapters leave the clean path the base model: its AR decoding is the base model's (the fastest form, no
+    # hooks). Merged adapters changed the weights: the trained model's own AR decoding is ISD's reference too.
+    runs = [("ar", None, "base")] + ([] if cfg.gated else [("ar", None, "trained")]) + \
+        [("isd", n, "trained") for n in cfg.strides]
+    rows, outputs = [], {}
     params = SamplingParams(max_new_tokens=cfg.eval_tokens, temperature=0.0)
-    for decoder, stride in [("ar", None)] + [("isd", n) for n in cfg.strides]:
+    for decoder, stride, which in runs:
         kw = {"stride": stride} if stride else {}
-        engine = Engine(dlm if decoder == "isd" else base, tokenizer, decoder=decoder, max_batch_size=1, **kw)
+        engine = Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder, max_batch_size=1, **kw)
         out, t_all, n_all, fw, prop, acc = [], 0.0, 0, 0, None, None
         with torch.inference_mode():
             engine.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
@@ -247,28 +276,61 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
                 if r.stats.proposed:
                     prop = [a + b for a, b in zip(prop, r.stats.proposed)] if prop else list(r.stats.proposed)
                     acc = [a + b for a, b in zip(acc, r.stats.accepted)] if acc else list(r.stats.accepted)
+        if decoder == "ar":
+            outputs[which] = (out, n_all / t_all)
+        own_ar, ar_tps = outputs["trained" if not cfg.gated and which == "trained" else "base"]
         same = sum(o == g for o, g in zip(out, ref))
-        row = {"decoder": decoder, "stride": stride, "tokens": n_all, "forwards": fw, "tpf": n_all / max(fw, 1),
-               "acceptance": [a / p for a, p in zip(acc, prop) if p] if acc else [],
+        row = {"decoder": decoder, "stride": stride, "model": which, "tokens": n_all, "forwards": fw,
+               "tpf": n_all / max(fw, 1), "acceptance": [a / p for a, p in zip(acc, prop) if p] if acc else [],
                "tokens_per_s": n_all / t_all, "speedup_vs_generate": (n_all / t_all) / base_tps,
-               "identical_to_base": f"{same}/{len(prompts)}"}
+               "speedup_vs_ar": (n_all / t_all) / ar_tps,
+               "identical_to_base": f"{same}/{len(prompts)}",
+               "identical_to_ar": f"{sum(o == g for o, g in zip(out, own_ar))}/{len(prompts)}"}
         rows.append(row)
-        log(f"measure: {decoder}{'' if stride is None else f' N={stride}'}: TPF {row['tpf']:.2f}, "
-            f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_generate']:.2f}x generate), "
-            f"identical {row['identical_to_base']}")
-    return {"generate_tokens_per_s": base_tps, "prompts": len(prompts), "max_new_tokens": cfg.eval_tokens,
-            "rows": rows}
+        log(f"measure: {decoder} ({which}){'' if stride is None else f' N={stride}'}: TPF {row['tpf']:.2f}, "
+            f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_generate']:.2f}x generate, "
+            f"{row['speedup_vs_ar']:.2f}x its ar), identical to base {row['identical_to_base']}, to its ar "
+            f"{row['identical_to_ar']}")
+    result = {"generate_tokens_per_s": base_tps, "prompts": len(prompts), "max_new_tokens": cfg.eval_tokens,
+              "adapters": cfg.adapters, "rows": rows}
+    if not cfg.gated:
+        result["base_agreement"] = base_agreement(dlm, prompts, ref, device)
+        log(f"measure: the trained model's greedy next token == the base model's on "
+            f"{result['base_agreement']:.3f} of the base model's answer tokens")
+    return result
+
+
+def base_agreement(dlm, prompts: list[list[int]], answers: list[list[int]], device) -> float:
+    """How close a model with merged adapters stays to the base model: its greedy next token, teacher-forced on
+    the base model's own greedy answers, equals the base model's token at this share of answer positions."""
+    import torch
+
+    hit = total = 0
+    with torch.inference_mode():
+        for p, a in zip(prompts, answers):
+            if not a:
+                continue
+            ids = torch.tensor([p + a], device=device)
+            logits = dlm(input_ids=ids).logits[0, len(p) - 1:-1]
+            hit += int((logits.argmax(-1).cpu() == torch.tensor(a)).sum())
+            total += len(a)
+    return hit / max(total, 1)
 
 
 # -- stage 5: report -------------------------------------------------------------------------------------------
 def table(results: dict) -> str:
-    lines = ["| decoder | N | TPF | acceptance per draft position | tok/s | speedup vs generate | output == base |",
-             "|---|---|---|---|---|---|---|",
-             f"| transformers generate | 1 | 1.00 | - | {results['generate_tokens_per_s']:.1f} | 1.00x | reference |"]
+    lines = ["| decoder | model | N | TPF | acceptance per draft position | tok/s | speedup vs generate | vs its dlm ar "
+             "| output == base | output == its ar |",
+             "|---|---|---|---|---|---|---|---|---|---|",
+             f"| transformers generate | base | 1 | 1.00 | - | {results['generate_tokens_per_s']:.1f} | 1.00x | - | "
+             f"reference | - |"]
     for r in results["rows"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
-        lines.append(f"| dlm {r['decoder']} | {r['stride'] or 1} | {r['tpf']:.2f} | {acc} | {r['tokens_per_s']:.1f} | "
-                     f"{r['speedup_vs_generate']:.2f}x | {r['identical_to_base']} |")
+        which = r.get("model", "base" if r["decoder"] == "ar" else "trained")
+        vs_ar = f"{r['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in r else "-"
+        lines.append(f"| dlm {r['decoder']} | {which} | {r['stride'] or 1} | {r['tpf']:.2f} | {acc} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {vs_ar} | {r['identical_to_base']} "
+                     f"| {r.get('identical_to_ar', '-')} |")
     return "\n".join(lines)
 
 
@@ -363,17 +425,25 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
     best = max(isd, key=lambda r: r["speedup_vs_generate"]) if isd else None
     lines = [
         "# dlm quickstart report", "",
-        f"Model `{cfg.model}` -> I-DLM with gated LoRA (r={cfg.lora_r}), curriculum block sizes "
+        f"Model `{cfg.model}` -> I-DLM with {cfg.adapters} LoRA (r={cfg.lora_r}, {cfg.lora_targets}), curriculum "
+        f"block sizes "
         f"{list(cfg.curriculum)}, {cfg.minutes:g} training minutes, loss `{cfg.loss_type}`, learning rate "
         f"{cfg.learning_rate:g} ({cfg.lr_schedule}).",
         f"Measured on {results['prompts']} held-out instructions, greedy, batch 1, up to {results['max_new_tokens']} "
         f"new tokens.", "", tbl, "",
     ]
-    if best:
+    if best and cfg.gated:
         lines += [f"Best stride: N={best['stride']}: TPF {best['tpf']:.2f}, "
                   f"{best['speedup_vs_generate']:.2f}x the base model's generate, output identical to the base "
                   f"model on {best['identical_to_base']} prompts.", ""]
-    lines += [f"Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
+    elif best:
+        lines += [f"Best stride: N={best['stride']}: TPF {best['tpf']:.2f}, "
+                  f"{best['speedup_vs_generate']:.2f}x the base model's generate and {best['speedup_vs_ar']:.2f}x the "
+                  f"trained model's own `dlm ar`, output identical to that model's greedy AR output on "
+                  f"{best['identical_to_ar']} prompts. Merged adapters change the model: its greedy next token equals "
+                  f"the base model's on {results['base_agreement']:.1%} of the base model's answer tokens, and whole "
+                  f"{results['max_new_tokens']}-token answers equal the base model's on {best['identical_to_base']} prompts.", ""]
+    lines += ["Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
     for st in results.get("training", []):
         lines += [f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "
                   f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step); mask argmax == clean "

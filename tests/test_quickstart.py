@@ -2,8 +2,6 @@
 
 import json
 
-import pytest
-
 from dlm.cli import main
 
 
@@ -23,8 +21,9 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     for key in [("ar", None), ("isd", 2), ("isd", 3)]:
         assert rows[key]["identical_to_base"] == "3/3", rows[key]
         assert 1.0 <= rows[key]["tpf"] <= (key[1] or 1)
+        assert rows[key]["identical_to_ar"] == "3/3", rows[key]
     report = (out / "report.md").read_text()
-    assert "| dlm isd | 3 |" in report
+    assert "| dlm isd | trained | 3 |" in report
     # what each curriculum stage did, read back from its training log (steps depend on the machine)
     stages = results["training"]
     assert [st["block_size"] for st in stages] == [1, 2] and all(st["finished"] for st in stages)
@@ -42,6 +41,46 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2", "--strides", "2")) == 0
     log = capsys.readouterr().out
     assert "reusing" in log and "already done" in log
+
+
+def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path):
+    """--adapters merged: plain LoRA on every position, merged at each stage's end; ISD must equal the trained
+    model's own greedy AR output (not the base model's, which it may leave)."""
+    model = tiny_model_dir("llama")
+    out = tmp_path / "qs"
+    assert main(_args(model, out, "--adapters", "merged", "--minutes", "0.05", "--curriculum", "1,2",
+                      "--strides", "2,3", "--learning-rate", "0.05")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert results["adapters"] == "merged" and results["config"]["lora_targets"] == "all-linear"
+    rows = {(r["decoder"], r["stride"], r["model"]): r for r in results["rows"]}
+    assert set(rows) == {("ar", None, "base"), ("ar", None, "trained"), ("isd", 2, "trained"), ("isd", 3, "trained")}
+    assert rows[("ar", None, "base")]["identical_to_base"] == "3/3"
+    for n in (2, 3):
+        assert rows[("isd", n, "trained")]["identical_to_ar"] == "3/3"
+    assert 0.0 <= results["base_agreement"] <= 1.0
+    # the merged stages are plain model folders (no gated adapter file), and stage 2 trained its own fresh adapters
+    for b in (1, 2):
+        folder = out / f"train_b{b}"
+        assert (folder / "DONE").is_file() and not (folder / "dlm_adapter.safetensors").exists()
+        assert "dlm_gated_lora" not in json.loads((folder / "config.json").read_text())
+    log = [json.loads(x) for x in (out / "train_b1" / "train_log.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert log and log[-1]["parts"]["ce_clean"] > 0  # CE_clean is trained (ce_alpha 1), not a frozen constant
+    report = (out / "report.md").read_text()
+    assert "merged LoRA" in report and "greedy AR output on 3/3 prompts" in report
+
+
+def test_quickstart_bad_adapters_mode(tmp_path, capsys):
+    from dlm.errors import DLMError
+    from dlm.quickstart import QuickstartConfig
+
+    try:
+        QuickstartConfig(output=str(tmp_path / "x"), adapters="fused").validate()
+    except DLMError as e:
+        assert "--adapters" in str(e)
+    else:
+        raise AssertionError("an unknown --adapters mode was accepted")
+    assert QuickstartConfig().lora_targets == "q_proj,v_proj" and QuickstartConfig().lora_r == 64
+    assert QuickstartConfig(adapters="merged").lora_targets == "all-linear"
 
 
 def test_quickstart_zero_minutes_is_an_error(tmp_path, capsys):

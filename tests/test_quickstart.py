@@ -115,3 +115,23 @@ def test_curriculum_minutes_split():
     assert stage_minutes(QuickstartConfig(minutes=40, curriculum=(1, 2, 3))) == [20.0, 10.0, 10.0]
     assert stage_minutes(QuickstartConfig(minutes=30, curriculum=(1, 2), curriculum_split=(1, 1))) == [15.0, 15.0]
     assert stage_minutes(QuickstartConfig(minutes=10, curriculum=(1,))) == [10.0]
+
+
+def test_base_agreement_is_one_for_an_unchanged_model_and_drops_when_weights_move(tiny_model_dir):
+    """The merged mode's closeness figure: teacher-forced greedy agreement with the base model's own answers."""
+    import torch
+
+    from dlm.decode import generate
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.quickstart import base_agreement
+
+    folder = tiny_model_dir("llama")
+    dlm = convert_ar_to_dlm(str(folder), "idlm")
+    prompts = [[5, 9, 3], [7, 1, 2, 8, 4], [11]]
+    answers = [r.token_ids for r in generate(dlm, prompts, "ar", SamplingParams(max_new_tokens=12, temperature=0.0))]
+    assert base_agreement(dlm, prompts, answers, torch.device("cpu")) == 1.0
+    with torch.no_grad():
+        for p in dlm.model.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    assert base_agreement(dlm, prompts, answers, torch.device("cpu")) < 1.0

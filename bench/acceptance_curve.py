@@ -8,6 +8,7 @@ optimizer, batch and sequence length, through `dlm train`) for one block size, a
     python bench/acceptance_curve.py --data runs/quickstart/data/self_distill.jsonl --steps 1000 --eval-every 250
     python bench/acceptance_curve.py --data D --minutes 4 --steps 100000 --eval-every 500   # time-bounded (GPU)
     python bench/acceptance_curve.py --data D --lora-targets all-linear --lora-r 32 ...     # another adapter layout
+    python bench/acceptance_curve.py --data D --adapters merged ...   # LoRA on every position (ISD == its own AR)
 
 On this 2-core CPU one step takes ~2.3 s (the quickstart's 30 minutes are ~500 steps of b1 and ~250 of b2); on a
 GPU the same curve goes many times further in minutes. Prints a table (step, epochs of the data, training seconds,
@@ -118,7 +119,8 @@ def main() -> None:
                      "train_s": elapsed.get(step, float("nan")), "acceptance": acc,
                      "tpf": m["isd_acceptance/tpf"], "identical": m["isd_acceptance/identical"]})
     print(f"\nbench/acceptance_curve.py: {a.model}, I-DLM b{a.block_size} (N={a.block_size + 1}), adapters "
-          f"{a.lora_targets} r{a.lora_r}, lr {a.learning_rate} {a.lr_schedule}, batch {a.batch_size} x "
+          f"{a.adapters} {a.lora_targets} r{a.lora_r}, lr {a.learning_rate} {a.lr_schedule}, "
+          f"batch {a.batch_size} x "
           f"{a.seq_length}, {records} chat records ({a.data}); device {start.get('device', device)}, "
           f"precision {start.get('mixed_precision', '?')}; {a.eval_prompts} held-out prompts x 64 tokens, greedy; "
           f"{wall:.0f} s in train()")

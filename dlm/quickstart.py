@@ -189,13 +189,17 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
     """Train each curriculum stage; return the final model folder."""
     from dlm.config import load_config
     from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
-    from dlm.model.lora import prepare_model_for_lora
+    from dlm.model.lora import CONFIG_KEY, prepare_model_for_lora
     from dlm.train.loop import train
 
     previous: Path | None = None
     for i, (b, minutes) in enumerate(zip(cfg.curriculum, stage_minutes(cfg))):
         stage_dir = out / f"train_b{b}"
         if (stage_dir / "config.json").is_file() and (stage_dir / "DONE").is_file():
+            was_gated = CONFIG_KEY in json.loads((stage_dir / "config.json").read_text())
+            if was_gated != cfg.gated:
+                raise DLMError(f"'{stage_dir}' was trained with --adapters {'gated' if was_gated else 'merged'}, "
+                               f"this run asks for --adapters {cfg.adapters}: use another --output, or the same mode")
             log(f"train: stage b{b} already done ({stage_dir})")
             previous = stage_dir
             continue

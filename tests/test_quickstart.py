@@ -43,7 +43,7 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     assert "reusing" in log and "already done" in log
 
 
-def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path):
+def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path, capsys):
     """--adapters merged: plain LoRA on every position, merged at each stage's end; ISD must equal the trained
     model's own greedy AR output (not the base model's, which it may leave)."""
     model = tiny_model_dir("llama")
@@ -67,6 +67,12 @@ def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path):
     assert log and log[-1]["parts"]["ce_clean"] > 0  # CE_clean is trained (ce_alpha 1), not a frozen constant
     report = (out / "report.md").read_text()
     assert "merged LoRA" in report and "greedy AR output on 3/3 prompts" in report
+    # rerunning the folder in the other mode would mix two kinds of model: refused, nothing changed
+    before = (out / "results.json").read_text()
+    capsys.readouterr()
+    assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2")) == 2
+    assert "--adapters merged" in capsys.readouterr().err
+    assert (out / "results.json").read_text() == before
 
 
 def test_quickstart_bad_adapters_mode(tmp_path, capsys):

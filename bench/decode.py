@@ -68,7 +68,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams
+    from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.model.convert import load_any
 
     dlm = load_any(args.model, "idlm")
@@ -136,8 +136,7 @@ def main(argv=None) -> int:
             for m in methods:
                 a = agg[m]
                 n_tok = sum(map(len, a["tokens"]))
-                prop = [sum(x) for x in zip(*[st.proposed for st in a["stats"] if st.proposed])]
-                accd = [sum(x) for x in zip(*[st.accepted for st in a["stats"] if st.proposed])]
+                prop, accd = draft_totals(a["stats"])
                 rows.append({"batch": b, "method": m, "tokens": n_tok, "seconds": a["seconds"],
                              "tok_s": n_tok / a["seconds"], "forwards": a["forwards"],
                              "tpf": n_tok / max(a["row_forwards"], 1),

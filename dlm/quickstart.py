@@ -232,7 +232,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
 
     from dlm.data.distill import builtin_instructions
     from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams
+    from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.device import get_device
     from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
     from dlm.model.hub import load_model, load_tokenizer
@@ -250,13 +250,13 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         ids = torch.tensor([p], device=device)
         o = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                           pad_token_id=eos)
-        return o[0, len(p):].tolist(), len(o[0]) - len(p), None, None
+        return o[0, len(p):].tolist(), len(o[0]) - len(p), None
 
     def engine_run(engine):
         def run(p, n=cfg.eval_tokens):
             r = engine.generate([p], params if n == cfg.eval_tokens else
                                 SamplingParams(max_new_tokens=n, temperature=0.0))[0]
-            return r.token_ids, r.stats.forwards, r.stats.proposed, r.stats.accepted
+            return r.token_ids, r.stats.forwards, r.stats
         return run
 
     # Gated adapters leave the clean path the base model: its AR decoding is the base model's (the fastest form, no
@@ -271,21 +271,19 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         kw = {"stride": stride} if stride else {}
         fns.append(engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder,
                                      max_batch_size=1, **kw)))
-    acc_out = [{"out": [], "t": 0.0, "fw": 0, "prop": None, "acc": None} for _ in runs]
+    acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
     with torch.inference_mode():
         for fn in fns:
             fn(prompts[0], 4)  # warm-up: first calls pay one-off costs, not timed
         for i, p in enumerate(prompts):
             for k in [(i + j) % len(runs) for j in range(len(runs))]:
                 t = time.perf_counter()
-                ids, fw, prop, acc = fns[k](p)
+                ids, fw, stats = fns[k](p)
                 a = acc_out[k]
                 a["t"] += time.perf_counter() - t
                 a["out"].append(list(ids))
                 a["fw"] += fw
-                if prop:
-                    a["prop"] = [x + y for x, y in zip(a["prop"], prop)] if a["prop"] else list(prop)
-                    a["acc"] = [x + y for x, y in zip(a["acc"], acc)] if a["acc"] else list(acc)
+                a["stats"].append(stats)
     tps = [sum(map(len, a["out"])) / a["t"] for a in acc_out]
     ref, base_tps = acc_out[0]["out"], tps[0]
     log(f"measure: transformers generate {base_tps:.1f} tok/s over {len(prompts)} prompts")
@@ -294,9 +292,10 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     for (decoder, stride, which), a, t in list(zip(runs, acc_out, tps))[1:]:
         own_ar, ar_tps = own["trained" if not cfg.gated and which == "trained" else "base"]
         n_all = sum(map(len, a["out"]))
+        prop, accd = draft_totals(a["stats"])
         row = {"decoder": decoder, "stride": stride, "model": which, "tokens": n_all, "forwards": a["fw"],
                "tpf": n_all / max(a["fw"], 1),
-               "acceptance": [x / y for x, y in zip(a["acc"], a["prop"]) if y] if a["acc"] else [],
+               "acceptance": [x / y for x, y in zip(accd, prop) if y],
                "tokens_per_s": t, "speedup_vs_generate": t / base_tps, "speedup_vs_ar": t / ar_tps,
                "identical_to_base": f"{sum(o == g for o, g in zip(a['out'], ref))}/{len(prompts)}",
                "identical_to_ar": f"{sum(o == g for o, g in zip(a['out'], own_ar))}/{len(prompts)}"}
@@ -340,11 +339,9 @@ def table(results: dict) -> str:
              f"reference | - |"]
     for r in results["rows"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
-        which = r.get("model", "base" if r["decoder"] == "ar" else "trained")
-        vs_ar = f"{r['speedup_vs_ar']:.2f}x" if "speedup_vs_ar" in r else "-"
-        lines.append(f"| dlm {r['decoder']} | {which} | {r['stride'] or 1} | {r['tpf']:.2f} | {acc} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {vs_ar} | {r['identical_to_base']} "
-                     f"| {r.get('identical_to_ar', '-')} |")
+        lines.append(f"| dlm {r['decoder']} | {r['model']} | {r['stride'] or 1} | {r['tpf']:.2f} | {acc} | "
+                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['speedup_vs_ar']:.2f}x | "
+                     f"{r['identical_to_base']} | {r['identical_to_ar']} |")
     return "\n".join(lines)
 
 
@@ -456,7 +453,8 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
                   f"trained model's own `dlm ar`, output identical to that model's greedy AR output on "
                   f"{best['identical_to_ar']} prompts. Merged adapters change the model: its greedy next token equals "
                   f"the base model's on {results['base_agreement']:.1%} of the base model's answer tokens, and whole "
-                  f"{results['max_new_tokens']}-token answers equal the base model's on {best['identical_to_base']} prompts.", ""]
+                  f"{results['max_new_tokens']}-token answers equal the base model's on {best['identical_to_base']} "
+                  f"prompts.", ""]
     lines += ["Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
     for st in results.get("training", []):
         lines += [f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "

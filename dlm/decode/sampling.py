@@ -138,6 +138,23 @@ class RequestStats:
     def elapsed(self) -> float:
         return max(self.end_time - self.start_time, 0.0)
 
+
+def draft_totals(stats) -> tuple[list[int], list[int]]:
+    """ISD drafts proposed and accepted per draft position, summed over requests' :class:`RequestStats` (requests
+    may have drafted at different numbers of positions; ``None`` entries and non-ISD requests add nothing)."""
+    proposed: list[int] = []
+    accepted: list[int] = []
+    for st in stats:
+        if st is None:
+            continue
+        for i, (p, a) in enumerate(zip(st.proposed or [], st.accepted or [])):
+            if i == len(proposed):
+                proposed.append(0)
+                accepted.append(0)
+            proposed[i] += p
+            accepted[i] += a
+    return proposed, accepted
+
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.elapsed if self.elapsed > 0 else 0.0

@@ -101,7 +101,7 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     drafts (drafts of one answer are not independent, so read it as a lower bound). ``stride``: the decoder's N
     (default: the model's trained ``block_size + 1``)."""
     from dlm.decode import generate
-    from dlm.decode.sampling import SamplingParams
+    from dlm.decode.sampling import SamplingParams, draft_totals
 
     if em.dlm is None or em.objective != "idlm":
         what = "a plain AR model" if em.dlm is None else f"a '{em.objective}' model"
@@ -112,17 +112,10 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
     isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size, stride=stride)
     ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size)
-    proposed: list[int] = []
-    accepted: list[int] = []
+    proposed, accepted = draft_totals(r.stats for r in isd)
     tokens = forwards = same = 0
     preds = []
     for ex, r, a in zip(examples, isd, ar):
-        for i, (p_, a_) in enumerate(zip(r.stats.proposed or [], r.stats.accepted or [])):
-            if i == len(proposed):
-                proposed.append(0)
-                accepted.append(0)
-            proposed[i] += p_
-            accepted[i] += a_
         tokens += len(r.token_ids)
         forwards += r.stats.forwards
         equal = list(r.token_ids) == list(a.token_ids)

@@ -138,6 +138,15 @@ class RequestStats:
     def elapsed(self) -> float:
         return max(self.end_time - self.start_time, 0.0)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.elapsed if self.elapsed > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {"forwards": self.forwards, "new_tokens": self.new_tokens, "tpf": round(self.tpf, 4),
+                "acceptance": [round(a, 4) for a in self.acceptance], "tokens_per_s": round(self.tokens_per_s, 2),
+                "elapsed_s": round(self.elapsed, 4), "prompt_tokens": self.prompt_tokens}
+
 
 def draft_totals(stats) -> tuple[list[int], list[int]]:
     """ISD drafts proposed and accepted per draft position, summed over requests' :class:`RequestStats` (requests
@@ -154,15 +163,6 @@ def draft_totals(stats) -> tuple[list[int], list[int]]:
             proposed[i] += p
             accepted[i] += a
     return proposed, accepted
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.elapsed if self.elapsed > 0 else 0.0
-
-    def to_dict(self) -> dict:
-        return {"forwards": self.forwards, "new_tokens": self.new_tokens, "tpf": round(self.tpf, 4),
-                "acceptance": [round(a, 4) for a in self.acceptance], "tokens_per_s": round(self.tokens_per_s, 2),
-                "elapsed_s": round(self.elapsed, 4), "prompt_tokens": self.prompt_tokens}
 
 
 def check_fits_context(prompt_len: int, max_new: int, limit: int) -> None:

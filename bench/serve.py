@@ -7,7 +7,10 @@ run, through the same server code (FastAPI + the engine thread) and the official
     python bench/serve.py --decodes ar,isd,isd:auto  # also isd that measures whether drafting pays
 
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
-(greedy, `ignore_eos` so that every request produces exactly --max-tokens tokens). Reported per decoder and level:
+(greedy; a request ends at end-of-sequence or --max-tokens, as a real server's do; with --ignore-eos every request
+produces exactly --max-tokens tokens, most of them past the answer's end for short answers, text no decoder is
+trained for). Greedy ISD output equals AR output, so every decoder serves the same tokens; the bench checks this
+request by request and says so in the table's last column. Reported per decoder and level:
 output tokens/s over the level's wall time, its ratio to concurrency 1, time to first token (p50/mean), time
 per output token after the first (mean over requests), CPU seconds of this process per output token (fairer than
 wall time on a shared machine), tokens per forward / draft acceptance (from /metrics) and the load average. All
@@ -51,24 +54,27 @@ def _metric_values(text: str) -> dict:
     return out
 
 
-async def _one(client, model, prompt, max_tokens):
+async def _one(client, model, prompt, max_tokens, ignore_eos):
     t0 = time.perf_counter()
     first = None
     tokens = 0
+    text = []
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
     async for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content and first is None:
-            first = time.perf_counter()
+        if chunk.choices and chunk.choices[0].delta.content:
+            first = first or time.perf_counter()
+            text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
     first = first or end
-    return {"ttft": first - t0, "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "tokens": tokens}
+    return {"ttft": first - t0, "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "tokens": tokens,
+            "text": "".join(text)}
 
 
-async def _level(url, model, concurrency, n_requests, max_tokens):
+async def _level(url, model, concurrency, n_requests, max_tokens, ignore_eos=False):
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=3600)
@@ -78,7 +84,8 @@ async def _level(url, model, concurrency, n_requests, max_tokens):
     async def worker():
         while work:
             i = work.pop(0)
-            results.append(await _one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens))
+            r = await _one(client, model, PROMPTS[i % len(PROMPTS)], max_tokens, ignore_eos)
+            results.append(dict(r, request=i))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -96,6 +103,8 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
+    ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per request, past the "
+                    "end of the answer (default: stop at end-of-sequence)")
     ap.add_argument("--max-batch-size", type=int, help="engine batch (default: the largest concurrency)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument("--rounds", type=int, default=1, help="run every level this many times, interleaved, and "
@@ -121,7 +130,8 @@ def main(argv=None) -> int:
     t = time.perf_counter()
     dlm = load_any(args.model, dtype=get_dtype("auto", dev), device=dev)
     print(f"model {args.model} ({dlm.objective}, block {dlm.block_size}) loaded in {time.perf_counter() - t:.1f}s; "
-          f"torch threads {torch.get_num_threads()}; batch {batch}; {args.max_tokens} tokens/request", flush=True)
+          f"torch threads {torch.get_num_threads()}; batch {batch}; "
+          f"{'exactly ' if args.ignore_eos else 'up to '}{args.max_tokens} tokens/request", flush=True)
 
     # every decoder gets its own server (same model object, same server code); the levels are interleaved
     # (ar c=1, isd c=1, ..., ar c=8, ...) so that load drift on a shared machine hits all decoders alike
@@ -146,13 +156,13 @@ def main(argv=None) -> int:
                     before = _metric_values(httpx.get(srv.url + "/metrics").text)
                     n = max(c, args.min_requests)
                     cpu0 = time.process_time()
-                    res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens))
+                    res, wall = asyncio.run(_level(srv.url, "bench", c, n, args.max_tokens, args.ignore_eos))
                     cpu = time.process_time() - cpu0
                     after = _metric_values(httpx.get(srv.url + "/metrics").text)
                     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
                     acc = raw.setdefault((decode, c), {"res": [], "wall": 0.0, "cpu": 0.0, "n": 0, "d": {},
                                                        "load": []})
-                    acc["res"] += res
+                    acc["res"] += [dict(r, round=rnd) for r in res]
                     acc["wall"] += wall
                     acc["cpu"] += cpu
                     acc["n"] += n
@@ -180,12 +190,17 @@ def main(argv=None) -> int:
                        "acceptance": (d["dlm_draft_accepted_total"] / d["dlm_draft_proposed_total"]
                                       if d.get("dlm_draft_proposed_total") else None),
                        "engine_steps": d["dlm_engine_steps_total"]}
+                # greedy: every decoder must serve the same text for the same request as the first decoder
+                ref = {(r["round"], r["request"]): r["text"] for r in raw[(decodes[0], c)]["res"]}
+                row["same_output_as"] = decodes[0]
+                row["same_output"] = sum(ref.get((r["round"], r["request"])) == r["text"] for r in res) / len(res)
                 rows.append(row)
 
     base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
     print()
     hdr = (f"{'decode':<8} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
-           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5}")
+           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5} "
+           f"{'== ' + decodes[0]:>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -193,7 +208,7 @@ def main(argv=None) -> int:
         print(f"{r['decode']:<8} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
               f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
               f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
-              f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f}")
+              f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f} {r['same_output']:>8.0%}")
     others = [d for d in decodes if d != "ar"]
     if "ar" in decodes and others:
         print()
@@ -206,7 +221,8 @@ def main(argv=None) -> int:
     if args.output:
         tmp = args.output + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"model": args.model, "max_tokens": args.max_tokens, "batch": batch, "rows": rows}, f, indent=1)
+            json.dump({"model": args.model, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "batch": batch,
+                       "rows": rows}, f, indent=1)
         os.replace(tmp, args.output)
     return 0
 

@@ -58,6 +58,10 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--groups", type=int, default=4,
                     help="batches per batch size (distinct prompts; every method runs each, interleaved; default 4)")
+    ap.add_argument("--fallbacks", default="predict",
+                    help="comma-separated ISD fallback modes to run (default predict; 'isd N=n' is the first, the "
+                         "others are named 'isd N=n MODE'): predict, all, off (SPEC's plain ISD: a cold-start step "
+                         "after every rejection)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
@@ -90,12 +94,16 @@ def main(argv=None) -> int:
     k = args.max_new_tokens
     params = SamplingParams(max_new_tokens=k, ignore_eos=True)
 
-    methods = ["transformers", "ar"] + [f"isd N={n}" for n in strides]
+    fallbacks = [f.strip() for f in args.fallbacks.split(",") if f.strip()]
+    names = {f: "" if i == 0 else f" {f}" for i, f in enumerate(fallbacks)}
+    methods = ["transformers", "ar"] + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
         for n in strides:
-            engines[b][f"isd N={n}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=n)
+            for f in fallbacks:
+                engines[b][f"isd N={n}{names[f]}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=n,
+                                                            fallback=f)
     pad = hf.generation_config.pad_token_id
 
     def run(b, method, batch):
@@ -144,7 +152,7 @@ def main(argv=None) -> int:
                              "match_ar": None if m == "transformers" else a["tokens"] == ar_tokens,
                              "match_hf": None if m == "transformers" else a["tokens"] == hf_tokens})
 
-    hdr = f"{'batch':>5} {'method':<13} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
+    hdr = f"{'batch':>5} {'method':<17} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
           f"{'TPF':>5} {'acc':>5} {'= ar':>5} {'= hf':>5}"
     source = "heldout chat" if args.data == "heldout" else Path(args.data).name
     print(f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
@@ -159,7 +167,7 @@ def main(argv=None) -> int:
         if r["method"] == "ar":
             ar_ref[r["batch"]] = r["tok_s"]
         x_ar = r["tok_s"] / ar_ref[r["batch"]] if r["batch"] in ar_ref else float("nan")
-        print(f"{r['batch']:>5} {r['method']:<13} {r['tokens']:>6} {r['tok_s']:>8.1f} "
+        print(f"{r['batch']:>5} {r['method']:<17} {r['tokens']:>6} {r['tok_s']:>8.1f} "
               f"{r['tok_s'] / ref[r['batch']]:>6.2f} {x_ar:>6.2f} {r['forwards']:>8} {r['tpf']:>5.2f} "
               f"{(f'{acc[0]:.2f}' if (acc := r.get('acceptance')) else '-'):>5} "
               f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}")

@@ -26,6 +26,11 @@ def test_generate_json_ar_and_isd_on_the_fly(tiny_dir, tmp_path, capsys):
     assert len(ar) == 2 and all({"text", "token_ids", "forwards", "tpf", "acceptance"} <= set(r) for r in ar)
     assert [r["token_ids"] for r in isd] == [r["token_ids"] for r in ar]  # untrained I-DLM, greedy: still exact
     assert all(len(r["acceptance"]) == 2 and r["forwards"] >= 1 for r in isd)
+    for mode in ("all", "off"):
+        other = run_json(capsys, *common, "--decode", "isd", "--stride", "3", "--isd-fallback", mode)
+        assert [r["token_ids"] for r in other] == [r["token_ids"] for r in ar], mode
+    assert main(["generate", *common, "--decode", "ar", "--isd-fallback", "all"]) == 2
+    assert "--isd-fallback is an ISD setting" in capsys.readouterr().err
     mdm = run_json(capsys, "--model", str(tiny_dir), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens",
                    "5", "--steps", "3", "--temperature", "1", "--seed", "1")
     assert len(mdm) == 1 and mdm[0]["forwards"] == 3

@@ -30,11 +30,12 @@ def test_isd_greedy_equals_ar_greedy(arch):
     dlm = idlm(arch)
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
     ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
-    for stride in (2, 3, 4):
-        one = Engine(dlm, decoder="isd", stride=stride).generate([PROMPTS[2]], params)[0]
-        assert one.token_ids == ar[2], (arch, stride)
-        batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(PROMPTS, params)
-        assert [r.token_ids for r in batch] == ar, (arch, stride)
+    for stride, fallback in itertools.product((2, 3, 4), ("predict", "all", "off")):
+        one = Engine(dlm, decoder="isd", stride=stride, fallback=fallback).generate([PROMPTS[2]], params)[0]
+        assert one.token_ids == ar[2], (arch, stride, fallback)
+        batch = Engine(dlm, decoder="isd", stride=stride, fallback=fallback, max_batch_size=3).generate(
+            PROMPTS, params)
+        assert [r.token_ids for r in batch] == ar, (arch, stride, fallback)
         assert all(1.0 <= r.stats.tpf <= stride for r in batch)
 
 
@@ -64,14 +65,93 @@ def test_isd_verify_paths_with_oracle_drafts(stride):
     k = 1 + 5 * stride  # cold start, then five verify steps
     truth = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(k + 2 * stride, ignore_eos=True))[0]
     truth = truth.token_ids
-    perfect = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.0, stride=stride)).generate(
+    # ("predict" would route on the untrained model's own draft probabilities, not on the oracle's)
+    perfect = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.0, stride=stride, fallback="off")).generate(
         [PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
     assert perfect.token_ids == truth[:k]
     assert perfect.stats.forwards == 6 and perfect.stats.acceptance == [1.0] * (stride - 1)  # TPF = k/6
-    noisy = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.3, stride=stride)).generate(
-        [PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
-    assert noisy.token_ids == truth[:k]
-    assert 1.0 < noisy.stats.tpf < perfect.stats.tpf
+    for fallback in ("predict", "all", "off"):
+        noisy = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.3, stride=stride, fallback=fallback)).generate(
+            [PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
+        assert noisy.token_ids == truth[:k]
+        assert 1.0 < noisy.stats.tpf < perfect.stats.tpf
+
+
+class CountFallbacks(ISDDecoder):
+    """Counts verify steps whose rejection was followed by drafts from that branch's masks."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.fallbacks = 0
+
+    def _next_drafts(self, engine, row, logits, outcome):
+        super()._next_drafts(engine, row, logits, outcome)
+        self.fallbacks += outcome > 0 and row.state["mode"] == "verify"
+
+
+@pytest.mark.parametrize("stride", [2, 3])
+def test_isd_fallback_drafts_skip_the_cold_start(stride):
+    """With every branch's masks in the chunk (``all``) the drafts after a rejection are verified at once: every
+    forward after the prefill verifies drafts; without them (``off``, SPEC's plain ISD) rejections cost a cold
+    start."""
+    dlm = idlm("llama")
+    k = 24
+    truth = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(k + 2 * stride, ignore_eos=True))[0]
+    truth = truth.token_ids
+    runs = {}
+    for fallback in ("all", "off"):
+        dec = OracleDrafts(truth, 5, 0.4, seed=3, stride=stride, fallback=fallback)
+        r = Engine(dlm, decoder=dec).generate([PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
+        assert r.token_ids == truth[:k]
+        runs[fallback] = r
+    on, off = runs["all"].stats, runs["off"].stats
+    # with fallback drafts every forward after the prefill verifies drafts (one row of proposals each)
+    assert on.forwards == 1 + on.proposed[0]
+    assert off.forwards > 1 + off.proposed[0]  # cold starts: forwards without drafts to verify
+    assert on.tpf > off.tpf
+
+
+def test_branch_layout_n3():
+    from dlm.decode.isd import branch_layout
+
+    offsets, attn = branch_layout(3, (0, 1, 2))
+    #          c  d1 d2 M  M  F1 F1 F2 F2
+    assert offsets == [0, 1, 2, 3, 4, 1, 2, 2, 3]
+    assert attn[5].tolist() == [1, 0, 0, 0, 0, 1, 0, 0, 0]  # rejection at d1: sees c only
+    assert attn[6].tolist() == [1, 0, 0, 0, 0, 1, 1, 0, 0]
+    assert attn[7].tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 0]  # rejection at d2: sees c, d1
+    assert attn[8].tolist() == [1, 1, 0, 0, 0, 0, 0, 1, 1]
+    assert attn[:5, :5].equal(torch.ones(5, 5, dtype=torch.bool).tril())
+    assert not attn[:5, 5:].any()  # nothing on the main chunk sees a fallback mask
+
+
+def test_fallback_drafts_equal_a_cold_start_from_the_correction_minus_its_token():
+    """A fallback mask sees what the cold start's masks would see except the correction itself: its logits equal
+    those of a mask fed at the same position after [c, d_1..d_{i-1}] in a plain sequence."""
+    dlm = idlm("llama", block_size=2)
+    from dlm.decode.isd import branch_layout
+
+    n = 3
+    m = dlm.mask_token_id
+    prefix = PROMPTS[2]
+    c, d1, d2 = 40, 41, 42
+    chunk = [c, d1, d2, m, m] + [m] * 4
+    offsets, attn = branch_layout(n, (0, 1, 2))
+    L = len(prefix)
+    ids = torch.tensor([prefix + chunk])
+    pos = torch.tensor([list(range(L)) + [L + o for o in offsets]])
+    mask = torch.zeros(1, 1, L + 9, L + 9, dtype=torch.bool)
+    mask[0, 0, :, :L] = torch.ones(L + 9, L, dtype=torch.bool).tril()[:, :L] | (torch.arange(L + 9) >= L)[:, None]
+    mask[0, 0, L:, L:] = attn
+    with torch.no_grad():
+        tree = dlm(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0, L:]
+        # rejection at d2: the branch at offsets 2, 3 after [c, d1] == plain [prefix, c, d1, M, M]
+        plain = dlm(input_ids=torch.tensor([prefix + [c, d1, m, m]])).logits[0, L:]
+    torch.testing.assert_close(tree[7:9], plain[2:4])
+    with torch.no_grad():
+        plain1 = dlm(input_ids=torch.tensor([prefix + [c, m, m]])).logits[0, L:]
+    torch.testing.assert_close(tree[5:7], plain1[1:3])
+    torch.testing.assert_close(tree[:5], dlm(input_ids=torch.tensor([prefix + chunk[:5]])).logits[0, L:])
 
 
 def tiny_idlm(vocab=9, scale=6.0):
@@ -121,12 +201,13 @@ def test_isd_sampling_has_the_ar_distribution_and_argmax_drafts_are_biased():
     tv = {}
     for name, kw in [("ar", dict(decoder="ar")), ("isd2", dict(decoder="isd", stride=2)),
                      ("isd3", dict(decoder="isd", stride=3)),
+                     ("isd2-cold", dict(decoder="isd", stride=2, fallback="off")),
                      ("isd2-argmax", dict(decoder="isd", stride=2, draft="argmax"))]:
         dist, acc = empirical(dlm, prompt, k, n, **kw)
         tv[name] = 0.5 * float((dist - exact).abs().sum())
         if name.startswith("isd"):
             assert 0.05 < acc[0] < 0.999, (name, acc)  # both accept and reject paths were exercised
-    assert tv["ar"] < eps and tv["isd2"] < eps and tv["isd3"] < eps, (tv, eps)
+    assert tv["ar"] < eps and tv["isd2"] < eps and tv["isd3"] < eps and tv["isd2-cold"] < eps, (tv, eps)
     assert tv["isd2-argmax"] > 2 * eps, (tv, eps)  # measurably biased towards the argmax draft
 
 
@@ -159,3 +240,47 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         assert Engine(dlm, decoder="isd", stride=stride).generate([prompts[0]], params)[0].token_ids == ar[0]
         batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
         assert [r.token_ids for r in batch] == ar
+
+
+def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():
+    """Three sampled tokens at stride 2: a rejection in the first verify step is followed by a verify of the
+    fallback masks' drafts (sampled from their own q), which must keep the AR distribution too."""
+    dlm = tiny_idlm(vocab=5)
+    prompt, k, n = [1, 2, 3, 0], 3, 2000
+    conts, exact = exact_ar_distribution(dlm, prompt, k)
+    assert float(exact.max()) < 0.5
+    K = len(conts)  # 64
+    eps = math.sqrt((K * math.log(2) + math.log(1e4)) / (2 * n))
+    for fallback in ("all", "predict"):
+        counter = CountFallbacks(stride=2, fallback=fallback)
+        dist, acc = empirical(dlm, prompt, k, n, decoder=counter)
+        assert counter.fallbacks > 100 and 0.05 < acc[0] < 0.999, (fallback, counter.fallbacks, acc)
+        tv = 0.5 * float((dist - exact).abs().sum())
+        assert tv < eps, (fallback, tv, eps)
+
+
+def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length():
+    """``predict`` carries one branch of masks, the likeliest outcome by the drafts' own probabilities, so a
+    verify chunk stays 2N-1 tokens; ``all`` carries every branch; ``off`` only the all-accepted one."""
+    from dlm.decode.engine import Row
+    from dlm.decode.isd import branch_layout
+
+    dec = ISDDecoder(stride=3)
+    row = Row(0, [1], SamplingParams(), None, frozenset(), None, None)
+    for conf, want in [([0.9, 0.9], (0,)),       # P(0) .81
+                       ([0.3, 0.9], (1,)),       # P(1) .7
+                       ([0.9, 0.3], (2,)),       # P(2) .63
+                       ([0.6, 0.6], (0,)),       # .36 .4 .24: P(1) .4 > P(0) .36 -> 1
+                       ]:
+        row.state["conf"] = conf
+        got = dec._branches(row)
+        if conf == [0.6, 0.6]:
+            want = (1,)
+        assert got == want, (conf, got)
+    assert ISDDecoder(stride=3, fallback="off")._branches(row) == (0,)
+    assert ISDDecoder(stride=3, fallback="all")._branches(row) == (0, 1, 2)
+    assert ISDDecoder(stride=3).verify_len == 5 and ISDDecoder(stride=3, fallback="all").verify_len == 9
+    offsets, attn = branch_layout(2, (1,))
+    assert offsets == [0, 1, 1] and attn.tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
+    with pytest.raises(DLMError, match="--isd-fallback"):
+        ISDDecoder(fallback="sometimes")

@@ -136,6 +136,7 @@ def test_token_budget_drafts_alone_and_steps_ar_when_busy():
     dlm = idlm()
     sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
     eng = Engine(dlm, decoder="isd", stride=3, token_budget=5, max_batch_size=8)
+    assert eng.decoder.verify_len == 5  # 'predict' carries one branch of masks: the plain verify chunk's length
     lone = eng.generate([PROMPTS[0]], sp)[0]
     assert sum(lone.stats.proposed) > 0
     busy = eng.generate(PROMPTS[:4], sp)

@@ -468,3 +468,9 @@ def test_isd_token_budget_flag_reaches_the_decoder(tiny_dir):
     assert isinstance(eng.decoder.policy, TokenBudget) and eng.decoder.policy.budget == 6
     with pytest.raises(DLMError, match="--isd-token-budget"):
         load_engine("/nonexistent", decode="isd", isd_token_budget="fast")
+    eng = load_engine(str(tiny_dir), decode="isd", fallback="all")
+    assert eng.decoder.fallback == "all" and load_engine(str(tiny_dir), decode="isd").decoder.fallback == "predict"
+    with pytest.raises(DLMError, match="--isd-fallback must be one of"):
+        load_engine("/nonexistent", decode="isd", fallback="sometimes")
+    with pytest.raises(DLMError, match="--isd-fallback is an ISD setting"):
+        load_engine("/nonexistent", decode="ar", fallback="all")

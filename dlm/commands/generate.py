@@ -29,6 +29,12 @@ def add_arguments(p) -> None:
                         "per batch size whether drafting is faster than plain AR steps and run the faster "
                         "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
                         "default 'always': draft at every step")
+    p.add_argument("--isd-fallback", choices=["predict", "all", "off"], default=None,
+                   help="ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
+                        "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), "
+                        "so a rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': "
+                        "every outcome (N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': "
+                        "only all-accepted (SPEC's plain ISD). Output is the same in every case")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -91,6 +97,8 @@ def run(args) -> int:
         from dlm.decode.schedule import make_policy
 
         make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
+    if args.isd_fallback is not None and args.decode != "isd":
+        raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {args.decode})")
     prompts = read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
@@ -132,6 +140,7 @@ def run(args) -> int:
         warnings.simplefilter("always", UserWarning)
         results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
                            stride=args.stride, draft=args.draft, token_budget=args.isd_token_budget,
+                           fallback=args.isd_fallback,
                            method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
                            block_length=args.block_length)

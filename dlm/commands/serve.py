@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
                         "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
                         "in every case")
+    p.add_argument("--isd-fallback", choices=("predict", "all", "off"),
+                   help="ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
+                        "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), "
+                        "so a rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': "
+                        "every outcome (N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': "
+                        "only all-accepted (SPEC's plain ISD). Output is the same in every case")
     p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
                    help="mdm sampler (default confidence)")
     p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "
@@ -79,7 +85,8 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
                          device=args.device, dtype=args.dtype, draft=args.draft,
-                         isd_token_budget=isd_token_budget(args), method=args.sampler, steps=args.steps,
+                         isd_token_budget=isd_token_budget(args), fallback=args.isd_fallback,
+                         method=args.sampler, steps=args.steps,
                          threshold=args.threshold, block_length=args.block_length)
     app = create_app(Scheduler(engine, threads=args.threads), settings)
     stride = getattr(engine.decoder, "stride", None)

@@ -13,11 +13,11 @@ DECODERS = ("ar", "mdm", "block", "isd")
 
 
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,
-                    method: str = "confidence", steps: int | None = None, threshold: float | None = 0.9,
-                    block_length: int = 32) -> dict:
+                    fallback: str | None = None, method: str = "confidence", steps: int | None = None,
+                    threshold: float | None = 0.9, block_length: int = 32) -> dict:
     """The keyword arguments of ``decode``'s decoder, picked from the union of every decoder's options."""
     if decode == "isd":
-        return {"stride": stride, "draft": draft, "token_budget": token_budget}
+        return {"stride": stride, "draft": draft, "token_budget": token_budget, "fallback": fallback or "predict"}
     if decode == "mdm":
         return {"method": method, "steps": steps, "threshold": threshold, "block_length": block_length}
     if decode == "block":
@@ -26,14 +26,16 @@ def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sam
 
 
 def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None, batch_size: int = 8,
-             stride: int | None = None, draft: str = "sample", token_budget=None, method: str = "confidence",
-             steps: int | None = None, threshold: float | None = 0.9, block_length: int = 32, on_tokens=None):
+             stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
+             method: str = "confidence", steps: int | None = None, threshold: float | None = 0.9,
+             block_length: int = 32, on_tokens=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
     prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/
     acceptance). ``threshold=None`` (or <= 0) selects block's top-k commits. ``token_budget`` (ISD): ``None``
     drafts at every step, an int drafts while rows x (2N-1) <= it, ``'auto'`` measures whether drafting pays
-    (:mod:`dlm.decode.schedule`)."""
+    (:mod:`dlm.decode.schedule`). ``fallback`` (ISD): which outcomes of a verify step get masks for the next
+    drafts (:class:`dlm.decode.isd.ISDDecoder`; default ``'predict'``)."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.errors import DLMError, closest
@@ -42,7 +44,7 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
         raise DLMError(f"unknown decoder '{decode}' (--decode): did you mean {closest(decode, DECODERS)}?")
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, method=method, steps=steps,
-                         threshold=threshold, block_length=block_length)
+    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, fallback=fallback,
+                         method=method, steps=steps, threshold=threshold, block_length=block_length)
     engine = Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, **kw)
     return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)

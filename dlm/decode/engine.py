@@ -317,6 +317,13 @@ class Decoder:
         n = positions.numel()
         return torch.ones(n, n, dtype=torch.bool).tril_()
 
+    def chunk_layout(self, engine: "Engine", row: "Row", n: int) -> tuple[list[int], torch.Tensor] | None:
+        """For causal decoders whose chunk is a small tree rather than a sequence (ISD's fallback drafts): the
+        position offsets of its ``n`` tokens from ``row.pos`` and their [n, n] attention among themselves. None
+        (the default): offsets 0..n-1, causal. Tokens after the first ``keep`` never keep their KV, so a tree's
+        side branches go at the chunk's end."""
+        return None
+
     def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
         return []
 
@@ -522,14 +529,31 @@ class Engine:
             ids[i, : len(c)] = torch.tensor(c)
         start = torch.tensor([r.pos for r in rows])
         # pads (at the end of short chunks) get clamped positions: harmless, nobody attends to them
-        pos = (start[:, None] + torch.arange(q)[None]).clamp_(max=self.max_positions - 1)
+        offsets = torch.arange(q)[None].repeat(b, 1)
+        layouts = [self.decoder.chunk_layout(self, r, len(c)) for r, c in zip(rows, chunks)] \
+            if self.decoder.causal else [None] * b
+        for i, lay in enumerate(layouts):
+            if lay is not None:
+                offsets[i, : len(lay[0])] = torch.tensor(lay[0])
+        pos = (start[:, None] + offsets).clamp_(max=self.max_positions - 1)
         fresh = [i for i, r in enumerate(rows) if r.state.pop("fresh", False)]
         if fresh:  # these rows re-feed from an earlier position: their cached KV goes
             self.kv.valid[fresh] = False
         if self.decoder.causal:
-            # No holes in the cache (plain AR, or ISD rows that kept every token): the model's own causal mask is
-            # the same, and without an explicit mask a 1-token step needs none at all (cheaper attention).
-            mask = None if bool(self.kv.valid.all()) else decode_mask(self.kv.valid, q)
+            # No holes in the cache (plain AR, or ISD rows that kept every token) and no tree chunks: the model's
+            # own causal mask is the same, and without an explicit mask a 1-token step needs none at all (cheaper
+            # attention).
+            trees = [i for i, lay in enumerate(layouts) if lay is not None]
+            if not trees and bool(self.kv.valid.all()):
+                mask = None
+            else:
+                mask = decode_mask(self.kv.valid, q)
+                if trees:
+                    mask = mask.clone()
+                    k = self.kv.seq_len
+                    for i in trees:
+                        n = len(chunks[i])
+                        mask[i, 0, :n, k: k + n] = layouts[i][1].to(mask.device)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)

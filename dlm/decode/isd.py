@@ -35,6 +35,7 @@ from dlm.decode.schedule import make_policy
 from dlm.errors import DLMError
 
 DRAFT_MODES = ("sample", "argmax")
+FALLBACK_MODES = ("predict", "all", "off")
 
 
 def supported_strides(block_size: int | None) -> list[int]:
@@ -46,7 +47,8 @@ def supported_strides(block_size: int | None) -> list[int]:
 class ISDDecoder(Decoder):
     name = "isd"
 
-    def __init__(self, stride: int | None = None, draft: str = "sample", token_budget: int | str | None = None):
+    def __init__(self, stride: int | None = None, draft: str = "sample", token_budget: int | str | None = None,
+                 fallback: str = "predict"):
         if draft not in DRAFT_MODES:
             raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
         if stride is not None and (not isinstance(stride, int) or stride < 2):
@@ -54,6 +56,12 @@ class ISDDecoder(Decoder):
         self.stride = stride
         self.draft = draft
         self.token_budget = token_budget
+        if fallback not in FALLBACK_MODES:
+            raise DLMError(f"unknown ISD fallback mode {fallback!r} (--isd-fallback): use one of "
+                           f"{', '.join(FALLBACK_MODES)}")
+        self.fallback = fallback
+        self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
+        self.branch_steps = {"verify": 0, "predicted": 0}  # verify steps; those whose outcome had its drafts
         if token_budget is not None:  # refuse a bad value at construction, before the model is checked
             make_policy(token_budget, stride or 2)
         self.policy = None  # set in check_model, once the stride is known
@@ -80,7 +88,7 @@ class ISDDecoder(Decoder):
             warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
                  f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
                  f"the trained block are poor")
-        self.policy = make_policy(self.token_budget, self.stride)
+        self.policy = make_policy(self.token_budget, self.stride, self.verify_len)
 
     # -- when to draft (dlm.decode.schedule) -------------------------------------------------------------------
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:
@@ -91,6 +99,38 @@ class ISDDecoder(Decoder):
         self.policy.observe(len(rows), self._drafting, seconds, tokens)
 
     # -- chunks -------------------------------------------------------------------------------------------
+    @property
+    def verify_len(self) -> int:
+        """Tokens a row feeds in a verify step: 2N-1 (one branch of masks), N-1 + N x (N-1) with every branch."""
+        n = self.stride or 2
+        return n + (n - 1) * (n if self.fallback == "all" else 1)
+
+    def _branches(self, row: Row) -> tuple[int, ...]:
+        """Which outcomes of this verify step get their N-1 masks (0: every draft accepted; i: first rejection at
+        d_i). ``predict``: the likeliest outcome by the drafts' own probabilities c_i = q_i(d_i), i.e.
+        P(0) = prod c_i, P(i) = c_1 .. c_{i-1} (1 - c_i)."""
+        n = self.stride
+        if self.fallback == "off":
+            return (0,)
+        if self.fallback == "all":
+            return tuple(range(n))
+        conf = row.state.get("conf") or [1.0] * (n - 1)
+        best, p_best, run = 0, 0.0, 1.0
+        for i, c in enumerate(conf, start=1):
+            if run * (1.0 - c) > p_best:
+                best, p_best = i, run * (1.0 - c)
+            run *= c
+        return (0,) if run >= p_best else (best,)
+
+    def chunk_layout(self, engine: Engine, row: Row, n: int):
+        branches = row.state.get("branches")
+        if not branches or branches == (0,):  # a cold, AR or plain verify chunk: a sequence
+            return None
+        key = (self.stride, branches)
+        if key not in self._layouts:
+            self._layouts[key] = branch_layout(self.stride, branches)
+        return self._layouts[key]
+
     def _room(self, engine: Engine, row: Row) -> bool:
         return row.pos + 2 * self.stride - 1 <= engine.max_positions
 
@@ -105,13 +145,16 @@ class ISDDecoder(Decoder):
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         n = self.stride
+        row.state["branches"] = None
         if not self._drafting or not self._room(engine, row):
             # the policy says drafting does not pay now, or near the end of the context: a plain AR step (exact)
             row.state.update(mode="ar", drafts=None, q=None)
             return [row.last]
         m = engine.mask_token_id
         if row.state["mode"] == "verify":
-            return [row.last] + row.state["drafts"] + [m] * (n - 1)
+            branches = self._branches(row)
+            row.state["branches"] = branches
+            return [row.last] + row.state["drafts"] + [m] * ((n - 1) * len(branches))
         row.state["mode"] = "cold"
         return [row.last] + [m] * (n - 1)
 
@@ -120,8 +163,12 @@ class ISDDecoder(Decoder):
         """Drafts d_1..d_{N-1} (and their q) from the N-1 mask logits [N-1, V]; d_1 sits at ``first_pos``."""
         p = row.params
         if p.greedy:
-            row.state["drafts"] = suppress(mask_logits, engine.mask_token_id).argmax(-1).tolist()
+            logits = suppress(mask_logits, engine.mask_token_id)
+            d = logits.argmax(-1)
+            row.state["drafts"] = d.tolist()
             row.state["q"] = None
+            if self.fallback == "predict":
+                row.state["conf"] = logits.float().softmax(-1).gather(-1, d[:, None])[:, 0].tolist()
             return
         q = probs_from_logits(mask_logits, p, engine.mask_token_id)
         if self.draft == "argmax":
@@ -130,6 +177,7 @@ class ISDDecoder(Decoder):
             d = sample(q, row.generator)
         row.state["drafts"] = d.tolist()
         row.state["q"] = q
+        row.state["conf"] = q.gather(-1, d[:, None])[:, 0].tolist()
 
     def _stats(self, row: Row, proposed: int, accepted: int) -> None:
         s = row.stats
@@ -140,6 +188,23 @@ class ISDDecoder(Decoder):
             s.proposed[i] += 1
         for i in range(accepted):
             s.accepted[i] += 1
+
+    def _next_drafts(self, engine: Engine, row: Row, logits: torch.Tensor, outcome: int) -> None:
+        """After a verify step whose outcome is ``outcome`` (0: all accepted, i: first rejection at d_i): if the
+        chunk carried that outcome's masks (they saw c and the accepted drafts and stand in for the next token's
+        position and after), their logits give the next drafts and the next step verifies again; otherwise the
+        next step cold-starts."""
+        n = self.stride
+        branches = row.state.get("branches") or (0,)
+        self.branch_steps["verify"] += 1
+        if outcome in branches:
+            self.branch_steps["predicted"] += 1
+            first = n + branches.index(outcome) * (n - 1)
+            self._draft(engine, row, logits[first: first + n - 1], row.pos + outcome + 1 if outcome else
+                        row.pos + n + 1)
+            row.state["mode"] = "verify"
+        else:
+            row.state.update(mode="cold", drafts=None, q=None)
 
     # -- consume ------------------------------------------------------------------------------------------
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
@@ -175,13 +240,13 @@ class ISDDecoder(Decoder):
             if accepted == n - 1:
                 free = target[n - 1]
                 self._stats(row, n - 1, n - 1)
-                self._draft(engine, row, logits[n: 2 * n - 1], row.pos + n + 1)
+                self._next_drafts(engine, row, logits, 0)
                 row.last = free
                 return drafts + [free], n
             correction = target[accepted]
             self._stats(row, accepted + 1, accepted)
             row.last = correction
-            row.state.update(mode="cold", drafts=None, q=None)
+            self._next_drafts(engine, row, logits, accepted + 1)
             return drafts[:accepted] + [correction], accepted + 1
 
         q = row.state["q"]  # [N-1, V]
@@ -201,10 +266,37 @@ class ISDDecoder(Decoder):
             correction = int(sample(dist, row.generator))
             self._stats(row, accepted + 1, accepted)
             row.last = correction
-            row.state.update(mode="cold", drafts=None, q=None)
+            self._next_drafts(engine, row, logits, accepted + 1)
             return drafts[:accepted] + [correction], accepted + 1
         free = int(sample(probs[n - 1], row.generator))
         self._stats(row, n - 1, n - 1)
-        self._draft(engine, row, logits[n: 2 * n - 1], row.pos + n + 1)
+        self._next_drafts(engine, row, logits, 0)
         row.last = free
         return drafts + [free], n
+
+
+def branch_layout(n: int, branches: tuple[int, ...]) -> tuple[list[int], torch.Tensor]:
+    """Offsets and attention of a verify chunk at stride ``n`` that carries the masks of ``branches``:
+    ``[c, d_1..d_{N-1}]`` (offsets 0..N-1, causal), then N-1 masks per branch. Branch 0 (every draft accepted)
+    sits at offsets N..2N-2 and sees the whole chunk before it: the plain verify chunk. Branch i (first rejection
+    at d_i) sits at offsets i..i+N-2 and sees c, d_1..d_{i-1} and its own earlier masks: what a cold start from
+    the correction at offset i would feed, minus the correction itself. N = 2, branches (0, 1)::
+
+        token  off  sees      c d1 M  F
+        c       0             x .  .  .
+        d1      1             x x  .  .
+        M       2             x x  x  .
+        F       1   (d1 rej.) x .  .  x
+    """
+    total = n + (n - 1) * len(branches)
+    offsets = list(range(n))
+    attn = torch.zeros(total, total, dtype=torch.bool)
+    attn[:n, :n] = torch.ones(n, n, dtype=torch.bool).tril_()
+    own = torch.ones(n - 1, n - 1, dtype=torch.bool).tril_()
+    for k, b in enumerate(branches):
+        lo = n + k * (n - 1)
+        start = b if b else n
+        offsets += list(range(start, start + n - 1))
+        attn[lo: lo + n - 1, : (b if b else n)] = True  # c, d_1 .. d_{b-1} (all of them for branch 0)
+        attn[lo: lo + n - 1, lo: lo + n - 1] = own
+    return offsets, attn

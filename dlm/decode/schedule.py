@@ -42,13 +42,14 @@ class AlwaysDraft:
 class TokenBudget(AlwaysDraft):
     name = "budget"
 
-    def __init__(self, budget: int, stride: int):
+    def __init__(self, budget: int, stride: int, per_row: int | None = None):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
             raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got {budget!r}")
         self.budget, self.stride = budget, stride
+        self.per_row = per_row or 2 * stride - 1  # tokens a row feeds in a verify step
 
     def drafting(self, rows: int) -> bool:
-        return rows * (2 * self.stride - 1) <= self.budget
+        return rows * self.per_row <= self.budget
 
     peek = drafting
 
@@ -200,7 +201,7 @@ class MeasuredDraft(AlwaysDraft):
             self._bucket(self.bucket_of(rows)).window[drafted].add(seconds, tokens, rows, self.window)
 
 
-def make_policy(token_budget, stride: int):
+def make_policy(token_budget, stride: int, per_row: int | None = None):
     """``None`` or ``'always'`` -> always draft; an int -> :class:`TokenBudget`; ``'auto'`` ->
     :class:`MeasuredDraft`; an object with ``drafting``/``peek``/``observe`` (a policy of your own) is used as
     is."""
@@ -217,4 +218,4 @@ def make_policy(token_budget, stride: int):
             raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got "
                            f"{token_budget!r}") \
                 from None
-    return TokenBudget(token_budget, stride)
+    return TokenBudget(token_budget, stride, per_row)

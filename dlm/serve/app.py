@@ -55,7 +55,7 @@ class ServeSettings:
 # -- model + engine -------------------------------------------------------------------------------------------
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
                 device: str | None = None, dtype: str | None = None, draft: str = "sample",
-                isd_token_budget: int | str | None = None, **diffusion_kw):
+                isd_token_budget: int | str | None = None, fallback: str | None = None, **diffusion_kw):
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
@@ -75,6 +75,13 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if decode != "isd" and isd_token_budget is not None:
         raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    if decode != "isd" and fallback is not None:
+        raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    if fallback is not None:
+        from dlm.decode.isd import FALLBACK_MODES
+
+        if fallback not in FALLBACK_MODES:
+            raise DLMError(f"--isd-fallback must be one of {', '.join(FALLBACK_MODES)}; got '{fallback}'")
     extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
@@ -87,7 +94,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     dev = get_device(device)
     dlm = load_any(model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"),
                    dtype=get_dtype(dtype, dev), device=dev)
-    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget,
+    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget, fallback=fallback,
                          **{k: v for k, v in diffusion_kw.items() if v is not None})
     return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, **kw)
 

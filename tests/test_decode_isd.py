@@ -284,3 +284,26 @@ def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length(
     assert offsets == [0, 1, 1] and attn.tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
     with pytest.raises(DLMError, match="--isd-fallback"):
         ISDDecoder(fallback="sometimes")
+
+
+def test_accept_calibration_learns_that_unconfident_drafts_are_right():
+    """A draft's own probability need not predict its acceptance; ``predict`` corrects it from the verify steps
+    (a drafter right every time at probability 0.2 first looks like a rejection, then like an acceptance)."""
+    from dlm.decode.engine import Row
+    from dlm.decode.isd import AcceptCalibration
+
+    cal = AcceptCalibration()
+    assert cal.p_accept(0, 0.2) == pytest.approx(0.2)  # the prior: the draft's own probability
+    for _ in range(3):
+        cal.observe(0, 0.21, True)
+    assert cal.p_accept(0, 0.25) == pytest.approx((3 + 2 * 0.25) / 5) and cal.p_accept(0, 0.95) == pytest.approx(0.95)  # other bins untouched
+    for _ in range(1000):
+        cal.observe(1, 0.9, False)
+    assert cal.p_accept(1, 0.9) < 0.01 and cal.counts[(1, 9)][1] <= cal.cap  # capped: it can turn again
+
+    dec = ISDDecoder(stride=2)
+    row = Row(0, [1], SamplingParams(), None, frozenset(), None, None)
+    row.state["conf"] = [0.2]
+    assert dec._branches(row) == (1,)
+    dec._calib = cal
+    assert dec._branches(row) == (0,)

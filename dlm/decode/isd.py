@@ -62,6 +62,7 @@ class ISDDecoder(Decoder):
         self.fallback = fallback
         self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
         self.branch_steps = {"verify": 0, "predicted": 0}  # verify steps; those whose outcome had its drafts
+        self._calib = AcceptCalibration()
         if token_budget is not None:  # refuse a bad value at construction, before the model is checked
             make_policy(token_budget, stride or 2)
         self.policy = None  # set in check_model, once the stride is known
@@ -107,8 +108,9 @@ class ISDDecoder(Decoder):
 
     def _branches(self, row: Row) -> tuple[int, ...]:
         """Which outcomes of this verify step get their N-1 masks (0: every draft accepted; i: first rejection at
-        d_i). ``predict``: the likeliest outcome by the drafts' own probabilities c_i = q_i(d_i), i.e.
-        P(0) = prod c_i, P(i) = c_1 .. c_{i-1} (1 - c_i)."""
+        d_i). ``predict``: the likeliest outcome by the drafts' acceptance probabilities a_i, i.e.
+        P(0) = prod a_i, P(i) = a_1 .. a_{i-1} (1 - a_i), where a_i is the draft's own probability q_i(d_i)
+        calibrated by the acceptance measured so far for drafts of that probability (:class:`AcceptCalibration`)."""
         n = self.stride
         if self.fallback == "off":
             return (0,)
@@ -116,7 +118,7 @@ class ISDDecoder(Decoder):
             return tuple(range(n))
         conf = row.state.get("conf") or [1.0] * (n - 1)
         best, p_best, run = 0, 0.0, 1.0
-        for i, c in enumerate(conf, start=1):
+        for i, c in enumerate((self._calib.p_accept(i, c) for i, c in enumerate(conf)), start=1):
             if run * (1.0 - c) > p_best:
                 best, p_best = i, run * (1.0 - c)
             run *= c
@@ -179,6 +181,15 @@ class ISDDecoder(Decoder):
         row.state["q"] = q
         row.state["conf"] = q.gather(-1, d[:, None])[:, 0].tolist()
 
+    def _verified(self, row: Row, proposed: int, accepted: int) -> None:
+        """A verify step checked ``proposed`` drafts and accepted ``accepted``: per-request statistics, and what
+        ``predict`` learns about how often a draft of a given probability is accepted."""
+        self._stats(row, proposed, accepted)
+        conf = row.state.get("conf")
+        if self.fallback == "predict" and conf:
+            for i in range(proposed):
+                self._calib.observe(i, conf[i], i < accepted)
+
     def _stats(self, row: Row, proposed: int, accepted: int) -> None:
         s = row.stats
         if not s.proposed:
@@ -239,12 +250,12 @@ class ISDDecoder(Decoder):
                 accepted += 1
             if accepted == n - 1:
                 free = target[n - 1]
-                self._stats(row, n - 1, n - 1)
+                self._verified(row, n - 1, n - 1)
                 self._next_drafts(engine, row, logits, 0)
                 row.last = free
                 return drafts + [free], n
             correction = target[accepted]
-            self._stats(row, accepted + 1, accepted)
+            self._verified(row, accepted + 1, accepted)
             row.last = correction
             self._next_drafts(engine, row, logits, accepted + 1)
             return drafts[:accepted] + [correction], accepted + 1
@@ -264,15 +275,42 @@ class ISDDecoder(Decoder):
             # total == 0 only if p == q, where rejection has probability 0; guard against rounding anyway
             dist = residual / total if total > 0 else probs[i]
             correction = int(sample(dist, row.generator))
-            self._stats(row, accepted + 1, accepted)
+            self._verified(row, accepted + 1, accepted)
             row.last = correction
             self._next_drafts(engine, row, logits, accepted + 1)
             return drafts[:accepted] + [correction], accepted + 1
         free = int(sample(probs[n - 1], row.generator))
-        self._stats(row, n - 1, n - 1)
+        self._verified(row, n - 1, n - 1)
         self._next_drafts(engine, row, logits, 0)
         row.last = free
         return drafts + [free], n
+
+
+class AcceptCalibration:
+    """How often a draft at position i with probability c under its own distribution is accepted, learned from the
+    verify steps so far: per position and tenth of c, hits and trials (halved past ``cap`` trials, so it follows
+    drift), with c itself as a prior worth ``prior`` trials. A model's drafts need not be calibrated (a masked
+    position trained on hard labels may be right at c = 0.2 every time); the counts correct that within a few
+    steps."""
+
+    def __init__(self, bins: int = 10, prior: float = 2.0, cap: int = 256):
+        self.bins, self.prior, self.cap = bins, prior, cap
+        self.counts: dict[tuple[int, int], list[float]] = {}
+
+    def _bin(self, c: float) -> int:
+        return min(max(int(c * self.bins), 0), self.bins - 1)
+
+    def p_accept(self, i: int, c: float) -> float:
+        hits, n = self.counts.get((i, self._bin(c)), (0.0, 0.0))
+        return (hits + self.prior * c) / (n + self.prior)
+
+    def observe(self, i: int, c: float, accepted: bool) -> None:
+        cell = self.counts.setdefault((i, self._bin(c)), [0.0, 0.0])
+        cell[0] += accepted
+        cell[1] += 1
+        if cell[1] > self.cap:
+            cell[0] /= 2
+            cell[1] /= 2
 
 
 def branch_layout(n: int, branches: tuple[int, ...]) -> tuple[list[int], torch.Tensor]:

@@ -10,8 +10,9 @@ distribution the quickstart's checkpoints are trained for. EOS is ignored so eve
 ``--max-new-tokens`` tokens per prompt. Each batch size runs ``--groups`` batches of distinct prompts; every method
 decodes every batch, the methods interleaved (batch g starts with the g-th method), so that a shared machine's
 speed drifts hit all alike. Prints one table: tokens/s, forwards, TPF, first-position acceptance, ratio to
-transformers and to ``ar``, and whether the tokens equal the ``ar`` / transformers tokens (greedy ISD must equal
-``ar``).
+transformers and to ``ar``, "hit" (ISD: the share of verify steps whose outcome had its masks in the chunk, so the
+next step verified again instead of cold-starting; ``--fallbacks`` compares the modes) and whether the tokens
+equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,13 @@ def read_prompts(path: Path, n: int) -> list[str]:
             if len(texts) >= n:
                 break
     return texts
+
+
+def next_verify(engine) -> float | None:
+    """Share of an ISD engine's verify steps whose outcome had its masks in the chunk, so that the next step
+    verified again instead of cold-starting (``--isd-fallback``; 'off' gives the acceptance of all drafts)."""
+    b = getattr(getattr(engine, "decoder", None), "branch_steps", None)
+    return b["predicted"] / b["verify"] if b and b["verify"] else None
 
 
 def main(argv=None) -> int:
@@ -150,10 +158,11 @@ def main(argv=None) -> int:
                              "tpf": n_tok / max(a["row_forwards"], 1),
                              "acceptance": [round(x / y, 3) for x, y in zip(accd, prop) if y],
                              "match_ar": None if m == "transformers" else a["tokens"] == ar_tokens,
-                             "match_hf": None if m == "transformers" else a["tokens"] == hf_tokens})
+                             "match_hf": None if m == "transformers" else a["tokens"] == hf_tokens,
+                             "next_verify": next_verify(engines[b].get(m))})
 
     hdr = f"{'batch':>5} {'method':<17} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
-          f"{'TPF':>5} {'acc':>5} {'= ar':>5} {'= hf':>5}"
+          f"{'TPF':>5} {'acc':>5} {'hit':>5} {'= ar':>5} {'= hf':>5}"
     source = "heldout chat" if args.data == "heldout" else Path(args.data).name
     print(f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
           f"threads={torch.get_num_threads()} groups={args.groups} (methods interleaved per group)")
@@ -170,6 +179,7 @@ def main(argv=None) -> int:
         print(f"{r['batch']:>5} {r['method']:<17} {r['tokens']:>6} {r['tok_s']:>8.1f} "
               f"{r['tok_s'] / ref[r['batch']]:>6.2f} {x_ar:>6.2f} {r['forwards']:>8} {r['tpf']:>5.2f} "
               f"{(f'{acc[0]:.2f}' if (acc := r.get('acceptance')) else '-'):>5} "
+              f"{(f'{h:.2f}' if (h := r.get('next_verify')) is not None else '-'):>5} "
               f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

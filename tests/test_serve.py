@@ -317,6 +317,8 @@ def test_models_health_metrics(server, client):
     assert 1.0 <= values["dlm_tokens_per_forward"] <= 3.0  # stride 3: at most 3 tokens per forward
     assert values["dlm_draft_proposed_total"] > 0
     assert values['dlm_isd_steps_total{mode="draft"}'] > 0 and values['dlm_isd_steps_total{mode="ar"}'] == 0
+    verify_rows = values['dlm_isd_verify_rows_total{next="verify"}'] + values['dlm_isd_verify_rows_total{next="cold"}']
+    assert 0 < verify_rows <= values["dlm_forwards_total"]
     assert values['dlm_time_to_first_token_seconds_bucket{le="+Inf"}'] == values[
         "dlm_time_to_first_token_seconds_count"]
 

@@ -14,6 +14,12 @@ Stride N. With the I-DLM shift a mask stands in for the token at its own positio
   everything after (rejected drafts, masks) becomes a hole; the next step cold-starts from the correction.
   If all N-1 are accepted, the logit at d_{N-1} gives a free token (drawn from p) and the masks at p+N..p+2N-2
   give the next drafts: N tokens from one forward. Mask KV never stays in the cache.
+- Fallback drafts (``fallback``, ours): the verify chunk above carries the masks of one outcome only (all
+  accepted), so a rejection costs a cold-start step. Each outcome "first rejection at d_i" has its own N-1
+  masks at offsets i..i+N-2 that see c, d_1..d_{i-1} (a tree chunk, :func:`branch_layout`); after that
+  rejection their logits are the next drafts and the next step verifies again. ``'predict'`` (default) carries
+  the masks of the likeliest outcome only (chunk length 2N-1 either way), ``'all'`` of every outcome
+  (N-1 + N(N-1) tokens), ``'off'`` of all-accepted only (SPEC). Drafts are proposals: exact in every mode.
 
 When to draft: ``token_budget`` picks a policy of :mod:`dlm.decode.schedule` (always; while rows x (2N-1) <= T;
 ``'auto'``: whichever of drafting and plain AR steps measures faster at the current batch size). A step the

@@ -10,6 +10,8 @@ Exposed (all prefixed ``dlm_``):
   ``engine_steps_total``, ``tokens_per_forward`` (generation tokens / request-forwards since start);
 - ``draft_proposed_total``, ``draft_accepted_total``, ``draft_acceptance`` (ISD acceptance, all draft positions);
 - ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-token-budget``);
+- ``isd_verify_rows_total{next}``: ISD verify row-steps whose outcome had its masks in the chunk (``verify``: the
+  next step verifies again) or not (``cold``: a cold start follows), see ``--isd-fallback``;
 - ``queue_length`` (requests waiting for a batch slot), ``running_requests`` (in the running batch);
 - histograms ``time_to_first_token_seconds``, ``time_per_output_token_seconds``, ``request_latency_seconds``.
 """
@@ -60,6 +62,7 @@ class Metrics:
         self.proposed = 0
         self.accepted = 0
         self.isd_steps: dict = {}
+        self.isd_branches: dict = {}
         self.queue_length = 0
         self.running = 0
         self.ttft = Histogram(LATENCY_BUCKETS)
@@ -67,12 +70,15 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
 
     # -- updates --------------------------------------------------------------------------------------------
-    def on_step(self, queue_length: int, running: int, isd_steps: dict | None = None) -> None:
+    def on_step(self, queue_length: int, running: int, isd_steps: dict | None = None,
+                isd_branches: dict | None = None) -> None:
         with self.lock:
             self.steps += 1
             self.queue_length, self.running = queue_length, running
             if isd_steps is not None:
                 self.isd_steps = dict(isd_steps)
+            if isd_branches is not None:
+                self.isd_branches = dict(isd_branches)
 
     def set_load(self, queue_length: int, running: int) -> None:
         with self.lock:
@@ -130,6 +136,11 @@ class Metrics:
                 metric("isd_steps_total", "counter", "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR "
                        "steps chosen by --isd-token-budget).",
                        [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())])
+            if self.isd_branches:
+                hit = self.isd_branches.get("predicted", 0)
+                metric("isd_verify_rows_total", "counter", "ISD verify row-steps by what follows: verify (the "
+                       "outcome's masks were in the chunk, --isd-fallback) or cold (a cold-start step).",
+                       [('{next="verify"}', hit), ('{next="cold"}', self.isd_branches.get("verify", 0) - hit)])
             metric("queue_length", "gauge", "Requests waiting for a slot in the running batch.",
                    [("", self.queue_length)])
             metric("running_requests", "gauge", "Requests in the running batch.", [("", self.running)])

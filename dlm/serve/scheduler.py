@@ -135,7 +135,8 @@ class Scheduler:
                     continue
                 self._deliver(events)
                 waiting, running = self.load()
-                self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None))
+                self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None),
+                                     getattr(self.engine.decoder, "branch_steps", None))
 
     def _drain(self) -> None:
         while True:

@@ -29,12 +29,9 @@ def add_arguments(p) -> None:
                         "per batch size whether drafting is faster than plain AR steps and run the faster "
                         "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
                         "default 'always': draft at every step")
-    p.add_argument("--isd-fallback", choices=["predict", "all", "off"], default=None,
-                   help="ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
-                        "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), "
-                        "so a rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': "
-                        "every outcome (N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': "
-                        "only all-accepted (SPEC's plain ISD). Output is the same in every case")
+    from dlm.decode import FALLBACK_HELP, FALLBACK_MODES
+
+    p.add_argument("--isd-fallback", choices=FALLBACK_MODES, default=None, help=FALLBACK_HELP)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)

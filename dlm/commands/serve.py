@@ -36,12 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
                         "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
                         "in every case")
-    p.add_argument("--isd-fallback", choices=("predict", "all", "off"),
-                   help="ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
-                        "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), "
-                        "so a rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': "
-                        "every outcome (N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': "
-                        "only all-accepted (SPEC's plain ISD). Output is the same in every case")
+    from dlm.decode import FALLBACK_HELP, FALLBACK_MODES
+
+    p.add_argument("--isd-fallback", choices=FALLBACK_MODES, help=FALLBACK_HELP)
     p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
                    help="mdm sampler (default confidence)")
     p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "

@@ -10,6 +10,21 @@
 from __future__ import annotations
 
 DECODERS = ("ar", "mdm", "block", "isd")
+FALLBACK_MODES = ("predict", "all", "off")  # ISD --isd-fallback (dlm.decode.isd.ISDDecoder)
+FALLBACK_HELP = ("ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
+                 "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), so a "
+                 "rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': every outcome "
+                 "(N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': only all-accepted (SPEC's "
+                 "plain ISD). Output is the same in every case")
+
+
+def check_fallback(fallback) -> None:
+    """Refuse an unknown ISD fallback mode (before any model is loaded)."""
+    if fallback not in FALLBACK_MODES:
+        from dlm.errors import DLMError
+
+        raise DLMError(f"unknown ISD fallback mode {fallback!r}: --isd-fallback must be one of "
+                       f"{', '.join(FALLBACK_MODES)}")
 
 
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,

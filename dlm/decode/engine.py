@@ -529,13 +529,15 @@ class Engine:
             ids[i, : len(c)] = torch.tensor(c)
         start = torch.tensor([r.pos for r in rows])
         # pads (at the end of short chunks) get clamped positions: harmless, nobody attends to them
-        offsets = torch.arange(q)[None].repeat(b, 1)
-        layouts = [self.decoder.chunk_layout(self, r, len(c)) for r, c in zip(rows, chunks)] \
-            if self.decoder.causal else [None] * b
-        for i, lay in enumerate(layouts):
-            if lay is not None:
-                offsets[i, : len(lay[0])] = torch.tensor(lay[0])
-        pos = (start[:, None] + offsets).clamp_(max=self.max_positions - 1)
+        pos = start[:, None] + torch.arange(q)[None]
+        trees = {}  # row -> (offsets, attention) of a tree-shaped causal chunk (Decoder.chunk_layout)
+        if self.decoder.causal:
+            for i, (r, c) in enumerate(zip(rows, chunks)):
+                lay = self.decoder.chunk_layout(self, r, len(c))
+                if lay is not None:
+                    trees[i] = lay
+                    pos[i, : len(lay[0])] = start[i] + torch.tensor(lay[0])
+        pos.clamp_(max=self.max_positions - 1)
         fresh = [i for i, r in enumerate(rows) if r.state.pop("fresh", False)]
         if fresh:  # these rows re-feed from an earlier position: their cached KV goes
             self.kv.valid[fresh] = False
@@ -543,7 +545,6 @@ class Engine:
             # No holes in the cache (plain AR, or ISD rows that kept every token) and no tree chunks: the model's
             # own causal mask is the same, and without an explicit mask a 1-token step needs none at all (cheaper
             # attention).
-            trees = [i for i, lay in enumerate(layouts) if lay is not None]
             if not trees and bool(self.kv.valid.all()):
                 mask = None
             else:
@@ -551,9 +552,9 @@ class Engine:
                 if trees:
                     mask = mask.clone()
                     k = self.kv.seq_len
-                    for i in trees:
+                    for i, (_, attn) in trees.items():
                         n = len(chunks[i])
-                        mask[i, 0, :n, k: k + n] = layouts[i][1].to(mask.device)
+                        mask[i, 0, :n, k: k + n] = attn.to(mask.device)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)

@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import torch
 
+from dlm.decode import check_fallback
 from dlm.decode.engine import Decoder, Engine, Row, warn
 from dlm.decode.sampling import probs_from_logits, sample, suppress
 from dlm.decode.schedule import make_policy
 from dlm.errors import DLMError
 
 DRAFT_MODES = ("sample", "argmax")
-FALLBACK_MODES = ("predict", "all", "off")
 
 
 def supported_strides(block_size: int | None) -> list[int]:
@@ -62,9 +62,7 @@ class ISDDecoder(Decoder):
         self.stride = stride
         self.draft = draft
         self.token_budget = token_budget
-        if fallback not in FALLBACK_MODES:
-            raise DLMError(f"unknown ISD fallback mode {fallback!r} (--isd-fallback): use one of "
-                           f"{', '.join(FALLBACK_MODES)}")
+        check_fallback(fallback)
         self.fallback = fallback
         self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
         self.branch_steps = {"verify": 0, "predicted": 0}  # verify steps; those whose outcome had its drafts
@@ -171,32 +169,25 @@ class ISDDecoder(Decoder):
         """Drafts d_1..d_{N-1} (and their q) from the N-1 mask logits [N-1, V]; d_1 sits at ``first_pos``."""
         p = row.params
         if p.greedy:
+            q = None
             logits = suppress(mask_logits, engine.mask_token_id)
             d = logits.argmax(-1)
-            row.state["drafts"] = d.tolist()
-            row.state["q"] = None
-            if self.fallback == "predict":
-                row.state["conf"] = logits.float().softmax(-1).gather(-1, d[:, None])[:, 0].tolist()
-            return
-        q = probs_from_logits(mask_logits, p, engine.mask_token_id)
-        if self.draft == "argmax":
-            d = q.argmax(-1)
         else:
-            d = sample(q, row.generator)
+            q = probs_from_logits(mask_logits, p, engine.mask_token_id)
+            d = q.argmax(-1) if self.draft == "argmax" else sample(q, row.generator)
         row.state["drafts"] = d.tolist()
         row.state["q"] = q
-        row.state["conf"] = q.gather(-1, d[:, None])[:, 0].tolist()
+        if self.fallback == "predict":  # each draft's probability under its own distribution
+            probs = q if q is not None else logits.float().softmax(-1)
+            row.state["conf"] = probs.gather(-1, d[:, None])[:, 0].tolist()
 
     def _verified(self, row: Row, proposed: int, accepted: int) -> None:
         """A verify step checked ``proposed`` drafts and accepted ``accepted``: per-request statistics, and what
         ``predict`` learns about how often a draft of a given probability is accepted."""
-        self._stats(row, proposed, accepted)
         conf = row.state.get("conf")
         if self.fallback == "predict" and conf:
             for i in range(proposed):
                 self._calib.observe(i, conf[i], i < accepted)
-
-    def _stats(self, row: Row, proposed: int, accepted: int) -> None:
         s = row.stats
         if not s.proposed:
             s.proposed = [0] * (self.stride - 1)
@@ -217,8 +208,8 @@ class ISDDecoder(Decoder):
         if outcome in branches:
             self.branch_steps["predicted"] += 1
             first = n + branches.index(outcome) * (n - 1)
-            self._draft(engine, row, logits[first: first + n - 1], row.pos + outcome + 1 if outcome else
-                        row.pos + n + 1)
+            first_pos = row.pos + (outcome + 1 if outcome else n + 1)  # where the next d_1 will sit
+            self._draft(engine, row, logits[first: first + n - 1], first_pos)
             row.state["mode"] = "verify"
         else:
             row.state.update(mode="cold", drafts=None, q=None)

@@ -62,7 +62,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     (2N-1) stays within it, plain AR steps above; ``'auto'`` measures per batch size whether drafting pays
     (:mod:`dlm.decode.schedule`). ``diffusion_kw``:
     the mdm sampler's ``method``, ``steps``, ``threshold``, ``block_length``; block's ``steps``, ``threshold``."""
-    from dlm.decode import decoder_options
+    from dlm.decode import check_fallback, decoder_options
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
@@ -78,10 +78,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     if decode != "isd" and fallback is not None:
         raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if fallback is not None:
-        from dlm.decode.isd import FALLBACK_MODES
-
-        if fallback not in FALLBACK_MODES:
-            raise DLMError(f"--isd-fallback must be one of {', '.join(FALLBACK_MODES)}; got '{fallback}'")
+        check_fallback(fallback)  # a bad value fails before the model loads
     extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))

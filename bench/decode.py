@@ -12,7 +12,8 @@ decodes every batch, the methods interleaved (batch g starts with the g-th metho
 speed drifts hit all alike. Prints one table: tokens/s, forwards, TPF, first-position acceptance, ratio to
 transformers and to ``ar``, "hit" (ISD: the share of verify steps whose outcome had its masks in the chunk, so the
 next step verified again instead of cold-starting; ``--fallbacks`` compares the modes) and whether the tokens
-equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``).
+equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``). ``--candidates 2,3`` adds ISD at stride 2
+with K draft candidates per position (``--isd-candidates``; rows 'isd N=2 K=k', default fallback mode).
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def main(argv=None) -> int:
                     help="comma-separated ISD fallback modes to run (default predict; 'isd N=n' is the first, the "
                          "others are named 'isd N=n MODE'): predict, all, off (SPEC's plain ISD: a cold-start step "
                          "after every rejection)")
+    ap.add_argument("--candidates", default="",
+                    help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "
+                         "(rows 'isd N=2 K=k')")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
@@ -104,7 +108,11 @@ def main(argv=None) -> int:
 
     fallbacks = [f.strip() for f in args.fallbacks.split(",") if f.strip()]
     names = {f: "" if i == 0 else f" {f}" for i, f in enumerate(fallbacks)}
-    methods = ["transformers", "ar"] + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
+    cands = [int(c) for c in args.candidates.split(",") if c.strip()]
+    if any(c < 2 for c in cands):
+        ap.error("--candidates takes K >= 2 (K = 1 is plain ISD: --strides 2)")
+    methods = ["transformers", "ar"] + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides] + \
+        [f"isd N=2 K={c}" for c in cands]
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
@@ -112,6 +120,9 @@ def main(argv=None) -> int:
             for f in fallbacks:
                 engines[b][f"isd N={n}{names[f]}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=n,
                                                             fallback=f)
+        for c in cands:
+            engines[b][f"isd N=2 K={c}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=2, candidates=c,
+                                                  fallback=fallbacks[0])
     pad = hf.generation_config.pad_token_id
 
     def run(b, method, batch):

@@ -31,6 +31,14 @@ def test_generate_json_ar_and_isd_on_the_fly(tiny_dir, tmp_path, capsys):
         assert [r["token_ids"] for r in other] == [r["token_ids"] for r in ar], mode
     assert main(["generate", *common, "--decode", "ar", "--isd-fallback", "all"]) == 2
     assert "--isd-fallback is an ISD setting" in capsys.readouterr().err
+    cands = run_json(capsys, *common, "--decode", "isd", "--isd-candidates", "3")
+    assert [r["token_ids"] for r in cands] == [r["token_ids"] for r in ar]
+    assert main(["generate", *common, "--decode", "ar", "--isd-candidates", "2"]) == 2
+    assert "--isd-candidates is an ISD setting" in capsys.readouterr().err
+    assert main(["generate", *common, "--decode", "isd", "--stride", "3", "--isd-candidates", "2"]) == 2
+    assert "runs at --stride 2 only" in capsys.readouterr().err
+    assert main(["generate", *common, "--decode", "isd", "--isd-candidates", "0"]) == 2
+    assert "--isd-candidates must be an integer from 1 to 8" in capsys.readouterr().err
     mdm = run_json(capsys, "--model", str(tiny_dir), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens",
                    "5", "--steps", "3", "--temperature", "1", "--seed", "1")
     assert len(mdm) == 1 and mdm[0]["forwards"] == 3

@@ -307,3 +307,118 @@ def test_accept_calibration_learns_that_unconfident_drafts_are_right():
     assert dec._branches(row) == (1,)
     dec._calib = cal
     assert dec._branches(row) == (0,)
+
+
+# -- draft candidates (--isd-candidates) -----------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_isd_candidates_greedy_equals_ar_greedy(arch):
+    dlm = idlm(arch)
+    params = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    for k, fallback in itertools.product((2, 3), ("predict", "off")):
+        one = Engine(dlm, decoder="isd", candidates=k, fallback=fallback).generate([PROMPTS[2]], params)[0]
+        assert one.token_ids == ar[2], (arch, k, fallback)
+        batch = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, max_batch_size=3).generate(
+            PROMPTS, params)
+        assert [r.token_ids for r in batch] == ar, (arch, k, fallback)
+        assert all(1.0 <= r.stats.tpf <= 2 for r in batch)
+
+
+class OracleCandidates(ISDDecoder):
+    """Candidates = wrong tokens with the true next-next token at a random slot (or missing, with probability
+    ``miss``): every candidate slot gets accepted sometimes, so the kept KV is non-contiguous in the chunk."""
+
+    def __init__(self, truth, prompt_len, miss, seed=0, **kw):
+        super().__init__(**kw)
+        self.truth, self.prompt_len, self.miss = truth, prompt_len, miss
+        self.rng = torch.Generator().manual_seed(seed)
+        self.slots = []
+
+    def _draft(self, engine, row, mask_logits, first_pos):
+        super()._draft(engine, row, mask_logits, first_pos)
+        g = first_pos - self.prompt_len
+        true = self.truth[g] if g < len(self.truth) else 0
+        k = self.candidates
+        cands = [(true + 1 + j) % 300 for j in range(k)]
+        if float(torch.rand(1, generator=self.rng)) >= self.miss:
+            slot = int(torch.randint(k, (1,), generator=self.rng))
+            cands[slot] = true
+            self.slots.append(slot)
+        row.state["cands"] = cands
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_isd_candidates_accept_any_slot_and_keep_its_kv(k):
+    dlm = idlm("qwen2")
+    n = 21
+    truth = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(n + 4, ignore_eos=True))[0].token_ids
+    dec = OracleCandidates(truth, 5, 0.0, candidates=k)
+    perfect = Engine(dlm, decoder=dec).generate([PROMPTS[0]], SamplingParams(n, ignore_eos=True))[0]
+    assert perfect.token_ids == truth[:n]
+    assert set(dec.slots) == set(range(k))  # every slot was the accepted one at least once
+    # prefill (1 token + the first candidates), then 2 tokens per forward
+    assert perfect.stats.acceptance == [1.0] and perfect.stats.forwards == 1 + (n - 1) // 2
+    for fallback in ("predict", "off"):
+        dec = OracleCandidates(truth, 5, 0.4, seed=1, candidates=k, fallback=fallback)
+        noisy = Engine(dlm, decoder=dec).generate([PROMPTS[0]], SamplingParams(n, ignore_eos=True))[0]
+        assert noisy.token_ids == truth[:n], fallback
+        assert 0.3 < noisy.stats.acceptance[0] < 0.9 and 1.0 < noisy.stats.tpf < perfect.stats.tpf
+
+
+def test_candidate_layout_and_its_logits_equal_plain_forwards():
+    """Each candidate sees c only, its mask sees c and that candidate, F sees c: the tree chunk's logits equal
+    plain causal forwards of those sequences."""
+    from dlm.decode.isd import candidate_layout
+
+    offsets, attn = candidate_layout(2, True)
+    #                c  d1 d2 M1 M2 F
+    assert offsets == [0, 1, 1, 2, 2, 1]
+    assert attn.int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                                   [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]]
+    assert candidate_layout(3, False)[0] == [0, 1, 1, 1, 2, 2, 2]
+    dlm = idlm("llama", block_size=1)
+    m = dlm.mask_token_id
+    prefix, c, d1, d2 = PROMPTS[2], 40, 41, 42
+    chunk = [c, d1, d2, m, m, m]
+    L = len(prefix)
+    ids = torch.tensor([prefix + chunk])
+    pos = torch.tensor([list(range(L)) + [L + o for o in offsets]])
+    mask = torch.zeros(1, 1, L + 6, L + 6, dtype=torch.bool)
+    mask[0, 0, :, :L] = torch.ones(L + 6, L, dtype=torch.bool).tril()[:, :L] | (torch.arange(L + 6) >= L)[:, None]
+    mask[0, 0, L:, L:] = attn
+    with torch.no_grad():
+        tree = dlm(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0, L:]
+        one = dlm(input_ids=torch.tensor([prefix + [c, d1, m]])).logits[0, L:]
+        two = dlm(input_ids=torch.tensor([prefix + [c, d2, m]])).logits[0, L:]
+        cold = dlm(input_ids=torch.tensor([prefix + [c, m]])).logits[0, L:]
+    torch.testing.assert_close(tree[[0, 1, 3]], one)
+    torch.testing.assert_close(tree[[0, 2, 4]], two)
+    torch.testing.assert_close(tree[[0, 5]], cold)
+
+
+def test_isd_sampling_with_candidates_has_the_ar_distribution():
+    """Multi-draft speculative sampling over K independent draws keeps the AR distribution (three tokens: the
+    accepted candidate's mask, the rejection mask and the free token all feed later steps) and accepts more
+    often than one draft."""
+    dlm = tiny_idlm(vocab=5)
+    prompt, k, n = [1, 2, 3, 0], 3, 2000
+    conts, exact = exact_ar_distribution(dlm, prompt, k)
+    assert float(exact.max()) < 0.5
+    eps = math.sqrt((len(conts) * math.log(2) + math.log(1e4)) / (2 * n))
+    acc = {}
+    for cands, fallback in [(1, "predict"), (2, "predict"), (3, "off")]:
+        dist, a = empirical(dlm, prompt, k, n, decoder="isd", stride=2, candidates=cands, fallback=fallback)
+        tv = 0.5 * float((dist - exact).abs().sum())
+        assert tv < eps, (cands, fallback, tv, eps)
+        acc[cands] = a[0]
+    assert 0.05 < acc[1] < acc[2] - 0.05 and acc[2] < acc[3] < 0.999, acc
+
+
+def test_isd_candidates_settings_and_errors():
+    assert ISDDecoder(candidates=3).verify_len == 8 and ISDDecoder(candidates=3, fallback="off").verify_len == 7
+    assert Engine(idlm("llama", block_size=3), decoder="isd", candidates=2).decoder.stride == 2  # not block + 1
+    for bad in (0, 9, "2", 2.0, True):
+        with pytest.raises(DLMError, match="--isd-candidates must be an integer from 1 to 8"):
+            ISDDecoder(candidates=bad)
+    with pytest.raises(DLMError, match="--stride 2 only, got --stride 3"):
+        ISDDecoder(stride=3, candidates=2)

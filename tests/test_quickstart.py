@@ -16,14 +16,16 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "qs"
     assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2", "--strides", "2,3")) == 0
     results = json.loads((out / "results.json").read_text())
-    rows = {(r["decoder"], r["stride"]): r for r in results["rows"]}
-    # gated LoRA keeps the clean path = the base model, so greedy ISD output equals the base model's generate
-    for key in [("ar", None), ("isd", 2), ("isd", 3)]:
+    rows = {(r["decoder"], r["stride"], r["candidates"]): r for r in results["rows"]}
+    # gated LoRA keeps the clean path = the base model, so greedy ISD output equals the base model's generate,
+    # with draft candidates too (the default K = 3 row at stride 2)
+    assert set(rows) == {("ar", None, None), ("isd", 2, 1), ("isd", 3, 1), ("isd", 2, 3)}
+    for key in rows:
         assert rows[key]["identical_to_base"] == "3/3", rows[key]
         assert 1.0 <= rows[key]["tpf"] <= (key[1] or 1)
         assert rows[key]["identical_to_ar"] == "3/3", rows[key]
     report = (out / "report.md").read_text()
-    assert "| dlm isd | trained | 3 |" in report
+    assert "| dlm isd | trained | 3 |" in report and "| dlm isd | trained | 2, K=3 |" in report
     # what each curriculum stage did, read back from its training log (steps depend on the machine)
     stages = results["training"]
     assert [st["block_size"] for st in stages] == [1, 2] and all(st["finished"] for st in stages)
@@ -52,8 +54,9 @@ def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path, capsys):
                       "--strides", "2,3", "--learning-rate", "0.05")) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["adapters"] == "merged" and results["config"]["lora_targets"] == "all-linear"
-    rows = {(r["decoder"], r["stride"], r["model"]): r for r in results["rows"]}
+    rows = {(r["decoder"], r["stride"], r["model"]): r for r in results["rows"] if r["candidates"] in (None, 1)}
     assert set(rows) == {("ar", None, "base"), ("ar", None, "trained"), ("isd", 2, "trained"), ("isd", 3, "trained")}
+    assert [r["candidates"] for r in results["rows"]].count(3) == 1  # the default K = 3 row
     assert rows[("ar", None, "base")]["identical_to_base"] == "3/3"
     for n in (2, 3):
         assert rows[("isd", n, "trained")]["identical_to_ar"] == "3/3"
@@ -87,6 +90,12 @@ def test_quickstart_bad_adapters_mode(tmp_path, capsys):
         raise AssertionError("an unknown --adapters mode was accepted")
     assert QuickstartConfig().lora_targets == "q_proj,v_proj" and QuickstartConfig().lora_r == 64
     assert QuickstartConfig(adapters="merged").lora_targets == "all-linear"
+
+
+def test_quickstart_bad_candidates(tmp_path, capsys):
+    assert main(["quickstart", "--output", str(tmp_path / "x"), "--candidates", "1"]) == 2
+    assert "--candidates takes K from 2 to 8" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_quickstart_zero_minutes_is_an_error(tmp_path, capsys):

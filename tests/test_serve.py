@@ -476,3 +476,9 @@ def test_isd_token_budget_flag_reaches_the_decoder(tiny_dir):
         load_engine("/nonexistent", decode="isd", fallback="sometimes")
     with pytest.raises(DLMError, match="--isd-fallback is an ISD setting"):
         load_engine("/nonexistent", decode="ar", fallback="all")
+    eng = load_engine(str(tiny_dir), decode="isd", candidates=3)
+    assert eng.decoder.candidates == 3 and eng.decoder.stride == 2
+    with pytest.raises(DLMError, match="--isd-candidates is an ISD setting"):
+        load_engine("/nonexistent", decode="ar", candidates=2)
+    with pytest.raises(DLMError, match="--isd-candidates must be an integer"):
+        load_engine("/nonexistent", decode="isd", candidates=12)

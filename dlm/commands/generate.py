@@ -29,9 +29,10 @@ def add_arguments(p) -> None:
                         "per batch size whether drafting is faster than plain AR steps and run the faster "
                         "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
                         "default 'always': draft at every step")
-    from dlm.decode import FALLBACK_HELP, FALLBACK_MODES
+    from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
 
     p.add_argument("--isd-fallback", choices=FALLBACK_MODES, default=None, help=FALLBACK_HELP)
+    p.add_argument("--isd-candidates", type=int, default=None, metavar="K", help=CANDIDATES_HELP)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -96,6 +97,13 @@ def run(args) -> int:
         make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
     if args.isd_fallback is not None and args.decode != "isd":
         raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {args.decode})")
+    if args.isd_candidates is not None:
+        if args.decode != "isd":
+            raise DLMError(f"--isd-candidates is an ISD setting; drop it or use --decode isd "
+                           f"(got --decode {args.decode})")
+        from dlm.decode import check_candidates
+
+        check_candidates(args.isd_candidates, args.stride)
     prompts = read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
@@ -137,7 +145,7 @@ def run(args) -> int:
         warnings.simplefilter("always", UserWarning)
         results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
                            stride=args.stride, draft=args.draft, token_budget=args.isd_token_budget,
-                           fallback=args.isd_fallback,
+                           fallback=args.isd_fallback, candidates=args.isd_candidates,
                            method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
                            block_length=args.block_length)

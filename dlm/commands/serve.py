@@ -36,9 +36,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
                         "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
                         "in every case")
-    from dlm.decode import FALLBACK_HELP, FALLBACK_MODES
+    from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
 
     p.add_argument("--isd-fallback", choices=FALLBACK_MODES, help=FALLBACK_HELP)
+    p.add_argument("--isd-candidates", type=int, metavar="K", help=CANDIDATES_HELP)
     p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
                    help="mdm sampler (default confidence)")
     p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "
@@ -83,6 +84,7 @@ def run(args) -> int:
     engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
                          device=args.device, dtype=args.dtype, draft=args.draft,
                          isd_token_budget=isd_token_budget(args), fallback=args.isd_fallback,
+                         candidates=args.isd_candidates,
                          method=args.sampler, steps=args.steps,
                          threshold=args.threshold, block_length=args.block_length)
     app = create_app(Scheduler(engine, threads=args.threads), settings)

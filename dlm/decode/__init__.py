@@ -27,12 +27,32 @@ def check_fallback(fallback) -> None:
                        f"{', '.join(FALLBACK_MODES)}")
 
 
+MAX_CANDIDATES = 8  # ISD --isd-candidates
+CANDIDATES_HELP = ("ISD at stride 2: verify the K likeliest drafts for the next position at once (greedy: the mask's "
+                   "top K; sampling: K draws, multi-draft speculative sampling), each with its own mask for the draft "
+                   "after it: a chunk of 2K+2 tokens, acceptance = the drafts' top-K coverage. Default 1 (plain ISD). "
+                   "For devices where extra chunk tokens are nearly free (a GPU at small batch); output is the same")
+
+
+def check_candidates(candidates, stride=None) -> None:
+    """Refuse a bad ISD ``--isd-candidates`` (before any model is loaded)."""
+    from dlm.errors import DLMError
+
+    if isinstance(candidates, bool) or not isinstance(candidates, int) or not 1 <= candidates <= MAX_CANDIDATES:
+        raise DLMError(f"--isd-candidates must be an integer from 1 to {MAX_CANDIDATES}, got {candidates!r}")
+    if candidates > 1 and stride not in (None, 2):
+        raise DLMError(f"--isd-candidates {candidates} verifies several drafts for one position: it runs at "
+                       f"--stride 2 only, got --stride {stride}")
+
+
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,
-                    fallback: str | None = None, method: str = "confidence", steps: int | None = None,
+                    fallback: str | None = None, candidates: int | None = None, method: str = "confidence",
+                    steps: int | None = None,
                     threshold: float | None = 0.9, block_length: int = 32) -> dict:
     """The keyword arguments of ``decode``'s decoder, picked from the union of every decoder's options."""
     if decode == "isd":
-        return {"stride": stride, "draft": draft, "token_budget": token_budget, "fallback": fallback or "predict"}
+        return {"stride": stride, "draft": draft, "token_budget": token_budget, "fallback": fallback or "predict",
+                "candidates": candidates or 1}
     if decode == "mdm":
         return {"method": method, "steps": steps, "threshold": threshold, "block_length": block_length}
     if decode == "block":
@@ -42,7 +62,8 @@ def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sam
 
 def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None, batch_size: int = 8,
              stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
-             method: str = "confidence", steps: int | None = None, threshold: float | None = 0.9,
+             candidates: int | None = None, method: str = "confidence", steps: int | None = None,
+             threshold: float | None = 0.9,
              block_length: int = 32, on_tokens=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
@@ -50,7 +71,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     acceptance). ``threshold=None`` (or <= 0) selects block's top-k commits. ``token_budget`` (ISD): ``None``
     drafts at every step, an int drafts while rows x (2N-1) <= it, ``'auto'`` measures whether drafting pays
     (:mod:`dlm.decode.schedule`). ``fallback`` (ISD): which outcomes of a verify step get masks for the next
-    drafts (:class:`dlm.decode.isd.ISDDecoder`; default ``'predict'``)."""
+    drafts (:class:`dlm.decode.isd.ISDDecoder`; default ``'predict'``); ``candidates`` (ISD, stride 2): drafts
+    verified per position (default 1)."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.errors import DLMError, closest
@@ -60,6 +82,7 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, fallback=fallback,
-                         method=method, steps=steps, threshold=threshold, block_length=block_length)
+                         candidates=candidates, method=method, steps=steps, threshold=threshold,
+                         block_length=block_length)
     engine = Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, **kw)
     return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)

@@ -294,7 +294,9 @@ class Decoder:
       ``row.pos + j`` (in the prefill ``row.pos`` is the last prompt token's position and the logits start there);
       ``keep`` = how many chunk tokens from ``row.pos`` on keep their KV (the ones that are now context; in the
       prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
-      Committed ids are appended in order;
+      A decode step of a tree-shaped chunk (``chunk_layout``) may instead give the chunk indices that keep their
+      KV (a list, in position order: e.g. ISD's accepted candidate among several at the same position); the
+      others become holes and ``row.pos`` advances by their number. Committed ids are appended in order;
     - ``plan_step`` / ``step_done``: once per decode step, before the chunks and after the commits (with the
       step's wall time and committed tokens), for decoders that adapt to measured cost.
 
@@ -320,8 +322,8 @@ class Decoder:
     def chunk_layout(self, engine: "Engine", row: "Row", n: int) -> tuple[list[int], torch.Tensor] | None:
         """For causal decoders whose chunk is a small tree rather than a sequence (ISD's fallback drafts): the
         position offsets of its ``n`` tokens from ``row.pos`` and their [n, n] attention among themselves. None
-        (the default): offsets 0..n-1, causal. Tokens after the first ``keep`` never keep their KV, so a tree's
-        side branches go at the chunk's end."""
+        (the default): offsets 0..n-1, causal. Only the tokens ``consume`` keeps stay in the cache (the first
+        ``keep``, or the listed indices)."""
         return None
 
     def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
@@ -565,8 +567,12 @@ class Engine:
             row.stats.forwards += 1
             committed, k = self.decoder.consume(self, row, logits[i, : len(c)])
             tokens += len(committed)
-            keep[i, :k] = True
-            row.pos += k
+            if isinstance(k, int):
+                keep[i, :k] = True
+                row.pos += k
+            else:  # chunk indices of a tree chunk (Decoder.consume)
+                keep[i, list(k)] = True
+                row.pos += len(k)
             events.append(self._commit(row, committed))
         self.kv.after_extend(keep.to(self.device))
         self.decoder.step_done(self, rows, time.perf_counter() - t0, tokens)

@@ -20,6 +20,15 @@ Stride N. With the I-DLM shift a mask stands in for the token at its own positio
   rejection their logits are the next drafts and the next step verifies again. ``'predict'`` (default) carries
   the masks of the likeliest outcome only (chunk length 2N-1 either way), ``'all'`` of every outcome
   (N-1 + N(N-1) tokens), ``'off'`` of all-accepted only (SPEC). Drafts are proposals: exact in every mode.
+- Draft candidates (``candidates`` K > 1, stride 2; ours, SpecInfer-style token tree): the mask gives K drafts for
+  the next position instead of one (greedy: its top K; sampling: K independent draws from q), each with its own
+  mask for the draft after it: chunk ``[c, d^1..d^K, M^1..M^K]`` at offsets 0, 1 x K, 2 x K (d^j sees c; M^j sees
+  c and d^j), plus the rejection branch's mask F (offset 1, sees c) unless ``fallback='off'``. The step accepts
+  the candidate equal to the AR token (greedy) or runs multi-draft speculative sampling over them (accept d^j
+  with probability min(1, r(d^j) / q(d^j)) with r the residual left by the candidates before it, initially p;
+  SpecInfer, Miao et al. 2024: exact for independent draws). Accepted: 2 tokens, KV of c and d^j kept, the next
+  drafts from M^j; rejected: the correction, the next drafts from F. Acceptance becomes the top-K coverage of
+  the mask's distribution for 2K-1 more tokens per forward (free where the device is latency-bound).
 
 When to draft: ``token_budget`` picks a policy of :mod:`dlm.decode.schedule` (always; while rows x (2N-1) <= T;
 ``'auto'``: whichever of drafting and plain AR steps measures faster at the current batch size). A step the
@@ -35,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from dlm.decode import check_fallback
+from dlm.decode import check_candidates, check_fallback
 from dlm.decode.engine import Decoder, Engine, Row, warn
 from dlm.decode.sampling import probs_from_logits, sample, suppress
 from dlm.decode.schedule import make_policy
@@ -54,7 +63,7 @@ class ISDDecoder(Decoder):
     name = "isd"
 
     def __init__(self, stride: int | None = None, draft: str = "sample", token_budget: int | str | None = None,
-                 fallback: str = "predict"):
+                 fallback: str = "predict", candidates: int = 1):
         if draft not in DRAFT_MODES:
             raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
         if stride is not None and (not isinstance(stride, int) or stride < 2):
@@ -64,6 +73,8 @@ class ISDDecoder(Decoder):
         self.token_budget = token_budget
         check_fallback(fallback)
         self.fallback = fallback
+        check_candidates(candidates, stride)
+        self.candidates = candidates
         self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
         self.branch_steps = {"verify": 0, "predicted": 0}  # verify steps; those whose outcome had its drafts
         self._calib = AcceptCalibration()
@@ -87,7 +98,7 @@ class ISDDecoder(Decoder):
             raise DLMError("--decode isd needs the I-DLM shift (shift=true in config.json): a mask predicts the "
                            "token after its position")
         if self.stride is None:
-            self.stride = (spec.block_size or 1) + 1
+            self.stride = 2 if self.candidates > 1 else (spec.block_size or 1) + 1
         ok = supported_strides(spec.block_size)
         if self.stride not in ok:
             warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
@@ -108,6 +119,8 @@ class ISDDecoder(Decoder):
     def verify_len(self) -> int:
         """Tokens a row feeds in a verify step: 2N-1 (one branch of masks), N-1 + N x (N-1) with every branch."""
         n = self.stride or 2
+        if self.candidates > 1:
+            return 1 + 2 * self.candidates + (self.fallback != "off")
         return n + (n - 1) * (n if self.fallback == "all" else 1)
 
     def _branches(self, row: Row) -> tuple[int, ...]:
@@ -134,7 +147,8 @@ class ISDDecoder(Decoder):
             return None
         key = (self.stride, branches)
         if key not in self._layouts:
-            self._layouts[key] = branch_layout(self.stride, branches)
+            self._layouts[key] = candidate_layout(*branches[1:]) if branches[0] == "cands" else \
+                branch_layout(self.stride, branches)
         return self._layouts[key]
 
     def _room(self, engine: Engine, row: Row) -> bool:
@@ -157,6 +171,10 @@ class ISDDecoder(Decoder):
             row.state.update(mode="ar", drafts=None, q=None)
             return [row.last]
         m = engine.mask_token_id
+        if row.state["mode"] == "verify" and self.candidates > 1:
+            k, fb = len(row.state["cands"]), self.fallback != "off"
+            row.state["branches"] = ("cands", k, fb)
+            return [row.last] + row.state["cands"] + [m] * (k + fb)
         if row.state["mode"] == "verify":
             branches = self._branches(row)
             row.state["branches"] = branches
@@ -168,13 +186,19 @@ class ISDDecoder(Decoder):
     def _draft(self, engine: Engine, row: Row, mask_logits: torch.Tensor, first_pos: int) -> None:
         """Drafts d_1..d_{N-1} (and their q) from the N-1 mask logits [N-1, V]; d_1 sits at ``first_pos``."""
         p = row.params
+        k = self.candidates
         if p.greedy:
             q = None
             logits = suppress(mask_logits, engine.mask_token_id)
             d = logits.argmax(-1)
+            if k > 1:
+                row.state["cands"] = logits[0].topk(k).indices.tolist()
         else:
             q = probs_from_logits(mask_logits, p, engine.mask_token_id)
             d = q.argmax(-1) if self.draft == "argmax" else sample(q, row.generator)
+            if k > 1:  # independent draws (what multi-draft speculative sampling is exact for); argmax: top k
+                row.state["cands"] = q[0].topk(k).indices.tolist() if self.draft == "argmax" else \
+                    [int(d[0])] + [int(sample(q[0], row.generator)) for _ in range(k - 1)]
         row.state["drafts"] = d.tolist()
         row.state["q"] = q
         if self.fallback == "predict":  # each draft's probability under its own distribution
@@ -237,6 +261,9 @@ class ISDDecoder(Decoder):
             row.state["mode"] = "verify"
             return [c], 1
 
+        if self.candidates > 1:
+            return self._consume_candidates(engine, row, logits)
+
         # verify: logits[i-1] is p_i for d_i (i = 1..N-1), logits[N-1] gives the free token,
         # logits[N .. 2N-2] (the masks) give the next drafts
         drafts = row.state["drafts"]
@@ -281,6 +308,76 @@ class ISDDecoder(Decoder):
         self._next_drafts(engine, row, logits, 0)
         row.last = free
         return drafts + [free], n
+
+
+    def _consume_candidates(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], list[int]]:
+        """A candidate verify step (stride 2): logits[0] at c is p for the next token, logits[j] at d^j the
+        distribution after it, logits[K + j] at M^j the next draft after d^j, logits[2K + 1] at F (if fed) the next
+        draft after a rejection."""
+        p = row.params
+        cands = row.state["cands"]
+        k = len(cands)
+        m = engine.mask_token_id
+        if p.greedy:
+            target = int(suppress(logits[0], m).argmax())
+            hit = cands.index(target) if target in cands else None
+            token = target
+        else:
+            q = row.state["q"][0]
+            r = probs_from_logits(logits[0], p, m)
+            u = torch.rand(k, generator=row.generator)
+            hit = None
+            for j, d in enumerate(cands):  # multi-draft speculative sampling
+                if float(u[j]) * float(q[d]) < float(r[d]):
+                    hit = j
+                    break
+                r = (r - q).clamp_(min=0.0)
+                total = float(r.sum())
+                # total == 0 only if r == q, where rejection has probability 0; guard against rounding anyway
+                r = r / total if total > 0 else probs_from_logits(logits[0], p, m)
+            token = cands[hit] if hit is not None else int(sample(r, row.generator))
+        self.branch_steps["verify"] += 1
+        if hit is not None:
+            self._verified(row, 1, 1)
+            after = logits[1 + hit]
+            free = int(suppress(after, m).argmax()) if p.greedy else \
+                int(sample(probs_from_logits(after, p, m), row.generator))
+            self.branch_steps["predicted"] += 1
+            self._draft(engine, row, logits[1 + k + hit: 2 + k + hit], row.pos + 3)
+            row.state["mode"] = "verify"
+            row.last = free
+            return [token, free], [0, 1 + hit]
+        self._verified(row, 1, 0)
+        row.last = token
+        if logits.shape[0] > 1 + 2 * k:  # F: the masks of the rejection branch
+            self.branch_steps["predicted"] += 1
+            self._draft(engine, row, logits[1 + 2 * k: 2 + 2 * k], row.pos + 2)
+            row.state["mode"] = "verify"
+        else:
+            row.state.update(mode="cold", drafts=None, q=None)
+        return [token], [0]
+
+
+def candidate_layout(k: int, fallback: bool) -> tuple[list[int], torch.Tensor]:
+    """Offsets and attention of a candidate verify chunk ``[c, d^1..d^k, M^1..M^k (, F)]``: c at offset 0; each
+    candidate at offset 1 sees c; M^j at offset 2 sees c and d^j; F (the rejection branch) at offset 1 sees c. Every
+    token sees itself. k = 2 with F::
+
+        token  off  sees  c d1 d2 M1 M2 F
+        c       0         x
+        d1      1         x x
+        d2      1         x .  x
+        M1      2         x x  .  x
+        M2      2         x .  x  .  x
+        F       1         x .  .  .  .  x
+    """
+    total = 1 + 2 * k + bool(fallback)
+    offsets = [0] + [1] * k + [2] * k + [1] * bool(fallback)
+    attn = torch.eye(total, dtype=torch.bool)
+    attn[:, 0] = True
+    for j in range(k):
+        attn[1 + k + j, 1 + j] = True
+    return offsets, attn
 
 
 class AcceptCalibration:

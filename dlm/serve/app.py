@@ -55,14 +55,16 @@ class ServeSettings:
 # -- model + engine -------------------------------------------------------------------------------------------
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
                 device: str | None = None, dtype: str | None = None, draft: str = "sample",
-                isd_token_budget: int | str | None = None, fallback: str | None = None, **diffusion_kw):
+                isd_token_budget: int | str | None = None, fallback: str | None = None,
+                candidates: int | None = None, **diffusion_kw):
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
     (2N-1) stays within it, plain AR steps above; ``'auto'`` measures per batch size whether drafting pays
-    (:mod:`dlm.decode.schedule`). ``diffusion_kw``:
+    (:mod:`dlm.decode.schedule`). ``fallback``, ``candidates``: ISD's fallback drafts and draft candidates
+    (:class:`dlm.decode.isd.ISDDecoder`). ``diffusion_kw``:
     the mdm sampler's ``method``, ``steps``, ``threshold``, ``block_length``; block's ``steps``, ``threshold``."""
-    from dlm.decode import check_fallback, decoder_options
+    from dlm.decode import check_candidates, check_fallback, decoder_options
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
@@ -79,6 +81,10 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {decode})")
     if fallback is not None:
         check_fallback(fallback)  # a bad value fails before the model loads
+    if decode != "isd" and candidates is not None:
+        raise DLMError(f"--isd-candidates is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    if candidates is not None:
+        check_candidates(candidates, stride)
     extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
@@ -92,7 +98,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     dlm = load_any(model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"),
                    dtype=get_dtype(dtype, dev), device=dev)
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget, fallback=fallback,
-                         **{k: v for k, v in diffusion_kw.items() if v is not None})
+                         candidates=candidates, **{k: v for k, v in diffusion_kw.items() if v is not None})
     return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, **kw)
 
 

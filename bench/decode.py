@@ -3,17 +3,19 @@
     python bench/decode.py                                  # smollm2-135m, LAMBADA prompts, batch 1 and 8
     python bench/decode.py --model runs/idlm-b3 --strides 2,3,4 --max-new-tokens 64
 
-A plain AR model is converted on the fly for ISD (untrained masks: TPF near 1, so this measures the overhead of
-the verify chunk); an I-DLM checkpoint shows the real speed-up. Prompts are the first lines of a real text file,
-cut to ``--prompt-tokens`` tokens, or (``--data heldout``) dlm's built-in held-out chat instructions, the
-distribution the quickstart's checkpoints are trained for. EOS is ignored so every method generates exactly
-``--max-new-tokens`` tokens per prompt. Each batch size runs ``--groups`` batches of distinct prompts; every method
-decodes every batch, the methods interleaved (batch g starts with the g-th method), so that a shared machine's
-speed drifts hit all alike. Prints one table: tokens/s, forwards, TPF, first-position acceptance, ratio to
-transformers and to ``ar``, "hit" (ISD: the share of verify steps whose outcome had its masks in the chunk, so the
-next step verified again instead of cold-starting; ``--fallbacks`` compares the modes) and whether the tokens
-equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``). ``--candidates 2,3`` adds ISD at stride 2
-with K draft candidates per position (``--isd-candidates``; rows 'isd N=2 K=k', default fallback mode).
+A plain AR model is converted on the fly for ISD (untrained masks: TPF near 1, so this measures the overhead of the
+verify chunk); an I-DLM checkpoint shows the real speed-up. ``--temperature T`` samples instead of greedy (ISD's
+drafts are then sampled from q, so the output keeps the model's distribution; tokens are not compared). Prompts are
+the first lines of a real text file, cut to ``--prompt-tokens`` tokens, or (``--data heldout``) dlm's built-in
+held-out chat instructions, the distribution the quickstart's checkpoints are trained for. EOS is ignored so every
+method generates exactly ``--max-new-tokens`` tokens per prompt. Each batch size runs ``--groups`` batches of
+distinct prompts; every method decodes every batch, the methods interleaved (batch g starts with the g-th method),
+so that a shared machine's speed drifts hit all alike. Prints one table: tokens/s, forwards, TPF, first-position
+acceptance, ratio to transformers and to ``ar``, "hit" (ISD: the share of verify steps whose outcome had its masks
+in the chunk, so the next step verified again instead of cold-starting; ``--fallbacks`` compares the modes) and
+whether the tokens equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``). ``--candidates 2,3`` adds
+ISD at stride 2 with K draft candidates per position (``--isd-candidates``; rows 'isd N=2 K=k', default fallback
+mode).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ def main(argv=None) -> int:
     ap.add_argument("--candidates", default="",
                     help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "
                          "(rows 'isd N=2 K=k')")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy, outputs compared token for token; > 0: sampled (seed 0 per "
+                         "request; the outputs then differ between methods by construction and are not compared)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
@@ -104,7 +109,10 @@ def main(argv=None) -> int:
         texts = read_prompts(Path(args.data), max(batch_sizes) * args.groups)
         prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens:] for t in texts]
     k = args.max_new_tokens
-    params = SamplingParams(max_new_tokens=k, ignore_eos=True)
+    if args.temperature < 0:
+        ap.error("--temperature must be >= 0")
+    params = SamplingParams(max_new_tokens=k, ignore_eos=True, temperature=args.temperature, seed=0)
+    sampled = args.temperature > 0
 
     fallbacks = [f.strip() for f in args.fallbacks.split(",") if f.strip()]
     names = {f: "" if i == 0 else f" {f}" for i, f in enumerate(fallbacks)}
@@ -131,7 +139,9 @@ def main(argv=None) -> int:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             t = time.perf_counter()
-            out = hf.generate(ids, attention_mask=att, do_sample=False, max_new_tokens=k, min_new_tokens=k)
+            extra = {"do_sample": True, "temperature": args.temperature, "top_k": 0} if sampled else \
+                {"do_sample": False}
+            out = hf.generate(ids, attention_mask=att, max_new_tokens=k, min_new_tokens=k, **extra)
             s = time.perf_counter() - t
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
         engine = engines[b][method]
@@ -168,14 +178,15 @@ def main(argv=None) -> int:
                              "tok_s": n_tok / a["seconds"], "forwards": a["forwards"],
                              "tpf": n_tok / max(a["row_forwards"], 1),
                              "acceptance": [round(x / y, 3) for x, y in zip(accd, prop) if y],
-                             "match_ar": None if m == "transformers" else a["tokens"] == ar_tokens,
-                             "match_hf": None if m == "transformers" else a["tokens"] == hf_tokens,
+                             "match_ar": None if m == "transformers" or sampled else a["tokens"] == ar_tokens,
+                             "match_hf": None if m == "transformers" or sampled else a["tokens"] == hf_tokens,
                              "next_verify": next_verify(engines[b].get(m))})
 
     hdr = f"{'batch':>5} {'method':<17} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
           f"{'TPF':>5} {'acc':>5} {'hit':>5} {'= ar':>5} {'= hf':>5}"
     source = "heldout chat" if args.data == "heldout" else Path(args.data).name
     print(f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
+          f"{f'temperature={args.temperature:g} ' if sampled else 'greedy '}"
           f"threads={torch.get_num_threads()} groups={args.groups} (methods interleaved per group)")
     print(hdr)
     print("-" * len(hdr))

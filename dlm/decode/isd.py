@@ -21,14 +21,15 @@ Stride N. With the I-DLM shift a mask stands in for the token at its own positio
   the masks of the likeliest outcome only (chunk length 2N-1 either way), ``'all'`` of every outcome
   (N-1 + N(N-1) tokens), ``'off'`` of all-accepted only (SPEC). Drafts are proposals: exact in every mode.
 - Draft candidates (``candidates`` K > 1, stride 2; ours, SpecInfer-style token tree): the mask gives K drafts for
-  the next position instead of one (greedy: its top K; sampling: K independent draws from q), each with its own
-  mask for the draft after it: chunk ``[c, d^1..d^K, M^1..M^K]`` at offsets 0, 1 x K, 2 x K (d^j sees c; M^j sees
-  c and d^j), plus the rejection branch's mask F (offset 1, sees c) unless ``fallback='off'``. The step accepts
-  the candidate equal to the AR token (greedy) or runs multi-draft speculative sampling over them (accept d^j
-  with probability min(1, r(d^j) / q(d^j)) with r the residual left by the candidates before it, initially p;
-  SpecInfer, Miao et al. 2024: exact for independent draws). Accepted: 2 tokens, KV of c and d^j kept, the next
-  drafts from M^j; rejected: the correction, the next drafts from F. Acceptance becomes the top-K coverage of
-  the mask's distribution for 2K-1 more tokens per forward (free where the device is latency-bound).
+  the next position instead of one (greedy: its top K; sampling: K draws from q without replacement), each with its
+  own mask for the draft after it: chunk ``[c, d^1..d^K, M^1..M^K]`` at offsets 0, 1 x K, 2 x K (d^j sees c; M^j
+  sees c and d^j), plus the rejection branch's mask F (offset 1, sees c) unless ``fallback='off'``. The step accepts
+  the candidate equal to the AR token (greedy) or runs recursive rejection sampling over candidates drawn from q
+  without replacement (accept d^j with probability min(1, r(d^j) / q_j(d^j)), q_j = q without the earlier
+  candidates, r the residual they left, initially p; SpecInfer's multi-draft sampling in the form of Jeon et al.
+  2024; exact). Accepted: 2 tokens, KV of c and d^j kept, the next drafts from M^j; rejected: the correction, the
+  next drafts from F. Acceptance becomes the top-K coverage of the mask's distribution for 2K-1 more tokens per
+  forward (free where the device is latency-bound).
 
 When to draft: ``token_budget`` picks a policy of :mod:`dlm.decode.schedule` (always; while rows x (2N-1) <= T;
 ``'auto'``: whichever of drafting and plain AR steps measures faster at the current batch size). A step the
@@ -117,7 +118,8 @@ class ISDDecoder(Decoder):
     # -- chunks -------------------------------------------------------------------------------------------
     @property
     def verify_len(self) -> int:
-        """Tokens a row feeds in a verify step: 2N-1 (one branch of masks), N-1 + N x (N-1) with every branch."""
+        """Tokens a row feeds in a verify step: 2N-1 (one branch of masks), N-1 + N x (N-1) with every branch;
+        with K draft candidates 2K+1, plus the rejection branch's mask unless fallback is off."""
         n = self.stride or 2
         if self.candidates > 1:
             return 1 + 2 * self.candidates + (self.fallback != "off")
@@ -196,12 +198,12 @@ class ISDDecoder(Decoder):
         else:
             q = probs_from_logits(mask_logits, p, engine.mask_token_id)
             d = q.argmax(-1) if self.draft == "argmax" else sample(q, row.generator)
-            if k > 1:  # independent draws (what multi-draft speculative sampling is exact for); argmax: top k
+            if k > 1:  # draws without replacement (_consume_candidates verifies them exactly); argmax: top k
                 row.state["cands"] = q[0].topk(k).indices.tolist() if self.draft == "argmax" else \
-                    [int(d[0])] + [int(sample(q[0], row.generator)) for _ in range(k - 1)]
+                    draws_without_replacement(q[0], int(d[0]), k, row.generator)
         row.state["drafts"] = d.tolist()
         row.state["q"] = q
-        if self.fallback == "predict":  # each draft's probability under its own distribution
+        if self.fallback == "predict" and k == 1:  # each draft's probability under its own distribution
             probs = q if q is not None else logits.float().softmax(-1)
             row.state["conf"] = probs.gather(-1, d[:, None])[:, 0].tolist()
 
@@ -309,11 +311,10 @@ class ISDDecoder(Decoder):
         row.last = free
         return drafts + [free], n
 
-
     def _consume_candidates(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], list[int]]:
         """A candidate verify step (stride 2): logits[0] at c is p for the next token, logits[j] at d^j the
         distribution after it, logits[K + j] at M^j the next draft after d^j, logits[2K + 1] at F (if fed) the next
-        draft after a rejection."""
+        draft after a rejection. Sampling: :func:`recursive_rejection`."""
         p = row.params
         cands = row.state["cands"]
         k = len(cands)
@@ -323,19 +324,8 @@ class ISDDecoder(Decoder):
             hit = cands.index(target) if target in cands else None
             token = target
         else:
-            q = row.state["q"][0]
-            r = probs_from_logits(logits[0], p, m)
-            u = torch.rand(k, generator=row.generator)
-            hit = None
-            for j, d in enumerate(cands):  # multi-draft speculative sampling
-                if float(u[j]) * float(q[d]) < float(r[d]):
-                    hit = j
-                    break
-                r = (r - q).clamp_(min=0.0)
-                total = float(r.sum())
-                # total == 0 only if r == q, where rejection has probability 0; guard against rounding anyway
-                r = r / total if total > 0 else probs_from_logits(logits[0], p, m)
-            token = cands[hit] if hit is not None else int(sample(r, row.generator))
+            hit, token = recursive_rejection(probs_from_logits(logits[0], p, m), row.state["q"][0], cands,
+                                             row.generator)
         self.branch_steps["verify"] += 1
         if hit is not None:
             self._verified(row, 1, 1)
@@ -356,6 +346,43 @@ class ISDDecoder(Decoder):
         else:
             row.state.update(mode="cold", drafts=None, q=None)
         return [token], [0]
+
+
+def draws_without_replacement(q: torch.Tensor, first: int, k: int, generator) -> list[int]:
+    """``first`` (already drawn from q), then up to k-1 more from q without replacement (fewer if q has fewer
+    tokens with mass, e.g. after top-k/top-p)."""
+    rest = q.clone()
+    out = [first]
+    for _ in range(k - 1):
+        rest[out[-1]] = 0.0
+        total = float(rest.sum())
+        if total <= 0:
+            break
+        out.append(int(sample(rest / total, generator)))
+    return out
+
+
+def recursive_rejection(p: torch.Tensor, q: torch.Tensor, cands: list[int], generator) -> tuple[int | None, int]:
+    """One token with distribution exactly ``p`` [V] from candidates drawn from ``q`` [V] without replacement
+    (``cands[j]`` from q_j: q with the earlier candidates removed and renormalised): recursive rejection sampling
+    (Jeon et al. 2024, the without-replacement form of SpecInfer's multi-draft sampling). Candidate j is accepted
+    with probability min(1, r_j(d^j) / q_j(d^j)), where r_1 = p and a rejection leaves r_{j+1} =
+    normalize(max(0, r_j - q_j)); if every candidate is rejected the token is drawn from the last residual. Each
+    step is the single-draft rule with target r_j and proposal q_j, whatever the earlier draws were, so the token
+    has distribution p. Returns (index of the accepted candidate or None, token)."""
+    rest = q.clone()  # q without the candidates before j (unnormalised)
+    r = p
+    u = torch.rand(len(cands), generator=generator)
+    for j, d in enumerate(cands):
+        qj = rest / rest.sum()
+        if float(u[j]) * float(qj[d]) < float(r[d]):
+            return j, d
+        r = (r - qj).clamp_(min=0.0)
+        total = float(r.sum())
+        # total == 0 only if r == q_j, where rejection has probability 0; guard against rounding anyway
+        r = r / total if total > 0 else p
+        rest[d] = 0.0
+    return None, int(sample(r, generator))
 
 
 def candidate_layout(k: int, fallback: bool) -> tuple[list[int], torch.Tensor]:

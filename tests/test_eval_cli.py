@@ -119,6 +119,14 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     assert r["acc"] == r["acceptance"][0] and r["acc_pos2"] == r["acceptance"][1]
     assert r["tpf"] == sum(len(x.token_ids) for x in direct) / sum(x.stats.forwards for x in direct)
     assert r["identical"] == 1.0 and all(p["identical_to_ar"] for p in r["predictions"])
+    # with draft candidates: the engine's counts again, stride 2, output still AR's
+    k3 = run_eval(dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, candidates=3, batch_size=3)
+    k3 = k3["isd_acceptance"]
+    direct = generate(dlm, [_prompt_ids(em, e) for e in ex], "isd",
+                      [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5, batch_size=3, candidates=3)
+    assert k3["stride"] == 2 and k3["candidates"] == 3 and k3["identical"] == 1.0
+    assert k3["drafts"] == [sum(x.stats.proposed[0] for x in direct)]
+    assert k3["acc"] == sum(x.stats.accepted[0] for x in direct) / k3["drafts"][0]
 
 
 def test_isd_acceptance_of_a_perfect_drafter_is_one():
@@ -170,6 +178,12 @@ def test_isd_acceptance_data_and_bad_input(tmp_path, capsys):
     assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "2"]) == 0
     out = capsys.readouterr().out
     assert "isd_acceptance acc" in out and "isd_acceptance tpf" in out and "isd_acceptance identical    1.0000" in out
+    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "1",
+                 "--isd-candidates", "2"]) == 0
+    assert "isd_acceptance: N=2 K=2 acceptance" in capsys.readouterr().out
+    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--stride", "3",
+                 "--isd-candidates", "2"]) == 2
+    assert "runs at --stride 2 only" in capsys.readouterr().err
     assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--isd-acceptance-path",
                  str(bad)]) == 2
     assert "expected JSONL chat records" in capsys.readouterr().err

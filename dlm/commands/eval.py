@@ -51,6 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--gen-length", type=int, default=28, help="poem_reverse: tokens to generate (default 28)")
     s.add_argument("--stride", type=int, help="isd_acceptance: the ISD stride N (default: the model's "
                    "block_size + 1)")
+    s.add_argument("--isd-candidates", type=int, metavar="K",
+                   help="isd_acceptance: K draft candidates per position at stride 2 (see dlm generate)")
     s.add_argument("--batch-size", type=int, default=8, help="generation batch size")
     s.add_argument("--token-budget", type=int, default=8192,
                    help="scoring batch size in tokens (rows x padded length per forward)")
@@ -115,6 +117,10 @@ def run(args) -> int:
     paths = {t: getattr(args, f"{t}_path") for t in ("hellaswag", "winogrande", "piqa", "siqa", "lambada")}
     paths["poem_reverse"] = args.poem_path
     paths["isd_acceptance"] = args.isd_acceptance_path
+    if args.isd_candidates is not None:
+        from dlm.decode import check_candidates
+
+        check_candidates(args.isd_candidates, args.stride)  # before the model loads
     for name in parse_task_list(args.eval_tasks):  # fail on bad data before loading the model
         options = {"direction": args.poem_direction} if name == "poem_reverse" else {}
         load_task(name, args.data_dir, paths, **options)
@@ -132,12 +138,14 @@ def run(args) -> int:
                        limit=args.limit, scoring=args.scoring, diffusion_steps=args.diffusion_steps, seed=args.seed,
                        decode=args.decode, gen_steps=args.gen_steps, poem_direction=args.poem_direction,
                        poem_gen_length=args.gen_length, batch_size=args.batch_size, token_budget=args.token_budget,
-                       keep_predictions=args.predictions, stride=args.stride, log=lambda s: print(s, flush=True))
+                       keep_predictions=args.predictions, stride=args.stride, candidates=args.isd_candidates,
+                       log=lambda s: print(s, flush=True))
     print()
     _print_results(results)
     if args.output:
         _write_json(args.output, {"model": str(args.model), "settings": {
             "scoring": args.scoring, "diffusion_steps": args.diffusion_steps, "seed": args.seed,
-            "decode": args.decode, "limit": args.limit, "stride": args.stride}, "results": results})
+            "decode": args.decode, "limit": args.limit, "stride": args.stride,
+            "isd_candidates": args.isd_candidates}, "results": results})
         print(f"wrote {args.output}")
     return 0

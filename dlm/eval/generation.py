@@ -94,12 +94,13 @@ def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str
 
 
 def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, stride: int | None = None,
-                      batch_size: int = 8, keep_predictions: bool = False) -> dict:
+                      batch_size: int = 8, keep_predictions: bool = False, candidates: int | None = None) -> dict:
     """Greedy ISD on the examples' prompts: acceptance per draft position, TPF, and the share of prompts whose ISD
     output equals the model's own greedy ``ar`` output (1.0 for a correct decoder; with gated LoRA that output is
     the base model's). ``acc`` = first-position acceptance; ``acc_stderr`` its binomial standard error over the
     drafts (drafts of one answer are not independent, so read it as a lower bound). ``stride``: the decoder's N
-    (default: the model's trained ``block_size + 1``)."""
+    (default: the model's trained ``block_size + 1``); ``candidates``: ISD's draft candidates per position (stride 2;
+    the acceptance is then the drafts' top-K coverage)."""
     from dlm.decode import generate
     from dlm.decode.sampling import SamplingParams, draft_totals
 
@@ -110,7 +111,8 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     t0 = time.perf_counter()
     prompts = [_prompt_ids(em, ex) for ex in examples]
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
-    isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size, stride=stride)
+    isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size, stride=stride,
+                   candidates=candidates)
     ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size)
     proposed, accepted = draft_totals(r.stats for r in isd)
     tokens = forwards = same = 0
@@ -128,7 +130,8 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     result = {"acc": first, "acc_stderr": (first * (1 - first) / n0) ** 0.5 if n0 else 0.0,
               "acceptance": rates, "drafts": proposed, "tpf": tokens / max(forwards, 1),
               "identical": same / len(examples), "n": len(examples), "decode": "isd",
-              "stride": stride if stride is not None else (em.dlm.block_size or 1) + 1,
+              "stride": stride if stride is not None else 2 if (candidates or 1) > 1 else (em.dlm.block_size or 1) + 1,
+              "candidates": candidates or 1,
               "seconds": time.perf_counter() - t0}
     for i, rate in enumerate(rates[1:], 2):  # flat numbers, so eval histories keep every position
         result[f"acc_pos{i}"] = rate

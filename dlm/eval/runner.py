@@ -19,7 +19,7 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
              seed: int = 0, decode: str = "auto", gen_steps: int | None = None, poem_direction: str = "ftb",
              poem_gen_length: int = 28, batch_size: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
              keep_predictions: bool = False, generate_fn: GenerateFn | None = None, stride: int | None = None,
-             log=None) -> dict:
+             candidates: int | None = None, log=None) -> dict:
     """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
     "seconds", ...}}``.
 
@@ -31,7 +31,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
     - Generation tasks (lambada, poem_reverse) decode greedily with ``decode`` (auto | ar | mdm | block | isd),
       ``gen_steps`` denoising steps for diffusion decoders.
     - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD at stride ``stride`` (default: the model's
-      ``block_size + 1``) and reports acceptance per draft position, TPF and whether the output equals greedy AR.
+      ``block_size + 1``; ``candidates`` K > 1: K draft candidates per position at stride 2) and reports acceptance
+      per draft position, TPF and whether the output equals greedy AR.
     - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
       so a training loop can call this between steps. ``log(str)`` receives one line per finished task.
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
@@ -57,7 +58,7 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                     raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
                 if module.KIND == "isd":
                     res = evaluate_drafting(em, examples, name, stride=stride, batch_size=batch_size,
-                                            keep_predictions=keep_predictions)
+                                            keep_predictions=keep_predictions, candidates=candidates)
                 elif module.KIND == "mc":
                     res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
                                                    token_budget=token_budget, keep_predictions=keep_predictions)
@@ -68,7 +69,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                 res["seconds"] = time.perf_counter() - t0
                 results[name] = res
                 if log is not None and module.KIND == "isd":
-                    log(f"{name}: N={res['stride']} acceptance {', '.join(f'{a:.3f}' for a in res['acceptance'])}, "
+                    k = f" K={res['candidates']}" if res["candidates"] > 1 else ""
+                    log(f"{name}: N={res['stride']}{k} acceptance {', '.join(f'{a:.3f}' for a in res['acceptance'])}, "
                         f"TPF {res['tpf']:.3f}, identical to AR {res['identical']:.0%} on {res['n']} prompts "
                         f"({res['seconds']:.1f} s)")
                 elif log is not None:

@@ -312,7 +312,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
                "identical_to_ar": f"{sum(o == g for o, g in zip(a['out'], own_ar))}/{len(prompts)}"}
         rows.append(row)
         log(f"measure: {decoder} ({which}){'' if stride is None else f' N={stride}'}"
-            f"{f' K={cands}' if (cands or 1) > 1 else ''}: TPF {row['tpf']:.2f}, "
+            f"{f' K={cands}' if _k(row) > 1 else ''}: TPF {row['tpf']:.2f}, "
             f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_generate']:.2f}x generate, "
             f"{row['speedup_vs_ar']:.2f}x its ar), identical to base {row['identical_to_base']}, to its ar "
             f"{row['identical_to_ar']}")
@@ -342,6 +342,11 @@ def base_agreement(dlm, prompts: list[list[int]], answers: list[list[int]], devi
     return hit / max(total, 1)
 
 
+def _k(row: dict) -> int:
+    """Draft candidates of a measured row (1: plain ISD; rows without the field, AR ones and older results: 1)."""
+    return row.get("candidates") or 1
+
+
 # -- stage 5: report -------------------------------------------------------------------------------------------
 def table(results: dict) -> str:
     lines = ["| decoder | model | N | TPF | acceptance per draft position | tok/s | speedup vs generate | vs its dlm ar "
@@ -351,7 +356,7 @@ def table(results: dict) -> str:
              f"reference | - |"]
     for r in results["rows"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
-        n = f"{r['stride'] or 1}" + (f", K={r['candidates']}" if (r.get("candidates") or 1) > 1 else "")
+        n = f"{r['stride'] or 1}" + (f", K={_k(r)}" if _k(r) > 1 else "")
         lines.append(f"| dlm {r['decoder']} | {r['model']} | {n} | {r['tpf']:.2f} | {acc} | "
                      f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['speedup_vs_ar']:.2f}x | "
                      f"{r['identical_to_base']} | {r['identical_to_ar']} |")
@@ -388,13 +393,12 @@ def plots(results: dict, out: Path) -> list[str]:
     ax2.legend()
     fig.tight_layout(), fig.savefig(out / "loss.png", dpi=110), plt.close(fig)
     made.append("loss.png")
-    isd = [r for r in results["rows"] if r["decoder"] == "isd" and (r.get("candidates") or 1) == 1]
-    cand = [r for r in results["rows"] if r["decoder"] == "isd" and (r.get("candidates") or 1) > 1]
+    isd = [r for r in results["rows"] if r["decoder"] == "isd" and _k(r) == 1]
+    cand = [r for r in results["rows"] if r["decoder"] == "isd" and _k(r) > 1]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for r in isd + cand:
-        k = r.get("candidates") or 1
         ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o",
-                label=f"N={r['stride']}" + (f", K={k} candidates" if k > 1 else ""))
+                label=f"N={r['stride']}" + (f", K={_k(r)} candidates" if _k(r) > 1 else ""))
     ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1), ax.legend()
     fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
     made.append("acceptance.png")
@@ -457,7 +461,7 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
     most = max(isd, key=lambda r: r["tpf"]) if isd else None
 
     def name(r):
-        return f"N={r['stride']}" + (f" with K={r['candidates']} candidates" if (r.get("candidates") or 1) > 1 else "")
+        return f"N={r['stride']}" + (f" with K={_k(r)} candidates" if _k(r) > 1 else "")
 
     lines = [
         "# dlm quickstart report", "",

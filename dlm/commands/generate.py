@@ -88,22 +88,14 @@ def run(args) -> int:
     from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
 
+    from dlm.decode import check_isd_flags
+
+    check_isd_flags(args.decode, {"isd-token-budget": args.isd_token_budget, "isd-fallback": args.isd_fallback,
+                                  "isd-candidates": args.isd_candidates}, stride=args.stride)
     if args.isd_token_budget is not None:
-        if args.decode != "isd":
-            raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd "
-                           f"(got --decode {args.decode})")
         from dlm.decode.schedule import make_policy
 
         make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
-    if args.isd_fallback is not None and args.decode != "isd":
-        raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {args.decode})")
-    if args.isd_candidates is not None:
-        if args.decode != "isd":
-            raise DLMError(f"--isd-candidates is an ISD setting; drop it or use --decode isd "
-                           f"(got --decode {args.decode})")
-        from dlm.decode import check_candidates
-
-        check_candidates(args.isd_candidates, args.stride)
     prompts = read_prompts(args)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))

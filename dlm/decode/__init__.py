@@ -46,6 +46,21 @@ def check_candidates(candidates, stride=None) -> None:
                        f"--stride 2 only, got --stride {stride}")
 
 
+def check_isd_flags(decode: str, flags: dict, stride: int | None = None) -> None:
+    """Before any model is loaded: refuse the ISD-only ``flags`` (flag name -> value, e.g. ``{"isd-fallback":
+    ...}``) that are set for another decoder, and a bad ``isd-fallback`` / ``isd-candidates`` value (the latter
+    checked against ``stride``)."""
+    from dlm.errors import DLMError
+
+    for name, value in flags.items():
+        if value is not None and decode != "isd":
+            raise DLMError(f"--{name} is an ISD setting; drop it or use --decode isd (got --decode {decode})")
+    if flags.get("isd-fallback") is not None:
+        check_fallback(flags["isd-fallback"])
+    if flags.get("isd-candidates") is not None:
+        check_candidates(flags["isd-candidates"], stride)
+
+
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,
                     fallback: str | None = None, candidates: int | None = None, method: str = "confidence",
                     steps: int | None = None,

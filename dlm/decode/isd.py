@@ -60,6 +60,12 @@ def supported_strides(block_size: int | None) -> list[int]:
     return list(range(2, (block_size or 1) + 2))
 
 
+def default_stride(block_size: int | None, candidates: int = 1) -> int:
+    """The stride ISD runs at when none is given: the model's trained ``block_size + 1``, or 2 with draft
+    candidates (they run at stride 2 only)."""
+    return 2 if candidates > 1 else (block_size or 1) + 1
+
+
 class ISDDecoder(Decoder):
     name = "isd"
 
@@ -99,7 +105,7 @@ class ISDDecoder(Decoder):
             raise DLMError("--decode isd needs the I-DLM shift (shift=true in config.json): a mask predicts the "
                            "token after its position")
         if self.stride is None:
-            self.stride = 2 if self.candidates > 1 else (spec.block_size or 1) + 1
+            self.stride = default_stride(spec.block_size, self.candidates)
         ok = supported_strides(spec.block_size)
         if self.stride not in ok:
             warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "

@@ -102,6 +102,7 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     (default: the model's trained ``block_size + 1``); ``candidates``: ISD's draft candidates per position (stride 2;
     the acceptance is then the drafts' top-K coverage)."""
     from dlm.decode import generate
+    from dlm.decode.isd import default_stride
     from dlm.decode.sampling import SamplingParams, draft_totals
 
     if em.dlm is None or em.objective != "idlm":
@@ -130,7 +131,7 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     result = {"acc": first, "acc_stderr": (first * (1 - first) / n0) ** 0.5 if n0 else 0.0,
               "acceptance": rates, "drafts": proposed, "tpf": tokens / max(forwards, 1),
               "identical": same / len(examples), "n": len(examples), "decode": "isd",
-              "stride": stride if stride is not None else 2 if (candidates or 1) > 1 else (em.dlm.block_size or 1) + 1,
+              "stride": stride if stride is not None else default_stride(em.dlm.block_size, candidates or 1),
               "candidates": candidates or 1,
               "seconds": time.perf_counter() - t0}
     for i, rate in enumerate(rates[1:], 2):  # flat numbers, so eval histories keep every position

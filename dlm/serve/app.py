@@ -64,7 +64,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     (:mod:`dlm.decode.schedule`). ``fallback``, ``candidates``: ISD's fallback drafts and draft candidates
     (:class:`dlm.decode.isd.ISDDecoder`). ``diffusion_kw``:
     the mdm sampler's ``method``, ``steps``, ``threshold``, ``block_length``; block's ``steps``, ``threshold``."""
-    from dlm.decode import check_candidates, check_fallback, decoder_options
+    from dlm.decode import check_isd_flags, decoder_options
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
@@ -73,18 +73,9 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
         raise DLMError(f"--decode must be one of isd, ar, mdm, block; got '{decode}'")
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise DLMError(f"--max-batch-size must be a positive integer, got {max_batch_size}")
-    if decode != "isd" and stride is not None:
-        raise DLMError(f"--stride is an ISD setting; drop it or use --decode isd (got --decode {decode})")
-    if decode != "isd" and isd_token_budget is not None:
-        raise DLMError(f"--isd-token-budget is an ISD setting; drop it or use --decode isd (got --decode {decode})")
-    if decode != "isd" and fallback is not None:
-        raise DLMError(f"--isd-fallback is an ISD setting; drop it or use --decode isd (got --decode {decode})")
-    if fallback is not None:
-        check_fallback(fallback)  # a bad value fails before the model loads
-    if decode != "isd" and candidates is not None:
-        raise DLMError(f"--isd-candidates is an ISD setting; drop it or use --decode isd (got --decode {decode})")
-    if candidates is not None:
-        check_candidates(candidates, stride)
+    # bad values fail before the model loads
+    check_isd_flags(decode, {"stride": stride, "isd-token-budget": isd_token_budget, "isd-fallback": fallback,
+                             "isd-candidates": candidates}, stride=stride)
     extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))

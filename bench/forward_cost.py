@@ -27,6 +27,8 @@ import warnings
 
 import torch
 
+from dlm.decode import cpu_linear
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -42,6 +44,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
     ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
+    ap.add_argument("--candidates", default="",
+                    help="comma-separated K: also time ISD N=2 verify chunks with K draft candidates "
+                    "([c, d^1..d^K, M^1..M^K, F]: 2K+2 tokens, K+1 masks)")
+    ap.add_argument("--linear", default="kernel,blas",
+                    help="comma-separated, interleaved per repeat: kernel (the engine's few-row CPU kernel, "
+                    "dlm.decode.cpu_linear; fp32 CPU only) and/or blas (torch's F.linear)")
     ap.add_argument("--attn", default="dlm_sdpa",
                     help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
                     "masked grouped-query chunks) and/or sdpa (transformers')")
@@ -80,6 +88,16 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    lins = [x for x in args.linear.split(",") if x]
+    if any(x not in ("kernel", "blas") for x in lins) or not lins:
+        ap.error(f"--linear takes kernel and/or blas, got {args.linear!r}")
+    if "kernel" in lins:
+        from dlm.decode import cpu_linear
+
+        if not cpu_linear.attach(dlm):
+            print("the CPU kernel does not apply here (not fp32 on CPU, DLM_CPU_KERNEL=0, or no build): blas only")
+            lins = ["blas"]
+    args.lins = lins
     hf, m = dlm.model, dlm.mask_token_id
     kw = cache_kw(dlm)
     strides = [int(s) for s in args.strides.split(",") if s]
@@ -87,6 +105,7 @@ def main(argv=None) -> int:
     shapes = [("ar", 1, 0)]
     for n in strides:
         shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
+    shapes += [(f"isd N=2 K={k}", 2 * k + 2, k + 1) for k in (int(x) for x in args.candidates.split(",") if x)]
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
     print(f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
           f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
@@ -105,7 +124,7 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
         cache = DynamicCache()
         hf(input_ids=ctx, use_cache=True, **{kw: cache})
 
-        def one(t: int, masks: int) -> float:
+        def one(t: int, masks: int, kernel: bool) -> float:
             ids = torch.randint(100, 20000, (B, t), generator=g)
             if masks:
                 ids[:, t - masks:] = m
@@ -113,7 +132,8 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
             pos = torch.arange(args.context, args.context + t, device=device)[None].expand(B, t)
             sync()
             t0 = time.perf_counter()
-            hf(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
+            with cpu_linear.active(kernel):
+                hf(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
             sync()
             dt = time.perf_counter() - t0
             cache.crop(-t)  # drop what this step appended
@@ -125,39 +145,44 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
         def measure() -> tuple[dict, dict]:
             """Interleaved: each repeat times every shape with the adapters on, then with them off (the gate set to
             match no token, so the same tokens run the bare base model's maths), under each attention
-            implementation in turn, so machine noise hits all alike."""
-            keys = [(a, s) for a in impls for s in shapes]
+            implementation and linear kernel in turn, so machine noise hits all alike."""
+            keys = [(a, lin, s) for a in impls for lin in args.lins for s in shapes]
             on, off = ({k: [] for k in keys} for _ in range(2))
             for a in impls:
                 dlm.base_model_hf.set_attn_implementation(a)
-                for s in shapes:
-                    one(*s[1:])  # warm-up
+                for lin in args.lins:
+                    for s in shapes:
+                        one(*s[1:], lin == "kernel")  # warm-up
             for _ in range(args.repeats):
                 for a in impls:
                     dlm.base_model_hf.set_attn_implementation(a)
-                    for s in shapes:
-                        gated.mask_token_id = real_mask
-                        on[(a, s)].append(one(*s[1:]))
-                        gated.mask_token_id = -1
-                        off[(a, s)].append(one(*s[1:]))
+                    for lin in args.lins:
+                        for s in shapes:
+                            gated.mask_token_id = real_mask
+                            on[(a, lin, s)].append(one(*s[1:], lin == "kernel"))
+                            gated.mask_token_id = -1
+                            off[(a, lin, s)].append(one(*s[1:], lin == "kernel"))
             gated.mask_token_id = real_mask
             med = lambda d: {k: statistics.median(v) * 1000 for k, v in d.items()}  # noqa: E731
             return med(on), med(off)
 
         with_adapters, bare = measure()
 
+    # ratios are to the 1-token step of the last --linear (blas by default: the stock AR step)
+    ref = {a: bare[(a, args.lins[-1], shapes[0])] for a in impls}
     for a in impls:
-        base = with_adapters[(a, shapes[0])]
-        print(f"batch {B}, attention {a}")
-        print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
-        for s in shapes:
-            name, t, k = s
-            on, off = with_adapters[(a, s)], bare[(a, s)]
-            print(f"{name:<16} {t:>6} {k:>5} {on:>9.2f} {on / base:>6.2f} {off:>8.2f} {off / base:>6.2f}")
+        for lin in args.lins:
+            print(f"batch {B}, attention {a}, linear {lin} (x ar: to the bare 1-token step with {args.lins[-1]})")
+            print(f"{'chunk':<16} {'tokens':>6} {'masks':>5} {'ms gated':>9} {'x ar':>6} {'ms bare':>8} {'x ar':>6}")
+            for s in shapes:
+                name, t, k = s
+                on, off = with_adapters[(a, lin, s)], bare[(a, lin, s)]
+                print(f"{name:<16} {t:>6} {k:>5} {on:>9.2f} {on / ref[a]:>6.2f} {off:>8.2f} {off / ref[a]:>6.2f}")
     if len(impls) > 1:
         a0, a1 = impls[0], impls[1]
+        lin = args.lins[0]
         print(f"batch {B}: ms gated, {a1} / {a0}: " + ", ".join(
-            f"{s[0]} {with_adapters[(a1, s)] / with_adapters[(a0, s)]:.2f}" for s in shapes))
+            f"{s[0]} {with_adapters[(a1, lin, s)] / with_adapters[(a0, lin, s)]:.2f}" for s in shapes))
 
 
 if __name__ == "__main__":

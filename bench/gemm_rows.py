@@ -1,14 +1,18 @@
 """What one more row costs in each matmul of a decode forward: where an ISD chunk's extra tokens go on a CPU.
 
     python bench/gemm_rows.py                       # SmolLM2-135M's shapes (30 layers), fp32, rows 1,2,3,5
+    python bench/gemm_rows.py --rows 1,3,4,8,16,32,64 --linear blas,kernel
     python bench/gemm_rows.py --hidden 896 --intermediate 4864 --kv 128 --vocab 151936 --layers 24   # Qwen2-0.5B
 
 Each projection is timed the way a forward meets it: one weight matrix per layer (``--layers`` distinct copies,
-cycled, so the weights stream from memory as they do in a real forward, not from cache), ``x [M, in] @ W.T``
-through ``F.linear`` for M rows (M = 1: an AR step at batch 1; M = 3: an ISD N=2 verify chunk). The table gives
-microseconds per call and the per-forward total (calls x layers), and the ratio of each M to M = 1. At batch 1 an
-AR step is memory-bound: the extra rows cost only as much as the BLAS kernel for a few rows streams the weights
-less efficiently than the one-row kernel does.
+cycled, so the weights stream from memory as they do in a real forward, not from cache), ``x [M, in] @ W.T`` for
+M rows (M = 1: an AR step at batch 1; M = 3: an ISD N=2 verify chunk; M = 8: N=2 with 3 draft candidates), through
+``F.linear`` (blas) and through dlm's few-row kernel (``dlm.decode.cpu_linear``, what the decoding engine uses for
+fp32 on CPU), alternated per repeat. The table gives microseconds per call; the summary the per-forward total, its
+ratio to blas at the first M, and the weight bandwidth / arithmetic rate it implies. At batch 1 an AR step is
+memory-bound (every weight read once, 2 FLOPs each), so a few more rows need not cost more: on a 2-core Xeon
+(AVX-512) blas costs 1.19x / 1.65x / 2.07x of its 1-row time at M = 3 / 4 / 8, the kernel, which streams a
+pre-packed weight with prefetching and keeps 8 rows' accumulators in registers, 0.99x / 1.01x / 1.07x.
 """
 
 from __future__ import annotations
@@ -19,16 +23,32 @@ import time
 import torch
 import torch.nn.functional as F
 
+from dlm.decode import cpu_linear
 
-def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int) -> float:
-    with torch.inference_mode():
-        for w in weights:  # warm-up
-            F.linear(x, w)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
+
+def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kinds: list[str], packed=None) -> dict:
+    """Microseconds per call of each kind (``blas``: F.linear; ``kernel``: dlm's few-row CPU kernel on pre-packed
+    weights), the kinds alternated per repeat so that machine noise hits both alike."""
+    ext = cpu_linear.extension() if "kernel" in kinds else None
+
+    def run(kind):
+        if kind == "blas":
             for w in weights:
                 F.linear(x, w)
-    return (time.perf_counter() - t0) / repeats / len(weights) * 1e6
+        else:
+            for w, p in zip(weights, packed):
+                ext.linear(x, p, w.shape[0], None)
+
+    spent = {k: 0.0 for k in kinds}
+    with torch.inference_mode():
+        for kind in kinds:  # warm-up
+            run(kind)
+        for _ in range(repeats):
+            for kind in kinds:
+                t0 = time.perf_counter()
+                run(kind)
+                spent[kind] += time.perf_counter() - t0
+    return {k: v / repeats / len(weights) * 1e6 for k, v in spent.items()}
 
 
 def main(argv=None) -> int:
@@ -40,33 +60,43 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rows", default="1,2,3,5", help="comma-separated M (the first is the reference)")
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--linear", default="blas,kernel",
+                    help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu_linear, what the decoding "
+                    "engine uses for fp32 on CPU)")
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r]
+    kinds = [k for k in args.linear.split(",") if k]
+    if not kinds or any(k not in ("blas", "kernel") for k in kinds):
+        ap.error(f"--linear takes blas and/or kernel, got {args.linear!r}")
+    if "kernel" in kinds and cpu_linear.extension() is None:
+        print("the CPU kernel could not be built here: blas only")
+        kinds = ["blas"]
     h, i, kv = args.hidden, args.intermediate, args.kv
     # (name, out, in, calls per layer); lm_head once per forward
     shapes = [("q_proj + o_proj", h, h, 2), ("k_proj + v_proj", kv, h, 2), ("gate_proj + up_proj", i, h, 2),
-              ("down_proj", h, i, 1)]
+              ("down_proj", h, i, 1), ("lm_head", args.vocab, h, None)]
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, fp32, {args.layers} layers, weights cycled (cold in cache)")
-    head = f"{'matmul':<20} {'calls':>5} " + " ".join(f"{'M=' + str(m) + ' us':>9}" for m in rows)
-    print(head + "   per forward (ms) by M")
-    totals = {m: 0.0 for m in rows}
+    cols = [(k, m) for k in kinds for m in rows]
+    print(f"{'matmul':<20} {'calls':>5} " + " ".join(f"{k[:4] + ' M=' + str(m) + ' us':>14}" for k, m in cols))
+    totals = {c: 0.0 for c in cols}
+    nbytes = 0
     for name, out_f, in_f, calls in shapes:
-        ws = [torch.randn(out_f, in_f) for _ in range(args.layers * calls)]
-        us = {m: per_call_us(ws, torch.randn(m, in_f), args.repeats) for m in rows}
-        for m in rows:
-            totals[m] += us[m] * args.layers * calls / 1000
-        print(f"{name:<20} {args.layers * calls:>5} " + " ".join(f"{us[m]:>9.0f}" for m in rows) + "   " +
-              " ".join(f"{us[m] * args.layers * calls / 1000:.1f}" for m in rows))
-        del ws
-    w = torch.randn(args.vocab, h)
-    us = {m: per_call_us([w], torch.randn(m, h), args.repeats) for m in rows}
-    for m in rows:
-        totals[m] += us[m] / 1000
-    print(f"{'lm_head':<20} {1:>5} " + " ".join(f"{us[m]:>9.0f}" for m in rows) + "   " +
-          " ".join(f"{us[m] / 1000:.1f}" for m in rows))
-    ref = totals[rows[0]]
-    print("all matmuls (ms):   " + ", ".join(f"M={m} {totals[m]:.1f} ({totals[m] / ref:.2f}x)" for m in rows))
+        n = args.layers * calls if calls else 1
+        ws = [torch.randn(out_f, in_f) for _ in range(n)]
+        nbytes += out_f * in_f * 4 * n
+        packed = [cpu_linear.extension().pack(w, False) for w in ws] if "kernel" in kinds else None
+        us = {m: per_call_us(ws, torch.randn(m, in_f), args.repeats, kinds, packed) for m in rows}
+        for k, m in cols:
+            totals[(k, m)] += us[m][k] * n / 1000
+        print(f"{name:<20} {n:>5} " + " ".join(f"{us[m][k]:>14.0f}" for k, m in cols))
+        del ws, packed
+    ref = totals[(kinds[0], rows[0])]
+    print(f"all matmuls of one forward ({nbytes / 1e6:.0f} MB of weights), ms (x {kinds[0]} M={rows[0]}):")
+    for k in kinds:
+        print(f"  {k:<7}" + ", ".join(f"M={m} {totals[(k, m)]:.1f} ({totals[(k, m)] / ref:.2f}x; "
+                                      f"{nbytes / totals[(k, m)] / 1e6:.0f} GB/s, "
+                                      f"{nbytes / 4 * 2 * m / totals[(k, m)] / 1e6:.0f} GFLOP/s)" for m in rows))
     return 0
 
 

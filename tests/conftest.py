@@ -55,3 +55,12 @@ def one_thread():
     warnings.filterwarnings("ignore", category=FutureWarning)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernel_built():
+    """Build the decoding engine's CPU linear kernel once, up front (about 30 s on a fresh machine; cached after),
+    rather than inside whichever test - or server subprocess - first decodes."""
+    from dlm.decode import cpu_linear
+
+    return cpu_linear.extension()

@@ -43,6 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from dlm.decode import cpu_linear
 from dlm.decode.sampling import RequestStats, SamplingParams
 from dlm.errors import DLMError
 
@@ -395,6 +396,9 @@ class Engine:
                            "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
                            "dlm.model.convert.dense_mask_attention(model))")
         use_for_decoding(model)  # grouped-query models: masked chunks attend to the cache without copying it
+        # fp32 on CPU: linear layers through a few-row kernel whose chunk of up to 8 tokens costs about what one
+        # token costs (dlm.decode.cpu_linear); only inside this engine's forwards
+        self._cpu_kernel = self.device.type == "cpu" and cpu_linear.attach(model)
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:
@@ -482,8 +486,9 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
-        out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                         logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
+        with cpu_linear.active(self._cpu_kernel):
+            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
+                             logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
         return out.logits
 
     def _prefill(self, rows: list[Row]) -> list[StepEvent]:

@@ -127,6 +127,9 @@ class GatedLoRA(nn.Module):
         self._n_gated, self._dense, self._idx, self._span = 0, False, None, None
         # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
         self.dense_fraction = 0.25
+        # decoding may install a faster few-row path here: fast_delta(adapter, rows, out_rows, scale) adds
+        # scale * B(A(rows)) to out_rows in place and returns True, or returns False (dlm.decode.cpu_linear on CPU)
+        self.fast_delta = None
         self._handles = []
         self._handles.append(hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True))
         self._handles.append(emb.register_forward_hook(self._embed_hook))
@@ -192,7 +195,10 @@ class GatedLoRA(nn.Module):
             if span is not None and x.dtype == adapter.A.dtype == out.dtype and out.is_contiguous():
                 lo, hi = span
                 rows = x.reshape(-1, x.shape[-1])[lo:hi]
-                out.view(-1, out.shape[-1])[lo:hi].addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
+                target = out.view(-1, out.shape[-1])[lo:hi]
+                fast = self.fast_delta
+                if fast is None or not fast(adapter, rows, target, self.scale):
+                    target.addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
                 return out
             # Few masks (decoding): compute the delta on the gated rows only.
             idx = self._idx

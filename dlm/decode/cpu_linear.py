@@ -25,7 +25,7 @@ of at most :data:`MAX_ROWS` rows. Everything else (training, the base model's ow
 stock layer. The packed copy follows the weights: a layer whose weight changed in place since it was packed (an
 optimizer step between two evaluations) is packed again at its next call.
 
-The kernel is C++ compiled on first use with torch's ``cpp_extension`` (about 30 s, cached under
+The kernel is C++ compiled on first use with torch's ``cpp_extension`` (30-40 s, cached under
 ``TORCH_EXTENSIONS_DIR``; needs a C++ compiler and ninja). ``DLM_CPU_KERNEL=0`` turns it off; ``=1`` makes a
 failed build an error instead of a warning and a fallback to ``F.linear``.
 """
@@ -180,9 +180,14 @@ def extension():
 
 
 def _linear_layers(model: nn.Module):
-    for module in model.modules():
-        if isinstance(module, nn.Linear) or (type(module).__name__ == "Conv1D" and hasattr(module, "nf")):
-            yield module
+    from dlm.model.lora import _linear_shape  # nn.Linear or GPT-2's Conv1D, as the adapters see them
+
+    return (m for m in model.modules() if _linear_shape(m) is not None)
+
+
+def _key(*tensors) -> tuple:
+    """What a packed copy was made from: changes when a tensor is replaced or modified in place."""
+    return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
 
 
 def _plain_fp32_cpu(w) -> bool:
@@ -233,7 +238,7 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
         return False
     ext = _module[0]
     a, b = adapter.A, adapter.B
-    key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
+    key = _key(a, b)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
         with torch.no_grad():
@@ -248,7 +253,7 @@ def _pack(module: nn.Module, mod) -> None:
     transposed = not isinstance(module, nn.Linear)
     with torch.no_grad():
         module._dlm_packed = mod.pack(w.detach(), transposed)
-    module._dlm_packed_of = (w.data_ptr(), w._version, tuple(w.shape))
+    module._dlm_packed_of = _key(w)
     module._dlm_out = w.shape[1] if transposed else w.shape[0]
 
 
@@ -261,7 +266,7 @@ def _make_forward(module: nn.Module, stock):
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
         w = module.weight
-        if module._dlm_packed_of != (w.data_ptr(), w._version, tuple(w.shape)):
+        if module._dlm_packed_of != _key(w):
             _pack(module, _module[0])  # the weight changed in place (training) since it was packed
         bias = module.bias
         out = _module[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out,

@@ -5,6 +5,7 @@ run, through the same server code (FastAPI + the engine thread) and the official
     python bench/serve.py --model runs/idlm/final --stride 3 --max-tokens 32 --output bench_serve.json
     python bench/serve.py --decodes ar,isd,isd:6     # also isd that drafts only while rows x (2N-1) <= 6
     python bench/serve.py --decodes ar,isd,isd:auto  # also isd that measures whether drafting pays
+    python bench/serve.py --decodes ar,isd:c3,isd:auto:c3   # isd with 3 draft candidates (--isd-candidates 3)
 
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
 (greedy; a request ends at end-of-sequence or --max-tokens, as a real server's do; with --ignore-eos every request
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
     ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
-                    "with --isd-token-budget B (an integer or auto)")
+                    "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with --isd-candidates K")
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
@@ -138,10 +139,13 @@ def main(argv=None) -> int:
     servers = {}
     with contextlib.ExitStack() as stack:
         for decode in decodes:
-            name, _, budget = decode.partition(":")  # "isd:6" / "isd:auto" = isd with --isd-token-budget 6 / auto
+            name, *opts = decode.split(":")  # "isd:6" / "isd:auto" = --isd-token-budget 6 / auto; "isd:c3" = 3 candidates
             kw = {"stride": args.stride} if name == "isd" and args.stride else {}
-            if budget:
-                kw["token_budget"] = budget
+            for opt in opts:
+                if opt.startswith("c") and opt[1:].isdigit():
+                    kw["candidates"] = int(opt[1:])
+                else:
+                    kw["token_budget"] = opt
             engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
             app = create_app(Scheduler(engine, threads=args.threads),
                              ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
@@ -170,7 +174,7 @@ def main(argv=None) -> int:
                     for k, v in d.items():
                         acc["d"][k] = acc["d"].get(k, 0) + v
                     toks = sum(r["tokens"] for r in res)
-                    print(f"  round {rnd + 1} {decode:>8} c={c:<3} {toks / wall:7.1f} tok/s  "
+                    print(f"  round {rnd + 1} {decode:>11} c={c:<3} {toks / wall:7.1f} tok/s  "
                           f"tpf {d['dlm_generation_tokens_total'] / max(d['dlm_forwards_total'], 1):.2f}  "
                           f"load {os.getloadavg()[0]:.1f}", flush=True)
         rows = []
@@ -198,26 +202,27 @@ def main(argv=None) -> int:
 
     base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
     print()
-    hdr = (f"{'decode':<8} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
+    w = max(8, *(len(d) for d in decodes))
+    hdr = (f"{'decode':<{w}} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
            f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5} "
            f"{'== ' + decodes[0]:>8}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"{r['decode']:<8} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+        print(f"{r['decode']:<{w}} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
               f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
               f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
               f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f} {r['same_output']:>8.0%}")
     others = [d for d in decodes if d != "ar"]
     if "ar" in decodes and others:
         print()
-        print(f"{'conc':>4} " + " ".join(f"{d + '/ar tok/s':>16}" for d in others))
+        print(f"{'conc':>4} " + " ".join(f"{d + '/ar tok/s':>18}" for d in others))
         for c in levels:
             a = next(r for r in rows if r["decode"] == "ar" and r["concurrency"] == c)
             ratios = [next(r for r in rows if r["decode"] == d and r["concurrency"] == c)["tokens_per_s"]
                       / a["tokens_per_s"] for d in others]
-            print(f"{c:>4} " + " ".join(f"{x:>16.2f}" for x in ratios))
+            print(f"{c:>4} " + " ".join(f"{x:>18.2f}" for x in ratios))
     if args.output:
         tmp = args.output + ".tmp"
         with open(tmp, "w") as f:

@@ -145,3 +145,113 @@ def test_engine_decodes_through_the_kernel_and_leaves_the_model_stock_outside(ti
     assert len(out.token_ids) == 4 and seen and all(seen)  # every engine forward ran inside active()
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, before)
+
+
+@needs_kernel
+def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model():
+    """Inside active() a Llama's RMSNorm and rotary embedding run as one call each: the rotary bit for bit
+    transformers' apply_rotary_pos_emb, the norm to float rounding (its sum of squares is added in another
+    order); outside active(), with gradients, or for a norm that is not Llama's, the model's own code."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from dlm.testing import make_model
+
+    model = make_model("llama", hidden=64, heads=4, kv_heads=2).eval()
+    ids = torch.randint(5, 90, (2, 9))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    assert cpu_linear.attach(model)
+    assert getattr(ml.apply_rotary_pos_emb, "_dlm", False)
+    norms = [m for m in model.modules() if isinstance(m, ml.LlamaRMSNorm)]
+    assert norms and all(getattr(m.__dict__.get("forward"), "_dlm", False) for m in norms)
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 5, 4, 16, generator=g).transpose(1, 2)  # [B, H, T, D] views, as attention makes them
+    k = torch.randn(2, 5, 2, 16, generator=g).transpose(1, 2)
+    cos, sin = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
+    ref = ml.apply_rotary_pos_emb._dlm_stock(q, k, cos, sin)
+    with torch.no_grad(), cpu_linear.active():
+        got = ml.apply_rotary_pos_emb(q, k, cos, sin)
+        x = torch.randn(3, 7, 64, generator=g)
+        normed = norms[0](x)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    torch.testing.assert_close(normed, type(norms[0]).forward(norms[0], x), rtol=1e-5, atol=1e-6)
+    with torch.no_grad(), cpu_linear.active():
+        fused = model(input_ids=ids).logits
+    torch.testing.assert_close(fused, stock, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)  # outside active(): stock, bit for bit
+    with cpu_linear.active():
+        assert torch.equal(model(input_ids=ids).logits.detach(), stock)  # with gradients: stock too
+
+    class OffsetRMSNorm(nn.Module):  # Gemma's form, w * (1 + ...): the fused norm must not take it
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+
+    net = nn.Sequential(nn.Linear(64, 64), OffsetRMSNorm())
+    assert cpu_linear.attach(net)
+    assert "forward" not in net[1].__dict__
+    cpu_linear.detach(model)
+    assert not any("forward" in m.__dict__ for m in norms)
+
+
+@needs_kernel
+def test_decode_attention_matches_sdpa_and_is_query_invariant():
+    """The kernel's attention of a decode chunk (grouped-query, a bool mask with holes and a tree) equals SDPA's to
+    float rounding, and each query's output is bit for bit what it gets alone (a 1-token step): the property that
+    keeps greedy ISD's verify rows equal to AR steps."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(0)
+    b, h, hk, t, s, d = 2, 6, 2, 8, 37, 32
+    q = torch.randn(b, t, h, d, generator=g).transpose(1, 2)  # [B, H, T, D] views, as attention makes them
+    kbuf = torch.randn(b, hk, s + 11, d, generator=g)  # a cache buffer with spare capacity: strided views
+    k, v = kbuf[:, :, :s], torch.randn(b, hk, s + 11, d, generator=g)[:, :, :s]
+    mask = torch.rand(b, 1, t, s, generator=g) > 0.3
+    mask[..., 0] = True  # every query sees at least one key
+    with torch.no_grad(), cpu_linear.active():
+        got = cpu_linear.attend(q, k, v, mask, None)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        for i in (0, 3, t - 1):
+            alone = cpu_linear.attend(q[:, :, i: i + 1], k, v, mask[:, :, i: i + 1], None)
+            assert torch.equal(alone[:, 0], got[:, i])
+        one = cpu_linear.attend(q[:, :, :1], k, v, None, 0.3)  # no mask: every key (1-token steps)
+        full = cpu_linear.attend(q[:, :, :1], k, v, torch.ones(b, 1, 1, s, dtype=torch.bool), 0.3)
+        assert torch.equal(one, full)
+        torch.testing.assert_close(one, F.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.3, enable_gqa=True)
+                                   .transpose(1, 2), rtol=1e-5, atol=1e-5)
+        assert cpu_linear.attend(q, k, v, None, None) is None  # several queries need a mask: SDPA's business
+        assert cpu_linear.attend(q.double(), k.double(), v.double(), mask, None) is None
+    with torch.no_grad():
+        assert cpu_linear.attend(q, k, v, mask, None) is None  # outside active()
+
+
+@needs_kernel
+def test_gated_mlp_in_one_pass_and_not_under_adapters():
+    """A Llama MLP inside active() runs gate and up projections in one kernel pass with the SiLU product (equal to
+    the stock MLP to rounding); with a LoRA hook on gate_proj (all-linear adapters) it keeps the stock path."""
+    from transformers.models.llama import modeling_llama as ml
+
+    from dlm.testing import make_model
+
+    model = make_model("llama", hidden=64).eval()
+    mlp = next(m for m in model.modules() if isinstance(m, ml.LlamaMLP))
+    x = torch.randn(2, 5, 64) * 3
+    with torch.no_grad():
+        ref = mlp(x)
+    assert cpu_linear.attach(model) and getattr(mlp.__dict__.get("forward"), "_dlm", False)
+    calls = []
+    with torch.no_grad(), cpu_linear.active():
+        torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
+        handle = mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
+        torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
+        handle.remove()
+    assert calls == [1]  # the hooked projection ran as a module (its hook fired)
+    cpu_linear.detach(model)
+    assert "forward" not in mlp.__dict__

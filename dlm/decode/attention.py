@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dlm.decode import cpu_linear
+
 NAME = "dlm_sdpa"
 MAX_CHUNK = 16  # queries; decode chunks are 1 .. 2N-1 tokens
 CPU_ENABLE_GQA = True  # False: the packed-query form on CPU too (tests exercise both forms here)
@@ -33,6 +35,11 @@ def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float =
                      is_causal=None, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None \
+            and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None:
+        out = cpu_linear.attend(query, key, value, attention_mask, scaling)  # CPU fp32 decode chunks
+        if out is not None:
+            return out, None
     n_rep = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
     if (n_rep > 1 and T <= MAX_CHUNK and dropout == 0.0 and attention_mask is not None

@@ -25,6 +25,15 @@ of at most :data:`MAX_ROWS` rows. Everything else (training, the base model's ow
 stock layer. The packed copy follows the weights: a layer whose weight changed in place since it was packed (an
 optimizer step between two evaluations) is packed again at its next call.
 
+Around the matmuls, a decode forward at batch 1 is ~1300 small torch ops (SmolLM2-135M: ~12 ms of a ~35 ms
+step here), as many for 1 token as for 8. Inside :func:`active` the same extension also runs, one call each and
+each checked against the model's own code before use: RMSNorm (Llama's form; to rounding), the rotary embedding
+(bit for bit transformers'), the gated SiLU MLP's gate and up projections with their product in one pass (to
+rounding; not where a LoRA hook sits on them), and the attention of decode chunks of up to
+:data:`ATTEND_MAX_QUERIES` queries over the KV cache (grouped-query, boolean mask; to rounding, and like the
+linear bit for bit row-independent: a query's output is the same alone or in any chunk). Together about -4 to -6
+ms per forward on SmolLM2-135M, i.e. ~12% of an AR step and of an ISD chunk.
+
 The kernel is C++ compiled on first use with torch's ``cpp_extension`` (30-40 s, cached under
 ``TORCH_EXTENSIONS_DIR``; needs a C++ compiler and ninja). ``DLM_CPU_KERNEL=0`` turns it off; ``=1`` makes a
 failed build an error instead of a warning and a fallback to ``F.linear``.
@@ -40,7 +49,11 @@ import warnings
 import torch
 from torch import nn
 
-MAX_ROWS = 64  # rows (tokens x batch) per call up to which the kernel is used; above, BLAS is compute-efficient
+# rows (tokens x batch) per call up to which the kernel is used; above, BLAS's compute-bound GEMM is faster.
+# Measured (bench/gemm_rows.py, SmolLM2-135M shapes, 2-core AVX-512 Xeon): the kernel is at or under BLAS's time
+# up to 96 rows (142 vs 148 ms per forward's matmuls at 96), ties at 128, and is 1.3x slower at 1024 (prefill).
+# 96 = 32 requests x an N=2 verify chunk of 3 tokens, so a served batch of 32 stays on one kernel.
+MAX_ROWS = 96
 RAM_SHARE = 0.25  # pack only when the packed copy takes at most this share of physical memory
 ENV = "DLM_CPU_KERNEL"
 
@@ -48,6 +61,8 @@ _SOURCE = r"""
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <cmath>
+#include <vector>
 
 // 16 floats; aligned(4): loads and stores through it are unaligned ones
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -128,6 +143,216 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   return out;
 }
 
+// RMSNorm of each row of x [..., D] (contiguous): w * (x * (1 / sqrt(mean(x^2) + eps))), the products rounded
+// one at a time as transformers' LlamaRMSNorm does (only the sum of squares is summed in another order)
+__attribute__((optimize("fp-contract=off")))
+static void rms_row(const float* x, const float* w, float* o, int64_t D, float eps) {
+  v16 acc = v16{};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) { v16 v = *reinterpret_cast<const v16*>(x + d); acc += v * v; }
+  float ss = 0.f;
+  for (int i = 0; i < 16; i++) ss += acc[i];
+  for (; d < D; d++) ss += x[d] * x[d];
+  float inv = 1.0f / std::sqrt(ss / (float)D + eps);
+  for (d = 0; d < D; d++) { float t = x[d] * inv; o[d] = w[d] * t; }
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1), "rms_norm: bad shapes");
+  int64_t D = x.size(-1), M = x.numel() / D;
+  auto o = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; m++) rms_row(xp + m * D, wp, op + m * D, D, (float)eps);
+  });
+  return o;
+}
+
+// Rotary embedding, x * cos + rotate_half(x) * sin, each product and sum rounded on its own (no fused
+// multiply-add): bit for bit transformers' apply_rotary_pos_emb
+__attribute__((optimize("fp-contract=off")))
+static void rope_one(const float* x, const float* c, const float* s, float* o, int64_t h2) {
+  for (int64_t d = 0; d < h2; d++) {
+    float a = x[d] * c[d], b = x[d + h2] * s[d];
+    o[d] = a - b;
+    float e = x[d + h2] * c[d + h2], f = x[d] * s[d + h2];
+    o[d + h2] = e + f;
+  }
+}
+
+// x [B, H, T, D] (any strides, the last 1); cos, sin [B, T, D] (the last stride 1) -> contiguous [B, H, T, D]
+torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.dim() == 3 && x.stride(3) == 1 && cos.stride(2) == 1 &&
+              sin.stride(2) == 1 && x.size(3) % 2 == 0, "rope: bad shapes");
+  int64_t B = x.size(0), H = x.size(1), T = x.size(2), D = x.size(3);
+  auto o = torch::empty({B, H, T, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t t = 0; t < T; t++)
+        rope_one(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2), cp + b * cos.stride(0) + t * cos.stride(1),
+                 sp + b * sin.stride(0) + t * sin.stride(1), op + ((b * H + h) * T + t) * D, D / 2);
+  return o;
+}
+
+// act(x @ G.T) * (x @ U.T) for a gated MLP (Llama's SiLU): the two projections in one threaded pass over their
+// column blocks, the product formed while the block's outputs are hot. silu(g) = g / (1 + exp(-g)).
+static inline v16 vexp(v16 x);
+torch::Tensor gate_up(torch::Tensor x, torch::Tensor packed_g, torch::Tensor packed_u, int64_t N) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && packed_g.size(1) == x.size(1) && packed_u.sizes() == packed_g.sizes(),
+              "gate_up: bad shapes");
+  int64_t M = x.size(0), K = x.size(1), NB = packed_g.size(0);
+  auto g = torch::empty({M, NB * COLS}, x.options());
+  auto u = torch::empty({M, NB * COLS}, x.options());
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float *gp = g.data_ptr<float>(), *up = u.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float *pg = packed_g.data_ptr<float>(), *pu = packed_u.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; nb++) {
+      for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        int64_t mb = std::min<int64_t>(8, M - m0);
+        for (int which = 0; which < 2; which++) {
+          const float* w = (which ? pu : pg) + nb * K * COLS;
+          float* oo = (which ? up : gp) + m0 * NB * COLS + nb * COLS;
+          const float* xx = xp + m0 * K;
+          switch (mb) {
+            case 1: rows_block<1>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 2: rows_block<2>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 3: rows_block<3>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 4: rows_block<4>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 5: rows_block<5>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 6: rows_block<6>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            case 7: rows_block<7>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
+            default: rows_block<8>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false);
+          }
+        }
+        int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
+        for (int64_t m = m0; m < m0 + mb; m++) {
+          const float* gg = gp + m * NB * COLS + nb * COLS;
+          const float* uu = up + m * NB * COLS + nb * COLS;
+          float* o = op + m * N + nb * COLS;
+          float tmp[COLS];
+          for (int64_t h = 0; h < COLS; h += 16) {
+            v16 a = *reinterpret_cast<const v16*>(gg + h);
+            v16 na = v16{} - a;
+            na = na > 88.0f ? v16{} + 88.0f : na;  // exp(-g) overflows past 88: silu(g) -> 0 there anyway
+            *reinterpret_cast<v16*>(tmp + h) = a / (1.0f + vexp(na)) * *reinterpret_cast<const v16*>(uu + h);
+          }
+          for (int64_t j = 0; j < ncols; j++) o[j] = tmp[j];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// exp(x) for x <= 88 (Cephes' expf: 2^n * p(r), |r| <= ln2 / 2; ~1 ulp), 16 lanes
+typedef int32_t vi16 __attribute__((vector_size(64), aligned(4)));
+static inline v16 vexp(v16 x) {
+  const v16 lo = v16{} - 87.3f;
+  x = x < lo ? lo : x;
+  v16 t = x * 1.44269504088896341f + 12582912.0f;  // round to nearest: n = t - 1.5 * 2^23
+  v16 n = t - 12582912.0f;
+  v16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  p = p * r * r + r + 1.0f;
+  vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  return p * reinterpret_cast<v16&>(e);
+}
+
+// Attention of a few queries over a KV cache, grouped-query: q [B, H, T, D], k, v [B, Hk, S, D] (any strides, the
+// last 1), mask [B, 1, T, S] bool (any strides) or none (every key), -> [B, T, H, D] contiguous. Each query's
+// output is computed over the keys in order, whatever T and the other queries are (so a token's attention is bit
+// for bit the same in a 1-token step and inside any chunk).
+torch::Tensor attend(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                     double scale) {
+  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && D % 16 == 0 && v.size(3) == D &&
+              H % Hk == 0 && k.size(0) == B && v.size(2) == S, "attend: bad shapes");
+  bool has_mask = mask.has_value() && mask->defined();
+  const bool* mp = has_mask ? mask->data_ptr<bool>() : nullptr;
+  int64_t ms0 = has_mask ? mask->stride(0) : 0, ms2 = has_mask ? mask->stride(2) : 0,
+          ms3 = has_mask ? mask->stride(3) : 0;
+  auto out = torch::empty({B, T, H, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rep = H / Hk, SP = (S + 15) / 16 * 16, DV = D / 16;
+  const float sc = (float)scale;
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(SP);
+    float* w = buf.data();
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = i / H, h = i % H, hk = h / rep;
+      const float* kb = kp + b * k.stride(0) + hk * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + hk * v.stride(1);
+      for (int64_t t = 0; t < T; t++) {
+        const float* qq = qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2);
+        const bool* mrow = has_mask ? mp + b * ms0 + t * ms2 : nullptr;
+        float mx = -INFINITY;
+        for (int64_t s = 0; s < S; s++) {
+          if (mrow && !mrow[s * ms3]) { w[s] = -INFINITY; continue; }
+          const float* kk = kb + s * k.stride(2);
+          v16 acc = v16{};
+          for (int64_t d = 0; d < DV; d++)
+            acc += *reinterpret_cast<const v16*>(qq + 16 * d) * *reinterpret_cast<const v16*>(kk + 16 * d);
+          float dot = 0.f;
+          for (int j = 0; j < 16; j++) dot += acc[j];
+          w[s] = dot * sc;
+          mx = std::max(mx, w[s]);
+        }
+        float* o = op + ((b * T + t) * H + h) * D;
+        if (mx == -INFINITY) { std::fill(o, o + D, 0.f); continue; }  // no key to attend to
+        for (int64_t s = S; s < SP; s++) w[s] = -INFINITY;
+        v16 tot = v16{};
+        for (int64_t s = 0; s < SP; s += 16) {
+          v16 x = *reinterpret_cast<v16*>(w + s);
+          v16 e = vexp(x - mx);
+          e = x == -INFINITY ? v16{} : e;
+          *reinterpret_cast<v16*>(w + s) = e;
+          tot += e;
+        }
+        float sum = 0.f;
+        for (int j = 0; j < 16; j++) sum += tot[j];
+        v16 acc[8];
+        for (int64_t d = 0; d < DV && d < 8; d++) acc[d] = v16{};
+        if (DV <= 8) {
+          for (int64_t s = 0; s < S; s++) {
+            float p = w[s];
+            if (p == 0.f) continue;
+            const float* vv = vb + s * v.stride(2);
+            for (int64_t d = 0; d < DV; d++) acc[d] += *reinterpret_cast<const v16*>(vv + 16 * d) * p;
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t d = 0; d < DV; d++) *reinterpret_cast<v16*>(o + 16 * d) = acc[d] * inv;
+        } else {  // wide heads: accumulate in the output row
+          std::fill(o, o + D, 0.f);
+          for (int64_t s = 0; s < S; s++) {
+            float p = w[s];
+            if (p == 0.f) continue;
+            const float* vv = vb + s * v.stride(2);
+            for (int64_t d = 0; d < D; d++) o[d] += p * vv[d];
+          }
+          const float inv = 1.0f / sum;
+          for (int64_t d = 0; d < D; d++) o[d] *= inv;
+        }
+      }
+    }
+  });
+  return out;
+}
+
 void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor packed_a, int64_t r, torch::Tensor packed_b,
               double scale) {
   // out[M, N] += scale * (x[M, K] @ A.T) @ B.T; out: rows of a contiguous layer output (row stride = N)
@@ -161,7 +386,7 @@ def extension():
 
             cap = torch.backends.cpu.get_cpu_capability()
             tag = hashlib.sha1((_SOURCE + cap + torch.__version__).encode()).hexdigest()[:10]
-            mod = load_inline(f"dlm_cpu_linear_{tag}", cpp_sources=_SOURCE, functions=["pack", "linear", "lora_add"],
+            mod = load_inline(f"dlm_cpu_linear_{tag}", cpp_sources=_SOURCE, functions=["pack", "linear", "lora_add", "rms_norm", "rope", "attend", "gate_up"],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)  # -fopenmp: at::parallel_for is inline; without it, one thread
         except Exception as e:  # noqa: BLE001 - no compiler / ninja / headers: the stock layers still work
@@ -225,7 +450,160 @@ def attach(model: nn.Module) -> bool:
     gated = getattr(model, "gated_lora", None)
     if gated is not None and hasattr(gated, "fast_delta"):
         gated.fast_delta = adapter_delta  # the mask rows' low-rank deltas through the kernel too
+    _attach_norms(model, mod)
+    _attach_rope(model, mod)
+    _attach_mlps(model, mod)
     return True
+
+
+def _attach_mlps(model: nn.Module, mod) -> None:
+    """Gated SiLU MLPs (Llama, Qwen, Mistral): gate and up projections in one kernel pass with the SiLU product."""
+    for m in model.modules():
+        gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
+        if not type(m).__name__.endswith("MLP") or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear) \
+                or not isinstance(getattr(m, "down_proj", None), nn.Module) \
+                or type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation") \
+                or gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape \
+                or getattr(gate, "_dlm_packed", None) is None or getattr(up, "_dlm_packed", None) is None \
+                or getattr(m.__dict__.get("forward"), "_dlm", False):
+            continue
+        m.forward = _make_mlp_forward(m, m.forward)
+
+
+def _make_mlp_forward(module: nn.Module, stock):
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+
+    def forward(x):
+        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or gate._forward_hooks or up._forward_hooks or gate._forward_pre_hooks or up._forward_pre_hooks:
+            return stock(x)
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not 0 < rows <= MAX_ROWS:
+            return stock(x)
+        for layer in (gate, up):
+            if layer._dlm_packed_of != _key(layer.weight):
+                _pack(layer, _module[0])
+        h = _module[0].gate_up(x.reshape(rows, k).contiguous(), gate._dlm_packed, up._dlm_packed, gate._dlm_out)
+        return down(h.view(*x.shape[:-1], gate._dlm_out))
+
+    forward._dlm = True
+    return forward
+
+
+# -- the elementwise ops around the matmuls ------------------------------------------------------------------
+# At batch 1 a decode forward is ~1300 small torch ops besides the matmuls (SmolLM2-135M: ~12 ms of a ~35 ms
+# step on this CPU), the same for 1 token as for 8. RMSNorm (7 ops: pow, mean = sum + div, add, rsqrt, 2 mul) and
+# rotary embedding (7 per tensor: 2 slices, neg, cat, 2 mul, add) are most of them; inside active() they run as one
+# call each. Both are checked against the model's own function on random input before they are used (a model whose
+# norm or rotary differs, e.g. Gemma's (1 + w) norm or an interleaved rotary, keeps its own).
+
+_checked: dict = {}  # class -> whether the fused RMSNorm matches its forward; modeling module -> rotary matches
+
+
+def _norm_eps(m: nn.Module):
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
+def _attach_norms(model: nn.Module, mod) -> None:
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not type(m).__name__.endswith("RMSNorm") or _norm_eps(m) is None or not isinstance(w, torch.Tensor) \
+                or w.dim() != 1 or w.dtype != torch.float32 or w.device.type != "cpu" \
+                or getattr(m.__dict__.get("forward"), "_dlm", False):
+            continue
+        if type(m) not in _checked:
+            x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                try:
+                    ok = torch.allclose(m(x), mod.rms_norm(x, w.contiguous(), _norm_eps(m)), rtol=1e-5, atol=1e-5)
+                except Exception:  # noqa: BLE001 - a norm of another shape or signature: keep its own forward
+                    ok = False
+            _checked[type(m)] = ok
+        if _checked[type(m)]:
+            m.forward = _make_norm_forward(m, m.forward)
+
+
+def _make_norm_forward(module: nn.Module, stock):
+    eps = _norm_eps(module)
+
+    def forward(x):
+        w = module.weight
+        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or w.dtype != torch.float32 or x.shape[-1] != w.numel():
+            return stock(x)
+        return _module[0].rms_norm(x.contiguous(), w, eps)
+
+    forward._dlm = True
+    return forward
+
+
+def _attach_rope(model: nn.Module, mod) -> None:
+    import sys
+
+    for m in model.modules():
+        if not type(m).__name__.endswith("Attention"):
+            continue
+        home = sys.modules.get(type(m).__module__)
+        fn = getattr(home, "apply_rotary_pos_emb", None)
+        if fn is None or getattr(fn, "_dlm", False) or _checked.get(home) is False:
+            continue
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(2, 5, 4, 8, generator=g).transpose(1, 2)  # [B, H, T, D] views, as attention makes them
+        k = torch.randn(2, 5, 2, 8, generator=g).transpose(1, 2)
+        cos, sin = torch.randn(2, 5, 8, generator=g), torch.randn(2, 5, 8, generator=g)
+        try:
+            rq, rk = fn(q, k, cos, sin)
+            ok = torch.equal(rq, mod.rope(q, cos, sin)) and torch.equal(rk, mod.rope(k, cos, sin))
+        except Exception:  # noqa: BLE001 - another signature or layout: keep the model's own
+            ok = False
+        _checked[home] = ok
+        if ok:
+            home.apply_rotary_pos_emb = _make_rope(fn)
+
+
+ATTEND_MAX_QUERIES = 16  # decode chunks (1 .. 2N-1 tokens, candidate trees up to ~12); prefill stays with SDPA
+
+
+def attend(query, key, value, mask, scale):
+    """Attention of a decode chunk through the kernel: ``query [B, H, T, D]``, ``key``/``value [B, Hk, S, D]``,
+    ``mask`` a bool ``[B, 1, T, S]`` or None (every key; only for T = 1), ``scale`` (None: 1/sqrt(D)); returns
+    ``[B, T, H, D]`` or None where it does not apply (outside :func:`active`, gradients, other dtypes or shapes)."""
+    if not _active[0] or not _module or _module[0] is None or torch.is_grad_enabled():
+        return None
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    b, h, t, d = query.shape
+    if not 0 < t <= ATTEND_MAX_QUERIES or d % 16 or value.shape[-1] != d or h % key.shape[1] \
+            or key.shape[0] != b or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
+                                        for x in (query, key, value)):
+        return None
+    if mask is None:
+        if t != 1:
+            return None
+    elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != t \
+            or mask.shape[3] != key.shape[2] or mask.shape[0] not in (1, b):
+        return None
+    elif mask.shape[0] != b:
+        mask = mask.expand(b, 1, t, key.shape[2])
+    return _module[0].attend(query, key, value, mask, float(scale if scale is not None else d ** -0.5))
+
+
+def _make_rope(stock):
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not _active[0] or args or kwargs or torch.is_grad_enabled() or q.dim() != 4 or cos.dim() != 3 \
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1
+                       for t in (q, k, cos, sin)) \
+                or cos.shape != sin.shape or tuple(cos.shape) != (q.shape[0], q.shape[2], q.shape[3]) \
+                or (k.shape[0], k.shape[2], k.shape[3]) != tuple(cos.shape):
+            return stock(q, k, cos, sin, *args, **kwargs)
+        ext = _module[0]
+        return ext.rope(q, cos, sin), ext.rope(k, cos, sin)
+
+    apply_rotary_pos_emb._dlm = True
+    apply_rotary_pos_emb._dlm_stock = stock
+    return apply_rotary_pos_emb
 
 
 def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor, scale: float) -> bool:
@@ -278,7 +656,11 @@ def _make_forward(module: nn.Module, stock):
 
 
 def detach(model: nn.Module) -> None:
-    """Undo :func:`attach`: stock forwards, packed copies freed."""
+    """Undo :func:`attach`: stock forwards, packed copies freed. (The rotary function of a modeling module stays
+    wrapped: it is shared by every model of that architecture and runs the stock code outside :func:`active`.)"""
+    for m in model.modules():
+        if type(m).__name__.endswith(("RMSNorm", "MLP")) and getattr(m.__dict__.get("forward"), "_dlm", False):
+            del m.forward
     for m in _linear_layers(model):
         if getattr(m.__dict__.get("forward"), "_dlm", False):
             del m.forward

@@ -410,11 +410,6 @@ def _linear_layers(model: nn.Module):
     return (m for m in model.modules() if _linear_shape(m) is not None)
 
 
-def _key(*tensors) -> tuple:
-    """What a packed copy was made from: changes when a tensor is replaced or modified in place."""
-    return tuple((t.data_ptr(), t._version, tuple(t.shape)) for t in tensors)
-
-
 def _plain_fp32_cpu(w) -> bool:
     """A whole fp32 CPU weight (not a DTensor / FSDP shard / DeepSpeed ZeRO-3 placeholder)."""
     return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
@@ -482,7 +477,8 @@ def _make_mlp_forward(module: nn.Module, stock):
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
         for layer in (gate, up):
-            if layer._dlm_packed_of != _key(layer.weight):
+            w = layer.weight
+            if w._version != layer._dlm_version or w.data_ptr() != layer._dlm_ptr:
                 _pack(layer, _module[0])
         h = _module[0].gate_up(x.reshape(rows, k).contiguous(), gate._dlm_packed, up._dlm_packed, gate._dlm_out)
         return down(h.view(*x.shape[:-1], gate._dlm_out))
@@ -616,7 +612,7 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
         return False
     ext = _module[0]
     a, b = adapter.A, adapter.B
-    key = _key(a, b)
+    key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
         with torch.no_grad():
@@ -631,7 +627,8 @@ def _pack(module: nn.Module, mod) -> None:
     transposed = not isinstance(module, nn.Linear)
     with torch.no_grad():
         module._dlm_packed = mod.pack(w.detach(), transposed)
-    module._dlm_packed_of = _key(w)
+    # what the copy was made from (storage, in-place version): a replaced or modified weight is packed again
+    module._dlm_ptr, module._dlm_version = w.data_ptr(), w._version
     module._dlm_out = w.shape[1] if transposed else w.shape[0]
 
 
@@ -644,11 +641,9 @@ def _make_forward(module: nn.Module, stock):
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
         w = module.weight
-        if module._dlm_packed_of != _key(w):
-            _pack(module, _module[0])  # the weight changed in place (training) since it was packed
-        bias = module.bias
-        out = _module[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out,
-                                None if bias is None else bias.detach())
+        if w._version != module._dlm_version or w.data_ptr() != module._dlm_ptr:
+            _pack(module, _module[0])  # the weight changed in place (training) or was replaced since it was packed
+        out = _module[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias)
         return out.view(*x.shape[:-1], module._dlm_out)
 
     forward._dlm = True
@@ -664,7 +659,7 @@ def detach(model: nn.Module) -> None:
     for m in _linear_layers(model):
         if getattr(m.__dict__.get("forward"), "_dlm", False):
             del m.forward
-        for name in ("_dlm_packed", "_dlm_packed_of", "_dlm_out"):
+        for name in ("_dlm_packed", "_dlm_ptr", "_dlm_version", "_dlm_out"):
             if hasattr(m, name):
                 delattr(m, name)
     gated = getattr(model, "gated_lora", None)

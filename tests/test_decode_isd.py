@@ -248,8 +248,10 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         assert Engine(dlm, decoder="isd", stride=stride).generate([prompts[0]], params)[0].token_ids == ar[0]
         batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
         assert [r.token_ids for r in batch] == ar
-    batch = Engine(dlm, decoder="isd", candidates=3, max_batch_size=3).generate(prompts, params)
-    assert [r.token_ids for r in batch] == ar
+    for min_prob in (0.0, 0.1):  # every candidate verified / only those the mask gives >= 10% (the default)
+        batch = Engine(dlm, decoder="isd", candidates=3, candidate_min_prob=min_prob, max_batch_size=3).generate(
+            prompts, params)
+        assert [r.token_ids for r in batch] == ar
 
 
 def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():
@@ -325,11 +327,13 @@ def test_isd_candidates_greedy_equals_ar_greedy(arch):
     dlm = idlm(arch)
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
     ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    # a random tiny model's mask spreads its mass thinly: candidate_min_prob=0 makes every step verify all K
     for k, fallback in itertools.product((2, 3), ("predict", "off")):
-        one = Engine(dlm, decoder="isd", candidates=k, fallback=fallback).generate([PROMPTS[2]], params)[0]
+        one = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0).generate(
+            [PROMPTS[2]], params)[0]
         assert one.token_ids == ar[2], (arch, k, fallback)
-        batch = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, max_batch_size=3).generate(
-            PROMPTS, params)
+        batch = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0,
+                       max_batch_size=3).generate(PROMPTS, params)
         assert [r.token_ids for r in batch] == ar, (arch, k, fallback)
         assert all(1.0 <= r.stats.tpf <= 2 for r in batch)
 
@@ -480,3 +484,23 @@ def test_recursive_rejection_over_draws_without_replacement_gives_p_exactly():
     assert tv2 < eps and tv3 < eps, (tv2, tv3, eps)
     assert 0.6 < acc2 < acc3 < 0.9, (acc2, acc3)  # measured: 0.69, 0.78
     assert tv(iid_rule, 3)[0] > 4 * eps
+
+
+def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
+    """--isd-candidates K verifies the 2nd..K-th likeliest drafts only where the mask gives them at least
+    candidate_min_prob (default 0.1): a confident mask costs a 4-token chunk, an unsure one the full tree; the
+    output stays AR's, greedy and sampled (the count comes from q alone, before any draw)."""
+    probs = torch.tensor([0.7, 0.2, 0.05])
+    assert ISDDecoder(candidates=3)._candidate_count(probs) == 2
+    assert ISDDecoder(candidates=3, candidate_min_prob=0.0)._candidate_count(probs) == 3
+    assert ISDDecoder(candidates=3)._candidate_count(torch.tensor([0.97, 0.02, 0.01])) == 1
+    for bad in (-0.1, 1.5, "0.1", True):
+        with pytest.raises(DLMError, match="candidate_min_prob must be a probability"):
+            ISDDecoder(candidates=2, candidate_min_prob=bad)
+    small = tiny_idlm(vocab=5)  # its mask spreads over 4 tokens: some steps above 0.25 for a 2nd/3rd, some not
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    ar = Engine(small, decoder="ar").generate([[1, 2, 3], [3, 1]], params)
+    dec = ISDDecoder(candidates=3, candidate_min_prob=0.25)
+    got = Engine(small, decoder=dec, max_batch_size=2).generate([[1, 2, 3], [3, 1]], params)
+    assert [r.token_ids for r in got] == [r.token_ids for r in ar]
+    assert len({key[1][1] for key in dec._layouts}) >= 2, dec._layouts  # chunks of more than one size ran

@@ -248,7 +248,7 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         assert Engine(dlm, decoder="isd", stride=stride).generate([prompts[0]], params)[0].token_ids == ar[0]
         batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
         assert [r.token_ids for r in batch] == ar
-    for min_prob in (0.0, 0.1):  # every candidate verified / only those the mask gives >= 10% (the default)
+    for min_prob in (0.0, 0.05):  # every candidate verified / only those the mask gives >= 5% (the default)
         batch = Engine(dlm, decoder="isd", candidates=3, candidate_min_prob=min_prob, max_batch_size=3).generate(
             prompts, params)
         assert [r.token_ids for r in batch] == ar
@@ -488,9 +488,9 @@ def test_recursive_rejection_over_draws_without_replacement_gives_p_exactly():
 
 def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     """--isd-candidates K verifies the 2nd..K-th likeliest drafts only where the mask gives them at least
-    candidate_min_prob (default 0.1): a confident mask costs a 4-token chunk, an unsure one the full tree; the
+    candidate_min_prob (default 0.05): a confident mask costs a 4-token chunk, an unsure one the full tree; the
     output stays AR's, greedy and sampled (the count comes from q alone, before any draw)."""
-    probs = torch.tensor([0.7, 0.2, 0.05])
+    probs = torch.tensor([0.7, 0.2, 0.03])
     assert ISDDecoder(candidates=3)._candidate_count(probs) == 2
     assert ISDDecoder(candidates=3, candidate_min_prob=0.0)._candidate_count(probs) == 3
     assert ISDDecoder(candidates=3)._candidate_count(torch.tensor([0.97, 0.02, 0.01])) == 1

@@ -28,11 +28,11 @@ def check_fallback(fallback) -> None:
 
 
 MAX_CANDIDATES = 8  # ISD --isd-candidates
-CANDIDATES_HELP = ("ISD at stride 2: verify the K likeliest drafts for the next position at once (greedy: the mask's "
-                   "top K; sampling: K draws without replacement, recursive rejection sampling), each with its own "
-                   "mask for the draft after it: a chunk of 2K+2 tokens, acceptance = the drafts' top-K coverage. "
-                   "Default 1 (plain ISD). For devices where extra chunk tokens are nearly free (a GPU at small "
-                   "batch); output is the same")
+CANDIDATES_HELP = ("ISD at stride 2: verify up to K likeliest drafts for the next position at once (greedy: the "
+                   "mask's top K; sampling: draws without replacement, recursive rejection sampling), each with its "
+                   "own mask for the draft after it: a chunk of 2K+2 tokens, acceptance = the drafts' top-K coverage. "
+                   "The 2nd..K-th are verified only where the mask gives them >= 5%% (each costs two chunk tokens). "
+                   "Default 1 (plain ISD). Output is the same")
 
 
 def check_candidates(candidates, stride=None) -> None:

@@ -99,7 +99,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
     ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
-                    "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with --isd-candidates K")
+                    "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
+                    "--isd-candidates K")
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
     servers = {}
     with contextlib.ExitStack() as stack:
         for decode in decodes:
-            name, *opts = decode.split(":")  # "isd:6" / "isd:auto" = --isd-token-budget 6 / auto; "isd:c3" = 3 candidates
+            # "isd:6" / "isd:auto" = --isd-token-budget 6 / auto; "isd:c3" = --isd-candidates 3
+            name, *opts = decode.split(":")
             kw = {"stride": args.stride} if name == "isd" and args.stride else {}
             for opt in opts:
                 if opt.startswith("c") and opt[1:].isdigit():

@@ -398,7 +398,7 @@ def plots(results: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for r in isd + cand:
         ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o",
-                label=f"N={r['stride']}" + (f", K={_k(r)} candidates" if _k(r) > 1 else ""))
+                label=f"N={r['stride']}" + (f", up to K={_k(r)} candidates" if _k(r) > 1 else ""))
     ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1), ax.legend()
     fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
     made.append("acceptance.png")
@@ -407,9 +407,9 @@ def plots(results: dict, out: Path) -> list[str]:
     ax.plot(ns, [r["tpf"] for r in isd], marker="o", label="tokens per forward")
     ax.plot(ns, [r["speedup_vs_generate"] for r in isd], marker="s", label="speedup vs generate")
     for r in cand:
-        ax.scatter([r["stride"]], [r["tpf"]], marker="^", zorder=3, label=f"TPF, K={r['candidates']} candidates")
+        ax.scatter([r["stride"]], [r["tpf"]], marker="^", zorder=3, label=f"TPF, up to K={r['candidates']} candidates")
         ax.scatter([r["stride"]], [r["speedup_vs_generate"]], marker="v", zorder=3,
-                   label=f"speedup, K={r['candidates']} candidates")
+                   label=f"speedup, up to K={r['candidates']} candidates")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("stride N"), ax.set_xticks(ns), ax.legend()
     fig.tight_layout(), fig.savefig(out / "tpf_speedup.png", dpi=110), plt.close(fig)
@@ -461,7 +461,7 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
     most = max(isd, key=lambda r: r["tpf"]) if isd else None
 
     def name(r):
-        return f"N={r['stride']}" + (f" with K={_k(r)} candidates" if _k(r) > 1 else "")
+        return f"N={r['stride']}" + (f" with up to K={_k(r)} candidates" if _k(r) > 1 else "")
 
     lines = [
         "# dlm quickstart report", "",

@@ -204,8 +204,8 @@ torch::Tensor rope(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 // column blocks, the product formed while the block's outputs are hot. silu(g) = g / (1 + exp(-g)).
 static inline v16 vexp(v16 x);
 torch::Tensor gate_up(torch::Tensor x, torch::Tensor packed_g, torch::Tensor packed_u, int64_t N) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && packed_g.size(1) == x.size(1) && packed_u.sizes() == packed_g.sizes(),
-              "gate_up: bad shapes");
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && packed_g.size(1) == x.size(1) &&
+              packed_u.sizes() == packed_g.sizes(), "gate_up: bad shapes");
   int64_t M = x.size(0), K = x.size(1), NB = packed_g.size(0);
   auto g = torch::empty({M, NB * COLS}, x.options());
   auto u = torch::empty({M, NB * COLS}, x.options());
@@ -386,7 +386,8 @@ def extension():
 
             cap = torch.backends.cpu.get_cpu_capability()
             tag = hashlib.sha1((_SOURCE + cap + torch.__version__).encode()).hexdigest()[:10]
-            mod = load_inline(f"dlm_cpu_linear_{tag}", cpp_sources=_SOURCE, functions=["pack", "linear", "lora_add", "rms_norm", "rope", "attend", "gate_up"],
+            mod = load_inline(f"dlm_cpu_linear_{tag}", cpp_sources=_SOURCE,
+                              functions=["pack", "linear", "lora_add", "rms_norm", "rope", "attend", "gate_up"],
                               extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
                               verbose=False)  # -fopenmp: at::parallel_for is inline; without it, one thread
         except Exception as e:  # noqa: BLE001 - no compiler / ninja / headers: the stock layers still work

@@ -106,6 +106,21 @@ static inline void rows_block(const float* x, int64_t ldx, const float* wp, int6
   }
 }
 
+// rows_block for mb = 1..8 rows (the accumulators' count is a compile-time constant)
+static inline void rows_block_n(int64_t mb, const float* x, const float* wp, int64_t K, float* out, int64_t ldo,
+                                int64_t ncols, const float* bias, float alpha, bool accumulate) {
+  switch (mb) {
+    case 1: rows_block<1>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 2: rows_block<2>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 3: rows_block<3>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 4: rows_block<4>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 5: rows_block<5>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 6: rows_block<6>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    case 7: rows_block<7>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate); break;
+    default: rows_block<8>(x, K, wp, K, out, ldo, ncols, bias, alpha, accumulate);
+  }
+}
+
 // out[M, N] (row stride ldo) = x[M, K] @ W.T (+ bias), or out += alpha * x @ W.T (accumulate)
 static void linear_into(const float* xp, int64_t M, int64_t K, const float* pp, int64_t NB, int64_t N,
                         const float* bp, float* op, int64_t ldo, float alpha, bool accumulate) {
@@ -114,20 +129,9 @@ static void linear_into(const float* xp, int64_t M, int64_t K, const float* pp, 
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
       const float* w = pp + nb * K * COLS;
       const float* bb = bp ? bp + nb * COLS : nullptr;
-      for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        const float* xx = xp + m0 * K;
-        float* oo = op + m0 * ldo + nb * COLS;
-        switch (std::min<int64_t>(8, M - m0)) {
-          case 1: rows_block<1>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 2: rows_block<2>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 3: rows_block<3>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 4: rows_block<4>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 5: rows_block<5>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 6: rows_block<6>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          case 7: rows_block<7>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate); break;
-          default: rows_block<8>(xx, K, w, K, oo, ldo, ncols, bb, alpha, accumulate);
-        }
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        rows_block_n(std::min<int64_t>(8, M - m0), xp + m0 * K, w, K, op + m0 * ldo + nb * COLS, ldo, ncols, bb,
+                     alpha, accumulate);
     }
   });
 }
@@ -217,21 +221,9 @@ torch::Tensor gate_up(torch::Tensor x, torch::Tensor packed_g, torch::Tensor pac
     for (int64_t nb = b0; nb < b1; nb++) {
       for (int64_t m0 = 0; m0 < M; m0 += 8) {
         int64_t mb = std::min<int64_t>(8, M - m0);
-        for (int which = 0; which < 2; which++) {
-          const float* w = (which ? pu : pg) + nb * K * COLS;
-          float* oo = (which ? up : gp) + m0 * NB * COLS + nb * COLS;
-          const float* xx = xp + m0 * K;
-          switch (mb) {
-            case 1: rows_block<1>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 2: rows_block<2>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 3: rows_block<3>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 4: rows_block<4>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 5: rows_block<5>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 6: rows_block<6>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            case 7: rows_block<7>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false); break;
-            default: rows_block<8>(xx, K, w, K, oo, NB * COLS, COLS, nullptr, 1.f, false);
-          }
-        }
+        for (int which = 0; which < 2; which++)
+          rows_block_n(mb, xp + m0 * K, (which ? pu : pg) + nb * K * COLS, K,
+                       (which ? up : gp) + m0 * NB * COLS + nb * COLS, NB * COLS, COLS, nullptr, 1.f, false);
         int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
         for (int64_t m = m0; m < m0 + mb; m++) {
           const float* gg = gp + m * NB * COLS + nb * COLS;

@@ -469,10 +469,7 @@ def _make_mlp_forward(module: nn.Module, stock):
         rows = x.numel() // k if k else 0
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
-        for layer in (gate, up):
-            w = layer.weight
-            if w._version != layer._dlm_version or w.data_ptr() != layer._dlm_ptr:
-                _pack(layer, _module[0])
+        _fresh(gate), _fresh(up)
         h = _module[0].gate_up(x.reshape(rows, k).contiguous(), gate._dlm_packed, up._dlm_packed, gate._dlm_out)
         return down(h.view(*x.shape[:-1], gate._dlm_out))
 
@@ -625,6 +622,13 @@ def _pack(module: nn.Module, mod) -> None:
     module._dlm_out = w.shape[1] if transposed else w.shape[0]
 
 
+def _fresh(module: nn.Module) -> None:
+    """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""
+    w = module.weight
+    if w._version != module._dlm_version or w.data_ptr() != module._dlm_ptr:
+        _pack(module, _module[0])
+
+
 def _make_forward(module: nn.Module, stock):
     def forward(x):
         if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
@@ -633,9 +637,7 @@ def _make_forward(module: nn.Module, stock):
         rows = x.numel() // k if k else 0
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
-        w = module.weight
-        if w._version != module._dlm_version or w.data_ptr() != module._dlm_ptr:
-            _pack(module, _module[0])  # the weight changed in place (training) or was replaced since it was packed
+        _fresh(module)
         out = _module[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias)
         return out.view(*x.shape[:-1], module._dlm_out)
 
@@ -646,12 +648,10 @@ def _make_forward(module: nn.Module, stock):
 def detach(model: nn.Module) -> None:
     """Undo :func:`attach`: stock forwards, packed copies freed. (The rotary function of a modeling module stays
     wrapped: it is shared by every model of that architecture and runs the stock code outside :func:`active`.)"""
-    for m in model.modules():
-        if type(m).__name__.endswith(("RMSNorm", "MLP")) and getattr(m.__dict__.get("forward"), "_dlm", False):
-            del m.forward
-    for m in _linear_layers(model):
+    for m in model.modules():  # linear layers, norms, MLPs: every forward attach() wrapped
         if getattr(m.__dict__.get("forward"), "_dlm", False):
             del m.forward
+    for m in _linear_layers(model):
         for name in ("_dlm_packed", "_dlm_ptr", "_dlm_version", "_dlm_out"):
             if hasattr(m, name):
                 delattr(m, name)

@@ -220,8 +220,9 @@ class ISDDecoder(Decoder):
             d = q.argmax(-1) if self.draft == "argmax" else sample(q, row.generator)
             if k > 1:  # draws without replacement (_consume_candidates verifies them exactly); argmax: top k
                 # how many: from q alone, before any draw (a count that depended on the draws would bias them)
-                k = self._candidate_count(q[0].topk(min(k, q.shape[-1])).values)
-                row.state["cands"] = q[0].topk(k).indices.tolist() if self.draft == "argmax" else \
+                top = q[0].topk(min(k, q.shape[-1]))
+                k = self._candidate_count(top.values)
+                row.state["cands"] = top.indices[:k].tolist() if self.draft == "argmax" else \
                     draws_without_replacement(q[0], int(d[0]), k, row.generator)
         row.state["drafts"] = d.tolist()
         row.state["q"] = q

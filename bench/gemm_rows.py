@@ -37,7 +37,7 @@ def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kind
                 F.linear(x, w)
         else:
             for w, p in zip(weights, packed):
-                ext.linear(x, p, w.shape[0], None)
+                ext.linear(x, p, w.shape[0], None, None)
 
     spent = {k: 0.0 for k in kinds}
     with torch.inference_mode():

@@ -17,15 +17,15 @@ def test_kernel_matches_f_linear_and_is_row_invariant(n, k):
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = ext.pack(w, False)
     assert torch.equal(ext.pack(w.t().contiguous(), True), packed)  # Conv1D layout packs to the same blocks
-    alone = ext.linear(torch.randn(1, k, generator=torch.Generator().manual_seed(5)), packed, n, b)
+    alone = ext.linear(torch.randn(1, k, generator=torch.Generator().manual_seed(5)), packed, n, b, None)
     for m in (1, 2, 3, 8, 9, 17, cpu_linear.MAX_ROWS):
         x = torch.randn(m, k, generator=g)
         x[m // 2] = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
-        y = ext.linear(x, packed, n, b)
+        y = ext.linear(x, packed, n, b, None)
         torch.testing.assert_close(y, nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
         # one row's output does not depend on how many rows share the call, nor on them: bit for bit
         assert torch.equal(y[m // 2], alone[0])
-        assert torch.equal(ext.linear(x, packed, n, None) + b, y)  # the bias is one add after the sum
+        assert torch.equal(ext.linear(x, packed, n, None, None) + b, y)  # the bias is one add after the sum
 
 
 def _net():
@@ -255,3 +255,152 @@ def test_gated_mlp_in_one_pass_and_not_under_adapters():
     assert calls == [1]  # the hooked projection ran as a module (its hook fired)
     cpu_linear.detach(model)
     assert "forward" not in mlp.__dict__
+
+
+class _Counting:
+    """The extension with a call count per function (which kernels a forward actually ran)."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch):
+    """Inside active() a Llama-form decoder layer (Llama, Qwen2 with its q/k/v biases, Mistral) runs as one Python
+    function over the kernels: a cached decode chunk with a mask gives the stock model's logits to rounding, a hook
+    on a projection (a gated-LoRA adapter) still fires, and outside active() the layer is stock bit for bit. Qwen3's
+    per-head q/k norms are not that form: its layers keep their own forward."""
+    from transformers import DynamicCache
+
+    from dlm.testing import make_model
+
+    model = make_model(arch, hidden=64, heads=4, kv_heads=2)
+    ids = torch.randint(5, 90, (2, 9))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    assert cpu_linear.attach(model)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    fused = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
+    assert fused == [arch != "qwen3"] * len(layers)
+    counting = _Counting(cpu_linear._module[0])
+    monkeypatch.setattr(cpu_linear, "_module", [counting])
+    seen = []
+    handle = layers[0].self_attn.q_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
+    mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
+    mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
+    with torch.no_grad(), cpu_linear.active():
+        cache = DynamicCache()
+        model(input_ids=ids[:, :6], cache=cache, use_cache=True)  # prefill (beyond the kernels' rows: stock)
+        got = model(input_ids=ids[:, 6:], cache=cache, use_cache=True, attention_mask=mask,
+                    position_ids=torch.arange(6, 9)[None].expand(2, 3)).logits
+    handle.remove()
+    torch.testing.assert_close(got, stock[:, 6:], rtol=1e-4, atol=1e-4)
+    assert seen[-1] == (2, 3, 64)  # the hooked projection was called as a module, on [B, T, D]
+    if arch != "qwen3":
+        assert counting.calls.get("attend") == len(layers)  # one kernel attention per layer of the chunk
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)
+    cpu_linear.detach(model)
+    assert not any("forward" in m.__dict__ for m in layers)
+
+
+def _q4_1_form(n, k, g):
+    """A weight as GGUF's Q4_1 dequantizes it: per 32 inputs (d * q) + m, d and m fp16 values, q in 0..15 (the
+    block's smallest weight has q = 0, its largest q = 15, as the quantizer makes them)."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    m = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().float()
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    return (d * q + m).reshape(n, k)
+
+
+def _q8_0_form(n, k, g):
+    """A weight as GGUF's Q8_0 dequantizes it: per 32 inputs d * q, d fp16, q int8 (one |q| = 127 per block)."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 3] = -127
+    return (d * q).reshape(n, k)
+
+
+@needs_kernel
+@pytest.mark.skipif(ext is None or not ext.quant_kinds(), reason="no quantized kinds in this build (no AVX-512)")
+def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_same():
+    """Weights that are exactly Q4_1 / Q8_0 values (a model loaded from a GGUF file) are packed in that form and
+    the kernel's outputs are bit for bit the fp32 kernel's, at every row count; a weight with one block off the
+    form (or plain random weights) stays fp32."""
+    g = torch.Generator().manual_seed(0)
+    for make, n, k, dtype in ((_q4_1_form, 100, 64, torch.uint8), (_q4_1_form, 300, 576, torch.uint8),
+                              (_q8_0_form, 70, 96, torch.int8)):
+        w = make(n, k, g)
+        (packed, tail), plain = cpu_linear._quant_pack(w, ext), ext.pack(w, False)
+        assert tail is None and packed.dtype == dtype
+        assert packed.numel() * packed.element_size() < plain.numel() * 4 / 3
+        for rows in (1, 3, 8, 11):
+            x = torch.randn(rows, k, generator=g)
+            got = ext.linear(x, packed, n, None, None)
+            assert torch.equal(got, ext.linear(x, plain, n, None, None))
+            torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)
+        off = w.clone()
+        off[n // 4, 7] += 1e-3  # one weight off its block's grid
+        assert cpu_linear._quant_pack(off, ext) is None
+        off = torch.cat([w, torch.randn(3, k, generator=g)])  # rows added at the end (new tokens): an fp32 tail
+        packed, tail = cpu_linear._quant_pack(off, ext)
+        assert packed.dtype == dtype and tail.dtype == torch.float32
+        x = torch.randn(5, k, generator=g)
+        assert torch.equal(ext.linear(x, packed, n + 3, None, tail), ext.linear(x, ext.pack(off, False), n + 3, None,
+                                                                                None))
+    assert cpu_linear._quant_pack(torch.randn(256, 64, generator=g), ext) is None
+
+
+@needs_kernel
+@pytest.mark.skipif(ext is None or not ext.quant_kinds(), reason="no quantized kinds in this build (no AVX-512)")
+def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypatch):
+    """A Llama whose projections are Q4_1 values and whose embedding / lm_head is Q8_0 (the embedded SmolLM2's
+    layout): attach() packs them compressed, and the engine's greedy AR and ISD outputs and a chunk's logits are
+    bit for bit those with every layer packed fp32."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.testing import make_model, make_tokenizer
+
+    def gguf_like():
+        g = torch.Generator().manual_seed(1)
+        model = make_model("llama", hidden=128, heads=4, kv_heads=2, vocab_size=320, tie=True)
+        with torch.no_grad():
+            for mod in model.modules():
+                if isinstance(mod, nn.Linear) and mod is not model.lm_head:
+                    mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
+            model.get_input_embeddings().weight.copy_(_q8_0_form(*model.get_input_embeddings().weight.shape, g))
+        return model
+
+    runs = {}
+    for quant in ("0", "1"):
+        monkeypatch.setenv(cpu_linear.QUANT_ENV, quant)
+        # the mask token is a row added to the tied embedding / lm_head: off the Q8_0 grid, an fp32 tail
+        dlm = convert_ar_to_dlm(gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
+        outs = []
+        for decoder in ("ar", "isd"):
+            engine = Engine(dlm, decoder=decoder)
+            outs.append(engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
+                        .token_ids)
+        kinds = {str(t.dtype) for m in dlm.modules() if getattr(m, "_dlm_packed", None) is not None
+                 for t in (m._dlm_packed, m._dlm_tail) if t is not None}
+        ids = torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])
+        with torch.no_grad(), cpu_linear.active():
+            outs.append(dlm(input_ids=ids).logits)
+        runs[quant] = outs, kinds
+        cpu_linear.detach(dlm)
+    assert runs["0"][1] == {"torch.float32"} and runs["1"][1] == {"torch.uint8", "torch.int8", "torch.float32"}
+    (ar0, isd0, lg0), (ar1, isd1, lg1) = runs["0"][0], runs["1"][0]
+    assert ar0 == ar1 == isd0 == isd1
+    assert torch.equal(lg0, lg1)

@@ -495,6 +495,19 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor packed_a, int64_
   WB wa = wb_of(packed_a), wbb = wb_of(packed_b);
   TORCH_CHECK(wa.K == x.size(1) && wbb.K == r, "cpu_linear: bad shapes");
   auto h = torch::empty({M, r}, x.options());
+  if (M * (wa.K * r + r * N) <= (1 << 18)) {  // a few mask rows: one thread (starting two costs more than this)
+    const float* xp = x.data_ptr<float>();
+    float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
+    for (int64_t nb = 0; nb < packed_a.size(0); nb++)
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        rows_block_n(std::min<int64_t>(8, M - m0), xp + m0 * wa.K, wa, nb, hp + m0 * r + nb * COLS, r,
+                     std::min<int64_t>(COLS, r - nb * COLS), nullptr, 1.0f, false);
+    for (int64_t nb = 0; nb < packed_b.size(0); nb++)
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        rows_block_n(std::min<int64_t>(8, M - m0), hp + m0 * r, wbb, nb, op + m0 * out.stride(0) + nb * COLS,
+                     out.stride(0), std::min<int64_t>(COLS, N - nb * COLS), nullptr, (float)scale, true);
+    return;
+  }
   linear_into(x.data_ptr<float>(), M, wa, packed_a.size(0), r, nullptr, h.data_ptr<float>(), r, 1.0f, false);
   linear_into(h.data_ptr<float>(), M, wbb, packed_b.size(0), N, nullptr, out.data_ptr<float>(), out.stride(0),
               (float)scale, true);
@@ -833,6 +846,28 @@ def _check_layer(layer: nn.Module, parts) -> bool:
         return False
 
 
+def _gated_delta(info, h: torch.Tensor, out: torch.Tensor) -> bool:
+    """What a gated-LoRA hook (``info``: its (GatedLoRA, adapter)) does to ``out`` in a decode forward whose masks
+    are one run of rows, done here directly (the hook's own call costs more than the kernel at batch 1); False
+    where this shortcut does not apply (the hook then runs as usual)."""
+    if info is None:
+        return False
+    gated, adapter = info
+    gate = gated._gate
+    if gate is None or gate.numel() != h.shape[0]:
+        return False
+    if gated._n_gated == 0:
+        return True  # no mask in this forward: the hook leaves the output as it is
+    span, packed = gated._span, adapter.__dict__.get("_dlm_packed")
+    a, b = adapter.A, adapter.B
+    if span is None or gated._dense or packed is None or a.dtype != torch.float32 \
+            or packed[0] != (a.data_ptr(), a._version, b.data_ptr(), b._version):
+        return False
+    lo, hi = span
+    _module[0].lora_add(out[lo:hi], h[lo:hi], packed[1], packed[3], packed[2], float(gated.scale))
+    return True
+
+
 def _global_hooks() -> bool:
     return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
@@ -848,23 +883,30 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             return module(h.view(*shape, h.shape[-1])).reshape(h.shape[0], -1)
         _fresh(module)
         out = _module[0].linear(h, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
-        if module._forward_hooks:  # e.g. a gated-LoRA adapter: its hook on [B, T, .] views, as a module call does
-            x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
-            for hook in tuple(module._forward_hooks.values()):
-                res = hook(module, (x3,), out3)
-                if res is not None:
-                    out3 = res
-            out = out3.reshape(h.shape[0], -1)
-        return out
+        return hooked(module, h, out, shape) if module._forward_hooks else out
 
-    def qkv(h, shape):  # the projections without hooks in one kernel pass, the others as modules
+    def hooked(module, h, out, shape):  # the module's forward hooks on its output, as a module call runs them
+        hooks = tuple(module._forward_hooks.values())
+        if len(hooks) == 1 and _gated_delta(getattr(hooks[0], "_dlm_gated", None), h, out):
+            return out  # a gated-LoRA adapter's delta, applied directly
+        x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
+        for hook in hooks:
+            res = hook(module, (x3,), out3)
+            if res is not None:
+                out3 = res
+        return out3.reshape(h.shape[0], -1)
+
+    def qkv(h, shape):  # the three projections in one kernel pass, then any adapter hooks on them
         for m in (qp, kp, vp):
             _fresh(m)
-        plain = [m for m in (qp, kp, vp) if not (m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None)]
-        got = dict(zip(map(id, plain), _module[0].linears(
-            h, [m._dlm_packed for m in plain], [m._dlm_out for m in plain],
-            [m.bias if m.bias is not None else _NO_BIAS for m in plain]))) if plain else {}
-        return [got[id(m)] if id(m) in got else lin(m, h, shape) for m in (qp, kp, vp)]
+        if qp._forward_pre_hooks or kp._forward_pre_hooks or vp._forward_pre_hooks or _global_hooks() \
+                or qp._forward_hooks_with_kwargs or kp._forward_hooks_with_kwargs or vp._forward_hooks_with_kwargs \
+                or qp._dlm_tail is not None or kp._dlm_tail is not None or vp._dlm_tail is not None:
+            return [lin(m, h, shape) for m in (qp, kp, vp)]
+        outs = _module[0].linears(h, [qp._dlm_packed, kp._dlm_packed, vp._dlm_packed],
+                                  [qp._dlm_out, kp._dlm_out, vp._dlm_out],
+                                  [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)])
+        return [hooked(m, h, o, shape) if m._forward_hooks else o for m, o in zip((qp, kp, vp), outs)]
 
     def forward(*args, **kwargs):
         x = args[0] if args else kwargs.get("hidden_states")

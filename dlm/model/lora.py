@@ -217,6 +217,7 @@ class GatedLoRA(nn.Module):
                 flat.index_add_(0, idx, delta, alpha=self.scale)
             return flat.view_as(out)
 
+        hook._dlm_gated = (self, adapter)  # lets a fused decode path apply the same delta without the hook call
         return hook
 
     def remove(self):

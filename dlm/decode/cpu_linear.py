@@ -214,8 +214,8 @@ bool quant_kinds() {  // whether this build takes the quantized kinds (DLM_BARRI
 // added to a GGUF model's vocabulary)
 static void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N,
                         const float* bp, float* op, int64_t ldo, float alpha, bool accumulate,
-                        const WB* tail = nullptr, int64_t NBT = 0) {
-  at::parallel_for(0, NB + NBT, 1, [&](int64_t b0, int64_t b1) {
+                        const WB* tail = nullptr, int64_t NBT = 0, bool threads = true) {
+  auto blocks = [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; nb++) {
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
       const float* bb = bp ? bp + nb * COLS : nullptr;
@@ -225,7 +225,9 @@ static void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int
         rows_block_n(std::min<int64_t>(8, M - m0), xp + m0 * w.K, ww, j, op + m0 * ldo + nb * COLS, ldo, ncols,
                      bb, alpha, accumulate);
     }
-  });
+  };
+  if (threads) at::parallel_for(0, NB + NBT, 1, blocks);
+  else blocks(0, NB + NBT);
 }
 
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::optional<torch::Tensor> bias,
@@ -495,22 +497,11 @@ void lora_add(torch::Tensor out, torch::Tensor x, torch::Tensor packed_a, int64_
   WB wa = wb_of(packed_a), wbb = wb_of(packed_b);
   TORCH_CHECK(wa.K == x.size(1) && wbb.K == r, "cpu_linear: bad shapes");
   auto h = torch::empty({M, r}, x.options());
-  if (M * (wa.K * r + r * N) <= (1 << 18)) {  // a few mask rows: one thread (starting two costs more than this)
-    const float* xp = x.data_ptr<float>();
-    float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
-    for (int64_t nb = 0; nb < packed_a.size(0); nb++)
-      for (int64_t m0 = 0; m0 < M; m0 += 8)
-        rows_block_n(std::min<int64_t>(8, M - m0), xp + m0 * wa.K, wa, nb, hp + m0 * r + nb * COLS, r,
-                     std::min<int64_t>(COLS, r - nb * COLS), nullptr, 1.0f, false);
-    for (int64_t nb = 0; nb < packed_b.size(0); nb++)
-      for (int64_t m0 = 0; m0 < M; m0 += 8)
-        rows_block_n(std::min<int64_t>(8, M - m0), hp + m0 * r, wbb, nb, op + m0 * out.stride(0) + nb * COLS,
-                     out.stride(0), std::min<int64_t>(COLS, N - nb * COLS), nullptr, (float)scale, true);
-    return;
-  }
-  linear_into(x.data_ptr<float>(), M, wa, packed_a.size(0), r, nullptr, h.data_ptr<float>(), r, 1.0f, false);
+  bool threads = M * (wa.K * r + r * N) > (1 << 18);  // a few mask rows: one thread (starting two costs more)
+  linear_into(x.data_ptr<float>(), M, wa, packed_a.size(0), r, nullptr, h.data_ptr<float>(), r, 1.0f, false,
+              nullptr, 0, threads);
   linear_into(h.data_ptr<float>(), M, wbb, packed_b.size(0), N, nullptr, out.data_ptr<float>(), out.stride(0),
-              (float)scale, true);
+              (float)scale, true, nullptr, 0, threads);
 }
 """
 
@@ -848,8 +839,8 @@ def _check_layer(layer: nn.Module, parts) -> bool:
 
 def _gated_delta(info, h: torch.Tensor, out: torch.Tensor) -> bool:
     """What a gated-LoRA hook (``info``: its (GatedLoRA, adapter)) does to ``out`` in a decode forward whose masks
-    are one run of rows, done here directly (the hook's own call costs more than the kernel at batch 1); False
-    where this shortcut does not apply (the hook then runs as usual)."""
+    are one run of rows, done here directly through the adapters' own :meth:`GatedLoRA.span_delta` (the hook's
+    call costs more than the kernel at batch 1); False where this shortcut does not apply (the hook then runs)."""
     if info is None:
         return False
     gated, adapter = info
@@ -858,14 +849,7 @@ def _gated_delta(info, h: torch.Tensor, out: torch.Tensor) -> bool:
         return False
     if gated._n_gated == 0:
         return True  # no mask in this forward: the hook leaves the output as it is
-    span, packed = gated._span, adapter.__dict__.get("_dlm_packed")
-    a, b = adapter.A, adapter.B
-    if span is None or gated._dense or packed is None or a.dtype != torch.float32 \
-            or packed[0] != (a.data_ptr(), a._version, b.data_ptr(), b._version):
-        return False
-    lo, hi = span
-    _module[0].lora_add(out[lo:hi], h[lo:hi], packed[1], packed[3], packed[2], float(gated.scale))
-    return True
+    return gated.span_delta(adapter, h, out)
 
 
 def _global_hooks() -> bool:

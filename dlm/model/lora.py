@@ -191,14 +191,8 @@ class GatedLoRA(nn.Module):
                 # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
                 delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
                 return torch.where(gate[..., None], out + delta.to(out.dtype), out)
-            span = self._span
-            if span is not None and x.dtype == adapter.A.dtype == out.dtype and out.is_contiguous():
-                lo, hi = span
-                rows = x.reshape(-1, x.shape[-1])[lo:hi]
-                target = out.view(-1, out.shape[-1])[lo:hi]
-                fast = self.fast_delta
-                if fast is None or not fast(adapter, rows, target, self.scale):
-                    target.addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
+            if out.is_contiguous() and self.span_delta(adapter, x.reshape(-1, x.shape[-1]),
+                                                       out.view(-1, out.shape[-1])):
                 return out
             # Few masks (decoding): compute the delta on the gated rows only.
             idx = self._idx
@@ -219,6 +213,20 @@ class GatedLoRA(nn.Module):
 
         hook._dlm_gated = (self, adapter)  # lets a fused decode path apply the same delta without the hook call
         return hook
+
+    def span_delta(self, adapter: _Adapter, x: torch.Tensor, out: torch.Tensor) -> bool:
+        """Decoding's delta when this forward's masks are one run of rows (``_span``): ``out[lo:hi] += scale *
+        B(A(x[lo:hi]))`` in place on the layer's flattened input ``x [rows, in]`` and output ``out [rows, out]``
+        (through ``fast_delta`` where one is installed); False, nothing done, where that does not apply."""
+        span = self._span
+        if span is None or self._dense or not x.dtype == adapter.A.dtype == out.dtype:
+            return False
+        lo, hi = span
+        rows, target = x[lo:hi], out[lo:hi]
+        fast = self.fast_delta
+        if fast is None or not fast(adapter, rows, target, self.scale):
+            target.addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
+        return True
 
     def remove(self):
         for h in self._handles:

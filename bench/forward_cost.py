@@ -27,7 +27,7 @@ import warnings
 
 import torch
 
-from dlm.decode import cpu_linear
+from dlm.decode import cpu as cpu_kernels
 
 
 def main(argv=None) -> int:
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                     "([c, d^1..d^K, M^1..M^K, F]: 2K+2 tokens, K+1 masks)")
     ap.add_argument("--linear", default="kernel,blas",
                     help="comma-separated, interleaved per repeat: kernel (the engine's few-row CPU kernel, "
-                    "dlm.decode.cpu_linear; fp32 CPU only) and/or blas (torch's F.linear)")
+                    "dlm.decode.cpu; fp32 CPU only) and/or blas (torch's F.linear)")
     ap.add_argument("--attn", default="dlm_sdpa",
                     help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
                     "masked grouped-query chunks) and/or sdpa (transformers')")
@@ -92,10 +92,11 @@ def main(argv=None) -> int:
     if any(x not in ("kernel", "blas") for x in lins) or not lins:
         ap.error(f"--linear takes kernel and/or blas, got {args.linear!r}")
     if "kernel" in lins:
-        from dlm.decode import cpu_linear
+        from dlm.decode import cpu as cpu_kernels
 
-        if not cpu_linear.attach(dlm):
-            print("the CPU kernel does not apply here (not fp32 on CPU, DLM_CPU_KERNEL=0, or no build): blas only")
+        if not cpu_kernels.attach(dlm):
+            print("the CPU kernels do not apply here (not fp32 on CPU, DLM_CPU_KERNEL=0, no build, or slower "
+                  "than stock on this machine - DLM_CPU_KERNEL=1 forces them): blas only")
             lins = ["blas"]
     args.lins = lins
     hf, m = dlm.model, dlm.mask_token_id
@@ -132,7 +133,7 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
             pos = torch.arange(args.context, args.context + t, device=device)[None].expand(B, t)
             sync()
             t0 = time.perf_counter()
-            with cpu_linear.active(kernel):
+            with cpu_kernels.active(kernel):
                 hf(input_ids=ids, position_ids=pos, use_cache=True, **{kw: cache})
             sync()
             dt = time.perf_counter() - t0

@@ -7,7 +7,7 @@
 Each projection is timed the way a forward meets it: one weight matrix per layer (``--layers`` distinct copies,
 cycled, so the weights stream from memory as they do in a real forward, not from cache), ``x [M, in] @ W.T`` for
 M rows (M = 1: an AR step at batch 1; M = 3: an ISD N=2 verify chunk; M = 8: N=2 with 3 draft candidates), through
-``F.linear`` (blas) and through dlm's few-row kernel (``dlm.decode.cpu_linear``, what the decoding engine uses for
+``F.linear`` (blas) and through dlm's few-row kernel (``dlm.decode.cpu``, what the decoding engine uses for
 fp32 on CPU), alternated per repeat. The table gives microseconds per call; the summary the per-forward total, its
 ratio to blas at the first M, and the weight bandwidth / arithmetic rate it implies. At batch 1 an AR step is
 memory-bound (every weight read once, 2 FLOPs each), so a few more rows need not cost more: on a 2-core Xeon
@@ -23,13 +23,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dlm.decode import cpu_linear
+from dlm.decode import cpu as cpu_kernels
 
 
 def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kinds: list[str], packed=None) -> dict:
     """Microseconds per call of each kind (``blas``: F.linear; ``kernel``: dlm's few-row CPU kernel on pre-packed
     weights), the kinds alternated per repeat so that machine noise hits both alike."""
-    ext = cpu_linear.extension() if "kernel" in kinds else None
+    ext = cpu_kernels.extension() if "kernel" in kinds else None
 
     def run(kind):
         if kind == "blas":
@@ -61,14 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1,2,3,5", help="comma-separated M (the first is the reference)")
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--linear", default="blas,kernel",
-                    help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu_linear, what the decoding "
+                    help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu, what the decoding "
                     "engine uses for fp32 on CPU)")
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r]
     kinds = [k for k in args.linear.split(",") if k]
     if not kinds or any(k not in ("blas", "kernel") for k in kinds):
         ap.error(f"--linear takes blas and/or kernel, got {args.linear!r}")
-    if "kernel" in kinds and cpu_linear.extension() is None:
+    if "kernel" in kinds and cpu_kernels.extension() is None:
         print("the CPU kernel could not be built here: blas only")
         kinds = ["blas"]
     h, i, kv = args.hidden, args.intermediate, args.kv
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
         n = args.layers * calls if calls else 1
         ws = [torch.randn(out_f, in_f) for _ in range(n)]
         nbytes += out_f * in_f * 4 * n
-        packed = [cpu_linear.extension().pack(w, False) for w in ws] if "kernel" in kinds else None
+        packed = [cpu_kernels.extension().pack(w, False) for w in ws] if "kernel" in kinds else None
         us = {m: per_call_us(ws, torch.randn(m, in_f), args.repeats, kinds, packed) for m in rows}
         for k, m in cols:
             totals[(k, m)] += us[m][k] * n / 1000

@@ -4,6 +4,9 @@ os.environ.setdefault("DLM_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests exercise the CPU kernels wherever they build (their speed choice at attach is tested on its own, in
+# tests/test_cpu_kernels.py); DLM_CPU_ISA=generic (or avx2) runs them on a non-native instruction set.
+os.environ.setdefault("DLM_CPU_KERNEL", "1")
 
 import pytest  # noqa: E402
 
@@ -59,8 +62,8 @@ def one_thread():
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernel_built():
-    """Build the decoding engine's CPU linear kernel once, up front (about 30 s on a fresh machine; cached after),
+    """Build the decoding engine's CPU kernels once, up front (about a minute on a fresh machine; cached after),
     rather than inside whichever test - or server subprocess - first decodes."""
-    from dlm.decode import cpu_linear
+    from dlm.decode import cpu
 
-    return cpu_linear.extension()
+    return cpu.extension()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dlm.decode import cpu_linear
+from dlm.decode import cpu as cpu_kernels
 
 NAME = "dlm_sdpa"
 MAX_CHUNK = 16  # queries; decode chunks are 1 .. 2N-1 tokens
@@ -37,7 +37,7 @@ def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float =
 
     if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None \
             and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None:
-        out = cpu_linear.attend(query, key, value, attention_mask, scaling)  # CPU fp32 decode chunks
+        out = cpu_kernels.attend(query, key, value, attention_mask, scaling)  # CPU fp32 decode chunks
         if out is not None:
             return out, None
     n_rep = getattr(module, "num_key_value_groups", 1)
@@ -72,19 +72,42 @@ def register() -> str:
     return NAME
 
 
-def use_for_decoding(model) -> bool:
+class Switched:
+    """A model switched to :data:`NAME` by :func:`use_for_decoding`; :meth:`restore` switches it back to ``sdpa``
+    when the last user of the switch restores."""
+
+    def __init__(self, hf):
+        self.hf, self._open = hf, True
+        hf.__dict__["_dlm_attn_refs"] = hf.__dict__.get("_dlm_attn_refs", 0) + 1
+
+    def restore(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        refs = self.hf.__dict__.get("_dlm_attn_refs", 1) - 1
+        self.hf.__dict__["_dlm_attn_refs"] = refs
+        if refs <= 0 and getattr(self.hf.config, "_attn_implementation", None) == NAME:
+            self.hf.set_attn_implementation("sdpa")
+            self.hf.__dict__.pop("_dlm_attn_refs", None)
+
+
+def use_for_decoding(model) -> Switched | None:
     """Switch ``model`` (a DiffusionLM or HF causal LM) from ``sdpa`` to :data:`NAME` when it has grouped-query
-    attention; returns whether it did. Models on other implementations (eager, flash, flex) are left alone."""
+    attention; returns a handle whose ``restore()`` switches it back, or None where nothing was switched. Models on
+    other implementations (eager, flash, flex) are left alone."""
     from dlm.model.convert import _hf
 
     hf = _hf(model)
     config = getattr(hf, "config", None)
-    if getattr(config, "_attn_implementation", None) != "sdpa":
-        return False
+    impl = getattr(config, "_attn_implementation", None)
+    if impl == NAME and hf.__dict__.get("_dlm_attn_refs", 0) > 0:
+        return Switched(hf)  # already switched by another engine on the same model
+    if impl != "sdpa":
+        return None
     heads = getattr(config, "num_attention_heads", None)
     kv = getattr(config, "num_key_value_heads", None)
     if not heads or not kv or kv == heads:
-        return False
+        return None
     register()
     hf.set_attn_implementation(NAME)
-    return True
+    return Switched(hf)

@@ -43,7 +43,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from dlm.decode import cpu_linear
+from dlm.decode import cpu as cpu_kernels
 from dlm.decode.sampling import RequestStats, SamplingParams
 from dlm.errors import DLMError
 
@@ -395,10 +395,12 @@ class Engine:
             raise DLMError("the decoding engine builds dense attention masks, which transformers' flex_attention "
                            "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
                            "dlm.model.convert.dense_mask_attention(model))")
-        use_for_decoding(model)  # grouped-query models: masked chunks attend to the cache without copying it
-        # fp32 on CPU: linear layers through a few-row kernel whose chunk of up to 8 tokens costs about what one
-        # token costs (dlm.decode.cpu_linear); only inside this engine's forwards
-        self._cpu_kernel = self.device.type == "cpu" and cpu_linear.attach(model)
+        # grouped-query models: masked chunks attend to the cache without copying it (undone by close())
+        self._attn = use_for_decoding(model)
+        # fp32 on CPU: linear layers, norms, MLPs, attention through the CPU kernels where they are faster here
+        # (dlm.decode.cpu; only inside this engine's forwards; undone by close())
+        self._cpu = cpu_kernels.attach(model) if self.device.type == "cpu" else None
+        self._cpu_kernel = bool(self._cpu)
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:
@@ -418,6 +420,23 @@ class Engine:
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
         self.default_stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    def close(self) -> None:
+        """Give the caller's model back as it was: the CPU kernels' patches and packed copies removed, the
+        attention implementation restored (once the model's last engine is closed). Idempotent."""
+        if self._cpu is not None:
+            self._cpu.detach()
+            self._cpu = None
+        self._cpu_kernel = False
+        if self._attn is not None:
+            self._attn.restore()
+            self._attn = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # -- requests in --------------------------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id=None,
@@ -486,7 +505,7 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
-        with cpu_linear.active(self._cpu_kernel):
+        with cpu_kernels.active(self._cpu_kernel):
             out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
                              logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
         return out.logits

@@ -128,7 +128,7 @@ class GatedLoRA(nn.Module):
         # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
         self.dense_fraction = 0.25
         # decoding may install a faster few-row path here: fast_delta(adapter, rows, out_rows, scale) adds
-        # scale * B(A(rows)) to out_rows in place and returns True, or returns False (dlm.decode.cpu_linear on CPU)
+        # scale * B(A(rows)) to out_rows in place and returns True, or returns False (dlm.decode.cpu on CPU)
         self.fast_delta = None
         self._handles = []
         self._handles.append(hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True))

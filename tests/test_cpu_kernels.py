@@ -1,24 +1,34 @@
-"""The few-row CPU linear kernel of the decoding engine (dlm.decode.cpu_linear)."""
+"""The decoding engine's CPU kernels (dlm.decode.cpu): every instruction set this CPU runs, the choice at attach."""
 
 import pytest
 import torch
 from torch import nn
 
-from dlm.decode import cpu_linear
+from dlm.decode import cpu
+from dlm.decode.cpu import fused, packing
 
-ext = cpu_linear.extension()
-needs_kernel = pytest.mark.skipif(ext is None, reason="the CPU kernel could not be built here (no compiler?)")
+ext = cpu.extension()
+needs_kernel = pytest.mark.skipif(ext is None, reason="the CPU kernels could not be built here (no compiler?)")
+ISAS = ext.isas().split(",") if ext is not None else []
+
+
+@pytest.fixture(params=ISAS)
+def each_isa(request):
+    """Run the test once per instruction set this CPU runs (the native one and every fallback)."""
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa("auto")
 
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(96, 64), (100, 37), (7, 5), (1536, 576)])
-def test_kernel_matches_f_linear_and_is_row_invariant(n, k):
+def test_kernel_matches_f_linear_and_is_row_invariant(n, k, each_isa):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     packed = ext.pack(w, False)
     assert torch.equal(ext.pack(w.t().contiguous(), True), packed)  # Conv1D layout packs to the same blocks
     alone = ext.linear(torch.randn(1, k, generator=torch.Generator().manual_seed(5)), packed, n, b, None)
-    for m in (1, 2, 3, 8, 9, 17, cpu_linear.MAX_ROWS):
+    for m in (1, 2, 3, 8, 9, 17, cpu.MAX_ROWS):
         x = torch.randn(m, k, generator=g)
         x[m // 2] = torch.randn(1, k, generator=torch.Generator().manual_seed(5))
         y = ext.linear(x, packed, n, b, None)
@@ -39,32 +49,32 @@ def test_attach_routes_only_inside_active_without_grad():
     x = torch.randn(3, 5, 24)
     with torch.no_grad():
         stock = net(x)
-    assert cpu_linear.attach(net) and cpu_linear.attach(net)  # idempotent
+    assert cpu.attach(net) and cpu.attach(net)  # idempotent
     with torch.no_grad():
         assert torch.equal(net(x), stock)  # outside active(): the stock layers, bit for bit
-        with cpu_linear.active():
+        with cpu.active():
             fast = net(x)
-        with cpu_linear.active(False):
+        with cpu.active(False):
             assert torch.equal(net(x), stock)
     torch.testing.assert_close(fast, stock, rtol=1e-5, atol=1e-5)
-    with cpu_linear.active():
+    with cpu.active():
         y = net(x)  # gradients on: the stock layers (the kernel has no backward)
         assert y.requires_grad and torch.equal(y.detach(), stock)
         with torch.inference_mode():
             z = net(x)
     torch.testing.assert_close(z, stock, rtol=1e-5, atol=1e-5)
     # more rows than MAX_ROWS: the stock layer
-    big = torch.randn(cpu_linear.MAX_ROWS + 1, 24)
-    with torch.no_grad(), cpu_linear.active():
+    big = torch.randn(cpu.MAX_ROWS + 1, 24)
+    with torch.no_grad(), cpu.active():
         assert torch.equal(net(big), _net()(big))
-    cpu_linear.detach(net)
+    cpu.detach(net)
     assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")
 
 
 @needs_kernel
 def test_packed_copy_follows_in_place_weight_updates():
     net = _net()
-    cpu_linear.attach(net)
+    cpu.attach(net)
     opt = torch.optim.SGD(net.parameters(), lr=0.5)
     x = torch.randn(4, 24)
     net(x).pow(2).sum().backward()
@@ -72,21 +82,21 @@ def test_packed_copy_follows_in_place_weight_updates():
     with torch.no_grad():
         ref = nn.functional.linear(nn.functional.relu(nn.functional.linear(x, net[0].weight, net[0].bias)),
                                    net[2].weight)
-        with cpu_linear.active():
+        with cpu.active():
             got = net(x)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_off_switch(monkeypatch):
-    monkeypatch.setenv(cpu_linear.ENV, "0")
+    monkeypatch.setenv(cpu.ENV, "0")
     net = _net()
-    assert cpu_linear.attach(net) is False
+    assert not cpu.attach(net)
     assert "forward" not in net[0].__dict__
 
 
 def test_not_for_other_dtypes():
     net = _net().to(torch.bfloat16)
-    assert cpu_linear.attach(net) is False
+    assert not cpu.attach(net)
 
 
 @needs_kernel
@@ -107,18 +117,18 @@ def test_gated_adapters_and_conv1d_through_the_kernel(tiny_model_dir):
     with torch.no_grad():
         ref = dlm(input_ids=ids).logits
         ref1 = dlm(input_ids=ids[:1]).logits  # batch 1: the masks are one run of rows (the in-place delta path)
-        assert cpu_linear.attach(dlm)
-        assert dlm.gated_lora.fast_delta is cpu_linear.adapter_delta
+        assert cpu.attach(dlm)
+        assert dlm.gated_lora.fast_delta is cpu.adapter_delta
         calls = []
-        dlm.gated_lora.fast_delta = lambda *a: calls.append(1) or cpu_linear.adapter_delta(*a)
-        with cpu_linear.active():
+        dlm.gated_lora.fast_delta = lambda *a: calls.append(1) or cpu.adapter_delta(*a)
+        with cpu.active():
             got = dlm(input_ids=ids).logits
             got1 = dlm(input_ids=ids[:1]).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got1, ref1, rtol=1e-4, atol=1e-4)
     assert len(calls) == len(dlm.gated_lora.adapters)  # every adapter of the batch-1 forward took the kernel
-    dlm.gated_lora.fast_delta = cpu_linear.adapter_delta
-    cpu_linear.detach(dlm)
+    dlm.gated_lora.fast_delta = cpu.adapter_delta
+    cpu.detach(dlm)
     assert dlm.gated_lora.fast_delta is None
 
 
@@ -139,7 +149,7 @@ def test_engine_decodes_through_the_kernel_and_leaves_the_model_stock_outside(ti
     seen = []
     lm_head = model.model.get_output_embeddings() if hasattr(model, "model") else model.get_output_embeddings()
     stock = lm_head.__dict__["forward"]
-    lm_head.forward = lambda x: seen.append(cpu_linear._active[0]) or stock(x)
+    lm_head.forward = lambda x: seen.append(fused._active[0]) or stock(x)
     out = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
     lm_head.forward = stock
     assert len(out.token_ids) == 4 and seen and all(seen)  # every engine forward ran inside active()
@@ -148,10 +158,10 @@ def test_engine_decodes_through_the_kernel_and_leaves_the_model_stock_outside(ti
 
 
 @needs_kernel
-def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model():
-    """Inside active() a Llama's RMSNorm and rotary embedding run as one call each: the rotary bit for bit
-    transformers' apply_rotary_pos_emb, the norm to float rounding (its sum of squares is added in another
-    order); outside active(), with gradients, or for a norm that is not Llama's, the model's own code."""
+def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model(each_isa):
+    """Inside active() a Llama's RMSNorm runs as one call (to float rounding: its sum of squares is added in another
+    order) and the kernels' rotary embedding is bit for bit transformers' apply_rotary_pos_emb, which attach() does
+    not rebind; outside active(), with gradients, or for a norm that is not Llama's, the model's own code."""
     from transformers.models.llama import modeling_llama as ml
 
     from dlm.testing import make_model
@@ -160,8 +170,8 @@ def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model():
     ids = torch.randint(5, 90, (2, 9))
     with torch.no_grad():
         stock = model(input_ids=ids).logits
-    assert cpu_linear.attach(model)
-    assert getattr(ml.apply_rotary_pos_emb, "_dlm", False)
+    assert cpu.attach(model)
+    assert not getattr(ml.apply_rotary_pos_emb, "_dlm", False)  # no process-wide rebinding
     norms = [m for m in model.modules() if isinstance(m, ml.LlamaRMSNorm)]
     assert norms and all(getattr(m.__dict__.get("forward"), "_dlm", False) for m in norms)
 
@@ -169,19 +179,19 @@ def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model():
     q = torch.randn(2, 5, 4, 16, generator=g).transpose(1, 2)  # [B, H, T, D] views, as attention makes them
     k = torch.randn(2, 5, 2, 16, generator=g).transpose(1, 2)
     cos, sin = torch.randn(2, 5, 16, generator=g), torch.randn(2, 5, 16, generator=g)
-    ref = ml.apply_rotary_pos_emb._dlm_stock(q, k, cos, sin)
-    with torch.no_grad(), cpu_linear.active():
-        got = ml.apply_rotary_pos_emb(q, k, cos, sin)
+    ref = ml.apply_rotary_pos_emb(q, k, cos, sin)
+    with torch.no_grad(), cpu.active():
+        got = ext.rope(q, cos, sin), ext.rope(k, cos, sin)
         x = torch.randn(3, 7, 64, generator=g)
         normed = norms[0](x)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     torch.testing.assert_close(normed, type(norms[0]).forward(norms[0], x), rtol=1e-5, atol=1e-6)
-    with torch.no_grad(), cpu_linear.active():
-        fused = model(input_ids=ids).logits
-    torch.testing.assert_close(fused, stock, rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), cpu.active():
+        fast = model(input_ids=ids).logits
+    torch.testing.assert_close(fast, stock, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, stock)  # outside active(): stock, bit for bit
-    with cpu_linear.active():
+    with cpu.active():
         assert torch.equal(model(input_ids=ids).logits.detach(), stock)  # with gradients: stock too
 
     class OffsetRMSNorm(nn.Module):  # Gemma's form, w * (1 + ...): the fused norm must not take it
@@ -194,14 +204,14 @@ def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model():
             return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
 
     net = nn.Sequential(nn.Linear(64, 64), OffsetRMSNorm())
-    assert cpu_linear.attach(net)
+    assert cpu.attach(net)
     assert "forward" not in net[1].__dict__
-    cpu_linear.detach(model)
+    cpu.detach(model)
     assert not any("forward" in m.__dict__ for m in norms)
 
 
 @needs_kernel
-def test_decode_attention_matches_sdpa_and_is_query_invariant():
+def test_decode_attention_matches_sdpa_and_is_query_invariant(each_isa):
     """The kernel's attention of a decode chunk (grouped-query, a bool mask with holes and a tree) equals SDPA's to
     float rounding, and each query's output is bit for bit what it gets alone (a 1-token step): the property that
     keeps greedy ISD's verify rows equal to AR steps."""
@@ -214,22 +224,22 @@ def test_decode_attention_matches_sdpa_and_is_query_invariant():
     k, v = kbuf[:, :, :s], torch.randn(b, hk, s + 11, d, generator=g)[:, :, :s]
     mask = torch.rand(b, 1, t, s, generator=g) > 0.3
     mask[..., 0] = True  # every query sees at least one key
-    with torch.no_grad(), cpu_linear.active():
-        got = cpu_linear.attend(q, k, v, mask, None)
+    with torch.no_grad(), cpu.active():
+        got = cpu.attend(q, k, v, mask, None)
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         for i in (0, 3, t - 1):
-            alone = cpu_linear.attend(q[:, :, i: i + 1], k, v, mask[:, :, i: i + 1], None)
+            alone = cpu.attend(q[:, :, i: i + 1], k, v, mask[:, :, i: i + 1], None)
             assert torch.equal(alone[:, 0], got[:, i])
-        one = cpu_linear.attend(q[:, :, :1], k, v, None, 0.3)  # no mask: every key (1-token steps)
-        full = cpu_linear.attend(q[:, :, :1], k, v, torch.ones(b, 1, 1, s, dtype=torch.bool), 0.3)
+        one = cpu.attend(q[:, :, :1], k, v, None, 0.3)  # no mask: every key (1-token steps)
+        full = cpu.attend(q[:, :, :1], k, v, torch.ones(b, 1, 1, s, dtype=torch.bool), 0.3)
         assert torch.equal(one, full)
         torch.testing.assert_close(one, F.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.3, enable_gqa=True)
                                    .transpose(1, 2), rtol=1e-5, atol=1e-5)
-        assert cpu_linear.attend(q, k, v, None, None) is None  # several queries need a mask: SDPA's business
-        assert cpu_linear.attend(q.double(), k.double(), v.double(), mask, None) is None
+        assert cpu.attend(q, k, v, None, None) is None  # several queries need a mask: SDPA's business
+        assert cpu.attend(q.double(), k.double(), v.double(), mask, None) is None
     with torch.no_grad():
-        assert cpu_linear.attend(q, k, v, mask, None) is None  # outside active()
+        assert cpu.attend(q, k, v, mask, None) is None  # outside active()
 
 
 @needs_kernel
@@ -245,15 +255,15 @@ def test_gated_mlp_in_one_pass_and_not_under_adapters():
     x = torch.randn(2, 5, 64) * 3
     with torch.no_grad():
         ref = mlp(x)
-    assert cpu_linear.attach(model) and getattr(mlp.__dict__.get("forward"), "_dlm", False)
+    assert cpu.attach(model) and getattr(mlp.__dict__.get("forward"), "_dlm", False)
     calls = []
-    with torch.no_grad(), cpu_linear.active():
+    with torch.no_grad(), cpu.active():
         torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
         handle = mlp.gate_proj.register_forward_hook(lambda *a: calls.append(1))
         torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
         handle.remove()
     assert calls == [1]  # the hooked projection ran as a module (its hook fired)
-    cpu_linear.detach(model)
+    cpu.detach(model)
     assert "forward" not in mlp.__dict__
 
 
@@ -288,17 +298,17 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     ids = torch.randint(5, 90, (2, 9))
     with torch.no_grad():
         stock = model(input_ids=ids).logits
-    assert cpu_linear.attach(model)
+    assert cpu.attach(model)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    fused = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
-    assert fused == [arch != "qwen3"] * len(layers)
-    counting = _Counting(cpu_linear._module[0])
-    monkeypatch.setattr(cpu_linear, "_module", [counting])
+    fast = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
+    assert fast == [arch != "qwen3"] * len(layers)
+    counting = _Counting(fused._OPS[0])
+    monkeypatch.setattr(fused, "_OPS", [counting])
     seen = []
     handle = layers[0].self_attn.q_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
     mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
-    with torch.no_grad(), cpu_linear.active():
+    with torch.no_grad(), cpu.active():
         cache = DynamicCache()
         model(input_ids=ids[:, :6], cache=cache, use_cache=True)  # prefill (beyond the kernels' rows: stock)
         got = model(input_ids=ids[:, 6:], cache=cache, use_cache=True, attention_mask=mask,
@@ -310,7 +320,7 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
         assert counting.calls.get("attend") == len(layers)  # one kernel attention per layer of the chunk
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, stock)
-    cpu_linear.detach(model)
+    cpu.detach(model)
     assert not any("forward" in m.__dict__ for m in layers)
 
 
@@ -333,8 +343,7 @@ def _q8_0_form(n, k, g):
 
 
 @needs_kernel
-@pytest.mark.skipif(ext is None or not ext.quant_kinds(), reason="no quantized kinds in this build (no AVX-512)")
-def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_same():
+def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_same(each_isa):
     """Weights that are exactly Q4_1 / Q8_0 values (a model loaded from a GGUF file) are packed in that form and
     the kernel's outputs are bit for bit the fp32 kernel's, at every row count; a weight with one block off the
     form (or plain random weights) stays fp32."""
@@ -342,7 +351,7 @@ def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_sa
     for make, n, k, dtype in ((_q4_1_form, 100, 64, torch.uint8), (_q4_1_form, 300, 576, torch.uint8),
                               (_q8_0_form, 70, 96, torch.int8)):
         w = make(n, k, g)
-        (packed, tail), plain = cpu_linear._quant_pack(w, ext), ext.pack(w, False)
+        (packed, tail), plain = packing.quant_pack(w, ext), ext.pack(w, False)
         assert tail is None and packed.dtype == dtype
         assert packed.numel() * packed.element_size() < plain.numel() * 4 / 3
         for rows in (1, 3, 8, 11):
@@ -352,19 +361,18 @@ def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_sa
             torch.testing.assert_close(got, x @ w.T, rtol=1e-4, atol=1e-4)
         off = w.clone()
         off[n // 4, 7] += 1e-3  # one weight off its block's grid
-        assert cpu_linear._quant_pack(off, ext) is None
+        assert packing.quant_pack(off, ext) is None
         off = torch.cat([w, torch.randn(3, k, generator=g)])  # rows added at the end (new tokens): an fp32 tail
-        packed, tail = cpu_linear._quant_pack(off, ext)
+        packed, tail = packing.quant_pack(off, ext)
         assert packed.dtype == dtype and tail.dtype == torch.float32
         x = torch.randn(5, k, generator=g)
         assert torch.equal(ext.linear(x, packed, n + 3, None, tail), ext.linear(x, ext.pack(off, False), n + 3, None,
                                                                                 None))
-    assert cpu_linear._quant_pack(torch.randn(256, 64, generator=g), ext) is None
+    assert packing.quant_pack(torch.randn(256, 64, generator=g), ext) is None
 
 
 @needs_kernel
-@pytest.mark.skipif(ext is None or not ext.quant_kinds(), reason="no quantized kinds in this build (no AVX-512)")
-def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypatch):
+def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypatch, each_isa):
     """A Llama whose projections are Q4_1 values and whose embedding / lm_head is Q8_0 (the embedded SmolLM2's
     layout): attach() packs them compressed, and the engine's greedy AR and ISD outputs and a chunk's logits are
     bit for bit those with every layer packed fp32."""
@@ -385,7 +393,7 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
 
     runs = {}
     for quant in ("0", "1"):
-        monkeypatch.setenv(cpu_linear.QUANT_ENV, quant)
+        monkeypatch.setenv(cpu.QUANT_ENV, quant)
         # the mask token is a row added to the tied embedding / lm_head: off the Q8_0 grid, an fp32 tail
         dlm = convert_ar_to_dlm(gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
         outs = []
@@ -396,11 +404,150 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
         kinds = {str(t.dtype) for m in dlm.modules() if getattr(m, "_dlm_packed", None) is not None
                  for t in (m._dlm_packed, m._dlm_tail) if t is not None}
         ids = torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])
-        with torch.no_grad(), cpu_linear.active():
+        with torch.no_grad(), cpu.active():
             outs.append(dlm(input_ids=ids).logits)
         runs[quant] = outs, kinds
-        cpu_linear.detach(dlm)
+        cpu.detach(dlm)
     assert runs["0"][1] == {"torch.float32"} and runs["1"][1] == {"torch.uint8", "torch.int8", "torch.float32"}
     (ar0, isd0, lg0), (ar1, isd1, lg1) = runs["0"][0], runs["1"][0]
     assert ar0 == ar1 == isd0 == isd1
     assert torch.equal(lg0, lg1)
+
+
+# -- the choice at attach: never slower than stock ----------------------------------------------------------------
+
+
+@pytest.fixture
+def auto_choice(monkeypatch, tmp_path):
+    """DLM_CPU_KERNEL=auto with an empty choice cache of its own."""
+    monkeypatch.setenv(cpu.ENV, "auto")
+    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _fake_measure(monkeypatch, stock_ms, kernel_ms, fp32_ms=None):
+    """Replace the micro-benchmark's timings (what a faster or slower machine would measure); counts calls."""
+    from dlm.decode.cpu import choice
+
+    calls = []
+
+    def measure(layers, ops, repeats=choice.REPEATS):
+        calls.append(len(layers))
+        f32 = fp32_ms if fp32_ms is not None else kernel_ms
+        quant = kernel_ms <= f32
+        best = kernel_ms if quant else f32
+        return choice.Choice(use=best <= stock_ms, quant=quant, stock_ms={"1": stock_ms, "4": stock_ms},
+                             kernel_ms={"1": best, "4": best}, fp32_ms={"1": f32, "4": f32}, isa=ops.isa())
+
+    monkeypatch.setattr(choice, "measure", measure)
+    return calls
+
+
+@needs_kernel
+def test_auto_keeps_the_stock_layers_where_the_kernels_are_slower_and_remembers(auto_choice, monkeypatch):
+    calls = _fake_measure(monkeypatch, stock_ms=1.0, kernel_ms=1.5)
+    net = _net()
+    handle = cpu.attach(net)
+    assert not handle and handle.choice is not None and not handle.choice.use
+    assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")  # the model is untouched
+    assert calls == [2]
+    again = cpu.attach(_net())  # the same machine and shapes: the cached decision, not a second measurement
+    assert not again and again.choice.cached and calls == [2]
+    assert (auto_choice / "cpu_kernel_choice.json").is_file()
+
+
+@needs_kernel
+def test_auto_uses_the_kernels_where_they_are_faster(auto_choice, monkeypatch):
+    calls = _fake_measure(monkeypatch, stock_ms=2.0, kernel_ms=1.0)
+    net = _net()
+    handle = cpu.attach(net)
+    assert handle and handle.choice.use and calls == [2]
+    x = torch.randn(3, 24)
+    with torch.no_grad(), cpu.active():
+        torch.testing.assert_close(net(x), _net()(x), rtol=1e-5, atol=1e-5)
+    handle.detach()
+    assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")
+
+
+@needs_kernel
+def test_auto_prefers_fp32_packing_where_the_quantized_one_is_slower(auto_choice, monkeypatch):
+    from dlm.testing import make_model
+
+    g = torch.Generator().manual_seed(3)
+    model = make_model("llama", hidden=128, heads=4, kv_heads=2).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod is not model.lm_head:
+                mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
+    _fake_measure(monkeypatch, stock_ms=3.0, kernel_ms=2.0, fp32_ms=1.0)
+    handle = cpu.attach(model)
+    assert handle and not handle.choice.quant
+    assert {m._dlm_packed.dtype for m in model.modules() if hasattr(m, "_dlm_packed")} == {torch.float32}
+    cpu.detach(model)
+
+
+@needs_kernel
+def test_the_real_measurement_times_each_layer_shape(auto_choice):
+    """The micro-benchmark itself (no fake): totals for 1 and 4 rows, and a decision consistent with them."""
+    net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    handle = cpu.attach(net)
+    ch = handle.choice
+    assert set(ch.stock_ms) == set(ch.kernel_ms) == {"1", "4"} and all(v > 0 for v in ch.stock_ms.values())
+    assert ch.use == all(ch.kernel_ms[r] <= ch.stock_ms[r] for r in ch.stock_ms) == bool(handle)
+    assert ch.isa == ext.isa() and "x" in ch.summary()
+    cpu.detach(net)
+
+
+@needs_kernel
+def test_handles_share_one_packing_and_the_last_detach_restores_the_model():
+    net = _net()
+    own = lambda x: net[0].__class__.forward(net[0], x)  # noqa: E731 - an instance forward of the caller's
+    net[0].forward = own
+    h1, h2 = cpu.attach(net), cpu.attach(net)
+    assert h1 and h2 and net[0].__dict__["forward"] is not own
+    h1.detach()
+    h1.detach()  # idempotent
+    assert getattr(net[0].__dict__["forward"], "_dlm", False)  # h2 still open
+    h2.detach()
+    assert net[0].__dict__["forward"] is own and not hasattr(net[0], "_dlm_packed")
+    assert "forward" not in net[2].__dict__
+
+
+@needs_kernel
+def test_engine_close_gives_the_model_back_as_it_was(tiny_model_dir):
+    """An engine patches the caller's model (CPU kernels, the GQA attention implementation); close() undoes it."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import load_any
+
+    model = load_any(tiny_model_dir("llama"))
+    hf = model.model if hasattr(model, "model") else model
+    impl = hf.config._attn_implementation
+    with Engine(model, decoder="ar") as engine:
+        assert engine._cpu_kernel and hf.config._attn_implementation == "dlm_sdpa"
+        engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, temperature=0.0))
+    assert hf.config._attn_implementation == impl
+    assert not any(getattr(m.__dict__.get("forward"), "_dlm", False) or hasattr(m, "_dlm_packed")
+                   for m in model.modules())
+
+
+@needs_kernel
+def test_isa_env_forces_an_instruction_set_and_refuses_one_the_cpu_lacks(tmp_path):
+    """DLM_CPU_ISA picks the kernels' instruction set at load (the non-native fallbacks are testable on any CPU);
+    one this CPU cannot run is an error naming the variable."""
+    import subprocess
+    import sys
+
+    code = "from dlm.decode import cpu; print(cpu.isa())"
+    env = {**__import__("os").environ, cpu.ISA_ENV: "generic", cpu.ENV: "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "generic"
+    from dlm.errors import DLMError
+
+    with pytest.raises(DLMError, match=cpu.ISA_ENV):
+        cpu.set_isa("sse9")
+    if "avx512" not in ISAS:
+        with pytest.raises(DLMError, match="avx512"):
+            cpu.set_isa("avx512")
+    assert cpu.set_isa("auto") == ISAS[0]

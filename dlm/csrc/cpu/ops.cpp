@@ -1,0 +1,300 @@
+// The torch operators of the CPU decode kernels (torch.ops.dlm_cpu.*): argument checks, threading over column
+// blocks / rows / heads, and the choice of the instruction set's kernel table at run time (CPUID; set_isa).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "layout.h"
+
+using namespace dlm_cpu;
+
+namespace {
+
+bool cpu_has(const char* isa) {
+#if defined(__x86_64__) || defined(_M_X64)
+  __builtin_cpu_init();
+  if (std::string(isa) == "avx512")
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (std::string(isa) == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::string(isa) == "generic";
+}
+
+const KernelTable* table_of(const std::string& name) {
+  if (!cpu_has(name.c_str())) return nullptr;
+  if (name == "avx512") return table_avx512();
+  if (name == "avx2") return table_avx2();
+  if (name == "generic") return table_generic();
+  return nullptr;
+}
+
+const KernelTable* best() {
+  for (const char* n : {"avx512", "avx2", "generic"})
+    if (const KernelTable* t = table_of(n)) return t;
+  return table_generic();
+}
+
+const KernelTable* T = best();
+
+struct WB {  // a packed weight as the kernels see it
+  int kind;
+  const char* p;
+  int64_t K, bytes;  // inputs, bytes per column block
+};
+
+WB wb_of(const at::Tensor& t) {
+  TORCH_CHECK(t.is_contiguous() && t.dim() == 3, "dlm_cpu: a packed weight is a contiguous 3-d tensor");
+  WB w;
+  w.p = static_cast<const char*>(t.data_ptr());
+  if (t.scalar_type() == at::kFloat) { w.kind = F32; w.K = t.size(1); w.bytes = w.K * COLS * 4; }
+  else if (t.scalar_type() == at::kByte) { w.kind = Q4_1; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4B; }
+  else {
+    TORCH_CHECK(t.scalar_type() == at::kChar, "dlm_cpu: packed weight of an unknown kind");
+    w.kind = Q8_0; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q8B;
+  }
+  TORCH_CHECK(w.kind == F32 || t.size(2) == (w.kind == Q4_1 ? Q4B : Q8B), "dlm_cpu: bad quantized block size");
+  return w;
+}
+
+// mb rows of x against column block nb of w (rows beyond the table's register pass in further passes)
+inline void rows_n(int64_t M, const float* x, int64_t ldx, const WB& w, int64_t nb, float* out, int64_t ldo,
+                   int64_t ncols, const float* bias, float alpha, bool accumulate) {
+  const char* p = w.p + nb * w.bytes;
+  for (int64_t m0 = 0; m0 < M; m0 += T->rows)
+    T->block(w.kind, std::min<int64_t>(T->rows, M - m0), x + m0 * ldx, ldx, p, w.K, out + m0 * ldo, ldo, ncols,
+             bias, alpha, accumulate);
+}
+
+// out[M, N] (row stride ldo) = x @ W.T (+ bias) or += alpha * x @ W.T; column blocks past NB come from tail
+void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N, const float* bp, float* op,
+                 int64_t ldo, float alpha, bool accumulate, const WB* tail = nullptr, int64_t NBT = 0,
+                 bool threads = true) {
+  auto blocks = [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; nb++) {
+      int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
+      const WB& ww = nb < NB ? w : *tail;
+      rows_n(M, xp, w.K, ww, nb < NB ? nb : nb - NB, op + nb * COLS, ldo, ncols, bp ? bp + nb * COLS : nullptr,
+             alpha, accumulate);
+    }
+  };
+  if (threads) at::parallel_for(0, NB + NBT, 1, blocks);
+  else blocks(0, NB + NBT);
+}
+
+const float* opt_ptr(const c10::optional<at::Tensor>& t) {
+  return (t.has_value() && t->defined() && t->numel()) ? t->data_ptr<float>() : nullptr;
+}
+
+}  // namespace
+
+// -- the operators ----------------------------------------------------------------------------------------------
+
+std::string isa() { return T->name; }
+
+// Use the kernels of `name` ("avx512", "avx2", "generic", or "auto": the best this CPU runs); returns the name in
+// use, or raises where this CPU lacks the instruction set.
+std::string set_isa(std::string name) {
+  if (name == "auto") { T = best(); return T->name; }
+  const KernelTable* t = table_of(name);
+  TORCH_CHECK(t != nullptr, "dlm_cpu: this CPU (or build) has no '", name, "' kernels; choose auto, avx512, avx2 "
+              "or generic");
+  T = t;
+  return T->name;
+}
+
+// the instruction sets this CPU can run, best first, comma separated
+std::string isas() {
+  std::string s;
+  for (const char* n : {"avx512", "avx2", "generic"})
+    if (table_of(n)) s += (s.empty() ? "" : ",") + std::string(n);
+  return s;
+}
+
+at::Tensor pack(at::Tensor w, bool transposed) {
+  // w: [N, K] (nn.Linear) or [K, N] (transposed: GPT-2's Conv1D) -> fp32 [ceil(N/32), K, 32], zero padded
+  auto wt = transposed ? w.t() : w;
+  int64_t N = wt.size(0), K = wt.size(1), NB = (N + COLS - 1) / COLS;
+  auto padded = torch::zeros({NB * COLS, K}, w.options());
+  padded.narrow(0, 0, N).copy_(wt);
+  return padded.view({NB, COLS, K}).transpose(1, 2).contiguous();
+}
+
+at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::Tensor> bias,
+                  c10::optional<at::Tensor> tail) {
+  // x: [M, K] contiguous fp32; packed: a packed weight; tail: the packed weight of its last columns -> [M, N]
+  WB w = wb_of(packed), t = w;
+  int64_t NBT = 0;
+  if (tail.has_value() && tail->defined()) { t = wb_of(*tail); NBT = tail->size(0); }
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && w.K == x.size(1) &&
+              t.K == w.K && (packed.size(0) + NBT) * COLS >= N && (NBT == 0 || packed.size(0) * COLS < N),
+              "dlm_cpu.linear: bad shapes");
+  int64_t M = x.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  linear_into(x.data_ptr<float>(), M, w, packed.size(0), N, opt_ptr(bias), out.data_ptr<float>(), N, 1.0f, false,
+              &t, NBT);
+  return out;
+}
+
+// Several linears of the same input in one threaded pass over all their column blocks (q, k, v):
+// outs[i] [M, ns[i]] = x [M, K] @ W_i.T (+ bias_i; an empty tensor for none)
+std::vector<at::Tensor> linears(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                                std::vector<at::Tensor> biases) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && packed.size() == ns.size() &&
+              biases.size() == ns.size(), "dlm_cpu.linears: bad shapes");
+  int64_t M = x.size(0), K = x.size(1), P = (int64_t)packed.size();
+  std::vector<at::Tensor> outs;
+  std::vector<int64_t> start(P + 1, 0);
+  std::vector<WB> ws;
+  std::vector<const float*> bp(P);
+  std::vector<float*> op(P);
+  for (int64_t i = 0; i < P; i++) {
+    ws.push_back(wb_of(packed[i]));
+    TORCH_CHECK(ws[i].K == K && packed[i].size(0) * COLS >= ns[i], "dlm_cpu.linears: bad shapes");
+    outs.push_back(torch::empty({M, ns[i]}, x.options()));
+    start[i + 1] = start[i] + packed[i].size(0);
+    bp[i] = biases[i].numel() ? biases[i].data_ptr<float>() : nullptr;
+    op[i] = outs[i].data_ptr<float>();
+  }
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, start[P], 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; blk++) {
+      int64_t i = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1;
+      int64_t nb = blk - start[i], N = ns[i];
+      rows_n(M, xp, K, ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
+             bp[i] ? bp[i] + nb * COLS : nullptr, 1.0f, false);
+    }
+  });
+  return outs;
+}
+
+// out [M, N] += x [M, K] @ W.T in place (a residual around a projection: the sum rounded once, as out + x @ W.T)
+void linear_add_(at::Tensor out, at::Tensor x, at::Tensor packed) {
+  WB w = wb_of(packed);
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && out.dim() == 2 && out.stride(1) == 1 &&
+              out.size(0) == x.size(0) && w.K == x.size(1) && packed.size(0) * COLS >= out.size(1),
+              "dlm_cpu.linear_add_: bad shapes");
+  linear_into(x.data_ptr<float>(), x.size(0), w, packed.size(0), out.size(1), nullptr, out.data_ptr<float>(),
+              out.stride(0), 1.0f, true);
+}
+
+// out[M, N] += scale * (x[M, K] @ A.T) @ B.T (a low-rank adapter's delta; out: rows of a layer output)
+void lora_add(at::Tensor out, at::Tensor x, at::Tensor packed_a, int64_t r, at::Tensor packed_b, double scale) {
+  TORCH_CHECK(x.is_contiguous() && out.stride(1) == 1 && out.size(0) == x.size(0), "dlm_cpu.lora_add: bad shapes");
+  int64_t M = x.size(0), N = out.size(1);
+  WB wa = wb_of(packed_a), wbb = wb_of(packed_b);
+  TORCH_CHECK(wa.K == x.size(1) && wbb.K == r, "dlm_cpu.lora_add: bad shapes");
+  auto h = torch::empty({M, r}, x.options());
+  bool threads = M * (wa.K * r + r * N) > (1 << 18);  // a few mask rows: one thread (starting two costs more)
+  linear_into(x.data_ptr<float>(), M, wa, packed_a.size(0), r, nullptr, h.data_ptr<float>(), r, 1.0f, false,
+              nullptr, 0, threads);
+  linear_into(h.data_ptr<float>(), M, wbb, packed_b.size(0), N, nullptr, out.data_ptr<float>(), out.stride(0),
+              (float)scale, true, nullptr, 0, threads);
+}
+
+// RMSNorm of each row of x [..., D] (contiguous), transformers' LlamaRMSNorm to rounding
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1) && x.scalar_type() == at::kFloat,
+              "dlm_cpu.rms_norm: bad shapes");
+  int64_t D = x.size(-1), M = x.numel() / D;
+  auto o = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  at::parallel_for(0, M, 16, [&](int64_t a, int64_t b) {
+    for (int64_t m = a; m < b; m++) T->rms_row(xp + m * D, wp, op + m * D, D, (float)eps);
+  });
+  return o;
+}
+
+// Rotary embedding, bit for bit transformers' apply_rotary_pos_emb: x [B, H, T, D] (any strides, the last 1);
+// cos, sin [B, T, D] (the last stride 1) -> contiguous [B, H, T, D]
+at::Tensor rope(at::Tensor x, at::Tensor cos, at::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && cos.dim() == 3 && sin.dim() == 3 && x.stride(3) == 1 && cos.stride(2) == 1 &&
+              sin.stride(2) == 1 && x.size(3) % 2 == 0, "dlm_cpu.rope: bad shapes");
+  int64_t B = x.size(0), H = x.size(1), Tn = x.size(2), D = x.size(3);
+  auto o = torch::empty({B, H, Tn, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = o.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++)
+      for (int64_t t = 0; t < Tn; t++)
+        T->rope_row(xp + b * x.stride(0) + h * x.stride(1) + t * x.stride(2),
+                    cp + b * cos.stride(0) + t * cos.stride(1), sp + b * sin.stride(0) + t * sin.stride(1),
+                    op + ((b * H + h) * Tn + t) * D, D / 2);
+  return o;
+}
+
+// silu(x @ G.T) * (x @ U.T) for a gated MLP: both projections in one threaded pass over their column blocks
+at::Tensor gate_up(at::Tensor x, at::Tensor packed_g, at::Tensor packed_u, int64_t N) {
+  WB wg = wb_of(packed_g), wu = wb_of(packed_u);
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && wg.K == x.size(1) && wu.K == x.size(1) &&
+              packed_u.size(0) == packed_g.size(0), "dlm_cpu.gate_up: bad shapes");
+  int64_t M = x.size(0), K = x.size(1), NB = packed_g.size(0);
+  auto out = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> g(M * COLS), u(M * COLS), s(COLS);
+    for (int64_t nb = b0; nb < b1; nb++) {
+      rows_n(M, xp, K, wg, nb, g.data(), COLS, COLS, nullptr, 1.f, false);
+      rows_n(M, xp, K, wu, nb, u.data(), COLS, COLS, nullptr, 1.f, false);
+      int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
+      for (int64_t m = 0; m < M; m++) {
+        T->silu_mul(g.data() + m * COLS, u.data() + m * COLS, s.data(), COLS);
+        std::copy(s.begin(), s.begin() + ncols, op + m * N + nb * COLS);
+      }
+    }
+  });
+  return out;
+}
+
+// Attention of a few queries over a KV cache, grouped-query: q [B, H, T, D], k, v [B, Hk, S, D] (any strides, the
+// last 1), mask [B, 1, T, S] bool (any strides) or none (every key) -> [B, T, H, D] contiguous. Each query's output
+// is computed over the keys in order whatever T and the other queries are.
+at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Tensor> mask, double scale) {
+  int64_t B = q.size(0), H = q.size(1), Tn = q.size(2), D = q.size(3), Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && D % 16 == 0 && v.size(3) == D &&
+              H % Hk == 0 && k.size(0) == B && v.size(2) == S, "dlm_cpu.attend: bad shapes");
+  bool has_mask = mask.has_value() && mask->defined();
+  const bool* mp = has_mask ? mask->data_ptr<bool>() : nullptr;
+  int64_t ms0 = has_mask ? mask->stride(0) : 0, ms2 = has_mask ? mask->stride(2) : 0,
+          ms3 = has_mask ? mask->stride(3) : 0;
+  auto out = torch::empty({B, Tn, H, D}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t rep = H / Hk, SP = (S + 15) / 16 * 16;
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> buf(SP);
+    for (int64_t i = i0; i < i1; i++) {
+      int64_t b = i / H, h = i % H, hk = h / rep;
+      const float* kb = kp + b * k.stride(0) + hk * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + hk * v.stride(1);
+      for (int64_t t = 0; t < Tn; t++)
+        T->attend_query(qp + b * q.stride(0) + h * q.stride(1) + t * q.stride(2), kb, k.stride(2), vb, v.stride(2),
+                        has_mask ? mp + b * ms0 + t * ms2 : nullptr, ms3, S, D, (float)scale, buf.data(),
+                        op + ((b * Tn + t) * H + h) * D);
+    }
+  });
+  return out;
+}
+
+TORCH_LIBRARY(dlm_cpu, m) {
+  m.def("isa", &isa);
+  m.def("isas", &isas);
+  m.def("set_isa", &set_isa);
+  m.def("pack", &pack);
+  m.def("linear", &linear);
+  m.def("linears", &linears);
+  m.def("linear_add_", &linear_add_);
+  m.def("lora_add", &lora_add);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope", &rope);
+  m.def("gate_up", &gate_up);
+  m.def("attend", &attend);
+}

@@ -1,0 +1,164 @@
+"""The decoding engine's CPU kernels: few-row linears over packed (and GGUF-form compressed) weights, fused norms,
+rotary, gated MLPs, decode attention and whole Llama-form decoder layers.
+
+Why: at batch 1 a decode forward of a small model on a CPU is bound by streaming the weights from memory (a step
+reads every weight once for 2 FLOPs each) and by ~1300 small torch ops of Python overhead; a chunk of M tokens
+reads the same weights. torch's BLAS path costs 2-3x the 1-row time for 3-8 rows on these shapes, and streams fp32
+even where the model's weights are 4.5-bit GGUF values. The kernels here
+
+- stream each weight once per call from a pre-packed copy (32 output columns x K inputs per block), 4 rows (AVX2)
+  or 8 rows (AVX-512) of accumulators in registers per pass, prefetching ahead of the arithmetic;
+- stream weights that are exactly GGUF Q4_1 / Q8_0 values in that form (5.3x / 3.6x fewer bytes) and rebuild each
+  weight in registers, bit for bit the fp32 value (:mod:`dlm.decode.cpu.packing`);
+- run RMSNorm, the rotary embedding, silu(gate) * up and the attention of decode chunks as one call each, and a
+  whole Llama / Qwen2 / Mistral decoder layer as one Python function (:mod:`dlm.decode.cpu.fused`), each checked
+  against the model's own code before it is used.
+
+Exactness: every linear output is one multiply-add chain over the inputs in order, and every attention query is
+computed over the keys in order, whatever the other rows are: a row's result is bit for bit the same alone or in
+any chunk or batch, so greedy ISD (verify rows sharing a forward with drafts and masks) equals greedy AR exactly.
+Against torch's BLAS the results differ by float rounding (~1e-5 relative).
+
+Where: only inside :func:`active` (the engine wraps its forwards in it), without gradients, for fp32 CPU inputs of
+at most :data:`MAX_ROWS` rows; everything else (training, the base model's own ``generate``, GPUs) runs the stock
+layers. The instruction set is picked at run time (:mod:`dlm.decode.cpu.build`: AVX-512, AVX2 + FMA, generic), and
+with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a micro-benchmark at attach, cached per
+machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
+``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
+``DLM_CPU_QUANT=0`` keeps every weight fp32-packed.
+
+Use: ``handle = attach(model)`` packs and patches (truthy where the kernels are in use; ``handle.choice`` says
+why); ``handle.detach()`` gives every patched module its own forward back and frees the packed copies (the last
+handle of a model does; :func:`detach` does at once).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from dlm.decode.cpu import choice as _choice
+from dlm.decode.cpu import fused, packing
+from dlm.decode.cpu.build import ENV, ISA_ENV, cpu_name, extension, isa, mode, set_isa
+from dlm.decode.cpu.fused import ATTEND_MAX_QUERIES, MAX_ROWS, active, adapter_delta, attend
+from dlm.decode.cpu.packing import QUANT_ENV
+
+__all__ = ["ATTEND_MAX_QUERIES", "ENV", "ISA_ENV", "MAX_ROWS", "QUANT_ENV", "Attached", "active", "adapter_delta",
+           "attach", "attend", "cpu_name", "detach", "extension", "isa", "mode", "set_isa"]
+
+RAM_SHARE = 0.25  # pack only when the packed copy takes at most this share of physical memory
+
+
+class Attached:
+    """What :func:`attach` did to a model: truthy where its layers run through the kernels inside
+    :func:`active`; :meth:`detach` undoes it (once the model's last handle is detached)."""
+
+    def __init__(self, model: nn.Module, used: bool, choice: _choice.Choice | None = None, why: str = ""):
+        self.model, self.used, self.choice, self.why = model, used, choice, why
+        self._open = used
+
+    def __bool__(self) -> bool:
+        return self.used
+
+    def __repr__(self) -> str:
+        return f"Attached({self.choice.summary() if self.choice is not None else self.why or 'off'})"
+
+    def detach(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        refs = getattr(self.model, "_dlm_cpu_refs", 1) - 1
+        if refs > 0:
+            self.model._dlm_cpu_refs = refs
+        else:
+            detach(self.model)
+
+
+def _linear_layers(model: nn.Module):
+    from dlm.model.lora import _linear_shape  # nn.Linear or GPT-2's Conv1D, as the adapters see them
+
+    return [m for m in model.modules() if _linear_shape(m) is not None]
+
+
+def _plain_fp32_cpu(w) -> bool:
+    """A whole fp32 CPU weight (not a DTensor / FSDP shard / DeepSpeed ZeRO-3 placeholder)."""
+    return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and w.numel() > 0 and type(w) in (nn.Parameter, torch.Tensor) and not hasattr(w, "ds_id"))
+
+
+def _physical_memory() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def attach(model: nn.Module) -> Attached:
+    """Pack the fp32 CPU linear layers of ``model`` for the kernels and route their forwards (and the norms,
+    MLPs and decoder layers that match) through them inside :func:`active` - where they are faster here (see the
+    module doc). Idempotent: a model already attached gets another handle on the same packing."""
+    layers = [m for m in _linear_layers(model) if _plain_fp32_cpu(m.weight)]
+    if not layers or mode() == "off":
+        return Attached(model, False, why="off" if layers else "no fp32 CPU linear layers")
+    if getattr(model, "_dlm_cpu_refs", 0) > 0:
+        model._dlm_cpu_refs += 1
+        return Attached(model, True, getattr(model, "_dlm_cpu_choice", None))
+    extra = sum(m.weight.numel() for m in layers) * 4
+    mem = _physical_memory()
+    if mode() == "auto" and mem and extra > RAM_SHARE * mem:
+        return Attached(model, False, why="the packed copy would not fit comfortably in memory")
+    ops = extension()
+    if ops is None:
+        return Attached(model, False, why="the kernels could not be built")
+    fused._OPS[0] = ops
+    quant_env = os.environ.get(QUANT_ENV, "1").strip() != "0"
+    if mode() == "on":
+        ch = _choice.Choice(use=True, quant=quant_env, isa=ops.isa(), forced=f"{ENV}=1")
+        key = None
+    else:
+        key = _choice.cache_key(layers, ops.isa())
+        ch = _choice.cached(key)
+        if ch is not None and not ch.use:
+            return Attached(model, False, ch)
+    for m in layers:
+        packing.pack(m, ops, quant=quant_env and (ch.quant if ch is not None else True))
+    if ch is None:
+        ch = _choice.measure(layers, ops)
+        _choice._write_cache(key, ch)
+        if not ch.use:
+            for m in layers:
+                packing.unpack(m)
+            return Attached(model, False, ch)
+        if not ch.quant:
+            for m in layers:
+                if m._dlm_packed.dtype != torch.float32:
+                    packing.pack(m, ops, quant=False)
+    for m in layers:
+        if not fused.patched(m):
+            fused._patch(m, fused._make_forward(m, m.forward))
+    gated = getattr(model, "gated_lora", None)
+    if gated is not None and hasattr(gated, "fast_delta"):
+        gated.fast_delta = adapter_delta  # the mask rows' low-rank deltas through the kernels too
+    fused._attach_norms(model, ops)
+    fused._attach_mlps(model, ops)
+    fused._attach_layers(model, ops)
+    model._dlm_cpu_refs, model._dlm_cpu_choice = 1, ch
+    return Attached(model, True, ch)
+
+
+def detach(model: nn.Module) -> None:
+    """Undo :func:`attach` now, whatever handles are open: every patched module gets its own forward back, the
+    packed copies are freed."""
+    for m in model.modules():
+        fused.unpatch(m)
+    for m in _linear_layers(model):
+        packing.unpack(m)
+    gated = getattr(model, "gated_lora", None)
+    if gated is not None and getattr(gated, "fast_delta", None) is adapter_delta:
+        gated.fast_delta = None
+        for adapter in gated.adapters.values():
+            adapter.__dict__.pop("_dlm_packed", None)
+    for name in ("_dlm_cpu_refs", "_dlm_cpu_choice"):
+        model.__dict__.pop(name, None)

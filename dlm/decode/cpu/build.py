@@ -1,0 +1,115 @@
+"""Building and loading the CPU decode kernels (``dlm/csrc/cpu/*.cpp``) and choosing their instruction set.
+
+The sources are compiled once per source version and torch version with torch's ``cpp_extension`` (about a minute
+on 2 cores; needs a C++ compiler and ninja), cached under ``TORCH_EXTENSIONS_DIR``, and loaded as the torch
+operators ``torch.ops.dlm_cpu.*``. The build is portable: no ``-march=native``; each instruction set's kernels
+(AVX-512, AVX2 + FMA, and a generic baseline) are compiled in their own file with a target pragma, and the one to
+use is picked at run time from CPUID - the best the CPU runs, or ``DLM_CPU_ISA=avx512|avx2|generic``.
+
+``DLM_CPU_KERNEL``: ``auto`` (default: the kernels are used where a micro-benchmark at attach finds them faster
+than torch's own layers on this machine, see :mod:`dlm.decode.cpu.choice`), ``1`` (always, and a failed build is
+an error), ``0`` (never).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+ENV = "DLM_CPU_KERNEL"
+ISA_ENV = "DLM_CPU_ISA"
+SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
+ISAS = ("avx512", "avx2", "generic")
+_FLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline; without it, one thread
+
+_built: list = []  # [torch.ops.dlm_cpu or None] once tried
+
+
+def mode() -> str:
+    """``off``, ``on`` or ``auto`` from ``DLM_CPU_KERNEL``."""
+    v = os.environ.get(ENV, "auto").strip().lower()
+    return {"0": "off", "false": "off", "off": "off", "1": "on", "true": "on", "on": "on"}.get(v, "auto")
+
+
+def _sources() -> list[Path]:
+    return sorted(p for p in SOURCES.iterdir() if p.suffix in (".cpp", ".h", ".inc"))
+
+
+def _tag() -> str:
+    h = hashlib.sha1()
+    for p in _sources():
+        h.update(p.name.encode() + p.read_bytes())
+    h.update((torch.__version__ + " ".join(_FLAGS)).encode())
+    return h.hexdigest()[:12]
+
+
+def _load():
+    from torch.utils.cpp_extension import load
+
+    name = f"dlm_cpu_{_tag()}"
+    if not hasattr(torch.ops, "dlm_cpu") or not hasattr(torch.ops.dlm_cpu, "linear"):
+        load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=_FLAGS,
+             extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCES)], is_python_module=False, verbose=False)
+    return torch.ops.dlm_cpu
+
+
+def extension():
+    """The kernels' operators (``torch.ops.dlm_cpu``; built on first call), or None where they are off or cannot
+    be built here."""
+    if _built:
+        return _built[0]
+    ops = None
+    if mode() != "off":
+        try:
+            ops = _load()
+        except Exception as e:  # noqa: BLE001 - no compiler / ninja / headers: the stock layers still work
+            if mode() == "on":
+                from dlm.errors import DLMError
+
+                last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                raise DLMError(f"{ENV}=1 but the CPU decode kernels could not be built ({type(e).__name__}: "
+                               f"{last}); install a C++ compiler and ninja (pip install ninja) or unset {ENV}") from e
+            warnings.warn(f"dlm: the CPU decode kernels could not be built ({type(e).__name__}); decoding uses "
+                          f"torch's own layers. Set {ENV}=0 to skip the attempt.", stacklevel=2)
+    if ops is not None:
+        set_isa(os.environ.get(ISA_ENV, "auto"), ops)
+    _built.append(ops)
+    return ops
+
+
+def set_isa(name: str, ops=None) -> str:
+    """Use the kernels of ``name`` (``auto``, ``avx512``, ``avx2``, ``generic``); returns the one in use."""
+    from dlm.errors import DLMError
+
+    ops = ops if ops is not None else extension()
+    name = (name or "auto").strip().lower()
+    if ops is None:
+        raise DLMError(f"the CPU decode kernels are not built here; {ISA_ENV}={name} has no effect")
+    have = ops.isas().split(",")
+    if name != "auto" and name not in have:
+        raise DLMError(f"{ISA_ENV}={name}: this CPU runs only {', '.join(have)} kernels (choose one of those, or "
+                       f"auto)" if name in ISAS else f"{ISA_ENV}={name}: choose auto, {', '.join(ISAS)}")
+    return ops.set_isa(name)
+
+
+def isa() -> str | None:
+    """The instruction set whose kernels are in use, or None where there are none."""
+    ops = extension()
+    return ops.isa() if ops is not None else None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()

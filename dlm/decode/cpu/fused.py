@@ -1,0 +1,413 @@
+"""The fused forwards through which an attached model's layers run inside :func:`active` (see the package doc).
+
+Each forward falls back to the module's own (``stock``) wherever its conditions do not hold: outside
+:func:`active`, with gradients, other dtypes or devices, more than :data:`MAX_ROWS` rows, hooks it cannot honour.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _nn_module
+
+from dlm.decode.cpu import packing
+
+# rows (tokens x batch) per call up to which the kernels are used; above, BLAS's compute-bound GEMM is faster
+# (bench/gemm_rows.py: at or under BLAS up to 96 rows on both AVX2 and AVX-512). 96 = 32 requests x an N=2 verify
+# chunk of 3 tokens, so a served batch of 32 stays on one kernel.
+MAX_ROWS = 96
+ATTEND_MAX_QUERIES = 16  # decode chunks (1 .. 2N-1 tokens, candidate trees up to ~12); prefill stays with SDPA
+
+_OPS = [None]  # torch.ops.dlm_cpu once attached
+_active = [0]
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def active(on: bool = True):
+    """Route attached layers through the kernels for the forwards inside this block."""
+    if not on:
+        yield
+        return
+    _active[0] += 1
+    try:
+        yield
+    finally:
+        _active[0] -= 1
+
+
+def fresh(module: nn.Module) -> None:
+    packing.fresh(module, _OPS[0])
+
+
+def _patch(module: nn.Module, forward) -> None:
+    """Route ``module``'s calls through ``forward`` (marked, with what it replaces, for :func:`unpatch`)."""
+    forward._dlm = True
+    forward._dlm_prev = module.__dict__.get("forward", _MISSING)
+    module.forward = forward
+
+
+def patched(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "_dlm", False)
+
+
+def unpatch(module: nn.Module) -> None:
+    """Give ``module`` back the forward it had before :func:`_patch`."""
+    fn = module.__dict__.get("forward")
+    if getattr(fn, "_dlm", False):
+        prev = fn._dlm_prev
+        del module.forward
+        if prev is not _MISSING:
+            module.forward = prev
+
+
+def _attach_mlps(model: nn.Module, mod) -> None:
+    """Gated SiLU MLPs (Llama, Qwen, Mistral): gate and up projections in one kernel pass with the SiLU product."""
+    for m in model.modules():
+        gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
+        if not type(m).__name__.endswith("MLP") or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear) \
+                or not isinstance(getattr(m, "down_proj", None), nn.Module) \
+                or type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation") \
+                or gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape \
+                or getattr(gate, "_dlm_packed", None) is None or getattr(up, "_dlm_packed", None) is None \
+                or patched(m):
+            continue
+        _patch(m, _make_mlp_forward(m, m.forward))
+
+
+def _make_mlp_forward(module: nn.Module, stock):
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+
+    def forward(x):
+        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or gate._forward_hooks or up._forward_hooks or gate._forward_pre_hooks or up._forward_pre_hooks:
+            return stock(x)
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not 0 < rows <= MAX_ROWS:
+            return stock(x)
+        fresh(gate), fresh(up)
+        if gate._dlm_tail is not None or up._dlm_tail is not None:
+            return stock(x)
+        h = _OPS[0].gate_up(x.reshape(rows, k).contiguous(), gate._dlm_packed, up._dlm_packed, gate._dlm_out)
+        return down(h.view(*x.shape[:-1], gate._dlm_out))
+
+    forward._dlm = True
+    return forward
+
+
+# -- the elementwise ops around the matmuls ------------------------------------------------------------------
+# At batch 1 a decode forward is ~1300 small torch ops besides the matmuls, the same for 1 token as for 8. RMSNorm
+# (7 ops: pow, mean = sum + div, add, rsqrt, 2 mul) and the rotary embedding (7 per tensor) are most of them; inside
+# active() they run as one call each. The norm is checked against the model's own on random input before it is
+# used (Gemma's (1 + w) norm keeps its own); the rotary embedding runs only inside a fused decoder layer, which is
+# checked as a whole (no modeling module's function is rebound).
+
+_checked: dict = {}  # class -> whether the fused RMSNorm / decoder layer matches its own forward
+
+
+def _norm_eps(m: nn.Module):
+    eps = getattr(m, "variance_epsilon", getattr(m, "eps", None))
+    return eps if isinstance(eps, float) else None
+
+
+def _attach_norms(model: nn.Module, mod) -> None:
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not type(m).__name__.endswith("RMSNorm") or _norm_eps(m) is None or not isinstance(w, torch.Tensor) \
+                or w.dim() != 1 or w.dtype != torch.float32 or w.device.type != "cpu" \
+                or patched(m):
+            continue
+        if type(m) not in _checked:
+            x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                try:
+                    ok = torch.allclose(m(x), mod.rms_norm(x, w.contiguous(), _norm_eps(m)), rtol=1e-5, atol=1e-5)
+                except Exception:  # noqa: BLE001 - a norm of another shape or signature: keep its own forward
+                    ok = False
+            _checked[type(m)] = ok
+        if _checked[type(m)]:
+            _patch(m, _make_norm_forward(m, m.forward))
+
+
+def _make_norm_forward(module: nn.Module, stock):
+    eps = _norm_eps(module)
+
+    def forward(x):
+        w = module.weight
+        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
+                or w.dtype != torch.float32 or x.shape[-1] != w.numel():
+            return stock(x)
+        return _OPS[0].rms_norm(x.contiguous(), w, eps)
+
+    forward._dlm = True
+    return forward
+
+
+def attend(query, key, value, mask, scale):
+    """Attention of a decode chunk through the kernel: ``query [B, H, T, D]``, ``key``/``value [B, Hk, S, D]``,
+    ``mask`` a bool ``[B, 1, T, S]`` or None (every key; only for T = 1), ``scale`` (None: 1/sqrt(D)); returns
+    ``[B, T, H, D]`` or None where it does not apply (outside :func:`active`, gradients, other dtypes or shapes)."""
+    if not _active[0] or _OPS[0] is None or torch.is_grad_enabled():
+        return None
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return None
+    b, h, t, d = query.shape
+    if not 0 < t <= ATTEND_MAX_QUERIES or d % 16 or value.shape[-1] != d or h % key.shape[1] \
+            or key.shape[0] != b or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
+                                        for x in (query, key, value)):
+        return None
+    if mask is None:
+        if t != 1:
+            return None
+    elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != t \
+            or mask.shape[3] != key.shape[2] or mask.shape[0] not in (1, b):
+        return None
+    elif mask.shape[0] != b:
+        mask = mask.expand(b, 1, t, key.shape[2])
+    return _OPS[0].attend(query, key, value, mask, float(scale if scale is not None else d ** -0.5))
+
+
+# -- whole decoder layers ---------------------------------------------------------------------------------------
+# With every op of a Llama-form layer in the extension, what is left of a decode forward's cost besides the
+# arithmetic is Python: each layer is ~12 nn.Module calls (hooks checks, kwargs, transformers' decorators) around
+# ~10 kernel calls. Inside active() a layer whose pieces are all attached runs as one Python function that calls
+# the kernels directly (a linear with a hook on it, e.g. a gated-LoRA adapter, is still called as a module, so its
+# hook runs). Checked once per layer class against the layer's own forward (on a deep copy without hooks) before
+# it is used; a layer of another form (Qwen3's per-head q/k norms, Gemma's sandwich norms, ...) keeps its own.
+
+_NO_BIAS = torch.empty(0)
+_LAYER_KWARGS = frozenset(("attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
+                           "position_embeddings", "cache_position"))
+
+
+def _layer_parts(layer: nn.Module):
+    """The modules a Llama-form decoder layer is made of, or None where it is not one the fast path takes."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
+    if attn is None or mlp is None or n1 is None or n2 is None or any(
+            hasattr(layer, a) for a in ("pre_feedforward_layernorm", "post_feedforward_layernorm")) \
+            or any(hasattr(attn, a) for a in ("q_norm", "k_norm", "sinks")):
+        return None
+    projs = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    if not all(isinstance(m, nn.Linear) and getattr(m, "_dlm_packed", None) is not None for m in projs):
+        return None
+    if not all(patched(m) for m in (n1, n2, mlp)):
+        return None  # norms and MLP must be the fused ones (checked against their own code when attached)
+    head_dim, groups, layer_idx = (getattr(attn, a, None) for a in ("head_dim", "num_key_value_groups", "layer_idx"))
+    if not isinstance(head_dim, int) or not isinstance(groups, int) or not isinstance(layer_idx, int) \
+            or head_dim % 16 or not isinstance(getattr(attn, "scaling", None), float):
+        return None
+    impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
+    if impl not in ("sdpa", "dlm_sdpa"):
+        return None
+    return attn, mlp, n1, n2, projs
+
+
+def _attach_layers(model: nn.Module, mod) -> None:
+    for m in model.modules():
+        if not type(m).__name__.endswith("DecoderLayer") or patched(m):
+            continue
+        parts = _layer_parts(m)
+        if parts is None:
+            continue
+        if type(m) not in _checked:
+            _checked[type(m)] = _check_layer(m, parts)
+        if _checked[type(m)]:
+            _patch(m, _make_layer_forward(m, m.forward, parts))
+
+
+def _check_layer(layer: nn.Module, parts) -> bool:
+    """The fast path against the layer's own forward (with the kernels' norms/linears, inside active()) on random
+    input: 3 tokens, causal mask, no cache; on a copy without hooks, so that adapters' gates do not interfere."""
+    import copy
+
+    attn = parts[0]
+    try:
+        twin = copy.deepcopy(layer)
+        for sub in twin.modules():
+            sub._forward_hooks.clear()
+            sub._forward_pre_hooks.clear()
+        for sub, orig in zip(twin.modules(), layer.modules()):  # forwards attach() bound to the original modules
+            if patched(sub):
+                del sub.forward
+            if getattr(orig, "_dlm_packed", None) is not None:
+                sub._dlm_packed, sub._dlm_tail, sub._dlm_out = orig._dlm_packed, orig._dlm_tail, orig._dlm_out
+                sub._dlm_ptr, sub._dlm_version = sub.weight.data_ptr(), sub.weight._version
+                sub._dlm_quant = orig._dlm_quant
+        _attach_norms(twin, _OPS[0])
+        for sub in twin.modules():
+            if getattr(sub, "_dlm_packed", None) is not None:
+                _patch(sub, _make_forward(sub, sub.forward))
+        _attach_mlps(twin, _OPS[0])
+        parts_t = _layer_parts(twin)
+        if parts_t is None:
+            return False
+        d = attn.q_proj.in_features
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 3, d, generator=g)
+        hd = attn.head_dim
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+        ang = torch.arange(3, dtype=torch.float32)[:, None] * inv[None]
+        emb = torch.cat([ang, ang], -1)[None]
+        pe = (emb.cos(), emb.sin())
+        mask = torch.ones(3, 3, dtype=torch.bool).tril_()[None, None]
+        with torch.no_grad(), active(True):
+            ref = twin.forward(x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None])
+            if not isinstance(ref, torch.Tensor):  # an older layer returning a tuple: keep its own
+                return False
+            got = _make_layer_forward(twin, None, parts_t)(x, attention_mask=mask, position_embeddings=pe,
+                                                           position_ids=torch.arange(3)[None])
+        return bool(torch.allclose(ref, got, rtol=1e-4, atol=1e-5))
+    except Exception:  # noqa: BLE001 - another layer form or signature: keep its own forward
+        return False
+
+
+def _gated_delta(info, h: torch.Tensor, out: torch.Tensor) -> bool:
+    """What a gated-LoRA hook (``info``: its (GatedLoRA, adapter)) does to ``out`` in a decode forward whose masks
+    are one run of rows, done here directly through the adapters' own :meth:`GatedLoRA.span_delta` (the hook's
+    call costs more than the kernel at batch 1); False where this shortcut does not apply (the hook then runs)."""
+    if info is None:
+        return False
+    gated, adapter = info
+    gate = gated._gate
+    if gate is None or gate.numel() != h.shape[0]:
+        return False
+    if gated._n_gated == 0:
+        return True  # no mask in this forward: the hook leaves the output as it is
+    return gated.span_delta(adapter, h, out)
+
+
+def _global_hooks() -> bool:
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
+
+
+def _make_layer_forward(layer: nn.Module, stock, parts):
+    attn, mlp, n1, n2, (qp, kp, vp, op) = parts
+    hd, layer_idx, scaling = attn.head_dim, attn.layer_idx, attn.scaling
+    eps1, eps2 = _norm_eps(n1), _norm_eps(n2)
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def lin(module, h, shape):  # h: [rows, in] contiguous
+        if module._forward_pre_hooks or module._forward_hooks_with_kwargs or _global_hooks():
+            return module(h.view(*shape, h.shape[-1])).reshape(h.shape[0], -1)
+        fresh(module)
+        out = _OPS[0].linear(h, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
+        return hooked(module, h, out, shape) if module._forward_hooks else out
+
+    def hooked(module, h, out, shape):  # the module's forward hooks on its output, as a module call runs them
+        hooks = tuple(module._forward_hooks.values())
+        if len(hooks) == 1 and _gated_delta(getattr(hooks[0], "_dlm_gated", None), h, out):
+            return out  # a gated-LoRA adapter's delta, applied directly
+        x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
+        for hook in hooks:
+            res = hook(module, (x3,), out3)
+            if res is not None:
+                out3 = res
+        return out3.reshape(h.shape[0], -1)
+
+    def qkv(h, shape):  # the three projections in one kernel pass, then any adapter hooks on them
+        for m in (qp, kp, vp):
+            fresh(m)
+        if qp._forward_pre_hooks or kp._forward_pre_hooks or vp._forward_pre_hooks or _global_hooks() \
+                or qp._forward_hooks_with_kwargs or kp._forward_hooks_with_kwargs or vp._forward_hooks_with_kwargs \
+                or qp._dlm_tail is not None or kp._dlm_tail is not None or vp._dlm_tail is not None:
+            return [lin(m, h, shape) for m in (qp, kp, vp)]
+        outs = _OPS[0].linears(h, [qp._dlm_packed, kp._dlm_packed, vp._dlm_packed],
+                                  [qp._dlm_out, kp._dlm_out, vp._dlm_out],
+                                  [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)])
+        return [hooked(m, h, o, shape) if m._forward_hooks else o for m, o in zip((qp, kp, vp), outs)]
+
+    def forward(*args, **kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if not _active[0] or len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3 \
+                or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or layer.training \
+                or attn._forward_hooks or attn._forward_pre_hooks or mlp._forward_hooks or mlp._forward_pre_hooks \
+                or n1._forward_hooks or n2._forward_hooks or n1._forward_pre_hooks or n2._forward_pre_hooks \
+                or gate._forward_hooks or up._forward_hooks or gate._forward_pre_hooks or up._forward_pre_hooks \
+                or not _LAYER_KWARGS.issuperset(kwargs.keys() - {"hidden_states"}):
+            return stock(*args, **kwargs)
+        b, t, d = x.shape
+        pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
+        rows = b * t
+        if pe is None or not 0 < rows <= MAX_ROWS or t > ATTEND_MAX_QUERIES or \
+                (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)) or (mask is None and t != 1):
+            return stock(*args, **kwargs)
+        cos, sin = pe
+        if cos.dim() != 3 or tuple(cos.shape) != (b, t, hd) or cos.dtype != torch.float32 \
+                or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+            return stock(*args, **kwargs)
+        ext = _OPS[0]
+        shape = (b, t)
+        x2 = x.reshape(rows, d).contiguous()
+        h = ext.rms_norm(x2, n1.weight, eps1)
+        q, k, v = qkv(h, shape)
+        q = q.view(b, t, -1, hd).transpose(1, 2)
+        k = k.view(b, t, -1, hd).transpose(1, 2)
+        v = v.view(b, t, -1, hd).transpose(1, 2)
+        q, k = ext.rope(q, cos, sin), ext.rope(k, cos, sin)
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        if cache is not None:
+            k, v = cache.update(k, v, layer_idx)
+        if mask is not None and mask.shape[0] != b:
+            mask = mask.expand(b, 1, t, mask.shape[-1])
+        if mask is not None and (mask.shape[2] != t or mask.shape[3] != k.shape[2]):
+            raise RuntimeError(f"attention mask {tuple(mask.shape)} does not match {t} queries x {k.shape[2]} keys")
+        o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
+        x2 = x2 + lin(op, o, shape)
+        h = ext.rms_norm(x2, n2.weight, eps2)
+        fresh(gate), fresh(up), fresh(down)
+        if gate._dlm_tail is not None or up._dlm_tail is not None:
+            return (x2 + mlp(h.view(b, t, d)).reshape(rows, d)).view(b, t, d)
+        h = ext.gate_up(h, gate._dlm_packed, up._dlm_packed, gate._dlm_out)
+        if down._forward_hooks or down._forward_pre_hooks or down.bias is not None or down._dlm_tail is not None:
+            x2 = x2 + lin(down, h, shape)
+        else:  # x2 is this function's own tensor: the residual added in place by the kernel
+            ext.linear_add_(x2, h, down._dlm_packed)
+        return x2.view(b, t, d)
+
+    forward._dlm = True
+    return forward
+
+
+def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor, scale: float) -> bool:
+    """``out_rows += scale * B(A(rows))`` for a gated-LoRA adapter through the kernel, in one call; False (nothing
+    done) outside :func:`active` or for inputs it does not take. At batch 1 these are two tiny matmuls per adapted
+    layer, and BLAS spends more on starting its threads than on the arithmetic."""
+    if not _active[0] or rows.dtype != torch.float32 or rows.device.type != "cpu" or torch.is_grad_enabled() \
+            or _OPS[0] is None or not 0 < rows.shape[0] <= MAX_ROWS \
+            or out_rows.stride(-1) != 1:
+        return False
+    ext = _OPS[0]
+    a, b = adapter.A, adapter.B
+    key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
+    packed = adapter.__dict__.get("_dlm_packed")
+    if packed is None or packed[0] != key:
+        with torch.no_grad():
+            packed = (key, ext.pack(a.detach(), False), ext.pack(b.detach(), False), a.shape[0])
+        adapter.__dict__["_dlm_packed"] = packed
+    ext.lora_add(out_rows, rows.contiguous(), packed[1], packed[3], packed[2], float(scale))
+    return True
+
+
+
+
+def _make_forward(module: nn.Module, stock):
+    def forward(x):
+        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+            return stock(x)
+        k = x.shape[-1]
+        rows = x.numel() // k if k else 0
+        if not 0 < rows <= MAX_ROWS:
+            return stock(x)
+        fresh(module)
+        out = _OPS[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias,
+                                module._dlm_tail)
+        return out.view(*x.shape[:-1], module._dlm_out)
+
+    forward._dlm = True
+    return forward
+
+

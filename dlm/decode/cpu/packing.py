@@ -1,0 +1,139 @@
+"""Packing a linear layer's weight for the CPU decode kernels (the layouts: ``dlm/csrc/cpu/layout.h``).
+
+fp32 weights are packed 32 output columns at a time, K contiguous. A model loaded from a GGUF file (the embedded
+SmolLM2: Q4_1 projections, a Q8_0 embedding / lm_head) holds fp32 weights that are, block by block, ``d * q + m``
+(Q4_1) or ``d * q`` (Q8_0) with fp16 scales. At batch 1 a decode step streams every weight once, so such a layer is
+packed in that form (4.5 or 9 bits per weight plus fp32 scales instead of 32) and the kernel rebuilds each weight
+in registers: exactly the fp32 value the model holds (every block is checked before it is packed this way), so the
+outputs are bit for bit those of the fp32 packing. ``DLM_CPU_QUANT=0`` turns this off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+QUANT_ENV = "DLM_CPU_QUANT"
+_Q_MIN_WEIGHTS = 4096  # smaller matrices stay fp32 (nothing to gain, and the check would cost more than it saves)
+
+
+def _fit_blocks(b: torch.Tensor, levels: int):
+    """Blocks ``b [..., 32]`` as ``d * q + m`` (``levels`` 16: q in 0..15, Q4_1) or ``d * q`` (256: q int8, Q8_0)
+    with d an fp16 value, each product and sum rounded in fp32 (what GGUF's dequantization computes). Returns d, q,
+    m (None for Q8_0) and which blocks they reproduce bit for bit (``[...]`` bool)."""
+    shape = b.shape
+    flat = b.reshape(-1, 32)
+    if levels == 16:
+        m = flat.amin(-1, keepdim=True)
+        est = (flat.amax(-1, keepdim=True) - m) / 15
+    else:
+        m = None
+        est = flat.abs().amax(-1, keepdim=True) / 127
+    bits = est.to(torch.float16).view(torch.int16)
+    d, q = torch.zeros_like(est), torch.zeros_like(flat)
+    done = torch.zeros(flat.shape[0], dtype=torch.bool)
+    todo = None  # every block; then the indices of those not fitted yet
+    for delta in (0, -1, 1, -2, 2):  # the fp16 scale nearest the estimate, or one or two steps off it
+        x = flat if todo is None else flat[todo]
+        cand = ((bits if todo is None else bits[todo]) + delta).view(torch.float16).float()
+        cand = torch.where(torch.isfinite(cand) & (cand > 0), cand, torch.zeros_like(cand))
+        safe = torch.where(cand > 0, cand, torch.ones_like(cand))
+        if levels == 16:
+            mm = m if todo is None else m[todo]
+            qv = torch.round((x - mm) / safe).clamp_(0, 15)
+            rec = cand * qv + mm  # two rounded ops, as the dequantization's (d * q) + m
+        else:
+            qv = torch.round(x / safe).clamp_(-128, 127)
+            rec = cand * qv
+        ok = (rec == x).all(-1)
+        if todo is None:
+            d, q, done = torch.where(ok[:, None], cand, d), torch.where(ok[:, None], qv, q), ok
+        else:
+            hit = todo[ok]
+            d[hit], q[hit], done[hit] = cand[ok], qv[ok], True
+        todo = (~done).nonzero().squeeze(1)
+        if todo.numel() == 0:
+            break
+    return (d.view(*shape[:-1], 1), q.view(shape), None if m is None else m.view(*shape[:-1], 1),
+            done.view(shape[:-1]))
+
+
+def probe_form(w: torch.Tensor) -> str:
+    """``"q4_1"``, ``"q8_0"`` or ``"f32"``: the form of ``w [N, K]``'s first 64 rows (quant_pack checks them all)."""
+    n, k = w.shape
+    if k % 32 or n * k < _Q_MIN_WEIGHTS:
+        return "f32"
+    for levels, name in ((16, "q4_1"), (256, "q8_0")):
+        if bool(_fit_blocks(w[:64].reshape(-1, k // 32, 32), levels)[3].all()):
+            return name
+    return "f32"
+
+
+def quant_pack(w: torch.Tensor, ops):
+    """``w [N, K]`` packed in the Q4_1 (uint8) or Q8_0 (int8) layout where its blocks fit, as (packed, tail): tail
+    the fp32 packing of the last rows when only they do not fit (tokens added to a GGUF model's vocabulary, e.g. the
+    mask token), else None; or None where the weight is in neither form."""
+    n, k = w.shape
+    if k % 32 or n * k < _Q_MIN_WEIGHTS or os.environ.get(QUANT_ENV, "1").strip() == "0":
+        return None
+    w = w.contiguous()
+    for levels in (16, 256):
+        if not bool(_fit_blocks(w[:64].reshape(-1, k // 32, 32), levels)[3].all()):  # a few rows first
+            continue
+        d, q, m, done = _fit_blocks(w.reshape(n, k // 32, 32), levels)
+        bad = (~done.all(-1)).nonzero()
+        n_fit = n if bad.numel() == 0 else int(bad[0]) // 32 * 32  # rows before the first misfit's block
+        if n_fit < n / 2:
+            continue
+        tail = ops.pack(w[n_fit:], False) if n_fit < n else None
+        d, q, m = d[:n_fit], q[:n_fit], (m[:n_fit] if m is not None else None)
+        nb, kb = -(-n_fit // 32), k // 32
+        pad = nb * 32 - n_fit
+
+        def cols(t):  # [n, kb, c] -> [nb, kb, 32 columns, c], zero padded (a padded column is 0 * 0 + 0 = 0)
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+            return t.reshape(nb, 32, kb, t.shape[-1]).permute(0, 2, 1, 3)
+
+        dd = cols(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
+        if levels == 16:
+            mm = cols(m)[..., 0].contiguous().view(torch.uint8)
+            qq = cols(q).to(torch.uint8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
+            nib = (qq[..., :16] | (qq[..., 16:] << 4)).reshape(nb, kb, 512)
+            return torch.cat([dd, mm, nib], dim=-1).contiguous(), tail
+        qq = cols(q).to(torch.int8).transpose(2, 3).reshape(nb, kb, 1024)
+        return torch.cat([dd.view(torch.int8), qq], dim=-1).contiguous(), tail
+    return None
+
+
+def pack(module: nn.Module, ops, quant: bool = True) -> None:
+    """Pack ``module``'s weight (an ``nn.Linear`` or GPT-2's ``Conv1D``) onto it: ``_dlm_packed`` (and
+    ``_dlm_tail``), the quantized form where ``quant`` and its blocks fit, else fp32."""
+    w = module.weight
+    transposed = not isinstance(module, nn.Linear)
+    with torch.no_grad():
+        packed = quant_pack(w.detach().t() if transposed else w.detach(), ops) if quant else None
+        module._dlm_packed, module._dlm_tail = packed if packed is not None else (ops.pack(w.detach(), transposed),
+                                                                                   None)
+    # what the copy was made from (storage, in-place version): a replaced or modified weight is packed again
+    module._dlm_ptr, module._dlm_version = w.data_ptr(), w._version
+    module._dlm_out = w.shape[1] if transposed else w.shape[0]
+    module._dlm_quant = quant
+
+
+def fresh(module: nn.Module, ops) -> None:
+    """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""
+    w = module.weight
+    if w._version != module._dlm_version or w.data_ptr() != module._dlm_ptr:
+        pack(module, ops, module._dlm_quant)
+
+
+PACKED_ATTRS = ("_dlm_packed", "_dlm_tail", "_dlm_ptr", "_dlm_version", "_dlm_out", "_dlm_quant")
+
+
+def unpack(module: nn.Module) -> None:
+    for name in PACKED_ATTRS:
+        if hasattr(module, name):
+            delattr(module, name)

@@ -142,7 +142,7 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=get_device())  # a GPU, where there is one (fp32: the same greedy answers)
-    engine = Engine(model, tokenizer, decoder="ar", max_batch_size=cfg.distill_batch_size)
+    engine = Engine(model, tokenizer, decoder="ar", max_batch_size=cfg.distill_batch_size, threads="auto")
     params = SamplingParams(max_new_tokens=cfg.answer_tokens, temperature=0.0)
 
     def generate(batch: list[str]) -> list[str]:
@@ -153,7 +153,10 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
     instructions = builtin_instructions("train", n=cfg.num_instructions, seed=cfg.seed)
     log(f"data: self-distilling {len(instructions)} answers (<= {cfg.answer_tokens} tokens each) from {cfg.model}")
     t = time.time()
-    self_distill(generate, instructions, target, batch_size=cfg.distill_batch_size)
+    try:
+        self_distill(generate, instructions, target, batch_size=cfg.distill_batch_size)
+    finally:
+        engine.close()
     log(f"data: wrote {target} in {time.time() - t:.0f} s")
     return target
 

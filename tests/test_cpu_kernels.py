@@ -551,3 +551,30 @@ def test_isa_env_forces_an_instruction_set_and_refuses_one_the_cpu_lacks(tmp_pat
         with pytest.raises(DLMError, match="avx512"):
             cpu.set_isa("avx512")
     assert cpu.set_isa("auto") == ISAS[0]
+
+
+def test_thread_policy_uses_the_idle_cores_and_puts_the_callers_count_back(monkeypatch):
+    from dlm.decode import threads
+    from dlm.errors import DLMError
+
+    saved = torch.get_num_threads()
+    monkeypatch.setattr(threads, "cores", lambda: 2)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 1)  # another process keeps one core busy
+    pol = threads.ThreadPolicy("auto")
+    pol.tick()
+    assert torch.get_num_threads() == 1
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0)
+    pol.tick()  # within INTERVAL: not looked at again
+    assert torch.get_num_threads() == 1
+    pol._next = 0.0
+    pol.tick()
+    assert torch.get_num_threads() == 2
+    pol.restore()
+    assert torch.get_num_threads() == saved
+    monkeypatch.setattr(threads, "busy_cores", lambda: 5)
+    assert threads.auto_threads() == 1  # never below one
+    assert threads.parse("torch") is None and threads.parse("3") == 3
+    with pytest.raises(DLMError, match="--threads"):
+        threads.parse("0")
+    b = threads.busy_cores.__wrapped__() if hasattr(threads.busy_cores, "__wrapped__") else None
+    assert b is None or b >= 0

@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+from dlm.decode.threads import THREADS_HELP
+from dlm.decode.threads import parse as parse_threads
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias or local folder (AR or DLM)")
@@ -49,6 +52,7 @@ def add_arguments(p) -> None:
                                                                   "(block: <= 0 means top-k commits)")
     p.add_argument("--block-length", type=int, default=32, help="mdm threshold sampler: semi-AR block length")
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", default="auto", help=THREADS_HELP)
 
 
 def read_prompts(args) -> list[str]:
@@ -92,6 +96,7 @@ def run(args) -> int:
 
     check_isd_flags(args.decode, {"isd-token-budget": args.isd_token_budget, "isd-fallback": args.isd_fallback,
                                   "isd-candidates": args.isd_candidates}, stride=args.stride)
+    parse_threads(args.threads)  # a bad value fails before the model loads
     if args.isd_token_budget is not None:
         from dlm.decode.schedule import make_policy
 
@@ -140,7 +145,7 @@ def run(args) -> int:
                            fallback=args.isd_fallback, candidates=args.isd_candidates,
                            method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
-                           block_length=args.block_length)
+                           block_length=args.block_length, threads=parse_threads(args.threads))
     for w in caught:
         if issubclass(w.category, UserWarning):
             print(f"dlm generate: warning: {w.message}", file=sys.stderr)

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import argparse
 
+from dlm.decode.threads import THREADS_HELP
+from dlm.decode.threads import parse as parse_threads
+
 
 def isd_token_budget(args) -> str | None:
     """The drafting policy a server runs: the flag, else ``auto`` for ISD (a server's load varies, and drafting in
@@ -57,8 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", type=int, help="torch threads of the engine (default: torch's choice; on a busy "
-                   "shared CPU, 1 can be much faster)")
+    p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
 
 
@@ -73,8 +75,7 @@ def run(args) -> int:
     from dlm.serve.app import ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
-    if args.threads is not None and args.threads < 1:
-        raise DLMError(f"--threads must be a positive integer, got {args.threads}")
+    threads = parse_threads(args.threads)
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
     settings = ServeSettings(model_name=args.served_model_name or args.model, max_tokens_limit=args.max_tokens_limit,
@@ -86,8 +87,8 @@ def run(args) -> int:
                          isd_token_budget=isd_token_budget(args), fallback=args.isd_fallback,
                          candidates=args.isd_candidates,
                          method=args.sampler, steps=args.steps,
-                         threshold=args.threshold, block_length=args.block_length)
-    app = create_app(Scheduler(engine, threads=args.threads), settings)
+                         threshold=args.threshold, block_length=args.block_length, threads=threads)
+    app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)
     stride = getattr(engine.decoder, "stride", None)
     policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
     print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride}, drafting: {policy})"

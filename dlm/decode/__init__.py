@@ -80,7 +80,7 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
              stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
              candidates: int | None = None, method: str = "confidence", steps: int | None = None,
              threshold: float | None = 0.9,
-             block_length: int = 32, on_tokens=None):
+             block_length: int = 32, on_tokens=None, threads=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
     prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/
@@ -88,7 +88,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     drafts at every step, an int drafts while rows x (2N-1) <= it, ``'auto'`` measures whether drafting pays
     (:mod:`dlm.decode.schedule`). ``fallback`` (ISD): which outcomes of a verify step get masks for the next
     drafts (:class:`dlm.decode.isd.ISDDecoder`; default ``'predict'``); ``candidates`` (ISD, stride 2): drafts
-    verified per position (default 1)."""
+    verified per position (default 1). ``threads``: CPU threads while decoding (None: torch's setting; an int;
+    ``'auto'``: the cores other processes leave idle, :mod:`dlm.decode.threads`)."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.errors import DLMError, closest
@@ -100,5 +101,5 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, fallback=fallback,
                          candidates=candidates, method=method, steps=steps, threshold=threshold,
                          block_length=block_length)
-    engine = Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, **kw)
-    return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)
+    with Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, threads=threads, **kw) as engine:
+        return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)

@@ -44,6 +44,7 @@ from typing import Callable, Sequence
 import torch
 
 from dlm.decode import cpu as cpu_kernels
+from dlm.decode.threads import ThreadPolicy
 from dlm.decode.sampling import RequestStats, SamplingParams
 from dlm.errors import DLMError
 
@@ -380,7 +381,7 @@ class Engine:
     """Continuous-batching token-id engine. See the module docstring for the design and the API."""
 
     def __init__(self, model, tokenizer=None, decoder: str | Decoder = "ar", max_batch_size: int = 8,
-                 compact_threshold: float = 0.5, **decoder_kw):
+                 compact_threshold: float = 0.5, threads=None, **decoder_kw):
         from dlm.decode.attention import use_for_decoding
         from dlm.model.convert import cache_kw, max_positions
 
@@ -401,6 +402,9 @@ class Engine:
         # (dlm.decode.cpu; only inside this engine's forwards; undone by close())
         self._cpu = cpu_kernels.attach(model) if self.device.type == "cpu" else None
         self._cpu_kernel = bool(self._cpu)
+        # threads: None leaves torch's setting; an int or "auto" (the cores other processes leave idle, looked at
+        # again while decoding: dlm.decode.threads) is set in the thread that steps, and put back by close()
+        self._threads = ThreadPolicy(threads) if threads is not None and self.device.type == "cpu" else None
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:
@@ -431,6 +435,9 @@ class Engine:
         if self._attn is not None:
             self._attn.restore()
             self._attn = None
+        if self._threads is not None:
+            self._threads.restore()
+            self._threads = None
 
     def __enter__(self):
         return self
@@ -485,6 +492,8 @@ class Engine:
         """One decode forward for the running rows, then prefill + join of waiting requests (room allowing; one
         forward per group of equal prompt and suffix lengths)."""
         events: list[StepEvent] = []
+        if self._threads is not None:
+            self._threads.tick()
         if self.rows:
             events += self._decode_step()
         room = self.max_batch_size - len(self.rows)

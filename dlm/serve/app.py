@@ -56,7 +56,7 @@ class ServeSettings:
 def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
                 device: str | None = None, dtype: str | None = None, draft: str = "sample",
                 isd_token_budget: int | str | None = None, fallback: str | None = None,
-                candidates: int | None = None, **diffusion_kw):
+                candidates: int | None = None, threads=None, **diffusion_kw):
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
@@ -90,7 +90,7 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
                    dtype=get_dtype(dtype, dev), device=dev)
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget, fallback=fallback,
                          candidates=candidates, **{k: v for k, v in diffusion_kw.items() if v is not None})
-    return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, **kw)
+    return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, threads=threads, **kw)
 
 
 # -- incremental text ---------------------------------------------------------------------------------------

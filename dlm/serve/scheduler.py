@@ -190,8 +190,10 @@ class Scheduler:
 
         self.failures += 1
         old = self.engine
+        threads = old._threads.mode if old._threads is not None else None
+        old.close()
         self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
-                             compact_threshold=old.compact_threshold)
+                             compact_threshold=old.compact_threshold, threads=threads)
         for h in self._handles.values():
             h.done = True
             h.push("error", (500, message))

@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart test test-slow
+.PHONY: install quickstart test test-fast test-isa
 
 install:
 	# The CPU build of PyTorch that lies on this disk; GPU users install their own torch first.
@@ -19,3 +19,7 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest
+
+# The engine's exactness tests on the generic (non-native) CPU kernels, forced by DLM_CPU_ISA
+test-isa: install
+	DLM_CPU_ISA=generic $(PY) -m pytest -p no:cacheprovider tests/test_decode_isd.py tests/test_decode_engine.py

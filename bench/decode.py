@@ -71,7 +71,7 @@ def main(argv=None) -> int:
                     help="batches per batch size (distinct prompts; every method runs each, interleaved; default 4)")
     ap.add_argument("--fallbacks", default="predict",
                     help="comma-separated ISD fallback modes to run (default predict; 'isd N=n' is the first, the "
-                         "others are named 'isd N=n MODE'): predict, all, off (SPEC's plain ISD: a cold-start step "
+                         "others are named 'isd N=n MODE'): predict, all, off (plain ISD (docs/algorithms.md#isd): a cold-start step "
                          "after every rejection)")
     ap.add_argument("--candidates", default="",
                     help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "

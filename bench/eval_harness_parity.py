@@ -3,7 +3,7 @@
 Writes (to a temporary folder, never into the repo) the PIQA items with their labels as JSONL and a harness task
 YAML with exactly our prompt, runs ``lm_eval``'s ``hf`` model on it and ``dlm``'s :func:`run_eval`-path scoring
 on the same items, and prints acc / acc_norm of both, the largest per-choice log-likelihood difference and how
-many predictions differ. Two prompts: ``spec`` (DiffuLLaMA, SPEC section 6: "Question: {goal}\\nAnswer: " then
+many predictions differ. Two prompts: ``spec`` (DiffuLLaMA, docs/algorithms.md#evaluation: "Question: {goal}\\nAnswer: " then
 " " + sol) and ``harness`` (lm-eval's piqa task: "Question: {goal}\\nAnswer:" then " " + sol).
 
     python bench/eval_harness_parity.py                      # smollm2-135m, the 200 PIQA items in shared data

@@ -4,7 +4,7 @@ Corpus: tinyshakespeare cut into ~2,000-character documents, repeated into sever
 with the smollm2-135m tokenizer, vocab 49152 -> uint16 shards).
 
 - baseline: what the reference scripts do - one process, record batches from each parquet file, one tokenizer call
-  per document (``tokenizer(text)["input_ids"]`` + EOS), packed by the SPEC/lit-gpt builder (``add_array``).
+  per document (``tokenizer(text)["input_ids"]`` + EOS), packed by the lit-gpt builder (docs/algorithms.md#shards) (``add_array``).
 - dlm prepare: ``prepare(PrepareConfig(..., num_processes=N))`` - the whole command, timed end to end including
   tokenizer loading and worker start-up (the baseline's timing excludes its tokenizer loading).
 
@@ -50,7 +50,7 @@ def make_corpus(folder: Path, copies: int, files: int, doc_chars: int = 2000) ->
 
 
 class ReferenceBuilder:
-    """lit-gpt's PackedDatasetBuilder (SPEC section 1), as the reference scripts use it."""
+    """lit-gpt's PackedDatasetBuilder (docs/algorithms.md#shards), as the reference scripts use it."""
 
     def __init__(self, outdir, prefix, chunk_size, sep_token, dtype):
         self._outdir, self._prefix, self._chunk_size = outdir, prefix, chunk_size

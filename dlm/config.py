@@ -207,7 +207,7 @@ class TrainingConfig:
         if name in ("block", "idlm"):
             kw["block_size"] = block_size
         if name == "mdm" and self.model.attn_impl == "flash_attention_2":
-            kw["attention"] = "full"  # flash kernels cannot take the annealed mask (SPEC 2.1)
+            kw["attention"] = "full"  # flash kernels cannot take the annealed mask (docs/algorithms.md#annealed-attention)
         return kw
 
     def to_dict(self) -> dict[str, Any]:

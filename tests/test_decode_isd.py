@@ -92,7 +92,7 @@ class CountFallbacks(ISDDecoder):
 @pytest.mark.parametrize("stride", [2, 3])
 def test_isd_fallback_drafts_skip_the_cold_start(stride):
     """With every branch's masks in the chunk (``all``) the drafts after a rejection are verified at once: every
-    forward after the prefill verifies drafts; without them (``off``, SPEC's plain ISD) rejections cost a cold
+    forward after the prefill verifies drafts; without them (``off``, plain ISD (docs/algorithms.md#isd)) rejections cost a cold
     start."""
     dlm = idlm("llama")
     k = 24

@@ -1,4 +1,4 @@
-"""Task loaders: layouts chosen by content, prompts as SPEC section 6, and clear errors on bad input."""
+"""Task loaders: layouts chosen by content, prompts as docs/algorithms.md#evaluation, and clear errors on bad input."""
 
 import json
 import shutil

@@ -161,7 +161,7 @@ def test_block_objective_by_hand_t_per_block():
 
 def test_idlm_alignment_hand_checked():
     """Prompt of 3, response of 4, one pad: masks at 2..5 (the last prompt position predicts the first response
-    token), none at the last response token or the pad; an oracle aligned as SPEC §4 gets zero loss. (On the 2L
+    token), none at the last response token or the pad; an oracle aligned as docs/algorithms.md#idlm gets zero loss. (On the 2L
     reference layout, which a fake model can show; the split path is checked equal to it on real models.)"""
     x0 = torch.tensor([[10, 11, 12, 20, 21, 22, 23, 0]])
     labels = torch.tensor([[-100, -100, -100, 20, 21, 22, 23, -100]])

@@ -176,7 +176,7 @@ def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path
     assert run_cli("--source-path", many_src, "--tokenizer", tok_dir, "--destination-path", dest, "--prefix", "tr",
                    "--num-processes", 2, "--chunk-size", 512) == 0
     assert _bins(dest) == ref
-    # each worker's shards = the SPEC builder over the per-document tokens of the files assigned to it
+    # each worker's shards = the reference builder (docs/algorithms.md#shards) over the per-document tokens of the files assigned to it
     import pyarrow.parquet as pq
 
     groups = assign_files(discover_files(str(many_src), None, 1.0), 2)

@@ -1,4 +1,4 @@
-"""LITPKDS shards: byte layout against an independent writer/reader written from SPEC section 1."""
+"""LITPKDS shards: byte layout against an independent writer/reader written from docs/algorithms.md#shards."""
 
 import hashlib
 import json
@@ -11,8 +11,8 @@ from dlm.data.loader import PackedDataset
 from dlm.data.shards import ShardWriter, choose_dtype, read_header, read_shard, update_manifest, read_manifest
 from dlm.errors import DLMError
 
-# ------------------------------------------------------------------ independent implementation of SPEC section 1
-# Written from the table in SPEC.md only (no import from dlm): magic, uint64 version, uint8 dtype code,
+# ------------------------------------------------------------------ independent implementation of docs/algorithms.md#shards
+# Written from the table in docs/algorithms.md#shards only (no import from dlm): magic, uint64 version, uint8 dtype code,
 # uint64 chunk_size, then the tokens, all little-endian.
 SPEC_CODES = {"uint8": 1, "int8": 2, "int16": 3, "int32": 4, "int64": 5, "float32": 6, "float64": 7, "uint16": 8}
 SPEC_FORMATS = {"uint16": "<u2", "int32": "<i4"}
@@ -39,7 +39,7 @@ def spec_read(path):
 
 
 def spec_build(stream, chunk_size, sep, prefix, folder, dtype_name, write_remainder=False):
-    """SPEC builder: buffer pre-filled with sep; each full buffer -> {prefix}_{counter:010d}.bin."""
+    """The reference builder (docs/algorithms.md#shards): buffer pre-filled with sep; each full buffer -> {prefix}_{counter:010d}.bin."""
     names, counter = [], 0
     for start in range(0, len(stream), chunk_size):
         part = list(stream[start: start + chunk_size])

@@ -1,6 +1,6 @@
 """Streaming blocks of tokens from LITPKDS shards: rank/worker-aware, seeded, resumable, weighted mixing.
 
-:class:`PackedDataset` reads ``block_size``-token blocks from memory-mapped shards (SPEC section 1):
+:class:`PackedDataset` reads ``block_size``-token blocks from memory-mapped shards (docs/algorithms.md#shards):
 
 - **Who reads what.** There are ``C = world_size * num_workers`` consumers; consumer ``c = rank * num_workers +
   worker`` (rank-major, as the reference). In epoch ``e`` the files are permuted with a seeded RNG

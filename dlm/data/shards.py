@@ -1,4 +1,4 @@
-"""LITPKDS packed token shards (TinyLlama / lit-gpt format, SPEC section 1) and their sidecar manifest.
+"""LITPKDS packed token shards (TinyLlama / lit-gpt format, docs/algorithms.md#shards) and their sidecar manifest.
 
 Byte layout of one ``.bin`` shard, all integers little-endian::
 
@@ -48,7 +48,7 @@ TOKEN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
 
 
 def choose_dtype(vocab_size: int, dtype: str = "auto") -> np.dtype:
-    """The shard dtype: ``auto`` = uint16 when the vocabulary is below 65500, else int32 (SPEC section 1)."""
+    """The shard dtype: ``auto`` = uint16 when the vocabulary is below 65500, else int32 (docs/algorithms.md#shards)."""
     if dtype == "auto":
         return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
     if dtype not in TOKEN_DTYPES:

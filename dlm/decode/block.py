@@ -1,4 +1,4 @@
-"""Block diffusion decoding for ``block`` DLMs (SDAR / BD3-LM, SPEC section 3), as a decoder of the batching engine.
+"""Block diffusion decoding for ``block`` DLMs (SDAR / BD3-LM, docs/algorithms.md#block-diffusion), as a decoder of the batching engine.
 
 Blocks of ``block_size`` are aligned to absolute positions (block(i) = i // b, as in training). Attention is
 block-causal: a query sees every key of its own block and of earlier blocks. Per block, up to ``steps`` denoising

@@ -1,4 +1,4 @@
-"""Introspective Strided Decoding (ISD, SPEC section 5) on the engine.
+"""Introspective Strided Decoding (ISD, docs/algorithms.md#isd) on the engine.
 
 Stride N. With the I-DLM shift a mask stands in for the token at its own position and predicts the next one.
 
@@ -19,7 +19,7 @@ Stride N. With the I-DLM shift a mask stands in for the token at its own positio
   masks at offsets i..i+N-2 that see c, d_1..d_{i-1} (a tree chunk, :func:`branch_layout`); after that
   rejection their logits are the next drafts and the next step verifies again. ``'predict'`` (default) carries
   the masks of the likeliest outcome only (chunk length 2N-1 either way), ``'all'`` of every outcome
-  (N-1 + N(N-1) tokens), ``'off'`` of all-accepted only (SPEC). Drafts are proposals: exact in every mode.
+  (N-1 + N(N-1) tokens), ``'off'`` of all-accepted only (plain ISD). Drafts are proposals: exact in every mode.
 - Draft candidates (``candidates`` K > 1, stride 2; ours, SpecInfer-style token tree): the mask gives K drafts for
   the next position instead of one (greedy: its top K; sampling: K draws from q without replacement), each with its
   own mask for the draft after it: chunk ``[c, d^1..d^K, M^1..M^K]`` at offsets 0, 1 x K, 2 x K (d^j sees c; M^j

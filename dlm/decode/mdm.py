@@ -1,4 +1,4 @@
-"""Masked-diffusion samplers for bidirectional ``mdm`` DLMs (SPEC section 2.2), as a decoder of the batching engine.
+"""Masked-diffusion samplers for bidirectional ``mdm`` DLMs (docs/algorithms.md#mdm-sampling), as a decoder of the batching engine.
 
 Every generated position starts as M and the passes run with full (bidirectional) attention. With the model's
 ``shift`` (DiffuLLaMA/Dream), the logit at i-1 scores position i; without it (LLaDA), the logit at i.

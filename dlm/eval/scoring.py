@@ -6,7 +6,7 @@ whatever the task size. (A reference evaluator keeps 32 forward graphs alive: 8.
 
 - :func:`loglikelihoods` (causal models: AR, I-DLM): ``sum log p(cont_i | ctx, cont_<i)`` under a causal mask,
   plus whether the continuation is the greedy one; context truncated from the left like lm-evaluation-harness.
-- :func:`denoising_scores` (bidirectional DLMs, objective mdm/block; SPEC section 6): the mean over k = T..1 of
+- :func:`denoising_scores` (bidirectional DLMs, objective mdm/block; docs/algorithms.md#evaluation): the mean over k = T..1 of
   the mean cross-entropy over the continuation tokens masked i.i.d. with probability k/T, under full attention;
   lower is better. The masks of one example are drawn from a generator seeded by (seed, example key), so a score
   is deterministic per example, independent of batching; choices of one example share the uniform draws (common

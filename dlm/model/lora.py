@@ -3,7 +3,7 @@
 This module also owns how a DiffusionLM's weights are written (``save_model_folder``) and how adapters are
 restored on load (``load_adapters_if_any``), because adapters decide what goes where.
 
-Gated LoRA (I-DLM "lossless" mode, SPEC §4): low-rank adapters that act **only at mask positions**
+Gated LoRA (I-DLM "lossless" mode, docs/algorithms.md#idlm): low-rank adapters that act **only at mask positions**
 (``input_ids == mask_token_id``). It is implemented with forward hooks on the untouched Hugging Face modules:
 
 - a pre-hook on the HF model computes the gate ``[B, T]`` from the ``input_ids`` of *that* call (so it works in

@@ -117,7 +117,7 @@ def draw_anneal(L: int, p: float, generator: torch.Generator | None = None, devi
 
 def annealed(L: int, p: float, generator: torch.Generator | None = None, doc_ids: torch.Tensor | None = None,
              key_valid: torch.Tensor | None = None, draw: torch.Tensor | None = None, device=None) -> MaskMod:
-    """DiffuLLaMA annealed attention: ``allowed(i, j) = (j <= i) OR Bernoulli(p)`` (SPEC §2.1).
+    """DiffuLLaMA annealed attention: ``allowed(i, j) = (j <= i) OR Bernoulli(p)`` (docs/algorithms.md#annealed-attention).
 
     One ``[L, L]`` Bernoulli draw per call from ``generator`` (or pass ``draw``), shared by batch, heads and
     layers. ``p = 0`` is causal, ``p = 1`` is full. Example L = 4, p = 0.5 (``o`` = drawn above the diagonal)::
@@ -139,7 +139,7 @@ def annealed(L: int, p: float, generator: torch.Generator | None = None, doc_ids
 
 def block_diffusion(L: int, block_size: int, doc_ids: torch.Tensor | None = None,
                     key_valid: torch.Tensor | None = None, device=None) -> MaskMod:
-    """BD3-LM / SDAR training mask over ``[x_t | x0]`` (length 2L, SPEC §3). L = 4, b = 2 (n = noisy, c = clean)::
+    """BD3-LM / SDAR training mask over ``[x_t | x0]`` (length 2L, docs/algorithms.md#block-diffusion). L = 4, b = 2 (n = noisy, c = clean)::
 
                n0 n1 n2 n3 | c0 c1 c2 c3
         n0      x  x  .  . |  .  .  .  .     noisy -> noisy: same block, bidirectional
@@ -167,7 +167,7 @@ def block_diffusion(L: int, block_size: int, doc_ids: torch.Tensor | None = None
 
 def introspective(L: int, block_size: int = 1, doc_ids: torch.Tensor | None = None,
                   key_valid: torch.Tensor | None = None, device=None) -> MaskMod:
-    """I-DLM training mask over ``[x_t | x0]`` (length 2L, SPEC §4 item 4). L = 4, b = 2::
+    """I-DLM training mask over ``[x_t | x0]`` (length 2L, docs/algorithms.md#idlm item 4). L = 4, b = 2::
 
                n0 n1 n2 n3 | c0 c1 c2 c3
         n0      x  .  .  . |  .  .  .  .     noisy -> noisy: own block, key <= query
@@ -200,7 +200,7 @@ def introspective_cached(L: int, block_size: int = 1, doc_ids: torch.Tensor | No
     """The noisy rows of :func:`introspective` with the clean half already in a KV cache: ``L x 2L``.
 
     Keys are ``[clean cache (L) | noisy (L)]`` (cache first, as transformers appends new keys after the cache);
-    queries are the L noisy tokens. Used by the gated-LoRA fast path (SPEC §4): the clean pass runs once under
+    queries are the L noisy tokens. Used by the gated-LoRA fast path (docs/algorithms.md#idlm): the clean pass runs once under
     ``no_grad`` and the masks attend to its cache. L = 4, b = 2::
 
                c0 c1 c2 c3 | n0 n1 n2 n3

@@ -1,4 +1,4 @@
-"""Block diffusion (BD3-LM / SDAR), SPEC §3.
+"""Block diffusion (BD3-LM / SDAR), docs/algorithms.md#block-diffusion.
 
 Input ``[x_t | x0]`` (2L tokens, both halves with the same position ids) under the block-diffusion mask:
 noisy tokens see their own noisy block (bidirectionally) and the clean blocks before it; clean tokens are

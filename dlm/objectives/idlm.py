@@ -1,4 +1,4 @@
-"""Introspective diffusion (I-DLM) training, SPEC §4.
+"""Introspective diffusion (I-DLM) training, docs/algorithms.md#idlm.
 
 Alignment (the part that is easy to get wrong by one). Targets are shifted: position i is trained on token i+1.
 A position is a **mask** in ``x_t`` exactly when its target is trained (``labels[i+1] != -100``, same document):

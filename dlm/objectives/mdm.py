@@ -1,4 +1,4 @@
-"""Masked diffusion (MDLM / LLaDA / DiffuLLaMA), SPEC §2.
+"""Masked diffusion (MDLM / LLaDA / DiffuLLaMA), docs/algorithms.md#masked-diffusion.
 
 Per sequence ``t ~ U(eps, 1)``; each trainable token is replaced by the mask id with probability t; the loss is
 the CE of the masked tokens weighted by ``1 / t`` (not t: DiffuLLaMA's 7B script had that bug), divided by the
@@ -85,7 +85,7 @@ class MDMObjective(Objective):
         x_t, masked = schedules.mask_tokens(b.input_ids, trainable, t[:, None], model.mask_token_id, generator)
         p = schedules.anneal_p(step, c.anneal_steps) if c.attention == "annealed" else 1.0
         attn_kw = {}
-        if not maskable:  # flash kernels: full attention through is_causal=False (SPEC 2.1, DiffuLLaMA-7B)
+        if not maskable:  # flash kernels: full attention through is_causal=False (docs/algorithms.md#annealed-attention, DiffuLLaMA-7B)
             attn_kw["is_causal"] = False
         elif p >= 1.0:
             attn_kw["attention_mask"] = self.attn_mask(model, masks.full(b.doc_ids, b.key_valid), B, L)

@@ -1,4 +1,4 @@
-"""Noise and annealing schedules (SPEC §2, §2.1). Randomness always comes from a passed ``torch.Generator``."""
+"""Noise and annealing schedules (docs/algorithms.md#masked-diffusion, §2.1). Randomness always comes from a passed ``torch.Generator``."""
 
 from __future__ import annotations
 

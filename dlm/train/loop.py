@@ -358,7 +358,7 @@ def heldout_loss(accelerator, proxy, objective, batches: list[dict], step: int, 
     with torch.no_grad():
         for b in batches:
             # EVAL_STEP: objectives that anneal with the step (mdm) evaluate at the end of the anneal (p = 1,
-            # full attention, as at sampling time - SPEC 2.1).
+            # full attention, as at sampling time - docs/algorithms.md#annealed-attention).
             out = objective(proxy, _to_device(b, accelerator.device), EVAL_STEP, gen)
             n = max(1, int(out.num_tokens))
             total += torch.tensor([float(out.loss) * n, n], dtype=torch.float64, device=accelerator.device)

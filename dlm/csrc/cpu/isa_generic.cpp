@@ -6,9 +6,10 @@ constexpr int LANES = 4;  // one 128-bit register per vector (SSE2, NEON): wider
 typedef unsigned char vu8 __attribute__((vector_size(LANES), aligned(1)));
 typedef signed char vs8 __attribute__((vector_size(LANES), aligned(1)));
 }  // namespace dlm_generic_detail
+static_assert(dlm_generic_detail::LANES == 4, "DLM_V below must match");
 
 #define DLM_NS dlm_isa_generic
-#define DLM_V dlm_generic_detail::LANES
+#define DLM_V 4  // = dlm_generic_detail::LANES
 #define DLM_ROWS 4
 #define DLM_TABLE table_generic
 #define DLM_NAME "generic"

@@ -5,7 +5,7 @@
 - text layout (klosax/hellaswag_text_data): 6 lines per item - context (activity label + ": " + ctx), the gold
   index 0-3, then the four endings.
 
-Prompt (DiffuLLaMA, SPEC section 6): context = preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()),
+Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context = preprocess(activity_label + ": " + ctx_a + " " + ctx_b.capitalize()),
 choice = " " + preprocess(ending) (the reference's Llama tokenizer adds that word-boundary space itself when it
 encodes the ending separately); preprocess = strip, " [title]" -> ". ", drop other [..] tags, collapse double spaces.
 The text layout has ctx already joined (ctx_b not capitalized); it is preprocessed the same way.

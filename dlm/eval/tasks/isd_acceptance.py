@@ -1,6 +1,6 @@
 """Drafting quality of an I-DLM: greedy Introspective Strided Decoding on chat prompts.
 
-What it measures (SPEC section 5): per draft position, the share of drafts the verify step accepted; tokens per
+What it measures (docs/algorithms.md#isd): per draft position, the share of drafts the verify step accepted; tokens per
 forward (TPF); and whether the ISD output equals the model's own greedy AR output on every prompt (it must, for
 any I-DLM; with gated LoRA the AR output is the base model's). ``acc`` is the first draft position's acceptance,
 the figure that sets the speed of the N=2 decoder (TPF = 2 / (2 - a) in the long run).

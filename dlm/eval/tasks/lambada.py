@@ -4,7 +4,7 @@
   whitespace-separated word;
 - OpenAI JSONL (detokenized, llm-foundry): ``{context, continuation}``.
 
-Protocol (SPEC section 6): generate exactly as many tokens as the target has, exact match of the stripped decoded
+Protocol (docs/algorithms.md#evaluation): generate exactly as many tokens as the target has, exact match of the stripped decoded
 text against the target word. Each hit is counted once (the reference counted hits twice until mid-2025).
 """
 

@@ -1,6 +1,6 @@
 """PIQA (physical commonsense, 2 choices): ``{goal, sol1, sol2}`` JSONL + a labels file (0/1 per line).
 
-Prompt (DiffuLLaMA, SPEC section 6): context ``"Question: {goal}\\nAnswer: "``, choice ``" " + sol``.
+Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {goal}\\nAnswer: "``, choice ``" " + sol``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Social IQa (3 choices): ``{context, question, answerA, answerB, answerC}`` JSONL + labels file ("1"/"2"/"3").
 
-Prompt (DiffuLLaMA, SPEC section 6): context ``"Question: {context} {question}\\nAnswer: "``, choice = the answer.
+Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {context} {question}\\nAnswer: "``, choice = the answer.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   optionally with a labels file (1/2 per line) beside it;
 - MosaicML (llm-foundry): ``{context_options: [a, b], continuation, gold}`` with ``gold`` 0/1.
 
-Prompt (DiffuLLaMA, SPEC section 6): split the sentence at "_"; context = the text before it; each choice =
+Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): split the sentence at "_"; context = the text before it; each choice =
 option + the rest of the sentence. The MosaicML layout stores ``context_options[i] = text before "_" + option_i``;
 the split point is recovered as the last word boundary before the two options differ, so the shared words of the
 two contexts become the context (a word both options share, like "the", is then context instead of choice; for the

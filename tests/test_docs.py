@@ -1,0 +1,112 @@
+"""The README and docs/ stay true: links resolve, the README's `dlm ...` command lines parse, the README is short."""
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
+README_MAX_LINES = 250
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose_lines(path: Path):
+    """(line number, text) of the lines outside fenced code blocks."""
+    fenced = False
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            yield i, line
+
+
+def _anchors(path: Path) -> set[str]:
+    text = path.read_text()
+    heads = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
+             for h in re.findall(r"^#+\s+(.*)$", text, flags=re.M)}
+    return heads | set(re.findall(r'<a id="([^"]+)"></a>', text))
+
+
+def broken_links(path: Path) -> list[str]:
+    bad = []
+    for n, line in _prose_lines(path):
+        for target in LINK.findall(line):
+            if re.match(r"^[a-z]+:", target):
+                continue  # http(s), mailto: not checked (no network)
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            if not dest.exists():
+                bad.append(f"{path.relative_to(ROOT)}:{n}: link to '{target}': no such file")
+            elif anchor and dest.suffix == ".md" and anchor not in _anchors(dest):
+                bad.append(f"{path.relative_to(ROOT)}:{n}: link to '{target}': no such anchor in {dest.name}")
+    return bad
+
+
+def test_every_relative_link_resolves():
+    bad = [b for p in DOCS if p.exists() for b in broken_links(p)]
+    assert not bad, "\n".join(bad)
+
+
+def test_code_cites_docs_sections_that_exist():
+    """Citations like docs/algorithms.md#isd in code, tests and docs name an anchor that exists."""
+    anchors = _anchors(ROOT / "docs" / "algorithms.md")
+    bad = []
+    for path in [*ROOT.glob("dlm/**/*.py"), *ROOT.glob("tests/*.py"), *ROOT.glob("bench/*.py"), *DOCS]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for anchor in re.findall(r"docs/algorithms\.md#([a-z0-9-]+)", line):
+                if anchor not in anchors:
+                    bad.append(f"{path.relative_to(ROOT)}:{n}: docs/algorithms.md#{anchor} does not exist")
+    assert not bad, "\n".join(bad)
+
+
+def readme_commands() -> list[tuple[int, str]]:
+    out, fenced = [], False
+    for i, line in enumerate((ROOT / "README.md").read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if fenced and line.strip().startswith("dlm "):
+            out.append((i, line.split("#", 1)[0].strip()))
+    return out
+
+
+def test_readme_command_lines_parse():
+    from dlm.cli import build_parser
+
+    parser = build_parser()
+    cmds = readme_commands()
+    assert cmds, "the README shows no dlm command line"
+    bad = []
+    for n, cmd in cmds:
+        argv = shlex.split(cmd)[1:]
+        try:
+            _, unknown = parser.parse_known_args(argv)
+        except SystemExit:
+            bad.append(f"README.md:{n}: `{cmd}` does not parse")
+            continue
+        if unknown:
+            bad.append(f"README.md:{n}: `{cmd}`: unknown {' '.join(unknown)}")
+    assert not bad, "\n".join(bad)
+
+
+def test_readme_is_short_and_its_table_cells_are_too():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md: {len(lines)} lines, more than {README_MAX_LINES}"
+    long = [f"README.md:{n}: a table cell of {len(c.strip())} characters"
+            for n, line in _prose_lines(ROOT / "README.md") if line.startswith("|")
+            for c in line.strip("|").split("|") if len(c.strip()) > 200]
+    assert not long, "\n".join(long)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
+def test_docs_speak_of_the_project(path):
+    """No words about how the work was organised (a figure names its machine and command, nothing else)."""
+    if not path.exists():
+        pytest.skip(f"{path.name} not written")
+    words = re.compile(r"\b(this stop|last stop|stop \d+|session|was lent|were lent|no GPU was lent)\b", re.I)
+    bad = [f"{path.relative_to(ROOT)}:{n}: '{m.group(0)}'" for n, line in enumerate(path.read_text().splitlines(), 1)
+           for m in [words.search(line)] if m]
+    assert not bad, "\n".join(bad)

@@ -131,3 +131,25 @@ def test_accuracy_from_known_scores(tok, monkeypatch):
     assert r["acc"] == 0.5  # argmax: 0, 0, 1, 1 vs gold 1, 0, 0, 1
     assert r["acc_norm"] == 1.0  # per char: [-1, -.25] -> 1; [-1, -2] -> 0; [-1, -2] -> 0; [-3, -1] -> 1
     assert r["acc_stderr"] == pytest.approx(math.sqrt(0.25 * 4 / 3 / 4))
+
+
+def test_run_eval_progress_bar_counts_every_scored_row(tmp_path, monkeypatch):
+    """A long multiple-choice task shows a progress bar (rate, ETA) that reaches its total: one row per
+    (context, choice) pair for a causal model."""
+    import json
+
+    import dlm.eval.runner as runner
+    from dlm.testing import make_model, make_tokenizer
+
+    (tmp_path / "piqa").mkdir()
+    with open(tmp_path / "piqa" / "valid.jsonl", "w") as fh:
+        for i in range(5):
+            fh.write(json.dumps({"goal": f"goal {i}", "sol1": "a b", "sol2": "c d e"}) + "\n")
+    (tmp_path / "piqa" / "valid-labels.lst").write_text("0\n1\n0\n1\n0\n")
+    bars = []
+    make = runner._bar
+    monkeypatch.setattr(runner, "_bar", lambda *a: bars.append(make(*a)) or bars[-1])
+    res = runner.run_eval(make_model("llama"), "piqa", tokenizer=make_tokenizer(), data_dir=tmp_path, progress=True)
+    assert res["piqa"]["n"] == 5 and len(bars) == 1 and bars[0].n == bars[0].total == 10
+    runner.run_eval(make_model("llama"), "piqa", tokenizer=make_tokenizer(), data_dir=tmp_path)
+    assert len(bars) == 1  # progress=False (the default, and dlm eval --quiet or a non-terminal stderr): no bar

@@ -21,6 +21,7 @@ History (what training appends to eval_history.jsonl):
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="auto: by the model's kind (causal for AR/I-DLM, denoising score for mdm/block)")
     s.add_argument("--diffusion-steps", type=int, default=32, help="T for the denoising-loss score (default 32)")
     s.add_argument("--seed", type=int, default=0, help="seed of the denoising masks and of sampling")
+    s.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only when stderr is a "
+                   "terminal)")
     s.add_argument("--decode", default="auto", choices=("auto", "ar", "mdm", "block", "isd"),
                    help="decoder for generation tasks (auto: the model's own)")
     s.add_argument("--gen-steps", type=int, help="denoising steps of diffusion decoders (default: one per token)")
@@ -139,7 +142,8 @@ def run(args) -> int:
                        decode=args.decode, gen_steps=args.gen_steps, poem_direction=args.poem_direction,
                        poem_gen_length=args.gen_length, batch_size=args.batch_size, token_budget=args.token_budget,
                        keep_predictions=args.predictions, stride=args.stride, candidates=args.isd_candidates,
-                       log=lambda s: print(s, flush=True))
+                       log=lambda s: print(s, flush=True),
+                       progress=not args.quiet and sys.stderr.isatty())
     print()
     _print_results(results)
     if args.output:

@@ -14,12 +14,22 @@ from dlm.eval.tasks.base import limit as _limit
 from dlm.model.convert import dense_mask_attention
 
 
+def _bar(name: str, examples, em, steps: int):
+    """A progress bar over the scored rows of a multiple-choice task: (context, choice) pairs, times the denoising
+    steps for a diffusion model (an upper bound: a step that masks no token is skipped)."""
+    from tqdm.auto import tqdm
+
+    pairs = sum(len(ex.choices) for ex in examples)
+    total = pairs if em.kind == "causal" else pairs * steps
+    return tqdm(total=total, desc=f"dlm eval {name}", unit="row", dynamic_ncols=True, leave=False)
+
+
 def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=None, data_dir=None,
              paths: dict | None = None, limit: int | None = None, scoring: str = "auto", diffusion_steps: int = 32,
              seed: int = 0, decode: str = "auto", gen_steps: int | None = None, poem_direction: str = "ftb",
              poem_gen_length: int = 28, batch_size: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
              keep_predictions: bool = False, generate_fn: GenerateFn | None = None, stride: int | None = None,
-             candidates: int | None = None, log=None) -> dict:
+             candidates: int | None = None, log=None, progress: bool = False) -> dict:
     """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
     "seconds", ...}}``.
 
@@ -34,7 +44,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
       ``block_size + 1``; ``candidates`` K > 1: K draft candidates per position at stride 2) and reports acceptance
       per draft position, TPF and whether the output equals greedy AR.
     - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
-      so a training loop can call this between steps. ``log(str)`` receives one line per finished task.
+      so a training loop can call this between steps. ``log(str)`` receives one line per finished task;
+      ``progress``: a progress bar per multiple-choice task on stderr (rate, ETA).
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
     :func:`dlm.eval.history.append_history`.
     """
@@ -60,8 +71,14 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                     res = evaluate_drafting(em, examples, name, stride=stride, batch_size=batch_size,
                                             keep_predictions=keep_predictions, candidates=candidates)
                 elif module.KIND == "mc":
-                    res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
-                                                   token_budget=token_budget, keep_predictions=keep_predictions)
+                    bar = _bar(name, examples, em, diffusion_steps) if progress else None
+                    try:
+                        res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
+                                                       token_budget=token_budget, keep_predictions=keep_predictions,
+                                                       progress=bar)
+                    finally:
+                        if bar is not None:
+                            bar.close()
                 else:
                     res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
                                               batch_size=batch_size, generate_fn=generate_fn,

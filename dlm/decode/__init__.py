@@ -14,8 +14,8 @@ FALLBACK_MODES = ("predict", "all", "off")  # ISD --isd-fallback (dlm.decode.isd
 FALLBACK_HELP = ("ISD: which outcomes of a verify step get masks for the next drafts. 'predict' (default): the "
                  "likeliest by the drafts' own probabilities (all accepted, or the first rejection at d_i), so a "
                  "rejection need not cost a cold-start step, at the plain chunk's 2N-1 tokens; 'all': every outcome "
-                 "(N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': only all-accepted (plain "
-                 "plain ISD). Output is the same in every case")
+                 "(N-1 + N(N-1) tokens: for hardware where extra tokens are free); 'off': only all-accepted "
+                 "(plain ISD). Output is the same in every case")
 
 
 def check_fallback(fallback) -> None:

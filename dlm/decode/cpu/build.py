@@ -51,7 +51,7 @@ def _load():
     from torch.utils.cpp_extension import load
 
     name = f"dlm_cpu_{_tag()}"
-    if not hasattr(torch.ops, "dlm_cpu") or not hasattr(torch.ops.dlm_cpu, "linear"):
+    if not hasattr(torch.ops.dlm_cpu, "linear"):  # not loaded in this process yet
         load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=_FLAGS,
              extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCES)], is_python_module=False, verbose=False)
     return torch.ops.dlm_cpu

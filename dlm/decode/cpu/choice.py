@@ -109,22 +109,13 @@ def cached(key: str) -> Choice | None:
         return None
 
 
-def _best(fn, x, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 @torch.no_grad()
 def measure(layers: list[nn.Module], ops, repeats: int = REPEATS) -> Choice:
     """Time the model's distinct linear layers through ``F.linear`` and the kernels (see the module doc)."""
     groups: dict = {}
     for m in layers:
         key = (m._dlm_out, m.weight.numel() // m._dlm_out, str(m._dlm_packed.dtype), m._dlm_tail is not None,
-               m.bias is not None, type(m) is nn.Linear)
+               m.bias is not None, isinstance(m, nn.Linear))
         groups.setdefault(key, [m, 0])[1] += 1
     stock, kern, f32 = ({r: 0.0 for r in ROWS} for _ in range(3))
     g = torch.Generator().manual_seed(0)
@@ -143,7 +134,9 @@ def measure(layers: list[nn.Module], ops, repeats: int = REPEATS) -> Choice:
             t = {name: float("inf") for name in fns}
             for _ in range(repeats):  # interleaved, so that a drift of the machine's speed hits all alike
                 for name, fn in fns.items():
-                    t[name] = min(t[name], _best(fn, x, 1))
+                    t0 = time.perf_counter()
+                    fn(x)
+                    t[name] = min(t[name], time.perf_counter() - t0)
             stock[r] += count * t["stock"] * 1e3
             kern[r] += count * t["kernel"] * 1e3
             f32[r] += count * t.get("f32", t["kernel"]) * 1e3

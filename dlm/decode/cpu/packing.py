@@ -5,12 +5,10 @@ SmolLM2: Q4_1 projections, a Q8_0 embedding / lm_head) holds fp32 weights that a
 (Q4_1) or ``d * q`` (Q8_0) with fp16 scales. At batch 1 a decode step streams every weight once, so such a layer is
 packed in that form (4.5 or 9 bits per weight plus fp32 scales instead of 32) and the kernel rebuilds each weight
 in registers: exactly the fp32 value the model holds (every block is checked before it is packed this way), so the
-outputs are bit for bit those of the fp32 packing. ``DLM_CPU_QUANT=0`` turns this off.
+outputs are bit for bit those of the fp32 packing. ``DLM_CPU_QUANT=0`` turns this off (``attach`` reads it).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
@@ -76,7 +74,7 @@ def quant_pack(w: torch.Tensor, ops):
     the fp32 packing of the last rows when only they do not fit (tokens added to a GGUF model's vocabulary, e.g. the
     mask token), else None; or None where the weight is in neither form."""
     n, k = w.shape
-    if k % 32 or n * k < _Q_MIN_WEIGHTS or os.environ.get(QUANT_ENV, "1").strip() == "0":
+    if k % 32 or n * k < _Q_MIN_WEIGHTS:
         return None
     w = w.contiguous()
     for levels in (16, 256):

@@ -39,6 +39,7 @@ class QuickstartConfig:
     num_instructions: int = 512  # self-distillation prompts (256 more answers: ~4.5 min, fewer repeats per epoch)
     answer_tokens: int = 128  # max tokens per self-distilled answer
     distill_batch_size: int = 16
+    progress: bool = True  # progress bars on stderr (self-distillation, training, measuring)
     curriculum: tuple[int, ...] = (1, 2)  # block sizes trained in order
     curriculum_split: tuple[float, ...] | None = None  # share of the minutes per stage (default: 2, 1, 1, ...)
     # gated: adapters on mask positions only, the output stays exactly the base model's (each adapter runs at
@@ -154,7 +155,7 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
     log(f"data: self-distilling {len(instructions)} answers (<= {cfg.answer_tokens} tokens each) from {cfg.model}")
     t = time.time()
     try:
-        self_distill(generate, instructions, target, batch_size=cfg.distill_batch_size)
+        self_distill(generate, instructions, target, batch_size=cfg.distill_batch_size, progress=cfg.progress)
     finally:
         engine.close()
     log(f"data: wrote {target} in {time.time() - t:.0f} s")
@@ -192,7 +193,7 @@ def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_di
                   "decay_ratio": 0.25, "weight_decay": 0.0},
         "train": {"batch_size": cfg.batch_size, "max_train_steps": max_train_steps, "max_minutes": minutes,
                   "output_dir": str(stage_dir), "save_every": save_every, "keep_last": 1, "seed": seed,
-                  "resume": resume, "overwrite": resume is None},
+                  "resume": resume, "overwrite": resume is None, "progress": cfg.progress},
         "eval": {"eval_every": 0},
     }
 
@@ -285,6 +286,11 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         fns.append(engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder,
                                      max_batch_size=1, **kw)))
     acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
+    bar = None
+    if cfg.progress:
+        from dlm.progress import bar as progress_bar
+
+        bar = progress_bar(len(prompts) * len(runs), "measure", "run")
     with torch.inference_mode():
         for fn in fns:
             fn(prompts[0], 4)  # warm-up: first calls pay one-off costs, not timed
@@ -297,6 +303,10 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
                 a["out"].append(list(ids))
                 a["fw"] += fw
                 a["stats"].append(stats)
+                if bar is not None:
+                    bar.update(1)
+    if bar is not None:
+        bar.close()
     tps = [sum(map(len, a["out"])) / a["t"] for a in acc_out]
     ref, base_tps = acc_out[0]["out"], tps[0]
     log(f"measure: transformers generate {base_tps:.1f} tok/s over {len(prompts)} prompts")

@@ -230,3 +230,34 @@ def test_gqa_decode_attention_equals_sdpa(monkeypatch, cpu_enable_gqa):
     ref, got = gqa_parity("cpu")
     for a, b in zip(ref, got):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_generate_progress_counts_each_finished_prompt():
+    """``generate(progress=bar)`` (dlm generate over a prompts file, eval's generation tasks) tells the bar of each
+    request as it finishes, not all at the end: prompts with fewer new tokens finish first."""
+    from dlm.decode import generate
+
+    class Bar:
+        def __init__(self):
+            self.updates = []
+
+        def update(self, n):
+            self.updates.append(n)
+
+    model, bar = make_model("llama"), Bar()
+    lengths = [1, 3, 6, 9]
+    params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in lengths]
+    out = generate(model, [[5, 6, 7]] * 4, "ar", params, batch_size=4, progress=bar)
+    assert [len(r.token_ids) for r in out] == lengths
+    assert sum(bar.updates) == 4 and len(bar.updates) == 4  # one finished request per update here
+
+
+def test_progress_bars_only_on_a_terminal_and_not_quiet(monkeypatch):
+    import sys
+
+    from dlm.progress import wanted
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False, raising=False)
+    assert not wanted() and not wanted(quiet=True)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert wanted() and not wanted(quiet=True)

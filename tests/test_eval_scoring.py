@@ -153,3 +153,22 @@ def test_run_eval_progress_bar_counts_every_scored_row(tmp_path, monkeypatch):
     assert res["piqa"]["n"] == 5 and len(bars) == 1 and bars[0].n == bars[0].total == 10
     runner.run_eval(make_model("llama"), "piqa", tokenizer=make_tokenizer(), data_dir=tmp_path)
     assert len(bars) == 1  # progress=False (the default, and dlm eval --quiet or a non-terminal stderr): no bar
+
+
+def test_generation_task_progress_bar_counts_every_prompt(monkeypatch):
+    """LAMBADA and poem reversal generate for minutes: a bar over the prompts (rate, ETA) that reaches its total."""
+    import dlm.progress
+    from dlm.eval.generation import evaluate_generation
+    from dlm.eval.scoring import as_eval_model
+    from dlm.eval.tasks.base import GenExample
+    from dlm.testing import make_model, make_tokenizer
+
+    bars = []
+    make = dlm.progress.bar
+    monkeypatch.setattr(dlm.progress, "bar", lambda *a, **k: bars.append(make(*a, **k)) or bars[-1])
+    em = as_eval_model(make_model("llama"), make_tokenizer())
+    examples = [GenExample(id=str(i), prompt=f"the {i} cat", target="sat down") for i in range(3)]
+    res = evaluate_generation(em, examples, "lambada", decode="ar", progress=True)
+    assert res["n"] == 3 and len(bars) == 1 and bars[0].n == bars[0].total == 3
+    evaluate_generation(em, examples, "lambada", decode="ar")
+    assert len(bars) == 1  # progress=False: no bar

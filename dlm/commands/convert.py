@@ -34,6 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights as saved)")
     p.add_argument("--output", required=True, help="output folder (written atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing --output folder")
+    p.add_argument("--quiet", action="store_true", help="no progress bar (shown only when stderr is a terminal)")
 
 
 def run(args) -> int:
@@ -42,6 +43,7 @@ def run(args) -> int:
     from dlm.device import get_dtype
     from dlm.errors import DLMError
     from dlm.model.convert import check_objective, convert_ar_to_dlm
+    from dlm.progress import bar as progress_bar, wanted
 
     check_objective(args.objective)
     out = Path(args.output)
@@ -61,9 +63,19 @@ def run(args) -> int:
     elif args.lora_alpha is not None:
         raise DLMError("--lora-alpha needs --lora-r or --gated-lora")
     dtype = get_dtype(args.dtype, __import__("torch").device("cpu"))
-    dlm = convert_ar_to_dlm(args.model, args.objective, block_size=args.block_size, shift=args.shift,
-                            mask_token=args.mask_token, lora=lora, dtype=dtype)
-    dlm.save_pretrained(out)
+    bar = progress_bar(2, f"convert: loading {args.model}", "stage") if wanted(args.quiet) else None
+    try:
+        dlm = convert_ar_to_dlm(args.model, args.objective, block_size=args.block_size, shift=args.shift,
+                                mask_token=args.mask_token, lora=lora, dtype=dtype)
+        if bar is not None:
+            bar.update(1)
+            bar.set_description(f"convert: writing {out}")
+        dlm.save_pretrained(out)
+        if bar is not None:
+            bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     spec = dlm.spec
     extra = ""
     if lora is not None:

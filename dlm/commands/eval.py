@@ -21,7 +21,6 @@ History (what training appends to eval_history.jsonl):
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,6 +113,7 @@ def run(args) -> int:
     from dlm.eval.runner import run_eval
     from dlm.model.convert import load_any
     from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
+    from dlm.progress import wanted
 
     from dlm.eval.tasks import load_task, parse_task_list
 
@@ -143,7 +143,7 @@ def run(args) -> int:
                        poem_gen_length=args.gen_length, batch_size=args.batch_size, token_budget=args.token_budget,
                        keep_predictions=args.predictions, stride=args.stride, candidates=args.isd_candidates,
                        log=lambda s: print(s, flush=True),
-                       progress=not args.quiet and sys.stderr.isatty())
+                       progress=wanted(args.quiet))
     print()
     _print_results(results)
     if args.output:

@@ -53,6 +53,8 @@ def add_arguments(p) -> None:
     p.add_argument("--block-length", type=int, default=32, help="mdm threshold sampler: semi-AR block length")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
+    p.add_argument("--quiet", action="store_true", help="no progress bar over the prompts (shown for more than "
+                   "one prompt, only when stderr is a terminal)")
 
 
 def read_prompts(args) -> list[str]:
@@ -91,6 +93,7 @@ def run(args) -> int:
     from dlm.errors import DLMError
     from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
+    from dlm.progress import wanted
 
     from dlm.decode import check_isd_flags
 
@@ -145,7 +148,8 @@ def run(args) -> int:
                            fallback=args.isd_fallback, candidates=args.isd_candidates,
                            method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
-                           block_length=args.block_length, threads=parse_threads(args.threads))
+                           block_length=args.block_length, threads=parse_threads(args.threads),
+                           progress=len(ids) > 1 and wanted(args.quiet))
     for w in caught:
         if issubclass(w.category, UserWarning):
             print(f"dlm generate: warning: {w.message}", file=sys.stderr)

@@ -55,9 +55,12 @@ def add_arguments(p) -> None:
     p.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts to measure on")
     p.add_argument("--eval-tokens", type=int, default=64, help="max new tokens per held-out prompt")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only when stderr is a "
+                   "terminal)")
 
 
 def run(args) -> int:
+    from dlm.progress import wanted
     from dlm.quickstart import QuickstartConfig, run as run_quickstart
 
     cfg = QuickstartConfig(
@@ -68,6 +71,7 @@ def run(args) -> int:
         learning_rate=args.learning_rate, lr_schedule=args.lr_schedule,
         batch_size=args.batch_size, seq_length=args.seq_length, loss_type=args.loss_type, strides=args.strides,
         candidates=args.candidates, eval_prompts=args.eval_prompts, eval_tokens=args.eval_tokens, seed=args.seed,
+        progress=wanted(args.quiet),
     )
     run_quickstart(cfg)
     return 0

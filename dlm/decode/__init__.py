@@ -80,7 +80,7 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
              stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
              candidates: int | None = None, method: str = "confidence", steps: int | None = None,
              threshold: float | None = 0.9,
-             block_length: int = 32, on_tokens=None, threads=None):
+             block_length: int = 32, on_tokens=None, threads=None, progress=None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
     prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/
@@ -89,7 +89,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     (:mod:`dlm.decode.schedule`). ``fallback`` (ISD): which outcomes of a verify step get masks for the next
     drafts (:class:`dlm.decode.isd.ISDDecoder`; default ``'predict'``); ``candidates`` (ISD, stride 2): drafts
     verified per position (default 1). ``threads``: CPU threads while decoding (None: torch's setting; an int;
-    ``'auto'``: the cores other processes leave idle, :mod:`dlm.decode.threads`)."""
+    ``'auto'``: the cores other processes leave idle, :mod:`dlm.decode.threads`). ``progress``: ``None``, ``True``
+    (a bar on stderr: prompts done, rate, ETA) or an object with ``update(n)``, told of each finished prompt."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.errors import DLMError, closest
@@ -101,5 +102,14 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, fallback=fallback,
                          candidates=candidates, method=method, steps=steps, threshold=threshold,
                          block_length=block_length)
-    with Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, threads=threads, **kw) as engine:
-        return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens)
+    from dlm.progress import bar as progress_bar
+
+    bar = progress_bar(len(prompts), f"generate {decode}", "prompt") if progress is True else None
+    try:
+        with Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, threads=threads, **kw) as engine:
+            return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens,
+                                   progress=bar if progress is True else progress or None)
+    finally:
+        if bar is not None:
+            bar.close()
+

@@ -681,9 +681,10 @@ class Engine:
 
     # -- convenience --------------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, on_tokens: TokenCallback | None = None) -> list[GenerationResult]:
+                 | None = None, on_tokens: TokenCallback | None = None, progress=None) -> list[GenerationResult]:
         """Run prompts (token ids, or strings when the engine has a tokenizer) to completion, ``max_batch_size``
-        at a time with continuous batching; results in prompt order."""
+        at a time with continuous batching; results in prompt order. ``progress``: an object with
+        ``update(n)`` (a tqdm bar) told of each finished request."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
@@ -695,8 +696,12 @@ class Engine:
                     raise DLMError("text prompts need a tokenizer; pass token ids or Engine(tokenizer=...)")
                 p = self.tokenizer(p, add_special_tokens=False)["input_ids"]
             ids.append(self.add(p, sp, on_tokens=on_tokens))
+        done = len(self.results)  # results of earlier requests not popped yet
         while self.has_unfinished():
             self.step()
+            if progress is not None and len(self.results) > done:
+                progress.update(len(self.results) - done)
+                done = len(self.results)
         return [self.pop_result(i) for i in ids]
 
 

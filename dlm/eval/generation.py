@@ -33,10 +33,11 @@ def resolve_decoder(em: EvalModel, decode: str = "auto") -> str:
 
 
 def generate_tokens(em: EvalModel, prompts: Sequence[list[int]], max_new_tokens: Sequence[int], decode: str = "auto",
-                    steps: int | None = None, seed: int = 0, batch_size: int = 8) -> list[list[int]]:
+                    steps: int | None = None, seed: int = 0, batch_size: int = 8, progress=None) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids) through :func:`dlm.decode.generate`; ``max_new_tokens[i]``
     tokens for prompt i (fewer if the model stops at EOS). ``steps``: denoising steps of the diffusion decoders
-    (the engine's default when None). One engine run: requests of different lengths share the batch."""
+    (the engine's default when None). One engine run: requests of different lengths share the batch.
+    ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
     from dlm.decode import generate
     from dlm.decode.sampling import SamplingParams
 
@@ -44,7 +45,7 @@ def generate_tokens(em: EvalModel, prompts: Sequence[list[int]], max_new_tokens:
     model = em.dlm if em.dlm is not None else em.model
     params = [SamplingParams(max_new_tokens=int(n), temperature=0.0, seed=seed) for n in max_new_tokens]
     results = generate(model, [list(p) for p in prompts], decoder, params, tokenizer=em.tokenizer,
-                       batch_size=batch_size, steps=steps)
+                       batch_size=batch_size, steps=steps, progress=progress)
     return [list(r.token_ids) for r in results]
 
 
@@ -59,8 +60,9 @@ def _prompt_ids(em: EvalModel, ex: GenExample) -> list[int]:
 
 def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str, decode: str = "auto",
                         steps: int | None = None, seed: int = 0, batch_size: int = 8,
-                        generate_fn: GenerateFn | None = None, keep_predictions: bool = False) -> dict:
-    """Accuracy of a generation task.
+                        generate_fn: GenerateFn | None = None, keep_predictions: bool = False,
+                        progress: bool = False) -> dict:
+    """Accuracy of a generation task. ``progress``: a bar on stderr over the prompts (default ``generate_fn``).
 
     ``max_new_tokens is None`` (LAMBADA): generate exactly as many tokens as the target has (the target encoded
     after the prompt with its leading space) and count an exact match of the stripped text. Otherwise (poem
@@ -79,7 +81,16 @@ def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str
             prompts.append(_prompt_ids(em, ex))
             lengths.append(int(ex.max_new_tokens))
             exact.append(False)
-    outputs = fn(em, prompts, lengths, decode=decode, steps=steps, seed=seed, batch_size=batch_size)
+    kw = {}
+    if progress and generate_fn is None:
+        from dlm.progress import bar
+
+        kw["progress"] = bar(len(prompts), f"dlm eval {task}", "prompt")
+    try:
+        outputs = fn(em, prompts, lengths, decode=decode, steps=steps, seed=seed, batch_size=batch_size, **kw)
+    finally:
+        if kw:
+            kw["progress"].close()
     hits, preds = [], []
     for ex, out, is_exact in zip(examples, outputs, exact):
         text = em.tokenizer.decode(out, skip_special_tokens=True)
@@ -94,13 +105,14 @@ def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str
 
 
 def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, stride: int | None = None,
-                      batch_size: int = 8, keep_predictions: bool = False, candidates: int | None = None) -> dict:
+                      batch_size: int = 8, keep_predictions: bool = False, candidates: int | None = None,
+                      progress: bool = False) -> dict:
     """Greedy ISD on the examples' prompts: acceptance per draft position, TPF, and the share of prompts whose ISD
     output equals the model's own greedy ``ar`` output (1.0 for a correct decoder; with gated LoRA that output is
     the base model's). ``acc`` = first-position acceptance; ``acc_stderr`` its binomial standard error over the
     drafts (drafts of one answer are not independent, so read it as a lower bound). ``stride``: the decoder's N
     (default: the model's trained ``block_size + 1``); ``candidates``: ISD's draft candidates per position (stride 2;
-    the acceptance is then the drafts' top-K coverage)."""
+    the acceptance is then the drafts' top-K coverage). ``progress``: a bar on stderr over the ISD then AR runs."""
     from dlm.decode import generate
     from dlm.decode.isd import default_stride
     from dlm.decode.sampling import SamplingParams, draft_totals
@@ -112,9 +124,18 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
     t0 = time.perf_counter()
     prompts = [_prompt_ids(em, ex) for ex in examples]
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
-    isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size, stride=stride,
-                   candidates=candidates)
-    ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size)
+    bar = None
+    if progress:
+        from dlm.progress import bar as progress_bar
+
+        bar = progress_bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
+    try:
+        isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size,
+                       stride=stride, candidates=candidates, progress=bar)
+        ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size, progress=bar)
+    finally:
+        if bar is not None:
+            bar.close()
     proposed, accepted = draft_totals(r.stats for r in isd)
     tokens = forwards = same = 0
     preds = []

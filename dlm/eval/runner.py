@@ -17,11 +17,11 @@ from dlm.model.convert import dense_mask_attention
 def _bar(name: str, examples, em, steps: int):
     """A progress bar over the scored rows of a multiple-choice task: (context, choice) pairs, times the denoising
     steps for a diffusion model (an upper bound: a step that masks no token is skipped)."""
-    from tqdm.auto import tqdm
+    from dlm.progress import bar
 
     pairs = sum(len(ex.choices) for ex in examples)
     total = pairs if em.kind == "causal" else pairs * steps
-    return tqdm(total=total, desc=f"dlm eval {name}", unit="row", dynamic_ncols=True, leave=False)
+    return bar(total, f"dlm eval {name}", "row")
 
 
 def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=None, data_dir=None,
@@ -45,7 +45,7 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
       per draft position, TPF and whether the output equals greedy AR.
     - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
       so a training loop can call this between steps. ``log(str)`` receives one line per finished task;
-      ``progress``: a progress bar per multiple-choice task on stderr (rate, ETA).
+      ``progress``: a progress bar per task on stderr (rate, ETA): rows scored, or prompts generated.
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
     :func:`dlm.eval.history.append_history`.
     """
@@ -69,7 +69,8 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                     raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
                 if module.KIND == "isd":
                     res = evaluate_drafting(em, examples, name, stride=stride, batch_size=batch_size,
-                                            keep_predictions=keep_predictions, candidates=candidates)
+                                            keep_predictions=keep_predictions, candidates=candidates,
+                                            progress=progress)
                 elif module.KIND == "mc":
                     bar = _bar(name, examples, em, diffusion_steps) if progress else None
                     try:
@@ -82,7 +83,7 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                 else:
                     res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
                                               batch_size=batch_size, generate_fn=generate_fn,
-                                              keep_predictions=keep_predictions)
+                                              keep_predictions=keep_predictions, progress=progress)
                 res["seconds"] = time.perf_counter() - t0
                 results[name] = res
                 if log is not None and module.KIND == "isd":

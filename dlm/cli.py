@@ -1,4 +1,4 @@
-"""The ``dlm`` command line: ``dlm prepare | convert | train | eval | generate | serve | quickstart``.
+"""The ``dlm`` command line: ``dlm prepare | convert | train | eval | generate | serve | export | quickstart``.
 
 Each command lives in ``dlm/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args) -> int``.
 Those modules import heavy libraries (torch, transformers) inside ``run`` only, so ``dlm --help`` is instant.
@@ -18,6 +18,7 @@ COMMANDS = {
     "eval": "evaluate: multiple choice, LAMBADA, poem reversal; eval-history tables and plots",
     "generate": "decode with ar | mdm | block | isd and print text, forwards, TPF and acceptance",
     "serve": "OpenAI-compatible HTTP server with continuous batching",
+    "export": "write a dlm model in a published family's layout (sdar | llada | dream)",
     "quickstart": "the main job: SmolLM2-135M -> a faster I-DLM on this CPU, with a report",
 }
 

@@ -183,6 +183,11 @@ class DiffusionLM(nn.Module):
         return _hf(self.model)
 
     def forward(self, *args, **kwargs):
+        if getattr(self.hf_config, "dlm_attention", None) in ("bidirectional", "block"):
+            # a published family's attention when the caller gives no 4-D mask (dlm.model.families)
+            from dlm.model.families import default_attention
+
+            kwargs = default_attention(self.hf_config, kwargs, kwargs.get("input_ids", args[0] if args else None))
         return self.model(*args, **kwargs)
 
     # -- save / load -------------------------------------------------------------------------------------
@@ -220,6 +225,10 @@ class AutoDLMForCausalLM:
         if not config_path.is_file():
             raise DLMError(f"'{folder}' has no config.json")
         fields = json.loads(config_path.read_text())
+        from dlm.model.families import family_of, load_published
+
+        if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder
+            return load_published(folder, dtype=dtype, device=device)
         if "dlm_objective" not in fields:
             raise DLMError(f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "
                            f"convert it with: dlm convert --model {path} --objective idlm --output DIR")
@@ -243,7 +252,9 @@ def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtyp
 
     folder = resolve_model_path(name_or_path)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    if "dlm_objective" in fields:
+    from dlm.model.families import family_of
+
+    if "dlm_objective" in fields or family_of(fields) is not None:
         dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
         if objective is not None and objective != dlm.objective:
             raise DLMError(f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}'")
@@ -321,6 +332,18 @@ def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | 
     check_objective(objective)
     if isinstance(model_or_path, (str, os.PathLike)):
         folder = resolve_model_path(model_or_path)
+        from dlm.model.families import OBJECTIVE, family_of, load_published, read_fields
+
+        family = family_of(read_fields(folder))
+        if family is not None:  # a published DLM: loaded as it is (block_size where its config lacks one)
+            if objective != OBJECTIVE[family]:
+                raise DLMError(f"'{model_or_path}' is a published '{family}' checkpoint, a "
+                               f"'{OBJECTIVE[family]}' DLM already: use --objective {OBJECTIVE[family]}")
+            dlm = load_published(folder, dtype=dtype, block_size=block_size)
+            if shift is not None and bool(shift) != dlm.shift:
+                raise DLMError(f"'{model_or_path}' ({family}) has shift={dlm.shift} by construction; drop "
+                               f"--shift/--no-shift")
+            return dlm
         if tokenizer is None:
             try:
                 tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -1,0 +1,66 @@
+"""Write a dlm model in the layout of a published diffusion LM family, for the engines that serve that family.
+
+  dlm export --model runs/qwen3-block --format sdar --output out/sdar
+  dlm export --model runs/llama-mdm --format llada --output out/llada
+  dlm export --model runs/qwen2-mdm --format dream --output out/dream
+
+sdar: Qwen3 block-diffusion models (no shift) and I-DLMs; llada: bias-free Llama mdm models without shift; dream:
+Qwen2 (or Llama) mdm models with shift. The folder loads back with `dlm.load_model` (identical logits); which
+engine reads which format: docs/models.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# --format name -> its help; dlm.model.export holds the layouts
+FORMATS = {
+    "sdar": "SDAR / I-DLM layout (Qwen3 weights, block_size and mask_token_id in config.json)",
+    "llada": "LLaDA layout (model.transformer.* names, LLaDA config fields)",
+    "dream": "Dream layout (Qwen2 weights, mask_token_id, generation_config.json)",
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="a dlm model folder (or a published checkpoint folder)")
+    p.add_argument("--format", required=True, choices=sorted(FORMATS),
+                   help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
+    p.add_argument("--output", required=True, help="output folder (written under a temporary name, then renamed)")
+    p.add_argument("--force", action="store_true", help="replace an existing --output folder")
+
+
+def export_layout(args) -> None:
+    from dlm.model.convert import load_any
+    from dlm.model.export import export_model
+    from dlm.model.families import read_fields
+    from dlm.model.hub import resolve_model_path
+    from dlm.errors import DLMError
+
+    folder = resolve_model_path(args.model)
+    fields = read_fields(folder)
+    from dlm.model.families import family_of
+
+    if "dlm_objective" not in fields and family_of(fields) is None:
+        raise DLMError(f"--model '{args.model}' is a plain causal LM, not a DLM; convert it first (dlm convert "
+                       f"--objective mdm|block|idlm) and export that folder")
+    dlm = load_any(folder)
+    export_model(dlm, args.output, args.format)
+    spec = dlm.spec
+    print(f"wrote {args.output}: {args.format} layout, objective={spec.objective} block_size={spec.block_size} "
+          f"shift={spec.shift} mask_token_id={spec.mask_token_id}")
+
+
+# --format -> writer; every format of dlm.model.export goes through export_layout
+WRITERS = {name: export_layout for name in FORMATS}
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    from dlm.errors import DLMError
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise DLMError(f"--output '{out}' already exists; choose another folder or pass --force")
+    WRITERS[args.format](args)
+    return 0

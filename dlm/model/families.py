@@ -1,0 +1,383 @@
+"""Published diffusion LM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2) loaded without remote code.
+
+Each family's folder is recognised by its ``config.json`` (``model_type`` / ``architectures``), rebuilt as the
+transformers class with the same computation (Llama, Qwen2, Qwen3) with the weights renamed on load, and returned
+as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of dlm reads:
+
+==============  =============  =========  =======  ==========================  =================  ===========
+family          class          objective  shift    block size                  attention          mask id
+==============  =============  =========  =======  ==========================  =================  ===========
+llada           Llama          mdm        no       -                           bidirectional      126336
+dream           Qwen2          mdm        yes      -                           bidirectional      151666
+sdar            Qwen3          block      no       ``block_size`` (required)   block-causal       151669
+idlm            Qwen3          idlm       yes      ``block_size`` (1, 2, 3)    causal             151669
+fast_dllm_v2    Qwen2          block      yes      ``bd_size``                 block-causal       151665
+==============  =============  =========  =======  ==========================  =================  ===========
+
+(``mask_token_id`` from config.json wins over the default.) Two fields more are recorded: ``dlm_family`` (which
+layout it came from: the default of ``dlm export``) and ``dlm_attention`` (``bidirectional`` / ``block`` /
+``causal``): a :class:`DiffusionLM` called without a 4-D mask applies that attention itself, so
+``model(input_ids).logits`` are the family's logits. Saved with ``save_pretrained`` the model is a dlm folder
+(transformers layout plus these fields) that loads the same way. See docs/models.md.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlm.errors import DLMError
+
+FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2")
+MASK_IDS = {"llada": 126336, "dream": 151666, "sdar": 151669, "idlm": 151669, "fast_dllm_v2": 151665}
+OBJECTIVE = {"llada": "mdm", "dream": "mdm", "sdar": "block", "idlm": "idlm", "fast_dllm_v2": "block"}
+SHIFT = {"llada": False, "dream": True, "sdar": False, "idlm": True, "fast_dllm_v2": True}
+ATTENTION = {"llada": "bidirectional", "dream": "bidirectional", "sdar": "block", "idlm": "causal",
+             "fast_dllm_v2": "block"}
+TITLE = {"llada": "LLaDA", "dream": "Dream", "sdar": "SDAR", "idlm": "I-DLM (SDAR format)",
+         "fast_dllm_v2": "Fast-dLLM v2"}
+IDLM_BLOCK_SIZES = (1, 2, 3)  # the I-DLM release's training block sizes (stride N = b + 1)
+
+# model_type / architecture names that are recognised but not supported, with the reason
+UNSUPPORTED = {
+    "llada2_moe": "LLaDA2 (a mixture-of-experts model with no transformers class to map onto)",
+    "llada21_moe": "LLaDA2.1 (a mixture-of-experts model with no transformers class to map onto)",
+    "LLaDA2MoeModelLM": "LLaDA2 (a mixture-of-experts model with no transformers class to map onto)",
+    "lladamoe": "LLaDA-MoE (a mixture-of-experts model)",
+    "LLaDAMoEModelLM": "LLaDA-MoE (a mixture-of-experts model)",
+    "SDARMoeForCausalLM": "SDAR-MoE (its expert weight names are not published)",
+    "sdar_moe": "SDAR-MoE (its expert weight names are not published)",
+}
+
+# config.json keys of the published files that are remote-code settings with no meaning here
+_DROP = {"architectures", "auto_map", "model_type", "attn_implementation", "_attn_implementation",
+         "_name_or_path", "transformers_version", "torch_dtype", "dtype", "block_size", "bd_size", "mask_token_id",
+         "use_regular_causal", "fuse_cross_entropy", "debug", "ep_size", "micro_forward", "skip_checkpoint",
+         "use_deepep", "conplemenrary_mask", "complementary_mask", "dlm_family", "dlm_attention"}
+
+
+def family_of(fields: dict) -> str | None:
+    """The family of a folder's config.json fields, None for anything else (plain models, dlm folders); raises a
+    DLMError for a recognised but unsupported one (LLaDA2 MoE, SDAR MoE)."""
+    if not isinstance(fields, dict) or "dlm_objective" in fields:
+        return None
+    mtype = fields.get("model_type")
+    archs = fields.get("architectures") or []
+    if not isinstance(archs, list):
+        archs = [archs]
+    names = [n for n in [mtype, *archs] if isinstance(n, str)]
+    for n in names:
+        if n in UNSUPPORTED:
+            raise DLMError(f"config.json names {n}: {UNSUPPORTED[n]} is not supported by dlm (docs/models.md "
+                           f"lists the families that are)")
+    if mtype == "llada" or "LLaDAModelLM" in archs:
+        return "llada"
+    if mtype == "Dream" or "DreamModel" in archs:
+        return "dream"
+    if mtype == "Fast_dLLM_Qwen" or "Fast_dLLM_QwenForCausalLM" in archs:
+        return "fast_dllm_v2"
+    if mtype == "sdar" or "SDARForCausalLM" in archs:
+        causal = fields.get("use_regular_causal")
+        if causal is None:  # absent in the I-DLM release's files: its block sizes tell it from SDAR (4 and up)
+            return "idlm" if fields.get("block_size") in IDLM_BLOCK_SIZES else "sdar"
+        return "idlm" if causal else "sdar"
+    return None
+
+
+def read_fields(folder: str | Path) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        fields = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DLMError(f"'{path}' is not valid JSON ({e}); restore the file") from e
+    if not isinstance(fields, dict):
+        raise DLMError(f"'{path}' must hold a JSON object")
+    return fields
+
+
+def is_published(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a checkpoint of one of FAMILIES (raises for an unsupported known one)."""
+    return family_of(read_fields(folder)) is not None
+
+
+# -- config.json -> transformers config ----------------------------------------------------------------------
+def _need(fields: dict, key: str, path: Path, what: str, kind=int):
+    value = fields.get(key)
+    if value is None:
+        raise DLMError(f"'{path}' has no '{key}' ({what}); add it as in the published config.json")
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise DLMError(f"'{path}': '{key}' must be a positive integer, got {value!r}")
+    if kind is float and not isinstance(value, (int, float)):
+        raise DLMError(f"'{path}': '{key}' must be a number, got {value!r}")
+    return value
+
+
+def _expect(fields: dict, key: str, want, path: Path, default=None) -> None:
+    value = fields.get(key, default)
+    if value != want:
+        raise DLMError(f"'{path}': '{key}' is {value!r}; dlm loads the LLaDA layout with {key}={want!r} only "
+                       f"(the published checkpoints' value); set it or convert the checkpoint")
+
+
+def _llada_config(fields: dict, path: Path):
+    from transformers import LlamaConfig
+
+    d = _need(fields, "d_model", path, "the hidden size")
+    layers = _need(fields, "n_layers", path, "the number of blocks")
+    heads = _need(fields, "n_heads", path, "the number of attention heads")
+    for key, want, default in (("block_type", "llama", None), ("rope", True, None), ("alibi", False, False),
+                               ("layer_norm_type", "rms", None), ("activation_type", "silu", None),
+                               ("include_bias", False, None), ("include_qkv_bias", False, False),
+                               ("block_group_size", 1, 1), ("scale_logits", False, False),
+                               ("attention_layer_norm", False, False), ("input_emb_norm", False, False)):
+        _expect(fields, key, want, path, default)
+    if fields.get("bias_for_layer_norm"):
+        raise DLMError(f"'{path}': 'bias_for_layer_norm' is true; dlm loads the LLaDA layout without norm biases")
+    if d % heads:
+        raise DLMError(f"'{path}': 'd_model' {d} is not a multiple of 'n_heads' {heads}")
+    kv = fields.get("n_kv_heads") or (1 if fields.get("multi_query_attention") else heads)
+    mlp = fields.get("mlp_hidden_size") or int(fields.get("mlp_ratio", 4)) * d
+    vocab = fields.get("embedding_size") or _need(fields, "vocab_size", path, "the vocabulary size")
+    return LlamaConfig(
+        hidden_size=d, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv, head_dim=d // heads, vocab_size=vocab, hidden_act="silu",
+        rms_norm_eps=float(fields.get("rms_norm_eps", 1e-5)), rope_theta=float(fields.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(fields.get("max_sequence_length") or 4096),
+        tie_word_embeddings=bool(fields.get("weight_tying", False)), attention_bias=False, mlp_bias=False,
+        bos_token_id=fields.get("bos_token_id"), eos_token_id=fields.get("eos_token_id"),
+        pad_token_id=fields.get("pad_token_id"))
+
+
+def _qwen_config(fields: dict, path: Path, cls):
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
+        _need(fields, key, path, "a size of the model")
+    kw = {k: v for k, v in fields.items() if k not in _DROP}
+    try:
+        return cls(**kw)
+    except Exception as e:  # noqa: BLE001 - the config class names the bad field
+        raise DLMError(f"'{path}' does not make a {cls.__name__}: {e}") from e
+
+
+def _hf_config(family: str, fields: dict, path: Path):
+    from transformers import Qwen2Config, Qwen3Config
+
+    if family == "llada":
+        return _llada_config(fields, path)
+    if family in ("dream", "fast_dllm_v2"):
+        return _qwen_config(fields, path, Qwen2Config)
+    if "head_dim" not in fields and "hidden_size" in fields and fields.get("num_attention_heads"):
+        fields = dict(fields, head_dim=fields["hidden_size"] // fields["num_attention_heads"])
+    return _qwen_config(fields, path, Qwen3Config)
+
+
+def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -> int | None:
+    if family in ("llada", "dream"):
+        return None
+    key = "bd_size" if family == "fast_dllm_v2" and "bd_size" in fields else "block_size"
+    value = block_size if block_size is not None else fields.get(key)
+    if value is None:
+        raise DLMError(f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "
+                       f"\"block_size\": 4 (the model's block length) to it, or pass block_size= to load_model, or "
+                       f"write a dlm folder with: dlm convert --model {path.parent} --objective "
+                       f"{OBJECTIVE[family]} --block-size 4 --output DIR")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise DLMError(f"'{path}': '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def _mask_id(family: str, fields: dict, path: Path, vocab: int) -> int:
+    value = fields.get("mask_token_id")
+    if value is None:
+        value = MASK_IDS[family]
+        where = f"the {TITLE[family]} default mask id {value}"
+    else:
+        where = f"'mask_token_id' {value}"
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
+        raise DLMError(f"'{path}': {where} is not a row of the {vocab}-token embedding; set \"mask_token_id\" in "
+                       f"config.json to the id of the tokenizer's mask token")
+    return value
+
+
+# -- weights -------------------------------------------------------------------------------------------------
+_LLADA_BLOCK = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
+                "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
+                "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj"}
+_LLADA_TOP = {"model.transformer.wte.weight": "model.embed_tokens.weight",
+              "model.transformer.ln_f.weight": "model.norm.weight",
+              "model.transformer.ff_out.weight": "lm_head.weight"}
+_LLADA_RE = re.compile(r"^model\.transformer\.blocks\.(\d+)\.(\w+)\.weight$")
+
+
+def llada_to_llama(name: str) -> str | None:
+    """The Llama name of a LLaDA weight (None: not a LLaDA weight name)."""
+    if name in _LLADA_TOP:
+        return _LLADA_TOP[name]
+    m = _LLADA_RE.match(name)
+    if m and m.group(2) in _LLADA_BLOCK:
+        return f"model.layers.{m.group(1)}.{_LLADA_BLOCK[m.group(2)]}.weight"
+    return None
+
+
+def llama_to_llada(name: str) -> str:
+    """The LLaDA name of a Llama weight (the inverse of :func:`llada_to_llama`)."""
+    inverse_top = {v: k for k, v in _LLADA_TOP.items()}
+    if name in inverse_top:
+        return inverse_top[name]
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)\.weight$", name)
+    inverse = {v: k for k, v in _LLADA_BLOCK.items()}
+    if m and m.group(2) in inverse:
+        return f"model.transformer.blocks.{m.group(1)}.{inverse[m.group(2)]}.weight"
+    raise DLMError(f"weight '{name}' has no place in the LLaDA layout (biases and extra modules are not part of "
+                   f"it); export to another --format")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a folder's safetensors files (one file, or the shards of model.safetensors.index.json)."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DLMError(f"'{index}' is not a safetensors index (no 'weight_map'): {e}") from e
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise DLMError(f"'{folder}' has no model.safetensors (or model.safetensors.index.json); dlm reads "
+                       f"safetensors weights only: convert .bin files with safetensors first")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        if not (folder / name).is_file():
+            raise DLMError(f"'{folder / name}' (listed in model.safetensors.index.json) is missing")
+        state.update(load_file(str(folder / name)))
+    return state
+
+
+def _rename(family: str, state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+    if family != "llada":
+        return state
+    out = {}
+    for name, t in state.items():
+        new = llada_to_llama(name)
+        if new is None:
+            raise DLMError(f"'{folder}': weight '{name}' is not part of the LLaDA layout dlm loads (block_type "
+                           f"'llama': model.transformer.{{wte, blocks.N.{{attn_norm, q_proj, k_proj, v_proj, "
+                           f"attn_out, ff_norm, ff_proj, up_proj, ff_out}}, ln_f, ff_out}})")
+        out[new] = t
+    return out
+
+
+def _build(config, state: dict[str, torch.Tensor], dtype, folder: Path, family: str):
+    from transformers import AutoModelForCausalLM
+
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
+    want = model.state_dict()
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    missing = [k for k in want if k not in state and not (tied and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in want]
+    if missing or unexpected:
+        what = (f"lacks {len(missing)} weight(s), e.g. '{missing[0]}'" if missing
+                else f"has {len(unexpected)} weight(s) the {TITLE[family]} layout does not, e.g. '{unexpected[0]}'")
+        raise DLMError(f"'{folder}' {what}; the weights do not match its config.json (a different layout or "
+                       f"a truncated download)")
+    for k, t in want.items():
+        if k in state and tuple(state[k].shape) != tuple(t.shape):
+            raise DLMError(f"'{folder}': weight '{k}' has shape {tuple(state[k].shape)}, config.json says "
+                           f"{tuple(t.shape)}; fix the sizes in config.json")
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if tied:
+        model.tie_weights()
+    # non-persistent buffers (rotary frequencies) were made on the meta device: build them again
+    for name, module in list(model.named_modules()):
+        if any(b.is_meta for b in module.buffers(recurse=False)):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, type(module)(config=config))
+    return model
+
+
+def _tokenizer(folder: Path):
+    """The folder's tokenizer without its remote code (config.json's auto_map names classes dlm never runs)."""
+    import warnings
+
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types; name the folder
+        raise DLMError(f"could not load the tokenizer of '{folder}' without remote code: {e}; a tokenizer.json "
+                       f"(or a tokenizer_class transformers knows in tokenizer_config.json) is needed") from e
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def load_published(folder: str | Path, dtype=None, device=None, block_size: int | None = None):
+    """A :class:`DiffusionLM` from a published checkpoint folder (see the module docstring)."""
+    from dlm.model.convert import DiffusionLM, DLMSpec
+
+    folder = Path(folder)
+    path = folder / "config.json"
+    fields = read_fields(folder)
+    family = family_of(fields)
+    if family is None:
+        raise DLMError(f"'{path}' is not a checkpoint of {', '.join(TITLE.values())} (model_type "
+                       f"{fields.get('model_type')!r})")
+    dtype = dtype or torch.float32
+    config = _hf_config(family, fields, path)
+    b = _block_size(family, fields, path, block_size)
+    mask_id = _mask_id(family, fields, path, config.vocab_size)
+    model = _build(config, _rename(family, read_weights(folder), folder), dtype, folder, family)
+    tokenizer = _tokenizer(folder)
+    config.dlm_family = family
+    config.dlm_attention = ATTENTION[family]
+    spec = DLMSpec(objective=OBJECTIVE[family], mask_token_id=mask_id, shift=SHIFT[family], block_size=b)
+    dlm = DiffusionLM(model, tokenizer, spec)
+    if device is not None:
+        dlm.to(device)
+    dlm.eval()
+    return dlm
+
+
+# -- the family's attention for a forward without a 4-D mask -----------------------------------------------
+def default_attention(config, kwargs: dict[str, Any], input_ids: torch.Tensor | None) -> dict[str, Any]:
+    """``kwargs`` of a forward with the family's 4-D attention mask (and Dream's position ids under padding) added
+    when the caller gave none (no mask or a 2-D padding mask, and no cache with content)."""
+    kind = getattr(config, "dlm_attention", None)
+    mask = kwargs.get("attention_mask")
+    if kind not in ("bidirectional", "block") or input_ids is None or (mask is not None and mask.dim() != 2):
+        return kwargs
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if cache is not None and getattr(cache, "get_seq_length", lambda: 0)() > 0:
+        return kwargs
+    b, n = input_ids.shape
+    dev = input_ids.device
+    valid = torch.ones(b, n, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
+    pos = kwargs.get("position_ids")
+    if pos is None and mask is not None and getattr(config, "dlm_family", None) == "dream":
+        # Dream numbers the tokens of a padded row from 0 (pads get 1, as its sampler does)
+        pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+    if pos is None:
+        pos = torch.arange(n, device=dev)[None].expand(b, n)
+    allowed = valid[:, None, None, :].expand(b, 1, n, n)
+    if kind == "block":
+        blk = pos // int(config.block_size)
+        allowed = allowed & (blk[:, None, None, :] <= blk[:, None, :, None])
+    allowed = allowed | torch.eye(n, dtype=torch.bool, device=dev)  # a pad query attends to itself (no NaN)
+    out = dict(kwargs)
+    out["attention_mask"] = allowed
+    out["position_ids"] = pos
+    return out

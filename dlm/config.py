@@ -4,7 +4,8 @@ A configuration is a :class:`TrainingConfig` made of sections (``model``, ``data
 ``optim``, ``train``, ``eval``, ``lora``, ``wandb``). It is built in three layers, each overriding the previous:
 
 1. the dataclass defaults below;
-2. a YAML file (``--config configs/<preset>.yaml``), either with sections (``train: {batch_size: 4}``) or with the
+2. a YAML file (``--config FILE``) or a preset shipped in the wheel by name (``--config idlm_b2_cpu``, the files of
+   ``dlm/configs/``), either with sections (``train: {batch_size: 4}``) or with the
    flat keys of the original projects (``learning_rate``, ``per_device_train_batch_size``, ``cutoff_len``,
    ``block_length``, ``ce_alpha``, ``loss_auto_balance``, ...; see :data:`FLAT_KEYS`);
 3. command-line flags: ``--section.key value`` for any field, and the original flags (``--batch-size``,
@@ -452,12 +453,43 @@ def apply_mapping(cfg: TrainingConfig, mapping: dict, where: str = "") -> Traini
     return cfg
 
 
+PRESET_DIR = Path(__file__).parent / "configs"  # shipped in the wheel
+
+
+def presets() -> list[str]:
+    """The names of the training presets shipped with dlm (``dlm train --config NAME``)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """The file of a shipped preset by name (``idlm_b2_cpu``, or ``accelerate/ddp_cpu`` for accelerate's configs);
+    DLMError naming the closest presets otherwise."""
+    stem = name[:-5] if name.endswith(".yaml") else name
+    path = PRESET_DIR / f"{stem}.yaml"
+    if not path.is_file():
+        names = presets() + sorted(f"accelerate/{p.stem}" for p in (PRESET_DIR / "accelerate").glob("*.yaml"))
+        raise DLMError(f"--config '{name}' is neither a file nor a preset: did you mean {closest(stem, names)}? "
+                       f"(presets: {', '.join(presets())})")
+    return path
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """``--config``: a YAML file's path, else the name of a shipped preset (``idlm_b2_cpu``; a clone's
+    ``configs/idlm_b2_cpu.yaml`` resolves to the same file from any directory)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    parts = p.parts[1:] if p.parts[:1] == ("configs",) else p.parts
+    if len(parts) == 1 or (len(parts) == 2 and parts[0] == "accelerate"):
+        return preset_path("/".join(parts))
+    raise DLMError(f"config file '{path}' does not exist; give a YAML file or a preset name "
+                   f"({', '.join(presets())})")
+
+
 def load_yaml(path: str | Path) -> dict:
     import yaml
 
-    path = Path(path)
-    if not path.is_file():
-        raise DLMError(f"config file '{path}' does not exist; presets are in configs/ (e.g. configs/idlm_b2_cpu.yaml)")
+    path = resolve_config_path(path)
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:

@@ -131,3 +131,33 @@ def test_cli_flags_and_section_keys(capsys):
         parser.parse_args(["train", "--data", "c.jsonl", "--train.max_minuts", "3"])
     assert e.value.code == 2
     assert "did you mean: --train.max_minutes" in capsys.readouterr().err
+
+
+def test_presets_ship_in_the_package_and_load_by_name():
+    """``dlm train --config idlm_b2_cpu`` works from an installed wheel: the presets live inside the package, the
+    package data globs of pyproject.toml cover each of them (and match something each), and every preset opens
+    with the command line that runs it, naming itself."""
+    import tomllib
+
+    from dlm.config import PRESET_DIR, preset_path, presets
+
+    globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["dlm"]
+    shipped = set()
+    for g in globs:
+        matched = set(PRESET_DIR.parent.glob(g))
+        assert matched, f"package-data glob {g!r} matches no file"
+        shipped |= matched
+    for f in PRESET_DIR.rglob("*"):
+        assert not f.is_file() or f in shipped, f"{f} is not in the package data"
+    assert len(presets()) >= 10
+    for name in presets():
+        first = preset_path(name).read_text().splitlines()[0]
+        assert first.startswith(("# dlm train ", "# accelerate launch ")), (name, first)
+        text = preset_path(name).read_text()
+        assert f"--config {name} " in text or text.splitlines()[0].endswith(f"--config {name}"), name
+        assert load_config(name, {"data.data": "x.jsonl", "data.packed_data_dir": None}).model.objective
+    assert load_config("configs/idlm_b1_cpu.yaml", {"data": "x"}).model.block_size == 1  # a clone's path
+    with pytest.raises(DLMError, match="did you mean idlm_b2_cpu"):
+        load_config("idlm_b2_cp")
+    with pytest.raises(DLMError, match="does not exist"):
+        load_config("no/such/file.yaml")

@@ -1,8 +1,8 @@
 """Train a diffusion LM: one loop for every objective (mdm | block | idlm), on accelerate.
 
-  dlm train --config configs/idlm_b2_cpu.yaml --max-minutes 10
+  dlm train --config idlm_b2_cpu --data chat.jsonl --max-minutes 10
   dlm train --model smollm2-135m --objective idlm --block-size 2 --data chat.jsonl --output-dir runs/b2
-  dlm train --config configs/diffullama_cpu.yaml --packed-data-dir data/packed --train.keep_last 2
+  dlm train --config diffullama_cpu --packed-data-dir data/packed --train.keep_last 2
   accelerate launch --config_file configs/accelerate/ddp.yaml -m dlm train --config ...
 
 Configuration: dataclass defaults < the YAML file (--config) < flags. Every field is a flag --section.key
@@ -57,10 +57,11 @@ FLAGS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dlm.config import FLAT_KEYS, field_help, is_list_field, section_keys
+    from dlm.config import FLAT_KEYS, field_help, is_list_field, presets, section_keys
 
     parser.usage = "dlm train [--config YAML] [--flag VALUE ...] [--section.key VALUE ...]"
-    parser.add_argument("--config", metavar="YAML", help="a preset, e.g. configs/idlm_b2_cpu.yaml")
+    parser.add_argument("--config", metavar="YAML|PRESET", help="a YAML file, or a preset shipped with dlm by "
+                        f"name (dlm/configs/): {', '.join(presets())}")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     g = parser.add_argument_group("common flags (the original trainers' names)")
     for flag, (help_text, kind) in FLAGS.items():

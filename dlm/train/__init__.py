@@ -2,7 +2,7 @@
 
     from dlm.config import load_config
     from dlm.train import train
-    result = train(load_config("configs/idlm_b2_cpu.yaml", {"data": "chat.jsonl", "max_minutes": 10}))
+    result = train(load_config("idlm_b2_cpu", {"data": "chat.jsonl", "max_minutes": 10}))
 """
 
 from __future__ import annotations

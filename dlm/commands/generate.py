@@ -111,6 +111,10 @@ def run(args) -> int:
     folder = resolve_model_path(args.model)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     objective = {"isd": "idlm", "mdm": "mdm", "block": "block"}.get(args.decode)
+    from dlm.model.families import family_of
+
+    if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder: a DLM
+        fields = dict(fields, dlm_objective=None)
     if "dlm_objective" in fields or args.decode != "ar":
         if "dlm_objective" not in fields and args.decode in ("mdm", "block"):
             print(f"dlm generate: note: '{args.model}' is a plain AR model; converting to an untrained "

@@ -124,10 +124,10 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
     path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
         raise DLMError(f"'{path}' holds a tokenizer but no model (config.json missing)")
-    from dlm.model.families import family_of, read_fields
+    from dlm.model.families import FAMILIES, family_of, read_fields
 
     fields = read_fields(path)
-    if family_of(fields) is not None or fields.get("dlm_attention") in ("bidirectional", "block"):
+    if family_of(fields) is not None or fields.get("dlm_family") in FAMILIES:
         # published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folders (and dlm folders saved from them): a
         # DiffusionLM, whose forward applies the family's attention (dlm.model.families)
         from dlm.model.convert import AutoDLMForCausalLM

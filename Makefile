@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart test test-fast test-isa
+.PHONY: install quickstart test test-unit test-slow test-isa
 
 install:
 	# The CPU build of PyTorch that lies on this disk; GPU users install their own torch first.
@@ -14,11 +14,16 @@ install:
 quickstart: install
 	dlm quickstart
 
+# Test tiers (pyproject.toml): unit (unmarked), integration (subprocesses, servers, commands end to end), slow
+# (the real SmolLM2 or minutes of CPU), gpu. make test = unit + integration.
 test: install
-	$(PY) -m pytest -m "not gpu" -p no:cacheprovider
+	$(PY) -m pytest -m "not slow and not gpu" -p no:cacheprovider --durations=15
 
-test-fast: install
-	$(PY) -m pytest
+test-unit: install
+	$(PY) -m pytest -m "not slow and not gpu and not integration" -p no:cacheprovider
+
+test-slow: install
+	$(PY) -m pytest -m "slow and not gpu" -p no:cacheprovider --durations=15
 
 # The engine's exactness tests on the generic (non-native) CPU kernels, forced by DLM_CPU_ISA
 test-isa: install

@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 from dlm.cli import main
 
 
@@ -17,6 +19,7 @@ def test_no_command_exits_nonzero():
     assert main([]) == 2
 
 
+@pytest.mark.integration
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "dlm", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and "dlm" in r.stdout

@@ -532,6 +532,7 @@ def test_engine_close_gives_the_model_back_as_it_was(tiny_model_dir):
 
 
 @needs_kernel
+@pytest.mark.integration
 def test_isa_env_forces_an_instruction_set_and_refuses_one_the_cpu_lacks(tmp_path):
     """DLM_CPU_ISA picks the kernels' instruction set at load (the non-native fallbacks are testable on any CPU);
     one this CPU cannot run is an error naming the variable."""

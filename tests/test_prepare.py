@@ -168,6 +168,7 @@ def _bins(folder):
     return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder)) if n.endswith(".bin")}
 
 
+@pytest.mark.integration
 def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path, many_src, tok_dir, tok,
                                                                         p2_reference):
     ref = _bins(p2_reference)
@@ -189,6 +190,7 @@ def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path
                                                                  if n.startswith(f"tr_{p}_")}
 
 
+@pytest.mark.integration
 def test_sigkill_then_rerun_gives_the_uninterrupted_shards(tmp_path, many_src, tok_dir, p2_reference):
     dest = tmp_path / "killed"
     cmd = [sys.executable, "-m", "dlm", "prepare", "--no-progress", "--source-path", str(many_src), "--tokenizer",

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dlm.cli import main
 
 
@@ -11,6 +13,7 @@ def _args(model, out, *extra):
             "--seq-length", "64", "--lora-r", "4", *extra]
 
 
+@pytest.mark.integration
 def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     model = tiny_model_dir("llama")
     out = tmp_path / "qs"
@@ -45,6 +48,7 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     assert "reusing" in log and "already done" in log
 
 
+@pytest.mark.integration
 def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path, capsys):
     """--adapters merged: plain LoRA on every position, merged at each stage's end; ISD must equal the trained
     model's own greedy AR output (not the base model's, which it may leave)."""

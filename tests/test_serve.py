@@ -24,7 +24,7 @@ LIMIT = 48  # --max-tokens-limit of the test server
 
 # one torch thread for the test thread (conftest); the servers' engine threads get threads=1. Stride 3 on a model
 # converted with block size 1: untrained drafts (acceptance ~0), but the output stays exact (its warning ignored).
-pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:--stride 3:UserWarning")]
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread"), pytest.mark.filterwarnings("ignore:--stride 3:UserWarning")]
 
 
 @pytest.fixture(scope="module")

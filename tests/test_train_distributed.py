@@ -5,6 +5,8 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -12,6 +14,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.integration
 def test_two_gloo_processes_read_different_data_and_stay_identical(tmp_path):
     from safetensors.torch import load_file
 

@@ -45,6 +45,7 @@ def setup(tmp_path_factory):
     return root, save_tiny(root / "tiny"), data
 
 
+@pytest.mark.integration
 def test_sigkill_then_resume_matches_the_uninterrupted_run(setup):
     from safetensors.torch import load_file
 

@@ -8,6 +8,12 @@ Endpoints: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics 
 (server-sent events) and not; n, stop, max_tokens, temperature (default 1.0, as OpenAI), top_p, seed, usage.
 A plain AR folder/alias is converted on the fly to an I-DLM, so --decode isd runs on it (output = AR greedy).
 Binds to 127.0.0.1 unless --host says otherwise; --api-key makes every route but /health require the key.
+
+--engine vllm runs vLLM's OpenAI server instead, on the same --host/--port/--api-key/--served-model-name (a
+gated-LoRA I-DLM is served as its clean path, the base model); --drafter DIR adds a dlm I-DLM as vLLM's parallel
+drafter (exact speculative decoding, K = its block size + 1). It prints the equivalent `vllm serve` line:
+
+    dlm serve --engine vllm --model smollm2-135m --drafter runs/quickstart/train_b2 --port 8000
 """
 
 from __future__ import annotations
@@ -23,12 +29,15 @@ def isd_token_budget(args) -> str | None:
     a large batch can cost more than it gains), else none."""
     if args.isd_token_budget is not None:
         return args.isd_token_budget
-    return "auto" if args.decode == "isd" else None
+    return "auto" if args.decode in ("isd", None) else None  # None: the default decoder, isd
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="DLM folder, AR folder or alias (default smollm2-135m)")
-    p.add_argument("--decode", default="isd", choices=("isd", "ar", "mdm", "block"),
+    p.add_argument("--engine", default="dlm", choices=("dlm", "vllm"),
+                   help="dlm (default): dlm's engine, every decoder; vllm: vLLM's OpenAI server (AR, or exact "
+                        "speculative decoding with --drafter); needs vLLM (scripts/install_vllm.sh)")
+    p.add_argument("--decode", choices=("isd", "ar", "mdm", "block"),
                    help="decoder (default isd); every decoder runs on the continuous-batching engine")
     p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
     p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
@@ -62,6 +71,78 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    v = p.add_argument_group("--engine vllm")
+    v.add_argument("--drafter", help="dlm I-DLM folder (or `dlm export --drafter` output) to draft for vLLM's exact "
+                                     "speculative decoding; exported on the fly when needed")
+    v.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="drafts per step (default: the drafter's block size + 1, as it was trained)")
+    v.add_argument("--vllm-python", help="the Python that has vLLM (default: $DLM_VLLM_PYTHON, this one if it has "
+                                         "vLLM, else scripts/install_vllm.sh's venv)")
+    v.add_argument("--compile", action="store_true",
+                   help="let vLLM compile the model (CUDA graphs / torch.compile; start-up takes minutes) instead "
+                        "of --enforce-eager")
+    v.add_argument("--max-model-len", type=int, help="vLLM's context limit (default: the model's)")
+    v.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for vLLM's server, repeatable (e.g. --vllm-arg=--seed=0)")
+    v.add_argument("--print-command", action="store_true",
+                   help="print the vLLM command lines (python -m ... and vllm serve) and exit")
+
+
+def run_vllm(args) -> int:
+    """--engine vllm: vLLM's OpenAI server as a child process, on a folder vLLM reads as this model means."""
+    import os
+    import subprocess
+
+    from dlm.errors import DLMError
+    from dlm.serve import vllm
+
+    if args.decode not in (None, "ar"):
+        raise DLMError(f"--decode {args.decode} runs on dlm's engine only: --engine vllm decodes AR, exactly "
+                       f"sped up with --drafter DIR (a dlm I-DLM); drop --decode or use --engine dlm")
+    dlm_only = [flag for flag, val in (("--stride", args.stride), ("--isd-token-budget", args.isd_token_budget),
+                                       ("--isd-fallback", args.isd_fallback), ("--isd-candidates", args.isd_candidates),
+                                       ("--sampler", args.sampler), ("--steps", args.steps),
+                                       ("--threshold", args.threshold), ("--block-length", args.block_length))
+                if val is not None]
+    if dlm_only:
+        raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
+    if not 0 < args.port < 65536:
+        raise DLMError(f"--port must be in 1..65535, got {args.port}")
+    if args.num_speculative_tokens is not None and not args.drafter:
+        raise DLMError("--num-speculative-tokens needs --drafter DIR")
+    python = vllm.vllm_python(args.vllm_python)
+    version = vllm.check_vllm(python)
+    folder = vllm.vllm_model_folder(args.model)
+    spec = vllm.speculative_config(args.drafter, target=folder, num_speculative_tokens=args.num_speculative_tokens) \
+        if args.drafter else None
+    api_key = args.api_key or os.environ.get("DLM_API_KEY") or None
+    # the dtype dlm's engine would run on this machine (vLLM's own "auto" turns a float32 checkpoint into bfloat16 on
+    # a CPU, whose greedy output then drifts from the float32 model's)
+    from dlm.device import get_device, get_dtype
+
+    dtype = str(get_dtype(args.dtype, get_device(args.device))).replace("torch.", "")
+    server = vllm.server_args(folder, host=args.host, port=args.port,
+                              served_model_name=args.served_model_name or args.model, api_key=api_key, spec=spec,
+                              enforce_eager=not args.compile, max_model_len=args.max_model_len,
+                              max_num_seqs=args.max_batch_size, dtype=dtype, extra=args.vllm_arg)
+    cmd = vllm.server_command(python, server)
+    print(f"dlm serve: vLLM {version} serving '{args.served_model_name or args.model}' ({folder})"
+          + (f" with drafter {spec['model']} (K={spec['num_speculative_tokens']})" if spec else "")
+          + f" on http://{args.host}:{args.port}/v1", flush=True)
+    print("dlm serve: runs  " + " ".join(vllm.redact(cmd)), flush=True)
+    print("dlm serve: same as  " + vllm.vllm_serve_command(server), flush=True)
+    if args.print_command:
+        return 0
+    proc = subprocess.Popen(cmd, env=vllm.server_env())
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
 
 
 def run(args) -> int:
@@ -69,6 +150,17 @@ def run(args) -> int:
     import os
 
     from dlm.errors import DLMError, require
+
+    if args.engine == "vllm":
+        return run_vllm(args)
+    for flag, val in (("--drafter", args.drafter), ("--num-speculative-tokens", args.num_speculative_tokens),
+                      ("--vllm-python", args.vllm_python), ("--max-model-len", args.max_model_len),
+                      ("--vllm-arg", args.vllm_arg or None)):
+        if val is not None:
+            raise DLMError(f"{flag} goes with --engine vllm (dlm's own engine drafts with the model itself: "
+                           f"--decode isd)")
+    if args.decode is None:
+        args.decode = "isd"
 
     require("fastapi", "serve")
     uvicorn = require("uvicorn", "serve")

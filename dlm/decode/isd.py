@@ -319,16 +319,10 @@ class ISDDecoder(Decoder):
         u = torch.rand(n - 1, generator=row.generator)
         accepted = 0
         for i in range(n - 1):
-            d = drafts[i]
-            # accept with probability min(1, p(d)/q(d)); q(d) > 0 because d was drawn from q
-            if float(u[i]) * float(q[i, d]) < float(probs[i, d]):
+            correction = accept_or_correct(probs[i], q[i], drafts[i], float(u[i]), row.generator)
+            if correction is None:
                 accepted += 1
                 continue
-            residual = (probs[i] - q[i]).clamp_(min=0.0)
-            total = float(residual.sum())
-            # total == 0 only if p == q, where rejection has probability 0; guard against rounding anyway
-            dist = residual / total if total > 0 else probs[i]
-            correction = int(sample(dist, row.generator))
             self._verified(row, accepted + 1, accepted)
             row.last = correction
             self._next_drafts(engine, row, logits, accepted + 1)
@@ -374,6 +368,19 @@ class ISDDecoder(Decoder):
         else:
             row.state.update(mode="cold", drafts=None, q=None)
         return [token], [0]
+
+
+def accept_or_correct(p: torch.Tensor, q: torch.Tensor, d: int, u: float, generator) -> int | None:
+    """The single-draft rule (speculative sampling): draft ``d`` drawn from ``q`` [V] is accepted with probability
+    min(1, p(d)/q(d)) for the uniform draw ``u`` (None: accepted); on a rejection the correction is drawn from
+    normalize(max(0, p - q)). The token emitted (d or the correction) has distribution exactly ``p``."""
+    if u * float(q[d]) < float(p[d]):  # q(d) > 0 because d was drawn from q
+        return None
+    residual = (p - q).clamp_(min=0.0)
+    total = float(residual.sum())
+    # total == 0 only if p == q, where rejection has probability 0; guard against rounding anyway
+    dist = residual / total if total > 0 else p
+    return int(sample(dist, generator))
 
 
 def draws_without_replacement(q: torch.Tensor, first: int, k: int, generator) -> list[int]:

@@ -13,6 +13,13 @@ A configuration is a :class:`TrainingConfig` made of sections (``model``, ``data
 
 An unknown key at any layer is a :class:`~dlm.errors.DLMError` naming the key and the closest valid ones.
 No ``eval``/``exec``: values are YAML scalars/lists coerced to the field's declared type.
+
+Each field is declared once with its help text and choices (:func:`dlm.fields.opt`): ``dlm train --help`` and the
+checks read them; the ``mdm`` / ``block`` / ``idlm`` sections are the objectives' own configs
+(:mod:`dlm.objectives.configs`). The loader is plain dataclasses plus the short coercion below rather than a
+config library (simple_parsing, jsonargparse): those bring their own flag syntax and nested-key rules, while dlm
+must accept the original trainers' flags and YAML keys (:data:`ALIASES`) and name the closest valid key on a typo;
+the coercion is strict (``"3.5"`` is no int, ``"yes"`` no float) and needs no dependency beyond PyYAML.
 """
 
 from __future__ import annotations
@@ -24,70 +31,43 @@ from pathlib import Path
 from typing import Any
 
 from dlm.errors import DLMError, closest
+from dlm.fields import check_choices, describe, opt
+from dlm.objectives.configs import BlockConfig, IDLMConfig, MDMConfig
 
 OBJECTIVES = ("mdm", "block", "idlm")
+ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
 @dataclass
 class ModelConfig:
     """The model to train."""
 
-    name: str = "smollm2-135m"  # alias, AR folder (converted on load) or DLM folder (trained further)
-    objective: str = "idlm"  # mdm | block | idlm
-    block_size: int | None = None  # masks per block (block/idlm); default from the model or the objective
-    attn_impl: str = "sdpa"  # sdpa | eager | flash_attention_2 (flash: mdm only, full attention from step 0)
-    mask_token: str | None = None  # name of the mask token to add when converting an AR model
-    gradient_checkpointing: bool = False
+    name: str = opt("smollm2-135m", "alias, AR folder (converted on load) or DLM folder (trained further)")
+    objective: str = opt("idlm", "training objective", choices=OBJECTIVES)
+    block_size: int | None = opt(None, "masks per block (block / idlm); None: the model's, else the objective's "
+                                       "default (block 4, idlm 1)")
+    attn_impl: str = opt("sdpa", "attention kernel (flash_attention_2: mdm only, full attention from step 0)",
+                         choices=ATTN_IMPLS)
+    mask_token: str | None = opt(None, "mask token text to add when converting an AR model (default: the "
+                                       "tokenizer's own, else <|mdm_mask|>)")
+    gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass (less memory)")
 
 
 @dataclass
 class DataConfig:
     """Training data: packed LITPKDS shards or chat/instruction JSONL."""
 
-    packed_data_dir: str | None = None
-    packed_prefixes: list[str] = field(default_factory=lambda: ["train"])
-    packed_weights: list[float] | None = None
-    eval_packed_prefixes: list[str] | None = None  # held-out shards for the scheduled held-out loss
-    data: str | None = None  # chat/instruction JSONL (messages | conversations | prompt/response)
-    eval_data: str | None = None  # held-out JSONL; default: a seeded eval_fraction of `data`
-    eval_fraction: float = 0.05  # of `data` held out (always, for consistent resumes) when eval_data is not given
-    seq_length: int = 256  # tokens per training row (cutoff_len for chat data)
-    block_length: int | None = None  # I-DLM data block length; must equal the model's block size when given
-    seed: int = 42
-
-
-@dataclass
-class MDMConfig:
-    """Masked diffusion (DiffuLLaMA / MDLM); mirrors dlm.objectives.MDMConfig."""
-
-    eps: float = 1e-3
-    antithetic: bool = False  # stratified t across the batch
-    normalize: str = "masked"  # masked (DiffuLLaMA: / masked tokens) | all (MDLM: / tokens)
-    shift: bool | None = None  # None: the checkpoint's
-    attention: str = "annealed"  # annealed | full
-    anneal_steps: int = 1000
-
-
-@dataclass
-class BlockConfig:
-    """Block diffusion (BD3-LM / SDAR); mirrors dlm.objectives.BlockConfig."""
-
-    t_per: str = "sample"  # sample (SDAR) | block (BD3-LM)
-    eps: float = 1e-3
-    antithetic: bool = False
-    normalize: str = "masked"  # masked | all
-    shift: bool | None = None
-
-
-@dataclass
-class IDLMConfig:
-    """Introspective diffusion (I-DLM); mirrors dlm.objectives.IDLMConfig."""
-
-    ce_alpha: float = 0.2
-    loss_auto_balance: bool = False
-    idlm_loss_type: str = "ar"  # ar (hard labels) | distill (the clean pass's soft distribution)
-    distill_temperature: float = 1.0
-    fast_path: bool | None = None  # None/True: split clean + noisy passes (faster); False: one 2L forward
+    packed_data_dir: str | None = opt(None, "folder of packed LITPKDS shards (dlm prepare)")
+    packed_prefixes: list[str] = opt(["train"], "shard file prefixes to train on")
+    packed_weights: list[float] | None = opt(None, "mixing weight per prefix (default: equal)")
+    eval_packed_prefixes: list[str] | None = opt(None, "held-out shard prefixes for the scheduled held-out loss")
+    data: str | None = opt(None, "chat/instruction JSONL (messages | conversations | prompt/response records)")
+    eval_data: str | None = opt(None, "held-out chat JSONL; default: a seeded eval_fraction of data")
+    eval_fraction: float = opt(0.05, "share of data held out when eval_data is not given (always, so resumes "
+                                     "see the same split)")
+    seq_length: int = opt(256, "tokens per training row (chat data: the cut-off length)", unit="tokens")
+    block_length: int | None = opt(None, "I-DLM data block length; must equal the model's block size when given")
+    seed: int = opt(42, "seed of the data order and the held-out split")
 
 
 @dataclass
@@ -98,74 +78,82 @@ class OptimConfig:
     ``train.max_train_steps`` and, when ``train.max_minutes`` is set, the time spent over that budget, so a run
     bounded by time (a huge step limit) still decays and ends at the floor when its minutes run out."""
 
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.95
-    adam_eps: float = 1e-8
-    schedule: str = "cosine"  # cosine | constant | wsd (constant, then linear to the floor over decay_ratio)
-    warmup_ratio: float = 0.0  # fraction of max_train_steps
-    warmup_steps: int | None = None  # overrides warmup_ratio
-    min_lr_ratio: float = 0.0  # cosine / wsd floor, as a fraction of learning_rate
-    decay_ratio: float = 0.2  # wsd: the last fraction of the run that decays to the floor
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    fused: str = "auto"  # auto | true | false
+    learning_rate: float = opt(1e-4, "peak learning rate")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    schedule: str = opt("cosine", "learning-rate schedule after the warm-up (wsd: constant, then linear to the "
+                                  "floor over decay_ratio)", choices=("cosine", "constant", "wsd"))
+    warmup_ratio: float = opt(0.0, "warm-up as a share of max_train_steps")
+    warmup_steps: int | None = opt(None, "warm-up steps (overrides warmup_ratio)", unit="optimizer steps")
+    min_lr_ratio: float = opt(0.0, "cosine / wsd floor, as a share of learning_rate")
+    decay_ratio: float = opt(0.2, "wsd: the last share of the run that decays to the floor")
+    max_grad_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)")
+    fused: str = opt("auto", "fused AdamW kernel (auto: where torch has one for the device)",
+                     choices=("auto", "true", "false"))
 
 
 @dataclass
 class TrainConfig:
     """The run: batch, steps, precision, outputs, checkpoints, resume."""
 
-    batch_size: int = 4  # per device
-    gradient_accumulate_every: int = 1
-    max_train_steps: int = 100  # optimizer steps
-    max_minutes: float | None = None  # wall-clock budget: stop cleanly and save when exceeded
-    mixed_precision: str = "auto"  # auto (bf16 where fast) | no | bf16 | fp16; weights stay fp32
-    seed: int = 42
-    output_dir: str = "runs/dlm"
-    checkpoint_dir: str | None = None  # default output_dir/checkpoints
-    save_every: int = 0  # optimizer steps; 0 = only the final model
-    keep_last: int = 0  # keep this many checkpoints (0 = all)
-    resume: str | None = None  # auto | PATH of a checkpoint
-    overwrite: bool = False
-    log_every: int = 1
-    log_path: str | None = None  # default output_dir/train_log.jsonl
-    progress: bool = True
-    accelerate_config: str | None = None  # launcher file the preset is meant for (accelerate launch --config_file)
+    batch_size: int = opt(4, "rows per device per micro-batch")
+    gradient_accumulate_every: int = opt(1, "micro-batches per optimizer step")
+    max_train_steps: int = opt(100, "optimizer steps to train", unit="optimizer steps")
+    max_minutes: float | None = opt(None, "wall-clock budget: stop cleanly and save when spent", unit="minutes")
+    mixed_precision: str = opt("auto", "autocast precision (auto: bf16 where fast); weights stay fp32",
+                               choices=("auto", "no", "bf16", "fp16"))
+    seed: int = opt(42, "seed of initialisation, masking and dropout")
+    output_dir: str = opt("runs/dlm", "run folder: final model, checkpoints, logs")
+    checkpoint_dir: str | None = opt(None, "checkpoint folder (default output_dir/checkpoints)")
+    save_every: int = opt(0, "checkpoint every N optimizer steps (0: only the final model)", unit="optimizer steps")
+    keep_last: int = opt(0, "keep the N newest checkpoints (0: all)")
+    resume: str | None = opt(None, "auto (the latest complete checkpoint) or the PATH of a checkpoint")
+    overwrite: bool = opt(False, "start over in an output_dir that holds a run")
+    log_every: int = opt(1, "JSONL log line every N optimizer steps", unit="optimizer steps")
+    log_path: str | None = opt(None, "JSONL training log (default output_dir/train_log.jsonl)")
+    progress: bool = opt(True, "progress bar on stderr")
+    accelerate_config: str | None = opt(None, "the accelerate launcher file the preset is meant for "
+                                              "(accelerate launch --config_file)")
 
 
 @dataclass
 class EvalConfig:
     """Scheduled evaluation during training."""
 
-    eval_every: int = 0  # optimizer steps; 0 disables
-    eval_tasks: list[str] = field(default_factory=list)  # task evaluations (dlm.eval) besides held-out loss
-    eval_history_path: str | None = None  # default output_dir/eval_history.jsonl
-    eval_batches: int = 4  # held-out batches for the held-out loss
-    eval_limit: int = 50  # examples per task evaluation
-    eval_batch_size: int = 8  # generation batch of the task evaluations (lambada, poem_reverse, isd_acceptance)
-    eval_data_dir: str | None = None  # folder with <task>/ files for the task evaluations
+    eval_every: int = opt(0, "held-out loss (and eval_tasks) every N optimizer steps (0: never)",
+                          unit="optimizer steps")
+    eval_tasks: list[str] = opt([], "task evaluations (dlm eval's tasks, e.g. hellaswag,piqa) besides the "
+                                    "held-out loss")
+    eval_history_path: str | None = opt(None, "eval history JSONL (default output_dir/eval_history.jsonl)")
+    eval_batches: int = opt(4, "held-out batches of the held-out loss")
+    eval_limit: int = opt(50, "examples per task evaluation")
+    eval_batch_size: int = opt(8, "generation batch of the task evaluations (lambada, poem_reverse, "
+                                  "isd_acceptance)")
+    eval_data_dir: str | None = opt(None, "folder with <task>/ files for the task evaluations")
 
 
 @dataclass
 class LoraConfig:
-    """LoRA (peft); r = 0 trains all weights."""
+    """LoRA adapters (peft); r = 0 trains all weights."""
 
-    r: int = 0
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: list[str] | None = None  # default all-linear
-    gated: bool = False  # adapters only at mask positions (I-DLM lossless mode)
+    r: int = opt(0, "LoRA rank (0: full fine-tuning)")
+    alpha: int = opt(32, "LoRA alpha")
+    dropout: float = opt(0.0, "LoRA dropout")
+    target_modules: list[str] | None = opt(None, "adapted modules (default all-linear)")
+    gated: bool = opt(False, "adapters act only at mask positions (I-DLM lossless mode: the clean path stays the "
+                             "base model)")
 
 
 @dataclass
 class WandbConfig:
-    """Weights & Biases logging, only when project is given."""
+    """Weights & Biases logging, only when project is given (needs dlm[wandb])."""
 
-    project: str | None = None
-    entity: str | None = None
-    run_name: str | None = None
-    dir: str | None = None
+    project: str | None = opt(None, "W&B project: logging is on when given")
+    entity: str | None = opt(None, "W&B team or user")
+    run_name: str | None = opt(None, "W&B run name")
+    dir: str | None = opt(None, "W&B local folder")
 
 
 @dataclass
@@ -217,25 +205,21 @@ class TrainingConfig:
     def validate(self) -> "TrainingConfig":
         """Check values a user can get wrong; raise DLMError naming the key and the fix."""
         m, d, o, t, e = self.model, self.data, self.optim, self.train, self.eval
-        _choice("model.objective", m.objective, OBJECTIVES)
-        _choice("model.attn_impl", m.attn_impl, ("sdpa", "eager", "flash_attention_2", "flex_attention"))
+        o.fused = str(o.fused).lower()
+        for section in SECTIONS:  # the choices each field declares; the objectives' own checks
+            obj = getattr(self, section)
+            check_choices(obj, section)
+            if hasattr(obj, "__post_init__"):
+                obj.__post_init__()
         if m.attn_impl == "flash_attention_2" and m.objective != "mdm":
             raise DLMError(f"model.attn_impl=flash_attention_2 cannot take the attention masks of objective "
                            f"'{m.objective}'; use --attn-impl sdpa")
         if m.objective == "mdm" and m.block_size is not None:
             raise DLMError("model.block_size (--block-size) is meaningless for objective 'mdm'; drop it or use "
                            "--objective block/idlm")
-        _choice("mdm.normalize", self.mdm.normalize, ("masked", "all"))
-        _choice("block.normalize", self.block.normalize, ("masked", "all"))
-        _choice("mdm.attention", self.mdm.attention, ("annealed", "full"))
-        _choice("block.t_per", self.block.t_per, ("sample", "block"))
-        _choice("idlm.idlm_loss_type", self.idlm.idlm_loss_type, ("ar", "distill"))
-        _choice("optim.schedule", o.schedule, ("cosine", "constant", "wsd"))
         if not 0 < o.decay_ratio <= 1:
             raise DLMError(f"optim.decay_ratio must be in (0, 1], got {o.decay_ratio} (the share of the run over "
                            f"which --optim.schedule wsd decays)")
-        _choice("optim.fused", str(o.fused).lower(), ("auto", "true", "false"))
-        _choice("train.mixed_precision", t.mixed_precision, ("auto", "no", "bf16", "fp16"))
         for key, value in (("train.batch_size", t.batch_size), ("train.gradient_accumulate_every",
                            t.gradient_accumulate_every), ("train.max_train_steps", t.max_train_steps),
                            ("data.seq_length", d.seq_length), ("train.log_every", t.log_every),
@@ -265,83 +249,82 @@ class TrainingConfig:
         return self
 
 
-def _choice(key: str, value, valid) -> None:
-    if value not in valid:
-        raise DLMError(f"{key} = {value!r} is not valid; use one of: {', '.join(map(str, valid))}")
-
-
 SECTIONS: dict[str, type] = {f.name: f.default_factory().__class__ for f in dataclasses.fields(TrainingConfig)}
 
-# Flat keys of the original trainers (miniDiffuLLaMA flags with '_' for '-', LLaMA-Factory / I-DLM YAML keys)
-# and the section.key each one sets.
-FLAT_KEYS: dict[str, str] = {
-    # miniDiffuLLaMA train.py flags
-    "model": "model.name",
-    "packed_data_dir": "data.packed_data_dir",
-    "packed_prefixes": "data.packed_prefixes",
-    "packed_weights": "data.packed_weights",
-    "seq_length": "data.seq_length",
-    "batch_size": "train.batch_size",
-    "gradient_accumulate_every": "train.gradient_accumulate_every",
-    "max_train_steps": "train.max_train_steps",
-    "learning_rate": "optim.learning_rate",
-    "output_dir": "train.output_dir",
-    "checkpoint_dir": "train.checkpoint_dir",
-    "save_every": "train.save_every",
-    "eval_every": "eval.eval_every",
-    "eval_tasks": "eval.eval_tasks",
-    "eval_history_path": "eval.eval_history_path",
-    "eval_data_dir": "eval.eval_data_dir",
-    "attn_impl": "model.attn_impl",
-    "wandb_project": "wandb.project",
-    "wandb_entity": "wandb.entity",
-    "wandb_run_name": "wandb.run_name",
-    "wandb_dir": "wandb.dir",
-    # dlm additions
-    "objective": "model.objective",
-    "block_size": "model.block_size",
-    "data": "data.data",
-    "eval_data": "data.eval_data",
-    "lora_r": "lora.r",
-    "lora_alpha": "lora.alpha",
-    "gated_lora": "lora.gated",
-    "max_minutes": "train.max_minutes",
-    "resume": "train.resume",
-    "overwrite": "train.overwrite",
-    "keep_last": "train.keep_last",
-    "seed": "train.seed",
-    "mixed_precision": "train.mixed_precision",
-    "gradient_checkpointing": "model.gradient_checkpointing",
-    # LLaMA-Factory / I-DLM YAML keys
-    "model_name_or_path": "model.name",
-    "block_length": "data.block_length",
-    "ce_alpha": "idlm.ce_alpha",
-    "idlm_loss_type": "idlm.idlm_loss_type",
-    "loss_auto_balance": "idlm.loss_auto_balance",
-    "cutoff_len": "data.seq_length",
-    "per_device_train_batch_size": "train.batch_size",
-    "gradient_accumulation_steps": "train.gradient_accumulate_every",
-    "lr_scheduler_type": "optim.schedule",
-    "warmup_ratio": "optim.warmup_ratio",
-    "max_steps": "train.max_train_steps",
-    "max_grad_norm": "optim.max_grad_norm",
-    "weight_decay": "optim.weight_decay",
-    "bf16": "train.mixed_precision",  # true -> bf16, false -> no
+# The one spelling of a field is ``section.key`` (a YAML section, or ``--section.key`` on the command line). Besides
+# it, only these aliases, each mapped here once: the original trainers' names, so their configs and command lines
+# keep working (miniDiffuLLaMA's train.py flags with '_' for '-'; the I-DLM recipe's LLaMA-Factory YAML keys), and
+# a few command-line shortcuts of dlm's own for the commonest fields (flags and Python overrides only: a YAML file
+# uses sections or the original names).
+MINIDIFFULLAMA, IDLM_YAML, SHORTCUT = "miniDiffuLLaMA flag", "I-DLM / LLaMA-Factory YAML key", "dlm shortcut"
+ALIASES: dict[str, tuple[str, str]] = {
+    "model": ("model.name", MINIDIFFULLAMA),
+    "packed_data_dir": ("data.packed_data_dir", MINIDIFFULLAMA),
+    "packed_prefixes": ("data.packed_prefixes", MINIDIFFULLAMA),
+    "packed_weights": ("data.packed_weights", MINIDIFFULLAMA),
+    "seq_length": ("data.seq_length", MINIDIFFULLAMA),
+    "batch_size": ("train.batch_size", MINIDIFFULLAMA),
+    "gradient_accumulate_every": ("train.gradient_accumulate_every", MINIDIFFULLAMA),
+    "max_train_steps": ("train.max_train_steps", MINIDIFFULLAMA),
+    "learning_rate": ("optim.learning_rate", MINIDIFFULLAMA),
+    "output_dir": ("train.output_dir", MINIDIFFULLAMA),
+    "checkpoint_dir": ("train.checkpoint_dir", MINIDIFFULLAMA),
+    "save_every": ("train.save_every", MINIDIFFULLAMA),
+    "eval_every": ("eval.eval_every", MINIDIFFULLAMA),
+    "eval_tasks": ("eval.eval_tasks", MINIDIFFULLAMA),
+    "eval_history_path": ("eval.eval_history_path", MINIDIFFULLAMA),
+    "attn_impl": ("model.attn_impl", MINIDIFFULLAMA),
+    "wandb_project": ("wandb.project", MINIDIFFULLAMA),
+    "wandb_entity": ("wandb.entity", MINIDIFFULLAMA),
+    "wandb_run_name": ("wandb.run_name", MINIDIFFULLAMA),
+    "wandb_dir": ("wandb.dir", MINIDIFFULLAMA),
+    "model_name_or_path": ("model.name", IDLM_YAML),
+    "block_size": ("model.block_size", IDLM_YAML),
+    "block_length": ("data.block_length", IDLM_YAML),
+    "ce_alpha": ("idlm.ce_alpha", IDLM_YAML),
+    "idlm_loss_type": ("idlm.idlm_loss_type", IDLM_YAML),
+    "loss_auto_balance": ("idlm.loss_auto_balance", IDLM_YAML),
+    "cutoff_len": ("data.seq_length", IDLM_YAML),
+    "per_device_train_batch_size": ("train.batch_size", IDLM_YAML),
+    "gradient_accumulation_steps": ("train.gradient_accumulate_every", IDLM_YAML),
+    "lr_scheduler_type": ("optim.schedule", IDLM_YAML),
+    "warmup_ratio": ("optim.warmup_ratio", IDLM_YAML),
+    "max_steps": ("train.max_train_steps", IDLM_YAML),
+    "max_grad_norm": ("optim.max_grad_norm", IDLM_YAML),
+    "weight_decay": ("optim.weight_decay", IDLM_YAML),
+    "bf16": ("train.mixed_precision", IDLM_YAML),  # true -> bf16, false -> no
+    "gradient_checkpointing": ("model.gradient_checkpointing", IDLM_YAML),
+    "seed": ("train.seed", IDLM_YAML),
+    "objective": ("model.objective", SHORTCUT),
+    "data": ("data.data", SHORTCUT),
+    "eval_data": ("data.eval_data", SHORTCUT),
+    "eval_data_dir": ("eval.eval_data_dir", SHORTCUT),
+    "lora_r": ("lora.r", SHORTCUT),
+    "lora_alpha": ("lora.alpha", SHORTCUT),
+    "gated_lora": ("lora.gated", SHORTCUT),
+    "max_minutes": ("train.max_minutes", SHORTCUT),
+    "resume": ("train.resume", SHORTCUT),
+    "overwrite": ("train.overwrite", SHORTCUT),
+    "keep_last": ("train.keep_last", SHORTCUT),
+    "mixed_precision": ("train.mixed_precision", SHORTCUT),
 }
+FLAT_KEYS: dict[str, str] = {alias: dotted for alias, (dotted, _) in ALIASES.items()}
+# Fields set from another one (the objectives' block size is the model's): not keys of their own.
+DERIVED = {"block.block_size": "model.block_size", "idlm.block_size": "model.block_size"}
 
 
 def section_keys() -> list[str]:
-    """Every ``section.key`` of the configuration."""
-    return [f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    """Every ``section.key`` of the configuration (the one spelling of each field)."""
+    return [k for k in (f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls))
+            if k not in DERIVED]
 
 
 def field_help(dotted: str) -> str:
+    """The ``--help`` text of a field: what it means, its choices or unit, its type and default."""
     section, key = dotted.split(".", 1)
     cls = SECTIONS[section]
     f = {f.name: f for f in dataclasses.fields(cls)}[key]
-    hints = typing.get_type_hints(cls)
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-    return f"{_type_name(hints[key])}, default {default!r}"
+    return f"{describe(f)} [{_type_name(typing.get_type_hints(cls)[key])}]".replace("%", "%%")
 
 
 def is_list_field(dotted: str) -> bool:
@@ -408,8 +391,9 @@ def _coerce(dotted: str, value, tp):
     raise DLMError(f"{dotted} = {value!r} is not a valid {_type_name(tp)}")
 
 
-def resolve_key(key: str, where: str = "") -> str:
-    """The ``section.key`` for a dotted or flat key; DLMError naming the closest valid keys otherwise."""
+def resolve_key(key: str, where: str = "", in_file: bool = False) -> str:
+    """The ``section.key`` for a dotted key or an alias (:data:`ALIASES`; in a file, ``in_file``, not the
+    command-line shortcuts); DLMError naming the closest valid keys otherwise."""
     k = key.replace("-", "_") if "." not in key else key
     if "." in k:
         section, name = k.split(".", 1)
@@ -421,16 +405,23 @@ def resolve_key(key: str, where: str = "") -> str:
         if name not in names:
             near = ", ".join(f"{section}.{n}" for n in closest(name, names).split(", "))
             raise DLMError(f"unknown key '{section}.{name}'{where}; did you mean: {near}")
+        if f"{section}.{name}" in DERIVED:
+            raise DLMError(f"'{section}.{name}'{where} is set from {DERIVED[f'{section}.{name}']}; set that instead")
         return f"{section}.{name}"
-    if k in FLAT_KEYS:
-        return FLAT_KEYS[k]
+    if k in ALIASES:
+        dotted, origin = ALIASES[k]
+        if in_file and origin == SHORTCUT:
+            section, name = dotted.split(".", 1)
+            raise DLMError(f"'{k}'{where} is a command-line shortcut; in a file write it as {dotted} "
+                           f"(a '{section}:' section with '{name}:')")
+        return dotted
     raise DLMError(f"unknown key '{key}'{where}; did you mean: "
                    f"{closest(k, list(FLAT_KEYS) + section_keys())}")
 
 
-def set_value(cfg: TrainingConfig, key: str, value, where: str = "") -> None:
-    """Set one (dotted or flat) key, coercing the value to the field's type."""
-    dotted = resolve_key(key, where)
+def set_value(cfg: TrainingConfig, key: str, value, where: str = "", in_file: bool = False) -> None:
+    """Set one (dotted or aliased) key, coercing the value to the field's type."""
+    dotted = resolve_key(key, where, in_file)
     section, name = dotted.split(".", 1)
     obj = getattr(cfg, section)
     if key in ("bf16",):  # LLaMA-Factory's boolean precision switch
@@ -439,17 +430,18 @@ def set_value(cfg: TrainingConfig, key: str, value, where: str = "") -> None:
     setattr(obj, name, _coerce(dotted, value, tp))
 
 
-def apply_mapping(cfg: TrainingConfig, mapping: dict, where: str = "") -> TrainingConfig:
-    """Apply a YAML-style mapping: sections (``train: {...}``) and/or flat keys."""
+def apply_mapping(cfg: TrainingConfig, mapping: dict, where: str = "", in_file: bool = False) -> TrainingConfig:
+    """Apply a YAML-style mapping: sections (``train: {...}``) and/or aliases (a file's, ``in_file``: the original
+    trainers' names only)."""
     for key, value in mapping.items():
         key = str(key)
         if key in SECTIONS and isinstance(value, dict):
             for sub, v in value.items():
-                set_value(cfg, f"{key}.{sub}", v, where)
+                set_value(cfg, f"{key}.{sub}", v, where, in_file)
         elif key in SECTIONS and key not in FLAT_KEYS:
             raise DLMError(f"section '{key}'{where} must be a mapping of keys, got {value!r}")
         else:
-            set_value(cfg, key, value, where)
+            set_value(cfg, key, value, where, in_file)
     return cfg
 
 
@@ -504,7 +496,7 @@ def load_config(path: str | Path | None = None, overrides: dict | list[str] | No
     """Defaults, then the YAML file at ``path``, then ``overrides`` (a mapping or ``["section.key=value"]``)."""
     cfg = TrainingConfig()
     if path is not None:
-        apply_mapping(cfg, load_yaml(path), where=f" in '{path}'")
+        apply_mapping(cfg, load_yaml(path), where=f" in '{path}'", in_file=True)
     if overrides:
         if isinstance(overrides, dict):
             apply_mapping(cfg, overrides, where=" on the command line")
@@ -521,3 +513,16 @@ def save_yaml(cfg: TrainingConfig, path: str | Path) -> None:
     import yaml
 
     Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def alias_table() -> str:
+    """The Markdown table of :data:`ALIASES` that docs/training.md holds (kept in sync by a test)."""
+    rows = {}
+    for alias, (dotted, origin) in ALIASES.items():
+        rows.setdefault(origin, []).append(f"`{alias}` = `{dotted}`")
+    lines = ["| origin | aliases (flag: `--` and `-` for `_`) |", "|---|---|"]
+    for origin in (MINIDIFFULLAMA, IDLM_YAML, SHORTCUT):
+        items = rows[origin]
+        for i in range(0, len(items), 4):
+            lines.append(f"| {origin if i == 0 else ''} | {', '.join(items[i:i + 4])} |")
+    return "\n".join(lines)

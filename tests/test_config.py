@@ -65,14 +65,39 @@ def test_every_flat_key_maps_to_a_real_field():
         assert resolve_key(flat) == dotted
 
 
-def test_objective_sections_mirror_the_objective_configs():
+def test_objective_sections_are_the_objective_configs_and_every_field_documents_itself():
+    """One definition each: the mdm / block / idlm sections are the objectives' config classes; every field has
+    help text (the --help line), choices where it has a fixed set, and the objectives' block size is no key of its
+    own (model.block_size sets it)."""
+    from dlm.config import field_help
     from dlm.objectives import config_class
 
     for name in ("mdm", "block", "idlm"):
-        theirs = {f.name: f.default for f in dataclasses.fields(config_class(name))} 
-        theirs.pop("block_size", None)  # comes from the model
-        ours = {f.name: f.default for f in dataclasses.fields(SECTIONS[name])}
-        assert ours == theirs, name
+        assert SECTIONS[name] is config_class(name), name
+    for key in section_keys():
+        section, field_name = key.split(".")
+        f = {f.name: f for f in dataclasses.fields(SECTIONS[section])}[field_name]
+        assert len(f.metadata.get("help", "")) > 8, key
+        assert "default" in field_help(key), key
+    assert "choices" not in field_help("train.batch_size") and "bf16" in field_help("train.mixed_precision")
+    with pytest.raises(DLMError, match="set from model.block_size"):
+        load_config(None, {"idlm.block_size": 2, "data": "x"})
+    with pytest.raises(DLMError, match=r"block\.t_per = 'tokens' is not valid; use one of: sample, block"):
+        load_config(None, {"block.t_per": "tokens", "data": "x"})
+
+
+def test_a_file_uses_sections_or_the_original_names_not_the_shortcuts(tmp_path):
+    """One spelling per field in a file: the original trainers' keys work, dlm's command-line shortcuts are an
+    error that says how to write the key."""
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("cutoff_len: 128\nper_device_train_batch_size: 2\ndata:\n  data: x.jsonl\n")
+    cfg = load_config(ok)
+    assert cfg.data.seq_length == 128 and cfg.train.batch_size == 2 and cfg.data.data == "x.jsonl"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("max_minutes: 5\ndata:\n  data: x.jsonl\n")
+    with pytest.raises(DLMError, match=r"'max_minutes' in '.*bad.yaml' is a command-line shortcut.*train\.max_minutes"):
+        load_config(bad)
+    assert load_config(None, {"max_minutes": 5, "data": "x"}).train.max_minutes == 5  # flags / Python: fine
 
 
 @pytest.mark.parametrize("preset", PRESETS, ids=[p.name for p in PRESETS])
@@ -161,3 +186,12 @@ def test_presets_ship_in_the_package_and_load_by_name():
         load_config("idlm_b2_cp")
     with pytest.raises(DLMError, match="does not exist"):
         load_config("no/such/file.yaml")
+
+
+def test_the_docs_alias_table_is_the_code_s():
+    from dlm.config import alias_table
+
+    text = (ROOT / "docs" / "training.md").read_text()
+    begin = text.index("<!-- aliases:begin")
+    body = text[text.index("\n", begin) + 1:text.index("<!-- aliases:end -->")]
+    assert body.strip() == alias_table(), "docs/training.md's alias table is stale: regenerate it from alias_table()"

@@ -3,7 +3,7 @@
   dlm train --config idlm_b2_cpu --data chat.jsonl --max-minutes 10
   dlm train --model smollm2-135m --objective idlm --block-size 2 --data chat.jsonl --output-dir runs/b2
   dlm train --config diffullama_cpu --packed-data-dir data/packed --train.keep_last 2
-  accelerate launch --config_file configs/accelerate/ddp.yaml -m dlm train --config ...
+  accelerate launch --config_file configs/accelerate/ddp_cpu.yaml -m dlm train --config ...
 
 Configuration: dataclass defaults < the YAML file (--config) < flags. Every field is a flag --section.key
 (e.g. --optim.warmup_ratio 0.03); the original trainers' flags (--batch-size, --learning-rate, ...) also work.
@@ -16,57 +16,33 @@ from __future__ import annotations
 
 import argparse
 
-# flat flag -> (help, kind); kind: "value" | "list" | "flag" | "optional"
+# the common flags (ALIASES in dlm.config: the original trainers' names and dlm's shortcuts) -> how each parses;
+# their help is the field's own
 FLAGS = {
-    "model": ("model alias or folder (AR: converted on load; DLM: trained further)", "value"),
-    "objective": ("mdm | block | idlm", "value"),
-    "block-size": ("masks per block (block / idlm)", "value"),
-    "packed-data-dir": ("folder of packed LITPKDS shards (dlm prepare)", "value"),
-    "packed-prefixes": ("shard prefixes (comma-separated or several values)", "list"),
-    "packed-weights": ("mixing weight per prefix", "list"),
-    "data": ("chat/instruction JSONL (messages | conversations | prompt/response)", "value"),
-    "eval-data": ("held-out chat JSONL (default: a seeded slice of --data)", "value"),
-    "seq-length": ("tokens per training row (cutoff_len)", "value"),
-    "batch-size": ("rows per device per micro-batch", "value"),
-    "gradient-accumulate-every": ("micro-batches per optimizer step", "value"),
-    "max-train-steps": ("optimizer steps", "value"),
-    "max-minutes": ("wall-clock budget: stop cleanly and save when spent", "value"),
-    "learning-rate": ("peak learning rate", "value"),
-    "output-dir": ("run folder: final model, checkpoints, logs", "value"),
-    "checkpoint-dir": ("checkpoints (default OUTPUT_DIR/checkpoints)", "value"),
-    "save-every": ("checkpoint every N steps (0: only the final model)", "value"),
-    "keep-last": ("keep the N newest checkpoints (0: all)", "value"),
-    "eval-every": ("held-out loss (+ --eval-tasks) every N steps (0: never)", "value"),
-    "eval-tasks": ("task evaluations, e.g. hellaswag,piqa", "list"),
-    "eval-history-path": ("eval history JSONL (default OUTPUT_DIR/eval_history.jsonl)", "value"),
-    "eval-data-dir": ("folder holding the evaluation tasks' files", "value"),
-    "attn-impl": ("sdpa | flash_attention_2 (flash: mdm only, full attention)", "value"),
-    "mixed-precision": ("auto | no | bf16 | fp16 (weights stay fp32)", "value"),
-    "seed": ("random seed", "value"),
-    "lora-r": ("LoRA rank (0: full fine-tuning)", "value"),
-    "lora-alpha": ("LoRA alpha", "value"),
-    "gated-lora": ("LoRA adapters only at mask positions (I-DLM lossless)", "flag"),
-    "gradient-checkpointing": ("recompute activations in backward (less memory)", "flag"),
-    "resume": ("auto (latest checkpoint) or PATH of a checkpoint", "optional"),
-    "overwrite": ("start over in an output dir that holds a run", "flag"),
-    "wandb-project": ("log to Weights & Biases (needs dlm[wandb])", "value"),
-    "wandb-entity": ("W&B entity", "value"),
-    "wandb-run-name": ("W&B run name", "value"),
-    "wandb-dir": ("W&B local folder", "value"),
+    "model": "value", "objective": "value", "block-size": "value", "packed-data-dir": "value",
+    "packed-prefixes": "list", "packed-weights": "list", "data": "value", "eval-data": "value", "seq-length": "value",
+    "batch-size": "value", "gradient-accumulate-every": "value", "max-train-steps": "value", "max-minutes": "value",
+    "learning-rate": "value", "output-dir": "value", "checkpoint-dir": "value", "save-every": "value",
+    "keep-last": "value", "eval-every": "value", "eval-tasks": "list", "eval-history-path": "value",
+    "eval-data-dir": "value", "attn-impl": "value", "mixed-precision": "value", "seed": "value", "lora-r": "value",
+    "lora-alpha": "value", "gated-lora": "flag", "gradient-checkpointing": "flag", "resume": "optional",
+    "overwrite": "flag", "wandb-project": "value", "wandb-entity": "value", "wandb-run-name": "value",
+    "wandb-dir": "value",
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dlm.config import FLAT_KEYS, field_help, is_list_field, presets, section_keys
+    from dlm.config import ALIASES, field_help, is_list_field, presets, section_keys
 
     parser.usage = "dlm train [--config YAML] [--flag VALUE ...] [--section.key VALUE ...]"
     parser.add_argument("--config", metavar="YAML|PRESET", help="a YAML file, or a preset shipped with dlm by "
                         f"name (dlm/configs/): {', '.join(presets())}")
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
-    g = parser.add_argument_group("common flags (the original trainers' names)")
-    for flag, (help_text, kind) in FLAGS.items():
+    g = parser.add_argument_group("common flags (the original trainers' names and dlm's shortcuts)")
+    for flag, kind in FLAGS.items():
         key = flag.replace("-", "_")
-        assert key in FLAT_KEYS, key
+        dotted, origin = ALIASES[key]
+        help_text = f"{field_help(dotted)}; = --{dotted} ({origin})"
         dest = f"flat__{key}"
         if kind == "flag":
             g.add_argument(f"--{flag}", dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
@@ -124,7 +100,7 @@ def build_config(args: argparse.Namespace):
 
     cfg = TrainingConfig()
     if args.config:
-        apply_mapping(cfg, load_yaml(args.config), where=f" in '{args.config}'")
+        apply_mapping(cfg, load_yaml(args.config), where=f" in '{args.config}'", in_file=True)
     apply_mapping(cfg, overrides_from_args(args), where=" on the command line")
     return cfg.validate()
 

@@ -6,28 +6,53 @@ returns an :class:`ObjectiveOutput` (``loss``, ``parts``, ``num_tokens``). Confi
 
 from __future__ import annotations
 
-from dlm.errors import DLMError
-from dlm.objectives.base import Objective, ObjectiveOutput
-from dlm.objectives.block import BlockConfig, BlockObjective
-from dlm.objectives.idlm import IDLMConfig, IDLMObjective
-from dlm.objectives.mdm import MDMConfig, MDMObjective
+from typing import TYPE_CHECKING
 
-OBJECTIVES: dict[str, type[Objective]] = {"mdm": MDMObjective, "block": BlockObjective, "idlm": IDLMObjective}
-OBJECTIVE_NAMES = tuple(OBJECTIVES)
+from dlm.errors import DLMError
+from dlm.objectives.configs import CONFIGS, BlockConfig, IDLMConfig, MDMConfig
+
+if TYPE_CHECKING:  # the objectives import torch: loaded on first use, so the configs stay torch-free
+    from dlm.objectives.base import Objective, ObjectiveOutput
+
+OBJECTIVE_NAMES = tuple(CONFIGS)  # ("mdm", "block", "idlm")
+_LAZY = {"Objective": "dlm.objectives.base", "ObjectiveOutput": "dlm.objectives.base",
+         "MDMObjective": "dlm.objectives.mdm", "BlockObjective": "dlm.objectives.block",
+         "IDLMObjective": "dlm.objectives.idlm"}
+
+
+def _objectives() -> dict[str, type]:
+    from dlm.objectives.block import BlockObjective
+    from dlm.objectives.idlm import IDLMObjective
+    from dlm.objectives.mdm import MDMObjective
+
+    return {"mdm": MDMObjective, "block": BlockObjective, "idlm": IDLMObjective}
+
+
+def __getattr__(name: str):
+    if name == "OBJECTIVES":
+        return _objectives()
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dlm.objectives' has no attribute {name!r}")
+
+
+def _check_name(name: str) -> None:
+    if name not in CONFIGS:
+        raise DLMError(f"unknown objective '{name}': valid objectives are {', '.join(OBJECTIVE_NAMES)}")
 
 
 def get_objective(name: str, **config) -> Objective:
     """The objective ``name`` (one of OBJECTIVE_NAMES) with its config fields as keyword arguments."""
-    if name not in OBJECTIVES:
-        raise DLMError(f"unknown objective '{name}': valid objectives are {', '.join(OBJECTIVE_NAMES)}")
-    return OBJECTIVES[name](**config)
+    _check_name(name)
+    return _objectives()[name](**config)
 
 
 def config_class(name: str) -> type:
-    """The config dataclass of objective ``name`` (for YAML validation / --help)."""
-    if name not in OBJECTIVES:
-        raise DLMError(f"unknown objective '{name}': valid objectives are {', '.join(OBJECTIVE_NAMES)}")
-    return OBJECTIVES[name].Config
+    """The config dataclass of objective ``name`` (:mod:`dlm.objectives.configs`)."""
+    _check_name(name)
+    return CONFIGS[name]
 
 
 __all__ = ["OBJECTIVES", "OBJECTIVE_NAMES", "Objective", "ObjectiveOutput", "get_objective", "config_class",

@@ -10,31 +10,14 @@ checkpoint logits at i score token i+1.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
-from dlm.errors import DLMError
+from dlm.objectives.configs import BlockConfig
 from dlm.model import masks
 from dlm.objectives import schedules
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, zero_loss
 from dlm.objectives.mdm import score_positions, weighted_loss
-
-
-@dataclass
-class BlockConfig:
-    block_size: int | None = None  # None: the checkpoint's; else must match it
-    t_per: str = "sample"  # 'sample' (SDAR) | 'block' (BD3-LM)
-    eps: float = 1e-3
-    antithetic: bool = False
-    normalize: str = "masked"
-    shift: bool | None = None
-
-    def __post_init__(self):
-        if self.t_per not in ("sample", "block"):
-            raise DLMError(f"block t_per must be 'sample' or 'block', got {self.t_per!r}")
-        if self.normalize not in ("masked", "all"):
-            raise DLMError(f"block normalize must be 'masked' or 'all', got {self.normalize!r}")
 
 
 def block_run_ids(positions: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -31,35 +31,17 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
 from dlm.errors import DLMError
+from dlm.objectives.configs import IDLMConfig
 from dlm.model import masks
 from dlm.model.convert import cache_kw
 from dlm.model.lora import get_gated
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, upcast, zero_loss
-
-
-@dataclass
-class IDLMConfig:
-    block_size: int | None = None  # masks per block; None: the checkpoint's, else must match it
-    ce_alpha: float = 0.2
-    loss_auto_balance: bool = False
-    idlm_loss_type: str = "ar"  # 'ar' (hard labels) | 'distill' (clean pass's soft distribution)
-    distill_temperature: float = 1.0
-    fast_path: bool | None = None  # None/True: split clean + noisy passes (see module doc); False: one 2L forward
-
-    def __post_init__(self):
-        if self.idlm_loss_type not in ("ar", "distill"):
-            raise DLMError(f"idlm_loss_type must be 'ar' or 'distill', got {self.idlm_loss_type!r}")
-        if self.ce_alpha < 0:
-            raise DLMError(f"ce_alpha must be >= 0, got {self.ce_alpha!r}")
-        if self.distill_temperature <= 0:
-            raise DLMError(f"distill_temperature must be > 0, got {self.distill_temperature!r}")
 
 
 def build_noisy(input_ids: torch.Tensor, targets: torch.Tensor, mask_token_id: int):

@@ -14,32 +14,14 @@ unpacked, unpadded rows works: it is passed as ``is_causal=False``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import torch
 
 from dlm.errors import DLMError
+from dlm.objectives.configs import MDMConfig
 from dlm.model import masks
 from dlm.objectives import schedules
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, zero_loss
-
-
-@dataclass
-class MDMConfig:
-    eps: float = 1e-3
-    antithetic: bool = False
-    normalize: str = "masked"  # 'masked' (DiffuLLaMA) | 'all' (MDLM)
-    shift: bool | None = None  # None: the checkpoint's
-    attention: str = "annealed"  # 'annealed' | 'full'
-    anneal_steps: int = 1000
-
-    def __post_init__(self):
-        if self.normalize not in ("masked", "all"):
-            raise DLMError(f"mdm normalize must be 'masked' or 'all', got {self.normalize!r}")
-        if self.attention not in ("annealed", "full"):
-            raise DLMError(f"mdm attention must be 'annealed' or 'full', got {self.attention!r}")
-        if not 0.0 <= self.eps < 1.0:
-            raise DLMError(f"mdm eps must be in [0, 1), got {self.eps!r}")
 
 
 def weighted_loss(ce: torch.Tensor, weight: torch.Tensor, n_masked: int, n_all: int, normalize: str):

@@ -45,8 +45,15 @@ def add_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--sampler", default="confidence", choices=["confidence", "random", "threshold"],
-                   help="mdm sampler")
+    p.add_argument("--sampler", default=None, choices=["confidence", "random", "threshold", "llada", "dream"],
+                   help="mdm sampler (default: the model family's, llada or dream, else confidence)")
+    p.add_argument("--cfg-scale", type=float, default=0.0, help="llada sampler: classifier-free guidance scale")
+    p.add_argument("--remasking", default=None, help="llada sampler: low_confidence (default) | random; block: "
+                   "SDAR's sequential | low_confidence_static | low_confidence_dynamic (default for SDAR)")
+    p.add_argument("--alg", default=None, choices=["origin", "maskgit_plus", "topk_margin", "entropy"],
+                   help="dream sampler: which masks a pass reveals (default origin)")
+    p.add_argument("--alg-temp", type=float, default=None, help="dream sampler: > 0 draws the revealed masks "
+                   "from softmax(confidence / alg_temp) instead of taking the top ones")
     p.add_argument("--steps", type=int, default=None, help="mdm: passes (default max-new-tokens); block: per block")
     p.add_argument("--threshold", type=float, default=0.9, help="mdm threshold / block commit threshold "
                                                                   "(block: <= 0 means top-k commits)")
@@ -153,7 +160,8 @@ def run(args) -> int:
                            method=args.sampler, steps=args.steps,
                            threshold=args.threshold,
                            block_length=args.block_length, threads=parse_threads(args.threads),
-                           progress=len(ids) > 1 and wanted(args.quiet))
+                           progress=len(ids) > 1 and wanted(args.quiet), cfg_scale=args.cfg_scale,
+                           remasking=args.remasking, alg=args.alg, alg_temp=args.alg_temp)
     for w in caught:
         if issubclass(w.category, UserWarning):
             print(f"dlm generate: warning: {w.message}", file=sys.stderr)

@@ -2,8 +2,8 @@
 
 - :class:`dlm.decode.engine.Engine` runs every decoder: requests join and leave the running batch between steps;
 - ``ar`` (:mod:`dlm.decode.ar`), ``isd`` (:mod:`dlm.decode.isd`): causal, KV-cache extends;
-- ``mdm`` (:mod:`dlm.decode.mdm`): the masked-diffusion samplers (confidence / random / threshold);
-- ``block`` (:mod:`dlm.decode.block`): block diffusion (SDAR/BD3);
+- ``mdm`` (:mod:`dlm.decode.mdm`): the masked-diffusion samplers (confidence / random / threshold / llada / dream);
+- ``block`` (:mod:`dlm.decode.block`): block diffusion (SDAR/BD3, SDAR's remasking strategies);
 - :func:`generate` runs a list of prompts with a decoder name, for the CLI and evaluation.
 """
 
@@ -62,25 +62,30 @@ def check_isd_flags(decode: str, flags: dict, stride: int | None = None) -> None
 
 
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,
-                    fallback: str | None = None, candidates: int | None = None, method: str = "confidence",
+                    fallback: str | None = None, candidates: int | None = None, method: str | None = "confidence",
                     steps: int | None = None,
-                    threshold: float | None = 0.9, block_length: int = 32) -> dict:
-    """The keyword arguments of ``decode``'s decoder, picked from the union of every decoder's options."""
+                    threshold: float | None = 0.9, block_length: int = 32, cfg_scale: float = 0.0,
+                    remasking: str | None = None, alg: str | None = None, alg_temp: float | None = None) -> dict:
+    """The keyword arguments of ``decode``'s decoder, picked from the union of every decoder's options
+    (``method=None``: the sampler of the model's family, llada / dream, else confidence; ``cfg_scale``,
+    ``remasking``: the llada sampler's; ``alg``, ``alg_temp``: dream's; block's ``remasking``: SDAR's)."""
     if decode == "isd":
         return {"stride": stride, "draft": draft, "token_budget": token_budget, "fallback": fallback or "predict",
                 "candidates": candidates or 1}
     if decode == "mdm":
-        return {"method": method, "steps": steps, "threshold": threshold, "block_length": block_length}
+        return {"method": method, "steps": steps, "threshold": threshold, "block_length": block_length,
+                "cfg_scale": cfg_scale or 0.0, "remasking": remasking, "alg": alg, "alg_temp": alg_temp}
     if decode == "block":
-        return {"steps": steps, "threshold": threshold}
+        return {"steps": steps, "threshold": threshold, "remasking": remasking}
     return {}
 
 
 def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None, batch_size: int = 8,
              stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
-             candidates: int | None = None, method: str = "confidence", steps: int | None = None,
+             candidates: int | None = None, method: str | None = "confidence", steps: int | None = None,
              threshold: float | None = 0.9,
-             block_length: int = 32, on_tokens=None, threads=None, progress=None):
+             block_length: int = 32, on_tokens=None, threads=None, progress=None, cfg_scale: float = 0.0,
+             remasking: str | None = None, alg: str | None = None, alg_temp: float | None = None):
     """Decode token-id prompts with ``decode`` in ar | mdm | block | isd, ``batch_size`` at a time with continuous
     batching; ``params``: one SamplingParams for all prompts or one per prompt. Returns one GenerationResult per
     prompt (``token_ids`` = generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/
@@ -101,7 +106,8 @@ def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None,
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     kw = decoder_options(decode, stride=stride, draft=draft, token_budget=token_budget, fallback=fallback,
                          candidates=candidates, method=method, steps=steps, threshold=threshold,
-                         block_length=block_length)
+                         block_length=block_length, cfg_scale=cfg_scale, remasking=remasking, alg=alg,
+                         alg_temp=alg_temp)
     from dlm.progress import bar as progress_bar
 
     bar = progress_bar(len(prompts), f"generate {decode}", "prompt") if progress is True else None

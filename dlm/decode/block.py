@@ -11,6 +11,13 @@ KV of a finished block is written once: the first pass of the next block feeds `
 finished block's KV; later passes reuse it. With ``shift`` (logit i-1 scores token i) the cache stops one token
 short so that the token before the block is fed with it.
 
+``remasking`` (SDAR's strategies): the canvas runs to the end of the last block (as SDAR lays it out; tokens
+past ``max_new_tokens`` are never returned), each block's masks are split evenly over ``steps`` passes (the
+remainder to the first ones) and a pass commits its quota: the leftmost masks (``sequential``), the most confident
+(``low_confidence_static``), or every mask above ``threshold`` when there are at least the quota of them, else the
+most confident (``low_confidence_dynamic``, the default for SDAR checkpoints). The quota counts the block's masks,
+so the prompt's tail in the first block is never overwritten.
+
 On the engine, rows of a batch sit in different blocks at different passes; the prefill forward is the first
 block's first pass (the prompt before that block is cached by it). A finished block is streamed at once, and a
 stop token in it ends the request.
@@ -23,8 +30,10 @@ import math
 import torch
 
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm import DiffusionDecoder, check_steps, propose
+from dlm.decode.mdm import DiffusionDecoder, check_steps, even_split, propose
 from dlm.errors import DLMError
+
+REMASKING = ("sequential", "low_confidence_static", "low_confidence_dynamic")  # SDAR's strategies
 
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -35,8 +44,15 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor
 class BlockDecoder(DiffusionDecoder):
     name = "block"
 
-    def __init__(self, steps: int | None = None, threshold: float | None = 0.9):
+    def __init__(self, steps: int | None = None, threshold: float | None = 0.9, remasking: str | None = None):
         check_steps(steps)
+        if remasking is not None and remasking not in REMASKING:
+            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for --decode block, got "
+                           f"'{remasking}'")
+        self.remasking = remasking
+        if remasking == "low_confidence_dynamic" and (threshold is None or float(threshold) <= 0.0):
+            raise DLMError("--remasking low_confidence_dynamic commits the masks above --threshold: give one in "
+                           "(0, 1)")
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
         if threshold is not None and not float(threshold) < 1.0:
@@ -52,6 +68,17 @@ class BlockDecoder(DiffusionDecoder):
             raise DLMError(f"--decode block needs a block-diffusion DLM (objective 'block' with a block_size); "
                            f"this is {what}: use --decode {other}")
         self.block_size, self.shift = spec.block_size, bool(spec.shift)
+        if self.remasking is None and getattr(engine.config, "dlm_family", None) == "sdar":
+            self.remasking = "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
+
+    def _layout(self, engine: Engine, row: Row) -> torch.Tensor:
+        x = super()._layout(engine, row)
+        if self.remasking is None:
+            return x
+        end = min(-(-x.numel() // self.block_size) * self.block_size, engine.max_positions)
+        x = torch.cat([x, x.new_full((end - x.numel(),), engine.mask_token_id)])
+        row.state["x"] = x
+        return x
 
     def chunk_attention(self, engine: Engine, row: Row, positions: torch.Tensor) -> torch.Tensor:
         return block_mask(positions, positions, self.block_size)[0, 0]
@@ -63,7 +90,8 @@ class BlockDecoder(DiffusionDecoder):
         lo = max(bs, st["p"])
         n0 = int((st["x"][lo:be] == engine.mask_token_id).sum())
         steps = self.steps or self.block_size
-        st.update(bs=bs, be=be, lo=lo, pass_=0, per_step=math.ceil(n0 / steps), block_steps=steps)
+        st.update(bs=bs, be=be, lo=lo, pass_=0, per_step=math.ceil(n0 / steps), block_steps=steps,
+                  quotas=even_split(n0, steps))
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         x = self._layout(engine, row)
@@ -82,7 +110,10 @@ class BlockDecoder(DiffusionDecoder):
         masked = (x[lo:be] == engine.mask_token_id).nonzero().squeeze(-1) + lo
         tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
         st["pass_"] += 1
-        if st["pass_"] >= st["block_steps"]:
+        if self.remasking is not None:
+            commit = self._sdar_commit(conf, st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"])
+                                       else conf.numel())
+        elif st["pass_"] >= st["block_steps"]:
             commit = torch.ones_like(conf, dtype=torch.bool)
         elif self.threshold is not None:
             commit = conf > self.threshold
@@ -97,3 +128,15 @@ class BlockDecoder(DiffusionDecoder):
         if be < x.numel():
             self._start_block(engine, row, bs + self.block_size)
         return out, keep
+
+    def _sdar_commit(self, conf: torch.Tensor, quota: int) -> torch.Tensor:
+        """Which of the block's masks (in position order, with confidences ``conf``) this pass commits."""
+        k = min(quota, conf.numel())
+        commit = torch.zeros_like(conf, dtype=torch.bool)
+        if self.remasking == "sequential":
+            commit[:k] = True
+        elif self.remasking == "low_confidence_dynamic" and int((conf > self.threshold).sum()) >= k:
+            commit = conf > self.threshold
+        else:
+            commit[conf.topk(k).indices] = True
+        return commit

@@ -328,6 +328,12 @@ class Decoder:
         ``keep``, or the listed indices)."""
         return None
 
+    def chunk_positions(self, engine: "Engine", row: Row, n: int) -> list[int] | None:
+        """For non-causal decoders whose chunk holds more than one copy of a sequence (classifier-free guidance:
+        the conditional and the unconditional one): the position offset of each of its ``n`` tokens from
+        ``row.pos`` (in the prefill: from 0). None (the default): 0..n-1."""
+        return None
+
     def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
         return []
 
@@ -527,8 +533,10 @@ class Engine:
         pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
         mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
         if not self.decoder.causal:
-            positions = torch.arange(n)
-            mask = torch.stack([self.decoder.chunk_attention(self, r, positions) for r in rows])[:, None]
+            offsets = [self.decoder.chunk_positions(self, r, n) for r in rows]
+            rel = [torch.arange(n) if o is None else torch.tensor(o) for o in offsets]
+            pos = torch.stack(rel).to(self.device)
+            mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
             mask = mask.to(self.device)
         kv = KVBatch()
         n_out = n - len(rows[0].prompt_ids) + 1
@@ -572,6 +580,11 @@ class Engine:
                 if lay is not None:
                     trees[i] = lay
                     pos[i, : len(lay[0])] = start[i] + torch.tensor(lay[0])
+        else:
+            for i, (r, c) in enumerate(zip(rows, chunks)):
+                offsets = self.decoder.chunk_positions(self, r, len(c))
+                if offsets is not None:
+                    pos[i, : len(c)] = start[i] + torch.tensor(offsets)
         pos.clamp_(max=self.max_positions - 1)
         fresh = [i for i, r in enumerate(rows) if r.state.pop("fresh", False)]
         if fresh:  # these rows re-feed from an earlier position: their cached KV goes

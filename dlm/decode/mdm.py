@@ -7,6 +7,17 @@ Every generated position starts as M and the passes run with full (bidirectional
   the most confident so that ``floor(n0 * (T - s) / T)`` stay masked after pass s (none after the last).
 - ``random``: at step k = T-1 .. 0 every still-masked position is committed with probability 1/(k+1) (so all are
   resolved at k = 0); tokens by temperature/top-p sampling. A step that would commit nothing skips its forward.
+- ``llada`` (LLaDA's sampler): semi-autoregressive blocks of ``block_length``, ``steps`` passes split evenly over
+  the blocks and each block's masks split evenly over its passes (the remainder to the first ones); each pass
+  commits the block's masks with the highest probability of their proposed token (``remasking='low_confidence'``,
+  at temperature 1) or random scores (``'random'``). ``cfg_scale > 0``: classifier-free guidance, the logits
+  ``u + (cfg_scale + 1) (c - u)`` of the conditional sequence c and the one with the prompt masked u, both in one
+  forward (two copies in the row's chunk, each attending to itself only, both at positions 0..).
+- ``dream`` (Dream's ``diffusion_generate``): ``t = linspace(1, eps, steps + 1)``; at pass i every mask is revealed
+  with probability ``1 - t[i+1]/t[i]`` (``alg='origin'``), or the ``int(n_masked (1 - t[i+1]/t[i]))`` masks of
+  highest confidence are (``maskgit_plus``: the token's probability, ``topk_margin``: top-1 minus top-2,
+  ``entropy``: the negative entropy; drawn from ``softmax(confidence / alg_temp)`` when ``alg_temp > 0``), all
+  of them at the last pass. The count is per row (the reference averages it over the batch).
 - ``threshold`` (Fast-dLLM): semi-autoregressive blocks of ``block_length``; within a block each pass commits every
   masked token whose probability exceeds ``threshold`` (at least the most confident one). The KV of the finished
   prefix is cached: refreshed by one full forward at the start of each block, reused by the block's later passes
@@ -27,10 +38,15 @@ import math
 import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
-from dlm.decode.sampling import SamplingParams, check_fits_context, probs_from_logits, sample, suppress
+from dataclasses import replace
+
+from dlm.decode.sampling import (SamplingParams, check_fits_context, next_token, probs_from_logits, sample,
+                                 suppress)
 from dlm.errors import DLMError
 
-METHODS = ("confidence", "random", "threshold")
+METHODS = ("confidence", "random", "threshold", "llada", "dream")
+REMASKING = ("low_confidence", "random")  # llada: what scores the candidates
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int, generator: torch.Generator):
@@ -43,6 +59,23 @@ def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int, generato
         probs = probs_from_logits(logits, params, mask_id)
         tokens = sample(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def even_split(n: int, parts: int) -> list[int]:
+    """``n`` split over ``parts`` as evenly as possible, the remainder to the first parts."""
+    base, rest = divmod(n, parts)
+    return [base + (1 if i < rest else 0) for i in range(parts)]
+
+
+def llada_quotas(gen_length: int, block_length: int, steps: int) -> list[list[int]]:
+    """Per semi-autoregressive block, the masks each of its passes commits (LLaDA's schedule: ``steps`` split
+    evenly over the blocks, each block's masks evenly over its passes; the last block may be shorter)."""
+    blocks = math.ceil(gen_length / block_length)
+    if steps < blocks:
+        raise DLMError(f"--steps {steps} is fewer than the {blocks} blocks of --block-length {block_length} in "
+                       f"{gen_length} tokens; give at least one pass per block")
+    sizes = [min(block_length, gen_length - b * block_length) for b in range(blocks)]
+    return [even_split(size, s) for size, s in zip(sizes, even_split(steps, blocks))]
 
 
 def check_steps(steps: int | None) -> None:
@@ -81,10 +114,29 @@ class DiffusionDecoder(Decoder):
 class MDMDecoder(DiffusionDecoder):
     name = "mdm"
 
-    def __init__(self, method: str = "confidence", steps: int | None = None, threshold: float | None = 0.9,
-                 block_length: int = 32):
-        if method not in METHODS:
+    def __init__(self, method: str | None = "confidence", steps: int | None = None, threshold: float | None = 0.9,
+                 block_length: int = 32, cfg_scale: float = 0.0, remasking: str | None = None,
+                 alg: str | None = None, alg_temp: float | None = None, eps: float = 1e-3):
+        # method None: the sampler of the model's family (llada / dream), else confidence (chosen in check_model)
+        if method is not None and method not in METHODS:
             raise DLMError(f"unknown mdm sampler '{method}' (--sampler): use one of {', '.join(METHODS)}")
+        if not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
+            raise DLMError(f"--cfg-scale must be >= 0 (0 = no guidance), got {cfg_scale}")
+        if remasking is not None and remasking not in REMASKING:
+            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for the llada sampler, got "
+                           f"'{remasking}'")
+        if alg is not None and alg not in DREAM_ALGS:
+            raise DLMError(f"--alg must be one of {', '.join(DREAM_ALGS)} for the dream sampler, got '{alg}'")
+        if alg_temp is not None and alg_temp < 0:
+            raise DLMError(f"--alg-temp must be >= 0, got {alg_temp}")
+        if not 0.0 <= eps < 1.0:
+            raise DLMError(f"the dream sampler's eps must be in [0, 1), got {eps}")
+        for flag, value, owner in (("--cfg-scale", cfg_scale or None, "llada"), ("--remasking", remasking, "llada"),
+                                   ("--alg", alg, "dream"), ("--alg-temp", alg_temp, "dream")):
+            if value is not None and method is not None and method != owner:
+                raise DLMError(f"{flag} is a setting of --sampler {owner}; drop it or use --sampler {owner}")
+        self.cfg_scale, self.remasking = float(cfg_scale), remasking or "low_confidence"
+        self.alg, self.alg_temp, self.eps = alg or "origin", alg_temp, float(eps)
         check_steps(steps)
         threshold = 0.9 if threshold is None else float(threshold)
         if method == "threshold" and not 0.0 <= threshold < 1.0:
@@ -103,10 +155,31 @@ class MDMDecoder(DiffusionDecoder):
             raise DLMError(f"--decode mdm needs a bidirectional masked-diffusion model (objective 'mdm'); this is "
                            f"a '{spec.objective}' model: use --decode {'isd' if spec.objective == 'idlm' else 'block'}")
         self.shift = bool(spec.shift)
+        if self.method is None:
+            family = getattr(engine.config, "dlm_family", None)
+            self.method = family if family in ("llada", "dream") else "confidence"
+        if self.cfg_scale and self.method != "llada":
+            raise DLMError("--cfg-scale is a setting of --sampler llada; drop it or use --sampler llada")
+
+    def _cfg(self, row: Row) -> bool:
+        return self.method == "llada" and self.cfg_scale > 0
 
     def chunk_attention(self, engine: Engine, row: Row, positions: torch.Tensor) -> torch.Tensor:
         n = positions.numel()
+        if self._cfg(row):
+            # [conditional | unconditional], each the whole sequence from position 0 (nothing is cached): each
+            # copy sees itself only
+            a = row.state["x"].numel()
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask[:a, :a] = True
+            mask[a:, a:] = True
+            return mask
         return torch.ones(n, n, dtype=torch.bool)
+
+    def chunk_positions(self, engine: Engine, row: Row, n: int) -> list[int] | None:
+        if not self._cfg(row):
+            return None
+        return list(range(row.state["x"].numel())) * 2
 
     # -- planning: decide what the next pass commits (before its forward, so a pass that commits nothing is
     # never run), in the order the reference sampler draws its random numbers
@@ -131,6 +204,37 @@ class MDMDecoder(DiffusionDecoder):
                 if bool(commit.any()):
                     st["commit"] = commit
                     return
+        elif self.method == "llada":
+            while True:  # the next pass with a quota (a block with fewer masks than passes has empty ones)
+                b, j = st["block"], st["pass_"]
+                if j >= len(st["quotas"][b]):
+                    st["block"], st["pass_"] = b + 1, 0
+                    continue
+                st["pass_"] += 1
+                if st["quotas"][b][j] > 0:
+                    lo = st["p"] + b * self.block_length
+                    hi = min(lo + self.block_length, x.numel())
+                    st.update(lo=lo, hi=hi, n_commit=st["quotas"][b][j])
+                    st["masked"] = masked[(masked >= lo) & (masked < hi)]
+                    return
+        elif self.method == "dream":
+            t = st["t"]
+            while True:
+                i = st["i"]
+                st["i"] += 1
+                last = i >= st["steps"] - 1
+                ratio = 1.0 if last else 1.0 - float(t[i + 1] / t[i])
+                if self.alg == "origin":
+                    # drawn at the last pass too (ratio 1: every mask), as the reference does
+                    commit = torch.rand(masked.numel(), generator=row.generator) < ratio
+                    if bool(commit.any()):
+                        st["commit"] = commit
+                        return
+                else:
+                    n = masked.numel() if last else int(masked.numel() * ratio)
+                    if n > 0:
+                        st["n_commit"] = n
+                        return
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         self._layout(engine, row)
@@ -139,11 +243,27 @@ class MDMDecoder(DiffusionDecoder):
         row.state["k"] = row.state["steps"] - 1
         if self.method == "threshold":
             row.state.update(start=p, c=p - shift, refresh=False)
+        if self.method == "llada":
+            row.state.update(quotas=llada_quotas(row.params.max_new_tokens, self.block_length,
+                                                 row.state["steps"]), block=0, pass_=0)
+        if self.method == "dream":
+            row.state.update(t=torch.linspace(1, self.eps, row.state["steps"] + 1), i=0)
         self._plan(engine, row)
-        return [engine.mask_token_id] * row.params.max_new_tokens
+        suffix = [engine.mask_token_id] * row.params.max_new_tokens
+        if self._cfg(row):
+            suffix += self._uncond(engine, row).tolist()
+        return suffix
+
+    def _uncond(self, engine: Engine, row: Row) -> torch.Tensor:
+        """The sequence with its prompt masked (classifier-free guidance's unconditional input)."""
+        u = row.state["x"].clone()
+        u[: row.state["p"]] = engine.mask_token_id
+        return u
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         x = row.state["x"]
+        if self._cfg(row):
+            return x.tolist() + self._uncond(engine, row).tolist()
         if self.method != "threshold":
             return x.tolist()  # the whole sequence, at positions 0.. (row.pos stays 0: nothing is cached)
         if row.state.pop("refresh", False):
@@ -157,6 +277,12 @@ class MDMDecoder(DiffusionDecoder):
         x = st["x"]
         if self.method == "threshold":
             return self._consume_threshold(engine, row, logits)
+        if self.method in ("llada", "dream"):
+            self._commit_family(engine, row, logits)
+            out = self._emit(engine, row)
+            if bool((x == engine.mask_token_id).any()):
+                self._plan(engine, row)
+            return out, -row.pos
         masked = st["masked"]
         tokens, conf = propose(self._scores(row, logits, masked), p, engine.mask_token_id, row.generator)
         if self.method == "confidence":
@@ -169,6 +295,46 @@ class MDMDecoder(DiffusionDecoder):
         if bool((x == engine.mask_token_id).any()):
             self._plan(engine, row)
         return out, -row.pos  # nothing is cached: the next pass feeds the whole sequence again
+
+    def _commit_family(self, engine: Engine, row: Row, logits: torch.Tensor) -> None:
+        """One pass of the llada or dream sampler: propose tokens for the planned masks and commit some."""
+        st, p, mask_id, g = row.state, row.params, engine.mask_token_id, row.generator
+        x, masked = st["x"], st["masked"]
+        if self._cfg(row):
+            n = x.numel() - row.pos
+            cond, uncond = logits[:n], logits[n: 2 * n]
+            logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
+        scores = self._scores(row, logits, masked)
+        if self.method == "llada":
+            tokens = next_token(scores, p, mask_id, g)
+            if self.remasking == "low_confidence":
+                conf = suppress(scores, mask_id).softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+            else:
+                conf = torch.rand(tokens.numel(), generator=g)
+            top = conf.topk(st["n_commit"]).indices
+            x[masked[top]] = tokens[top]
+            return
+        if self.alg == "origin":
+            commit = st["commit"]
+            x[masked[commit]] = next_token(scores[commit], p, mask_id, g)
+            return
+        # Dream's confidence algorithms: the distribution after temperature / top-k / top-p (at temperature 1 when
+        # greedy), its argmax or a draw, and a confidence per mask
+        probs = probs_from_logits(scores, replace(p, temperature=1.0) if p.greedy else p, mask_id)
+        tokens = probs.argmax(-1) if p.greedy else sample(probs, g)
+        if self.alg == "maskgit_plus":
+            conf = probs.gather(-1, tokens[:, None]).squeeze(-1)
+        elif self.alg == "topk_margin":
+            top2 = probs.topk(2, dim=-1).values
+            conf = top2[:, 0] - top2[:, 1]
+        else:  # entropy: sum p log p (higher = more certain)
+            conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+        k = st["n_commit"]
+        if self.alg_temp:
+            chosen = torch.multinomial((conf / self.alg_temp).softmax(-1), k, generator=g)
+        else:
+            chosen = conf.topk(k).indices
+        x[masked[chosen]] = tokens[chosen]
 
     def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st = row.state

@@ -1,0 +1,269 @@
+"""The published families' samplers as decoders of the one engine (LLaDA's low-confidence remasking with
+semi-autoregressive blocks and classifier-free guidance; Dream's alg choices; SDAR's block strategies): each equals
+a plain one-request reference written here from the family's sampler, token for token greedy and draw for draw
+with a seed, batched with prompts of different lengths, and stops at a stop token."""
+
+import math
+
+import pytest
+import torch
+
+import dlm
+from dlm.cli import main
+from dlm.decode import generate
+from dlm.decode.engine import Engine
+from dlm.decode.mdm import MDMDecoder, propose
+from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
+from dlm.errors import DLMError
+from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_sdar
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MIXED = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [30], [40, 41, 42, 43, 44, 45]]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("published")
+    return {"llada": dlm.load_model(write_llada(d / "llada", seed=4)),
+            "dream": dlm.load_model(write_dream(d / "dream", seed=5)),
+            "sdar": dlm.load_model(write_sdar(d / "sdar", seed=6, block_size=4)),
+            "fast_dllm_v2": dlm.load_model(write_fast_dllm_v2(d / "fast", seed=7, bd_size=4))}
+
+
+def split(n, parts):
+    base, rest = divmod(n, parts)
+    return [base + (i < rest) for i in range(parts)]
+
+
+def full_logits(model, x, allowed=None):
+    n = x.numel()
+    allowed = torch.ones(n, n, dtype=torch.bool) if allowed is None else allowed
+    with torch.inference_mode():
+        return model(input_ids=x[None], attention_mask=allowed[None, None]).logits[0]
+
+
+def until_stop(ids, params, gen):
+    out = []
+    for t in ids[:gen]:
+        out.append(t)
+        if params.stop_token_ids and t in params.stop_token_ids:
+            break
+    return out
+
+
+# -- LLaDA: ML-GSAI/LLaDA generate.py, one request ---------------------------------------------------------------
+def reference_llada(model, prompt, params, steps=None, block_length=32, cfg_scale=0.0, remasking="low_confidence"):
+    """LLaDA's generate(): the canvas prompt + gen masks, blocks of block_length left to right, steps split
+    evenly over the blocks and each block's masks over its steps (remainder first); at each step predict every
+    position (with guidance: u + (cfg+1)(c - u), u the canvas with the prompt masked), score the candidates of the
+    block's masks by their softmax probability (or uniformly), commit the step's quota of the highest. Candidates
+    are drawn only where they can be committed (the block's masks). The mask token is never proposed."""
+    gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    steps = steps or gen
+    shift = 1 if model.shift else 0
+    x = torch.tensor(list(prompt) + [MASK] * gen)
+    blocks = math.ceil(gen / block_length)
+    for b, block_steps in enumerate(split(steps, blocks)):
+        lo = p + b * block_length
+        hi = min(lo + block_length, p + gen)
+        for k in split(hi - lo, block_steps):
+            if k == 0:
+                continue
+            logits = full_logits(model, x)
+            if cfg_scale > 0:
+                u = x.clone()
+                u[:p] = MASK
+                un = full_logits(model, u)
+                logits = un + (cfg_scale + 1) * (logits - un)
+            where = (x[lo:hi] == MASK).nonzero().squeeze(-1) + lo
+            scores = logits[where - shift]
+            x0 = next_token(scores, params, MASK, g)
+            if remasking == "low_confidence":
+                conf = suppress(scores, MASK).softmax(-1).gather(-1, x0[:, None]).squeeze(-1)
+            else:
+                conf = torch.rand(x0.numel(), generator=g)
+            top = conf.topk(k).indices
+            x[where[top]] = x0[top]
+    return until_stop(x[p:].tolist(), params, gen)
+
+
+# -- Dream: diffusion_generate, one request -----------------------------------------------------------------------
+def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=None, eps=1e-3):
+    """Dream's diffusion_generate: t = linspace(1, eps, steps+1); logits shifted right by one; 'origin' reveals
+    each mask with probability 1 - s/t (all at the last step) with a token drawn from its distribution, the others
+    reveal the int(n_mask (1 - s/t)) masks of highest confidence (or drawn from softmax(conf/alg_temp)). A step
+    that reveals nothing is not run (its candidate draws are not made)."""
+    gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    steps = steps or gen
+    x = torch.tensor(list(prompt) + [MASK] * gen)
+    t = torch.linspace(1, eps, steps + 1)
+    for i in range(steps):
+        masked = (x == MASK).nonzero().squeeze(-1)
+        if masked.numel() == 0:
+            break
+        s, tt = t[i + 1], t[i]
+        if alg == "origin":
+            p_transfer = 1 - float(s / tt) if i < steps - 1 else 1
+            transfer = torch.rand(masked.numel(), generator=g) < p_transfer
+            if not bool(transfer.any()):
+                continue
+            logits = full_logits(model, x)
+            logits = torch.cat([logits[:1], logits[:-1]])       # Dream's right shift
+            x[masked[transfer]] = next_token(logits[masked[transfer]], params, MASK, g)
+            continue
+        k = int(masked.numel() * (1 - float(s / tt))) if i < steps - 1 else masked.numel()
+        if k == 0:
+            continue
+        logits = full_logits(model, x)
+        logits = torch.cat([logits[:1], logits[:-1]])
+        # sample_tokens: temperature (none when greedy), top-k / top-p, softmax; a draw, or the argmax when greedy
+        probs = probs_from_logits(logits[masked], params if not params.greedy else
+                                  SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p), MASK)
+        x0 = sample(probs, g) if not params.greedy else probs.argmax(-1)
+        if alg == "maskgit_plus":
+            conf = probs.gather(-1, x0[:, None]).squeeze(-1)
+        elif alg == "topk_margin":
+            srt = probs.sort(-1, descending=True).values
+            conf = srt[:, 0] - srt[:, 1]
+        else:
+            conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+        if alg_temp:
+            idx = torch.multinomial(torch.softmax(conf / alg_temp, -1), k, generator=g)
+        else:
+            idx = conf.topk(k).indices
+        x[masked[idx]] = x0[idx]
+    return until_stop(x[p:].tolist(), params, gen)
+
+
+# -- SDAR: JetAstra/SDAR generate.py block_diffusion_generate, one request ----------------------------------------
+def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_dynamic", threshold=0.9):
+    """SDAR's block_diffusion_generate: the canvas rounded up to whole blocks, block-causal attention, per block
+    at most `steps` passes over the block; a pass samples every position and commits its quota (the block's masks
+    split evenly over the steps, remainder first) by strategy; stop after a block holding a stop token. Greedy
+    takes the argmax (SDAR has no greedy branch)."""
+    gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    b = model.block_size
+    steps = steps or b
+    shift = 1 if model.shift else 0
+    total = -(-(p + gen) // b) * b
+    x = torch.tensor(list(prompt) + [MASK] * (total - p))
+    i = torch.arange(total)
+    allowed = (i[None, :] // b) <= (i[:, None] // b)
+    for blk in range(p // b, total // b):
+        lo, hi = blk * b, (blk + 1) * b
+        quotas = split(int((x[lo:hi] == MASK).sum()), steps)
+        for step in range(steps + 1):
+            where = (x[lo:hi] == MASK).nonzero().squeeze(-1) + lo
+            if where.numel() == 0:
+                break
+            logits = full_logits(model, x[:hi], allowed[:hi, :hi])
+            x0, x0_p = propose(logits[where - shift], params, MASK, g)
+            k = min(quotas[step], where.numel())
+            transfer = torch.zeros(where.numel(), dtype=torch.bool)
+            if remasking == "sequential":
+                transfer[:k] = True
+            elif remasking == "low_confidence_dynamic" and int((x0_p > threshold).sum()) >= k:
+                transfer = x0_p > threshold
+            else:
+                transfer[x0_p.topk(k).indices] = True
+            x[where[transfer]] = x0[transfer]
+        if params.stop_token_ids and any(t in params.stop_token_ids for t in x[p:hi].tolist()):
+            break
+    return until_stop(x[p:].tolist(), params, gen)
+
+
+CASES = [
+    ("llada", "mdm", dict(method="llada", steps=None, block_length=4), reference_llada, dict(block_length=4)),
+    ("llada", "mdm", dict(method="llada", steps=6, block_length=3), reference_llada, dict(steps=6, block_length=3)),
+    ("llada", "mdm", dict(method="llada", steps=4, block_length=8, cfg_scale=1.5), reference_llada,
+     dict(steps=4, block_length=8, cfg_scale=1.5)),
+    ("llada", "mdm", dict(method="llada", steps=5, block_length=4, remasking="random"), reference_llada,
+     dict(steps=5, block_length=4, remasking="random")),
+    ("dream", "mdm", dict(method="dream", steps=5), reference_dream, dict(steps=5)),
+    ("dream", "mdm", dict(method="dream", steps=4, alg="maskgit_plus"), reference_dream,
+     dict(steps=4, alg="maskgit_plus")),
+    ("dream", "mdm", dict(method="dream", steps=6, alg="topk_margin"), reference_dream,
+     dict(steps=6, alg="topk_margin")),
+    ("dream", "mdm", dict(method="dream", steps=5, alg="entropy", alg_temp=0.5), reference_dream,
+     dict(steps=5, alg="entropy", alg_temp=0.5)),
+    ("dream", "mdm", dict(method="dream", steps=3, alg="entropy"), reference_dream, dict(steps=3, alg="entropy")),
+    ("sdar", "block", dict(steps=3, remasking="low_confidence_dynamic", threshold=0.03), reference_sdar,
+     dict(steps=3, threshold=0.03)),
+    ("sdar", "block", dict(steps=2, remasking="low_confidence_dynamic", threshold=0.06), reference_sdar,
+     dict(steps=2, threshold=0.06)),
+    ("sdar", "block", dict(steps=2, remasking="low_confidence_static"), reference_sdar,
+     dict(steps=2, remasking="low_confidence_static")),
+    ("sdar", "block", dict(steps=4, remasking="sequential"), reference_sdar, dict(steps=4, remasking="sequential")),
+    ("fast_dllm_v2", "block", dict(steps=2, remasking="low_confidence_dynamic", threshold=0.04), reference_sdar,
+     dict(steps=2, threshold=0.04)),
+]
+
+
+def params_for(i, temperature, **kw):
+    return SamplingParams(max_new_tokens=5 + i, temperature=temperature, seed=100 + i, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("family,decode,kw,ref,ref_kw", CASES)
+def test_batched_engine_equals_the_one_request_reference(models, family, decode, kw, ref, ref_kw):
+    model = models[family]
+    for temperature, filt in ((0.0, {}), (1.0, {"top_k": 20}), (0.8, {"top_p": 0.9})):
+        params = [params_for(i, temperature, **filt) for i in range(len(MIXED))]
+        results = Engine(model, decoder=decode, max_batch_size=3, **kw).generate(MIXED, params)
+        for prompt, p, r in zip(MIXED, params, results):
+            assert r.token_ids == ref(model, prompt, p, **ref_kw), (prompt, temperature)
+            assert len(r.token_ids) == p.max_new_tokens and MASK not in r.token_ids
+
+
+@pytest.mark.parametrize("family,decode,kw,ref,ref_kw", [CASES[0], CASES[4], CASES[6], CASES[9], CASES[13]])
+def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, decode, kw, ref, ref_kw):
+    model = models[family]
+    free = SamplingParams(max_new_tokens=10, seed=1, ignore_eos=True)
+    ids = Engine(model, decoder=decode, **kw).generate([MIXED[0]], free)[0].token_ids
+    stop = ids[4]
+    params = SamplingParams(max_new_tokens=10, seed=1, stop_token_ids=(stop,))
+    r = Engine(model, decoder=decode, **kw).generate([MIXED[0]], params)[0]
+    assert r.token_ids == ref(model, MIXED[0], params, **ref_kw) == ids[: ids.index(stop) + 1]
+    assert r.finish_reason == "stop"
+
+
+def test_the_family_sampler_is_the_default(models):
+    """Without --sampler a LLaDA checkpoint decodes with LLaDA's sampler, Dream with Dream's (alg origin), SDAR
+    with SDAR's dynamic low-confidence strategy; dlm's own mdm models keep the confidence sampler."""
+    p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
+    cases = [("llada", "mdm", reference_llada, dict(block_length=32)),
+             ("dream", "mdm", reference_dream, {}),
+             ("sdar", "block", reference_sdar, {})]
+    for family, decode, ref, ref_kw in cases:
+        got = generate(models[family], [MIXED[0]], decode, p, method=None)[0].token_ids
+        assert got == ref(models[family], MIXED[0], p, **ref_kw), family
+    assert Engine(models["llada"], decoder="mdm", method=None).decoder.method == "llada"
+
+
+def test_sampler_option_errors():
+    for kw, words in ((dict(method="dream", cfg_scale=1.0), "--cfg-scale"), (dict(method="llada", alg="entropy"),
+                      "--alg"), (dict(alg="nope"), "--alg"), (dict(method="llada", remasking="x"), "--remasking"),
+                      (dict(cfg_scale=-1.0), "--cfg-scale"), (dict(method="dream", alg_temp=-1.0), "--alg-temp")):
+        with pytest.raises(DLMError, match=words):
+            MDMDecoder(**kw)
+    from dlm.decode.block import BlockDecoder
+
+    with pytest.raises(DLMError, match="--remasking"):
+        BlockDecoder(remasking="low_confidence")
+    from dlm.decode.mdm import llada_quotas
+
+    with pytest.raises(DLMError, match="--steps 2"):
+        llada_quotas(12, 4, 2)
+
+
+def test_generate_command_on_published_folders(tmp_path, capsys):
+    folder = write_llada(tmp_path / "llada")
+    argv = ["generate", "--model", str(folder), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens", "6",
+            "--block-length", "3", "--json", "--threads", "1"]
+    assert main(argv + ["--cfg-scale", "1.0"]) == 0
+    assert main(argv + ["--sampler", "dream", "--alg", "entropy"]) == 0
+    assert main(["generate", "--model", str(write_sdar(tmp_path / "sdar")), "--prompt", "The cat", "--decode",
+                 "block", "--max-new-tokens", "6", "--remasking", "sequential", "--threads", "1"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--sampler", "dream", "--cfg-scale", "1.0"]) == 2
+    assert "--cfg-scale" in capsys.readouterr().err

@@ -148,6 +148,12 @@ def test_truncated_drafter_is_the_targets_first_layers(tiny_model_dir, tmp_path)
         want = full.lm_head(full.model.norm(h))
         got = small2(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    small2.save_pretrained(tmp_path / "small2")  # the saved drafter holds 2 layers' weights, not the target's 4
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "small2" / "model.safetensors"), "pt") as fh:
+        layers = {k.split(".")[2] for k in fh.keys() if k.startswith("model.layers.")}
+    assert layers == {"0", "1"}
     target, vocab, spare = _target_with_spare_token(tiny_model_dir, tmp_path)
     small = truncated_drafter(target, 1, block_size=2)
     assert small.mask_token_id == spare and small.hf_config.num_hidden_layers == 1  # in the target's vocabulary

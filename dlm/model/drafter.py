@@ -155,7 +155,11 @@ def export_drafter(src, out, target=None, force: bool = False) -> dict:
 
         tv = target_vocab_size(target)
         theirs, ours = load_tokenizer(target).get_vocab(), load_tokenizer(src_folder).get_vocab()
-        differ = [t for t, i in theirs.items() if ours.get(t) != i]
+        # the ids both tokenizers have must mean the same text (a mask token one of them added past the shared
+        # vocabulary is fine: the other never produces that id)
+        common = min(len(theirs), len(ours))
+        differ = [t for t, i in theirs.items() if i < common and ours.get(t) != i] + \
+            [t for t, i in ours.items() if i < common and theirs.get(t) != i]
         if differ:
             raise DLMError(f"--target '{target}' and the drafter '{src_folder}' do not share the tokenizer "
                            f"({len(differ)} tokens differ, e.g. {differ[0]!r}): a drafter proposes the target's "
@@ -211,14 +215,23 @@ def truncate_layers(model, layers: int) -> None:
 
 
 def train_small_drafter(target, data, out, layers: int = 4, block_size: int = 2, minutes: float = 10.0,
-                        learning_rate: float = 5e-4, batch_size: int = 4, seq_length: int = 192, seed: int = 0):
+                        learning_rate: float = 1e-3, batch_size: int = 4, seq_length: int = 192, seed: int = 0,
+                        freeze_embeddings: bool = True):
     """Cut ``target`` to ``layers`` layers and train it as an I-DLM on ``data`` (chat JSONL of the target's own
-    greedy answers) for ``minutes``; return the trained folder (``out``). Every weight trains (no adapters):
-    the clean path learns the target's next token (hard labels, ``ce_alpha`` 1), the masks the later ones."""
+    greedy answers) for ``minutes``; return the trained folder (``out``). The layers and norms train (no
+    adapters; the embedding and head too unless ``freeze_embeddings``, the default, which keeps the target's
+    token vectors and makes each step cheaper): the clean path learns the target's next token (hard labels,
+    ``ce_alpha`` 1), the masks the later ones."""
     from dlm.config import load_config
     from dlm.train.loop import train
 
     dlm = truncated_drafter(target, layers, block_size)
+    if freeze_embeddings:
+        hf = dlm.base_model_hf
+        for module in (hf.get_input_embeddings(), hf.get_output_embeddings()):
+            if module is not None:
+                for p in module.parameters():
+                    p.requires_grad_(False)
     overrides = {
         "model": {"objective": "idlm", "block_size": block_size},
         "data": {"data": str(data), "seq_length": seq_length, "eval_fraction": 0.02, "seed": seed},

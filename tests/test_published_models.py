@@ -196,3 +196,56 @@ def test_export_refusals_leave_no_folder(tmp_path, capsys):
     assert main(["export", "--model", str(tmp_path / "m0"), "--format", "dream", "--output",
                  str(tmp_path / "taken")]) == 2
     assert "--force" in capsys.readouterr().err
+
+
+# -- the I-DLM release's LoRA adapter (a PEFT LoRA folder), attached as gated LoRA ------------------------------
+def _peft_adapter(model, folder, **extra):
+    """A PEFT LoRA adapter for ``model``'s base weights, written by peft itself (random A and B)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(model.hf_config)
+    base.load_state_dict(model.base_model_hf.state_dict())
+    torch.manual_seed(0)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
+                     **extra)
+    peft_model = get_peft_model(base, cfg)
+    peft_model.save_pretrained(folder)
+    return peft_model.eval()
+
+
+def test_gated_lora_adapter_acts_on_masks_only(tmp_path):
+    from dlm.decode import generate
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.families import attach_gated_adapter
+
+    model = dlm.load_model(write_idlm(tmp_path / "idlm", block_size=2))
+    peft_model = _peft_adapter(model, tmp_path / "adapter")
+    clean = logits_of(model)
+    attach_gated_adapter(model, tmp_path / "adapter")
+    assert torch.equal(logits_of(model), clean)                 # no mask: exactly the base model
+    masks = [MASK] * 6
+    with torch.no_grad():
+        want = peft_model(input_ids=torch.tensor([masks])).logits[0]
+    torch.testing.assert_close(logits_of(model, masks), want, atol=2e-5, rtol=1e-5)  # all masks: the adapter's
+    assert not torch.allclose(logits_of(model, masks), logits_of(dlm.load_model(tmp_path / "idlm"), masks))
+    p = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    assert [r.token_ids for r in generate(model, [IDS], "isd", p)] == \
+        [r.token_ids for r in generate(model, [IDS], "ar", p)]
+    model.save_pretrained(tmp_path / "saved")                    # a dlm folder with dlm_adapter.safetensors
+    back = dlm.load_model(tmp_path / "saved")
+    assert torch.equal(logits_of(back, masks), logits_of(model, masks))
+
+
+def test_adapter_folders_that_cannot_be_attached(tmp_path, capsys):
+    from dlm.model.families import attach_gated_adapter
+
+    model = dlm.load_model(write_idlm(tmp_path / "idlm"))
+    _peft_adapter(model, tmp_path / "dora", use_dora=True)
+    with pytest.raises(DLMError, match="'use_dora'"):
+        attach_gated_adapter(model, tmp_path / "dora")
+    with pytest.raises(DLMError, match="'mdm' model"):
+        attach_gated_adapter(dlm.load_model(write_llada(tmp_path / "llada")), tmp_path / "dora")
+    assert main(["generate", "--model", str(tmp_path / "dora"), "--prompt", "x", "--decode", "isd"]) == 2
+    err = capsys.readouterr().err
+    assert "adapter_config.json" in err and "attach_gated_adapter" in err

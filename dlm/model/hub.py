@@ -92,6 +92,10 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
     if name in ALIASES:
         return _materialize_alias(name)
     path = Path(name).expanduser()
+    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from dlm.model.families import adapter_folder_error
+
+        raise adapter_folder_error(path)
     if path.is_dir():
         if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file() \
                 and not (path / "tokenizer_config.json").is_file():

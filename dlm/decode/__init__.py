@@ -62,7 +62,7 @@ def check_isd_flags(decode: str, flags: dict, stride: int | None = None) -> None
 
 
 def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sample", token_budget=None,
-                    fallback: str | None = None, candidates: int | None = None, method: str | None = "confidence",
+                    fallback: str | None = None, candidates: int | None = None, method: str | None = None,
                     steps: int | None = None,
                     threshold: float | None = 0.9, block_length: int = 32, cfg_scale: float = 0.0,
                     remasking: str | None = None, alg: str | None = None, alg_temp: float | None = None) -> dict:
@@ -82,7 +82,7 @@ def decoder_options(decode: str, *, stride: int | None = None, draft: str = "sam
 
 def generate(model, prompts, decode: str = "ar", params=None, *, tokenizer=None, batch_size: int = 8,
              stride: int | None = None, draft: str = "sample", token_budget=None, fallback: str | None = None,
-             candidates: int | None = None, method: str | None = "confidence", steps: int | None = None,
+             candidates: int | None = None, method: str | None = None, steps: int | None = None,
              threshold: float | None = 0.9,
              block_length: int = 32, on_tokens=None, threads=None, progress=None, cfg_scale: float = 0.0,
              remasking: str | None = None, alg: str | None = None, alg_temp: float | None = None):

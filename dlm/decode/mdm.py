@@ -114,7 +114,7 @@ class DiffusionDecoder(Decoder):
 class MDMDecoder(DiffusionDecoder):
     name = "mdm"
 
-    def __init__(self, method: str | None = "confidence", steps: int | None = None, threshold: float | None = 0.9,
+    def __init__(self, method: str | None = None, steps: int | None = None, threshold: float | None = 0.9,
                  block_length: int = 32, cfg_scale: float = 0.0, remasking: str | None = None,
                  alg: str | None = None, alg_temp: float | None = None, eps: float = 1e-3):
         # method None: the sampler of the model's family (llada / dream), else confidence (chosen in check_model)

@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -327,3 +328,35 @@ def test_only_complete_checkpoints_count(tmp_path):
     assert resolve_resume("auto", tmp_path / "none") is None
     with pytest.raises(DLMError, match="not a complete dlm checkpoint"):
         resolve_resume(str(root / "step_00000008"), root)
+
+
+def test_callbacks_join_the_scheduled_evaluation_and_the_trainer_needs_no_eval_package(tiny, tmp_path):
+    """Evaluation during training goes through callbacks: a custom one's metrics land in eval_history.jsonl next to
+    the held-out loss at each scheduled step; the trainer module imports neither dlm.eval nor accelerate's private
+    state (a second run in one process with another precision works, as the bf16 test shows)."""
+    import subprocess
+    import sys
+
+    from dlm.train.loop import Callback, train
+
+    class Count(Callback):
+        def __init__(self):
+            self.set_up, self.steps = False, []
+
+        def setup(self, trainer):
+            self.set_up = trainer.cfg.eval.eval_every == 2  # before any model or data is loaded
+
+        def on_evaluate(self, trainer, step):
+            self.steps.append(step)
+            return {"custom/step_seen": float(trainer.step)}
+
+    cb = Count()
+    out = tmp_path / "cb"
+    train(make_cfg(tiny, out, max_train_steps=4, eval_every=2), callbacks=[cb])
+    hist = [json.loads(line) for line in (out / "eval_history.jsonl").read_text().splitlines()]
+    assert cb.set_up and cb.steps == [2, 4]
+    assert [h["metrics"]["custom/step_seen"] for h in hist] == [2.0, 4.0]
+    assert all(h["metrics"]["heldout_loss"] > 0 for h in hist)
+    code = "import sys, dlm.train.loop; print(sorted(m for m in sys.modules if m.startswith('dlm.eval')))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "[]"
+    assert "_reset_state" not in (Path(__file__).parents[1] / "dlm" / "train" / "loop.py").read_text()

@@ -1,19 +1,22 @@
 """One training loop for every objective, on accelerate (single process, DDP, FSDP, DeepSpeed).
 
-``train(cfg)`` does, in order:
+``train(cfg)`` = ``Trainer(cfg).fit()``. Setup, in order (``Trainer.__init__``):
 
-1. refuse to overwrite an existing run (unless ``train.resume`` / ``train.overwrite``);
-2. load the model (a DLM folder, or an AR model converted on the fly) in fp32 - the master weights and the AdamW
-   state stay fp32 while bf16 autocast runs the matmuls, so a learning-rate-1e-5 update is not rounded away as
-   with bf16 weights; apply LoRA / gated LoRA and gradient checkpointing;
-3. build the data (packed shards or chat JSONL), check it against the model (block size, context, vocabulary)
-   before any step;
-4. AdamW (fused where available) with warm-up then cosine/constant decay, gradient accumulation and clipping;
-5. every step: log a JSONL line (loss, parts, lr, grad norm, tokens/s), update the progress bar and W&B;
-   every ``save_every`` steps an atomic checkpoint, every ``eval_every`` steps the held-out loss (+ task
-   evaluations) appended to ``eval_history.jsonl``; stop cleanly at ``max_train_steps`` or when the
-   ``max_minutes`` budget is spent; a non-finite loss stops before the weights are touched;
-6. write the final model + tokenizer into ``output_dir``.
+1. the accelerator; refuse to overwrite an existing run (unless ``train.resume`` / ``train.overwrite``);
+2. the model (a DLM folder, or an AR model converted on the fly) in fp32 - the master weights and the AdamW state
+   stay fp32 while bf16 autocast runs the matmuls, so a learning-rate-1e-5 update is not rounded away as with
+   bf16 weights; LoRA / gated LoRA and gradient checkpointing;
+3. the data (packed shards or chat JSONL), checked against the model (block size, context, vocabulary) before any
+   step;
+4. AdamW (fused where available) with warm-up then cosine/constant/wsd decay, gradient accumulation and clipping;
+   the state of a checkpoint to resume.
+
+:meth:`Trainer.fit` runs the optimizer steps (:meth:`Trainer.train_step`): a JSONL log line (loss, parts, lr, grad
+norm, tokens/s) every ``log_every`` steps, the progress bar and W&B; an atomic checkpoint every ``save_every``
+steps (:meth:`Trainer.save`, :mod:`dlm.train.checkpoint`); every ``eval_every`` steps :meth:`Trainer.validate`:
+the held-out loss plus the callbacks' metrics (task evaluation is a callback of :mod:`dlm.eval`) appended to
+``eval_history.jsonl``; it stops at ``max_train_steps`` or when the ``max_minutes`` budget is spent (a non-finite
+loss stops before the weights are touched) and writes the final model + tokenizer into ``output_dir``.
 
 Each rank reads its own data in-process (see :mod:`dlm.train.data`); the model is the only thing handed to
 ``accelerator.prepare`` besides the optimizer. The scheduler steps once per optimizer step whatever the number of
@@ -22,6 +25,7 @@ processes (accelerate's prepared scheduler would step ``num_processes`` times).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -53,39 +57,29 @@ class TrainResult:
     last_checkpoint: Path | None = None
 
 
-class RoutedDLM(DiffusionLM):
-    """The DiffusionLM handed to objectives: attributes of the real model, forward through the distributed
-    wrapper (DDP/FSDP/DeepSpeed need their own forward for gradient synchronisation and autocast)."""
+class RoutedDLM:
+    """What the objectives are handed: the real model's attributes, its forward through the distributed wrapper
+    (DDP/FSDP/DeepSpeed need their own forward for gradient synchronisation). A plain composition: no second
+    DiffusionLM, no module of its own."""
 
     def __init__(self, dlm: DiffusionLM, wrapped: nn.Module):
-        nn.Module.__init__(self)
-        self.__dict__["_dlm"] = dlm
-        self.__dict__["_wrapped"] = wrapped
+        self.__dict__.update(_dlm=dlm, _wrapped=wrapped, training=True)
 
     def __getattr__(self, name):
         return getattr(self.__dict__["_dlm"], name)
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         return self.__dict__["_wrapped"](*args, **kwargs)
+
+    forward = __call__
 
     def train(self, mode: bool = True):
         self.__dict__["_wrapped"].train(mode)
-        self.training = mode
+        self.__dict__["training"] = mode
         return self
 
-    def parameters(self, recurse: bool = True):
-        return self.__dict__["_dlm"].parameters(recurse)
-
-    def named_parameters(self, *args, **kwargs):
-        return self.__dict__["_dlm"].named_parameters(*args, **kwargs)
-
-    @property
-    def device(self):
-        return self.__dict__["_dlm"].device
-
-    @property
-    def dtype(self):
-        return self.__dict__["_dlm"].dtype
+    def eval(self):
+        return self.train(False)
 
 
 # ----------------------------------------------------------------------------------------------- pieces
@@ -377,271 +371,357 @@ def append_eval_history(path: Path, step: int, metrics: dict) -> None:
     append_history(path, step, ckpt_mod.checkpoint_name(step), metrics)
 
 
-def task_metrics(cfg: TrainingConfig, dlm: DiffusionLM, step: int) -> dict:
-    """Scheduled task evaluation through dlm.eval.run_eval (main process, unwrapped model)."""
-    if not cfg.eval.eval_tasks:
-        return {}
-    from dlm.eval import run_eval  # checked available before training starts
+class Callback:
+    """A hook of the trainer: ``setup(trainer)`` once before the first step (fail early there), and
+    ``on_evaluate(trainer, step) -> dict`` at every scheduled evaluation on the main process, whose metrics join the
+    held-out loss in ``eval_history.jsonl``."""
 
-    was = dlm.training
-    dlm.eval()
+    def setup(self, trainer: "Trainer") -> None:
+        pass
+
+    def on_evaluate(self, trainer: "Trainer", step: int) -> dict:
+        return {}
+
+
+# The task evaluation of eval.eval_tasks is a plug-in of the evaluation package (the trainer does not import it):
+TASK_EVALUATION = "dlm.eval.callback:TaskEvaluation"
+
+
+def default_callbacks(cfg: TrainingConfig) -> list[Callback]:
+    """The callbacks a configuration asks for: the task evaluation when ``eval.eval_tasks`` is set."""
+    if not cfg.eval.eval_tasks:
+        return []
+    import importlib
+
+    module, name = TASK_EVALUATION.split(":")
     try:
-        with torch.no_grad():
-            result = run_eval(dlm, tasks=list(cfg.eval.eval_tasks), data_dir=cfg.eval.eval_data_dir,
-                              limit=cfg.eval.eval_limit, batch_size=cfg.eval.eval_batch_size)
-    finally:
-        dlm.train(was)
-    return dict(result) if isinstance(result, dict) else {"tasks": result}
+        return [getattr(importlib.import_module(module), name)()]
+    except ImportError as e:
+        raise DLMError(f"--eval-tasks needs the task evaluation of dlm.eval, which is not available here ({e}); "
+                       f"drop --eval-tasks to log the held-out loss only") from e
 
 
 # ----------------------------------------------------------------------------------------------- the loop
-def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None) -> TrainResult:
+def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None,
+          callbacks: list[Callback] | None = None) -> TrainResult:
     """Run training as configured; see the module docstring. ``objective`` / ``dlm`` may be given directly
-    (library use, tests); otherwise they come from ``cfg``."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
+    (library use, tests); otherwise they come from ``cfg``. ``callbacks``: default :func:`default_callbacks`."""
+    trainer = Trainer(cfg, objective=objective, dlm=dlm, callbacks=callbacks)
+    return trainer.fit()
 
-    from dlm.device import get_device, supports_bf16
 
-    cfg.validate()
-    t0 = time.time()
-    device = get_device()
-    mp = cfg.train.mixed_precision
-    if mp == "auto":
-        mp = "bf16" if supports_bf16(device) else "no"
-    from accelerate.state import AcceleratorState, GradientState
+class Trainer:
+    """``Trainer(cfg)`` sets up (accelerator, run folder, model, data, optimizer, resume); :meth:`fit` runs the
+    optimizer steps, with :meth:`save` and :meth:`validate` on their schedules, and writes the final model."""
 
-    # a previous train() in this process (library use, tests) leaves accelerate's singletons set up with its
-    # precision and accumulation; the process group (PartialState) is kept.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    accelerator = Accelerator(gradient_accumulation_steps=cfg.train.gradient_accumulate_every, mixed_precision=mp,
-                              cpu=device.type == "cpu")
-    rank, world = accelerator.process_index, accelerator.num_processes
-    main = accelerator.is_main_process
+    def __init__(self, cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None,
+                 callbacks: list[Callback] | None = None):
+        cfg.validate()
+        self.cfg, self.t0 = cfg, time.time()
+        self.callbacks = default_callbacks(cfg) if callbacks is None else list(callbacks)
+        self.checked_ids = False  # the first batch's token ids are checked against the vocabulary
+        self._setup_accelerator()
+        self._setup_run_folder()
+        self._setup_model(dlm, objective)
+        self.data, self.held = build_data(cfg, self.dlm, self.rank, self.world)
+        self._setup_optimizer()
+        self._resume()
+        self.log = _Log(cfg, self.main, self.step)
+        if cfg.eval.eval_every and not self.held and not self.callbacks and self.main:
+            note = ("--eval-every is set but there is nothing to evaluate: give held-out data (--eval-data for chat "
+                    "data, --data.eval_packed_prefixes for shards) or --eval-tasks")
+            print(f"dlm train: warning: {note}")
+            self.log.write({"event": "warning", "message": note})
+        self.log.write({"event": "resume" if self.resume_from else "start", "step": self.step, "time": time.time(),
+                        "checkpoint": str(self.resume_from) if self.resume_from else None, "world_size": self.world,
+                        "mixed_precision": self.mixed_precision, "device": str(self.accelerator.device)})
 
-    # -- the run folder ------------------------------------------------------------------------------------
-    resume_from = ckpt_mod.resolve_resume(cfg.train.resume, cfg.checkpoint_dir)
-    check_output_dir(cfg, resuming=cfg.train.resume is not None)
-    if cfg.wandb.project and main:
-        from dlm.errors import require
+    # -- setup ---------------------------------------------------------------------------------------------
+    def _setup_accelerator(self) -> None:
+        """bf16 autocast is the trainer's own (``torch.autocast`` around the forward, fp32 weights), so one process
+        may train several runs with different precisions; fp16 (which needs loss scaling), DeepSpeed and FSDP keep
+        it in accelerate, which fixes it per process (a launcher starts fresh ones)."""
+        import os
 
-        require("wandb", "wandb")  # fail before loading anything
-    if cfg.eval.eval_tasks:
+        from accelerate import Accelerator
+
+        from dlm.device import get_device, supports_bf16
+
+        cfg = self.cfg
+        device = get_device()
+        mp = cfg.train.mixed_precision
+        if mp == "auto":
+            mp = "bf16" if supports_bf16(device) else "no"
+        self.mixed_precision = mp
+        launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or \
+            os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        in_accelerate = mp == "fp16" or launcher_managed
+        self.autocast_dtype = torch.bfloat16 if mp == "bf16" and not in_accelerate else None
         try:
-            from dlm.eval import run_eval  # noqa: F401
-        except ImportError as e:
-            raise DLMError(f"--eval-tasks needs the task evaluation of dlm.eval, which is not available here ({e}); "
-                           f"drop --eval-tasks to log the held-out loss only") from e
-    accelerator.wait_for_everyone()
-    if main:
-        if cfg.train.overwrite and cfg.train.resume is None:
-            clear_run(cfg)
-        cfg.output_dir.mkdir(parents=True, exist_ok=True)
-        for stale in cfg.checkpoint_dir.glob(".step_*.tmp") if cfg.checkpoint_dir.is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # a crash mid-save left it; it never looked complete
-        from dlm.config import save_yaml
+            self.accelerator = Accelerator(gradient_accumulation_steps=cfg.train.gradient_accumulate_every,
+                                           mixed_precision=mp if in_accelerate else "no", cpu=device.type == "cpu")
+        except ValueError as e:  # accelerate's precision is fixed per process once set
+            raise DLMError(f"train.mixed_precision={mp}: {e}; run this training in a new process") from e
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        self.main = self.accelerator.is_main_process
 
-        save_yaml(cfg, cfg.output_dir / "run_config.yaml")
-    accelerator.wait_for_everyone()
+    def _setup_run_folder(self) -> None:
+        cfg, acc = self.cfg, self.accelerator
+        self.resume_from = ckpt_mod.resolve_resume(cfg.train.resume, cfg.checkpoint_dir)
+        check_output_dir(cfg, resuming=cfg.train.resume is not None)
+        if cfg.wandb.project and self.main:
+            from dlm.errors import require
 
-    # -- model -------------------------------------------------------------------------------------------
-    set_seed(cfg.train.seed)  # identical LoRA init on every rank
-    if dlm is None:
-        dlm = load_training_model(cfg)
-    check_data_against_model(cfg, dlm)
-    if cfg.lora.r > 0:
-        from dlm.model.lora import LoraSettings, prepare_model_for_lora
+            require("wandb", "wandb")  # fail before loading anything
+        for cb in self.callbacks:
+            cb.setup(self)
+        acc.wait_for_everyone()
+        if self.main:
+            if cfg.train.overwrite and cfg.train.resume is None:
+                clear_run(cfg)
+            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+            for stale in cfg.checkpoint_dir.glob(".step_*.tmp") if cfg.checkpoint_dir.is_dir() else []:
+                shutil.rmtree(stale, ignore_errors=True)  # a crash mid-save left it; it never looked complete
+            from dlm.config import save_yaml
 
-        lo = cfg.lora
-        dlm = prepare_model_for_lora(dlm, LoraSettings(r=lo.r, alpha=lo.alpha, dropout=lo.dropout,
-                                                       target_modules=lo.target_modules or "all-linear",
-                                                       gated=lo.gated))
-    if cfg.model.gradient_checkpointing:
-        hf = dlm.base_model_hf
-        hf.config.use_cache = False
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if objective is None:
-        objective = get_objective_for(cfg, dlm)
+            save_yaml(cfg, cfg.output_dir / "run_config.yaml")
+        acc.wait_for_everyone()
 
-    # -- data --------------------------------------------------------------------------------------------
-    data, held = build_data(cfg, dlm, rank, world)
+    def _setup_model(self, dlm: DiffusionLM | None, objective) -> None:
+        from accelerate.utils import set_seed
 
-    # -- optimizer, schedule -------------------------------------------------------------------------------
-    params = [p for p in dlm.parameters() if p.requires_grad]
-    if not params:
-        raise DLMError("the model has no trainable parameters")
-    dlm.train()
-    optimizer = build_optimizer(params, cfg, accelerator.device)
-    warm = warmup_steps(cfg)
-    # Share of a max_minutes budget spent (the main process's clock, summed across processes with the step's
-    # stats so every replica gets the same learning rate); None without a budget.
-    clock: dict[str, float | None] = {"fraction": 0.0 if cfg.train.max_minutes else None}
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule, cfg.optim.min_lr_ratio,
-                                       clock["fraction"], cfg.optim.decay_ratio))
-    ds_plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if ds_plugin is not None:  # no prepared DataLoader, so accelerate cannot infer DeepSpeed's "auto" batch fields
-        ds_conf = ds_plugin.deepspeed_config
-        if ds_conf.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-            ds_conf["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
-        if ds_conf.get("train_batch_size", "auto") == "auto":
-            ds_conf["train_batch_size"] = cfg.train.batch_size * cfg.train.gradient_accumulate_every * world
-        if ds_conf.get("gradient_clipping", "auto") == "auto":
-            ds_conf["gradient_clipping"] = cfg.optim.max_grad_norm
-    wrapped, optimizer = accelerator.prepare(dlm, optimizer)
-    accelerator.register_for_checkpointing(scheduler)
-    proxy = RoutedDLM(dlm, wrapped)
-    proxy.train(True)
-    gen = torch.Generator(device=accelerator.device)
-    gen.manual_seed(cfg.train.seed * 1_000_003 + rank)
+        cfg = self.cfg
+        set_seed(cfg.train.seed)  # identical LoRA init on every rank
+        if dlm is None:
+            dlm = load_training_model(cfg)
+        check_data_against_model(cfg, dlm)
+        if cfg.lora.r > 0:
+            from dlm.model.lora import LoraSettings, prepare_model_for_lora
 
-    step, tokens_total = 0, 0
-    prior_s = 0.0  # training seconds of the interrupted runs this one resumes (for a time-bounded schedule)
-    last_ckpt: Path | None = None
-    if resume_from is not None:
-        state, rank_state = ckpt_mod.load_checkpoint(accelerator, resume_from)
-        saved = state.get("config", {}).get("model", {})
-        for key in ("objective", "block_size"):
-            if key in saved and saved[key] is not None and saved[key] != getattr(cfg.model, key):
-                raise DLMError(f"cannot resume '{resume_from}': it was trained with model.{key} = {saved[key]!r}, "
-                               f"this run asks for {getattr(cfg.model, key)!r}")
-        step, tokens_total = int(state["step"]), int(state["tokens"])
-        prior_s = float(state.get("train_seconds", 0.0))
-        data.load_state_dict(rank_state["data"])
-        gen.set_state(rank_state["generator"])
-        last_ckpt = resume_from
-    elif cfg.train.resume == "auto" and main:
-        print(f"dlm train: no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
+            lo = cfg.lora
+            dlm = prepare_model_for_lora(dlm, LoraSettings(r=lo.r, alpha=lo.alpha, dropout=lo.dropout,
+                                                           target_modules=lo.target_modules or "all-linear",
+                                                           gated=lo.gated))
+        if cfg.model.gradient_checkpointing:
+            hf = dlm.base_model_hf
+            hf.config.use_cache = False
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.dlm = dlm
+        self.objective = objective if objective is not None else get_objective_for(cfg, dlm)
 
-    log = _Log(cfg, main, step)
-    if cfg.eval.eval_every and not held and not cfg.eval.eval_tasks and main:
-        note = ("--eval-every is set but there is nothing to evaluate: give held-out data (--eval-data for chat "
-                "data, --data.eval_packed_prefixes for shards) or --eval-tasks")
-        print(f"dlm train: warning: {note}")
-        log.write({"event": "warning", "message": note})
-    log.write({"event": "resume" if resume_from else "start", "step": step, "time": time.time(),
-               "checkpoint": str(resume_from) if resume_from else None, "world_size": world,
-               "mixed_precision": mp, "device": str(accelerator.device)})
+    def _setup_optimizer(self) -> None:
+        cfg, acc, dlm = self.cfg, self.accelerator, self.dlm
+        params = [p for p in dlm.parameters() if p.requires_grad]
+        if not params:
+            raise DLMError("the model has no trainable parameters")
+        dlm.train()
+        optimizer = build_optimizer(params, cfg, acc.device)
+        warm = warmup_steps(cfg)
+        # Share of a max_minutes budget spent (the main process's clock, summed across processes with the step's
+        # stats so every replica gets the same learning rate); None without a budget.
+        self.clock: dict[str, float | None] = {"fraction": 0.0 if cfg.train.max_minutes else None}
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule,
+                                           cfg.optim.min_lr_ratio, self.clock["fraction"], cfg.optim.decay_ratio))
+        ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
+        if ds_plugin is not None:  # no prepared DataLoader, so accelerate cannot infer DeepSpeed's "auto" fields
+            ds_conf = ds_plugin.deepspeed_config
+            if ds_conf.get("train_micro_batch_size_per_gpu", "auto") == "auto":
+                ds_conf["train_micro_batch_size_per_gpu"] = cfg.train.batch_size
+            if ds_conf.get("train_batch_size", "auto") == "auto":
+                ds_conf["train_batch_size"] = cfg.train.batch_size * cfg.train.gradient_accumulate_every * self.world
+            if ds_conf.get("gradient_clipping", "auto") == "auto":
+                ds_conf["gradient_clipping"] = cfg.optim.max_grad_norm
+        self.wrapped, self.optimizer = acc.prepare(dlm, optimizer)
+        acc.register_for_checkpointing(self.scheduler)
+        self.proxy = RoutedDLM(dlm, self.wrapped)
+        self.proxy.train(True)
+        self.gen = torch.Generator(device=acc.device)
+        self.gen.manual_seed(cfg.train.seed * 1_000_003 + self.rank)
 
-    def save(at_step: int) -> Path:
-        state = {"step": at_step, "tokens": tokens_total, "world_size": world, "time": time.time(),
-                 "train_seconds": prior_s + time.time() - t0, "config": cfg.to_dict()}
-        rank_state = {"data": data.state_dict(), "generator": gen.get_state()}
-        return ckpt_mod.save_checkpoint(accelerator, dlm, wrapped, cfg.checkpoint_dir, at_step, state, rank_state,
-                                        keep_last=cfg.train.keep_last)
+    def _resume(self) -> None:
+        cfg = self.cfg
+        self.step, self.tokens_total = 0, 0
+        self.prior_s = 0.0  # training seconds of the interrupted runs this one resumes (time-bounded schedules)
+        self.last_ckpt: Path | None = None
+        if self.resume_from is not None:
+            state, rank_state = ckpt_mod.load_checkpoint(self.accelerator, self.resume_from)
+            saved = state.get("config", {}).get("model", {})
+            for key in ("objective", "block_size"):
+                if key in saved and saved[key] is not None and saved[key] != getattr(cfg.model, key):
+                    raise DLMError(f"cannot resume '{self.resume_from}': it was trained with model.{key} = "
+                                   f"{saved[key]!r}, this run asks for {getattr(cfg.model, key)!r}")
+            self.step, self.tokens_total = int(state["step"]), int(state["tokens"])
+            self.prior_s = float(state.get("train_seconds", 0.0))
+            self.data.load_state_dict(rank_state["data"])
+            self.gen.set_state(rank_state["generator"])
+            self.last_ckpt = self.resume_from
+        elif cfg.train.resume == "auto" and self.main:
+            print(f"dlm train: no checkpoint in {cfg.checkpoint_dir}; starting from step 0")
 
-    budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
-    accum = cfg.train.gradient_accumulate_every
-    max_norm = cfg.optim.max_grad_norm
-    losses: list[float] = []
-    stopped = "max_train_steps"
-    first_batch = True
-    run_tokens, run_t0 = 0, time.perf_counter()
-    try:
-        while step < cfg.train.max_train_steps:
-            t_step = time.perf_counter()
-            loss_sum = torch.zeros((), dtype=torch.float64, device=accelerator.device)
-            ntok = 0
-            parts: dict[str, float] = {}
-            fp = None
-            grad_norm = float("nan")
-            for micro in range(accum):
-                batch = next(data)
-                if first_batch:
-                    check_token_ids(batch, dlm, cfg.data.packed_data_dir or cfg.data.data or "the data")
-                    first_batch = False
-                batch = _to_device(batch, accelerator.device)
-                if fp is None and world > 1:
-                    fp = _fingerprint(batch["input_ids"])
-                with accelerator.accumulate(wrapped):
-                    out = objective(proxy, batch, step, gen)
-                    accelerator.backward(out.loss)
-                    loss_sum += out.loss.detach().to(torch.float64)
-                    ntok += int(out.num_tokens)
-                    for k, v in (out.parts or {}).items():
-                        parts[k] = parts.get(k, 0.0) + float(v) / accum
-                    if accelerator.sync_gradients:
-                        over = budget_s is not None and main and time.time() - t0 > budget_s
-                        # A resumed run gets a fresh budget on top of the seconds already trained.
-                        frac = (prior_s + time.time() - t0) / (prior_s + budget_s) if budget_s and main else 0.0
-                        finite = bool(torch.isfinite(loss_sum))
-                        stats = torch.tensor([float(loss_sum) if finite else 0.0, ntok, 0 if finite else 1,
-                                              1 if over else 0, frac], dtype=torch.float64,
-                                             device=accelerator.device)
-                        stats = accelerator.reduce(stats, "sum")
-                        if stats[2] > 0:
-                            raise DLMError(
-                                f"non-finite loss at step {step + 1} (the weights were not updated); last good "
-                                f"checkpoint: {last_ckpt or 'none'}. Resume from it with a lower --learning-rate "
-                                f"(or check the data)")
-                        norm = accelerator.clip_grad_norm_(wrapped.parameters(), max_norm if max_norm > 0
-                                                           else float("inf"))
-                        if norm is not None:
-                            grad_norm = float(norm)
-                            if not math.isfinite(grad_norm):
-                                raise DLMError(f"non-finite gradient norm at step {step + 1} (the weights were "
-                                               f"not updated); last good checkpoint: {last_ckpt or 'none'}")
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            lr = scheduler.get_last_lr()[0]
-            if clock["fraction"] is not None:
-                clock["fraction"] = float(stats[4])
-            scheduler.step()
-            step += 1
-            loss = float(stats[0]) / (accum * world)
-            step_tokens = int(stats[1])
-            tokens_total += step_tokens
+    # -- the step loop -----------------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        """Optimizer steps until ``max_train_steps`` or the ``max_minutes`` budget; checkpoints, evaluation and
+        log lines on their schedules; then the final model. Losses, token counts and the gradient norm stay on
+        the device and are read at the log interval; each step reads one small tensor (non-finite loss or
+        gradient, budget spent), which every process must agree on before the weights move."""
+        cfg, acc = self.cfg, self.accelerator
+        budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
+        pending: list[tuple] = []  # (step, lr, stats tensor, parts, seconds, fingerprint) not read yet
+        losses: list[float] = []
+        stopped = "max_train_steps"
+        run_tokens, run_t0 = 0, time.perf_counter()
+        try:
+            while self.step < cfg.train.max_train_steps:
+                t_step = time.perf_counter()
+                stats, parts, fp = self.train_step(budget_s)
+                _, _, bad_loss, over, frac, _, bad_norm = stats.tolist()  # the one host read per step
+                if bad_loss > 0:
+                    raise DLMError(f"non-finite loss at step {self.step + 1} (the weights were not updated); last "
+                                   f"good checkpoint: {self.last_ckpt or 'none'}. Resume from it with a lower "
+                                   f"--learning-rate (or check the data)")
+                if bad_norm > 0:
+                    raise DLMError(f"non-finite gradient norm at step {self.step + 1} (the weights were not "
+                                   f"updated); last good checkpoint: {self.last_ckpt or 'none'}")
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                lr = self.scheduler.get_last_lr()[0]
+                if self.clock["fraction"] is not None:
+                    self.clock["fraction"] = frac
+                self.scheduler.step()
+                self.step += 1
+                pending.append((self.step, lr, stats, parts, time.perf_counter() - t_step, fp))
+                stop = over > 0
+                is_last = self.step == cfg.train.max_train_steps or stop
+                if self.step % cfg.train.log_every == 0 or is_last or cfg.train.save_every and (
+                        self.step % cfg.train.save_every == 0) or cfg.eval.eval_every and (
+                        self.step % cfg.eval.eval_every == 0):
+                    run_tokens = self._flush(pending, losses, run_tokens, run_t0)
+                if cfg.train.save_every and self.step % cfg.train.save_every == 0 or stop:
+                    self.last_ckpt = self.save(self.step)  # the budget ran out: a resumable checkpoint anyway
+                if cfg.eval.eval_every and self.step % cfg.eval.eval_every == 0:
+                    self.validate(self.step)
+                if stop:
+                    stopped = "max_minutes"
+                    break
+            self._flush(pending, losses, run_tokens, run_t0)
+            self._write_final(stopped)
+        except BaseException as e:
+            if isinstance(e, DLMError):
+                self.log.write({"event": "error", "step": self.step, "message": str(e), "time": time.time()})
+            raise
+        finally:
+            self.log.close()
+        acc.wait_for_everyone()
+        acc.end_training()
+        return TrainResult(output_dir=cfg.output_dir, step=self.step, stopped=stopped, losses=losses,
+                           tokens=self.tokens_total, seconds=time.time() - self.t0, last_checkpoint=self.last_ckpt)
+
+    def train_step(self, budget_s: float | None):
+        """The micro-batches of one optimizer step (forward, backward; clipping at the last). Returns the step's
+        stats as one device tensor, ``[loss sum, tokens, nonfinite loss, over budget, time share]`` summed over
+        the processes then ``[grad norm, nonfinite grad norm]``, the loss parts (device tensors) and the batch
+        fingerprint (several processes)."""
+        cfg, acc = self.cfg, self.accelerator
+        accum, max_norm, dev = cfg.train.gradient_accumulate_every, cfg.optim.max_grad_norm, acc.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=dev)
+        ntok = torch.zeros((), dtype=torch.float64, device=dev)
+        parts: dict[str, torch.Tensor] = {}
+        fp = None
+        for _ in range(accum):
+            batch = next(self.data)
+            if not self.checked_ids:
+                check_token_ids(batch, self.dlm, cfg.data.packed_data_dir or cfg.data.data or "the data")
+                self.checked_ids = True
+            batch = _to_device(batch, dev)
+            if fp is None and self.world > 1:
+                fp = _fingerprint(batch["input_ids"])
+            with acc.accumulate(self.wrapped):
+                with self.autocast():
+                    out = self.objective(self.proxy, batch, self.step, self.gen)
+                acc.backward(out.loss)
+                loss_sum += out.loss.detach().to(torch.float64)
+                ntok += torch.as_tensor(out.num_tokens, dtype=torch.float64).to(dev)
+                for k, v in (out.parts or {}).items():
+                    v = torch.as_tensor(v).detach().to(dev, torch.float64) / accum
+                    parts[k] = parts[k] + v if k in parts else v
+        # the last micro-batch synchronised the gradients
+        norm = acc.clip_grad_norm_(self.wrapped.parameters(), max_norm if max_norm > 0 else float("inf"))
+        zero = torch.zeros((), dtype=torch.float64, device=dev)
+        norm_t = zero + float("nan") if norm is None else torch.as_tensor(norm).detach().to(dev, torch.float64)
+        bad_norm = zero if norm is None else (~torch.isfinite(norm_t)).to(torch.float64)
+        over = budget_s is not None and self.main and time.time() - self.t0 > budget_s
+        # A resumed run gets a fresh budget on top of the seconds already trained.
+        frac = (self.prior_s + time.time() - self.t0) / (self.prior_s + budget_s) if budget_s and self.main else 0.0
+        finite = torch.isfinite(loss_sum)
+        stats = torch.stack([torch.where(finite, loss_sum, zero), ntok, (~finite).to(torch.float64),
+                             zero + (1.0 if over else 0.0), zero + frac])
+        stats = acc.reduce(stats, "sum")
+        return torch.cat([stats, norm_t.view(1), bad_norm.view(1)]), parts, fp
+
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.accelerator.device.type, dtype=self.autocast_dtype)
+
+    def _flush(self, pending: list, losses: list[float], run_tokens: int, run_t0: float) -> int:
+        """Read the pending steps' stats (the log interval's one transfer) into the loss list, the token count and
+        the log lines; returns the run's token count."""
+        cfg = self.cfg
+        accum = cfg.train.gradient_accumulate_every
+        for step, lr, stats, parts, seconds, fp in pending:
+            loss_sum, ntok, _, _, _, norm, _ = stats.tolist()
+            loss = loss_sum / (accum * self.world)
+            step_tokens = int(ntok)
+            self.tokens_total += step_tokens
             run_tokens += step_tokens
             losses.append(loss)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_train_steps:
-                dt = time.perf_counter() - t_step
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens_total,
-                          "tokens_per_s": step_tokens / max(dt, 1e-9),
+                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": self.tokens_total,
+                          "tokens_per_s": step_tokens / max(seconds, 1e-9),
                           "avg_tokens_per_s": run_tokens / max(time.perf_counter() - run_t0, 1e-9),
-                          "elapsed_s": time.time() - t0, "parts": parts}
-                if world > 1:
-                    record["data_fingerprint"] = accelerator.gather(
-                        torch.tensor([fp], device=accelerator.device)).tolist()
-                log.step(record)
-            stop = stats[3] > 0
-            is_last = step == cfg.train.max_train_steps or stop
-            if cfg.train.save_every and (step % cfg.train.save_every == 0 or (is_last and stop)):
-                last_ckpt = save(step)
-            elif stop:  # the budget ran out: keep a resumable checkpoint even without --save-every
-                last_ckpt = save(step)
-            if cfg.eval.eval_every and step % cfg.eval.eval_every == 0:
-                metrics = heldout_loss(accelerator, proxy, objective, held, step, cfg.data.seed + 7919) if held \
-                    else {}
-                if main:
-                    metrics.update(task_metrics(cfg, dlm, step))
-                    if metrics:
-                        append_eval_history(cfg.eval_history_path, step, metrics)
-                        log.write({"event": "eval", "step": step, "metrics": metrics})
-                        log.eval(step, metrics)
-                accelerator.wait_for_everyone()
-            if stop:
-                stopped = "max_minutes"
-                break
+                          "elapsed_s": time.time() - self.t0, "parts": {k: float(v) for k, v in parts.items()}}
+                if self.world > 1:
+                    record["data_fingerprint"] = self.accelerator.gather(
+                        torch.tensor([fp], device=self.accelerator.device)).tolist()
+                self.log.step(record)
+        pending.clear()
+        return run_tokens
 
-        # -- final model ---------------------------------------------------------------------------------
+    # -- checkpoints, evaluation, the final model ----------------------------------------------------------------
+    def save(self, at_step: int) -> Path:
+        """An atomic, resumable checkpoint (:mod:`dlm.train.checkpoint`)."""
+        state = {"step": at_step, "tokens": self.tokens_total, "world_size": self.world, "time": time.time(),
+                 "train_seconds": self.prior_s + time.time() - self.t0, "config": self.cfg.to_dict()}
+        rank_state = {"data": self.data.state_dict(), "generator": self.gen.get_state()}
+        return ckpt_mod.save_checkpoint(self.accelerator, self.dlm, self.wrapped, self.cfg.checkpoint_dir, at_step,
+                                        state, rank_state, keep_last=self.cfg.train.keep_last)
+
+    def validate(self, step: int) -> dict:
+        """The held-out loss (every process), then the callbacks' metrics (main process), into
+        ``eval_history.jsonl``, the log and W&B."""
+        cfg = self.cfg
+        metrics = heldout_loss(self.accelerator, self.proxy, self.objective, self.held, step,
+                               cfg.data.seed + 7919) if self.held else {}
+        if self.main:
+            for cb in self.callbacks:
+                metrics.update(cb.on_evaluate(self, step))
+            if metrics:
+                append_eval_history(cfg.eval_history_path, step, metrics)
+                self.log.write({"event": "eval", "step": step, "metrics": metrics})
+                self.log.eval(step, metrics)
+        self.accelerator.wait_for_everyone()
+        return metrics
+
+    def _write_final(self, stopped: str) -> None:
+        cfg, acc = self.cfg, self.accelerator
         staging = cfg.output_dir / ".final_model.tmp"
-        ckpt_mod.export_model(accelerator, dlm, wrapped, staging)
-        accelerator.wait_for_everyone()
-        if main:
+        ckpt_mod.export_model(acc, self.dlm, self.wrapped, staging)
+        acc.wait_for_everyone()
+        if self.main:
             ckpt_mod.publish_final(staging, cfg.output_dir)
-        checksum = torch.tensor([sum(float(p.detach().double().sum()) for p in dlm.parameters())],
-                                dtype=torch.float64, device=accelerator.device)
-        checksums = accelerator.gather(checksum).tolist() if world > 1 else [float(checksum)]
-        log.write({"event": "end", "step": step, "stopped": stopped, "time": time.time(), "tokens": tokens_total,
-                   "param_checksum": checksums})
-    except BaseException as e:
-        if isinstance(e, DLMError):
-            log.write({"event": "error", "step": step, "message": str(e), "time": time.time()})
-        raise
-    finally:
-        log.close()
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return TrainResult(output_dir=cfg.output_dir, step=step, stopped=stopped, losses=losses, tokens=tokens_total,
-                       seconds=time.time() - t0, last_checkpoint=last_ckpt)
+        checksum = torch.tensor([sum(float(p.detach().double().sum()) for p in self.dlm.parameters())],
+                                dtype=torch.float64, device=acc.device)
+        checksums = acc.gather(checksum).tolist() if self.world > 1 else [float(checksum)]
+        self.log.write({"event": "end", "step": self.step, "stopped": stopped, "time": time.time(),
+                        "tokens": self.tokens_total, "param_checksum": checksums})

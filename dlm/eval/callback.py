@@ -1,0 +1,27 @@
+"""Scheduled task evaluation during training: a trainer callback (:class:`dlm.train.loop.Callback`) that runs
+:func:`dlm.eval.run_eval` on ``eval.eval_tasks`` at every ``eval.eval_every`` steps (main process, the unwrapped
+model, no gradients). ``dlm train`` adds it when ``--eval-tasks`` is given; the trainer itself does not import
+the evaluation package."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TaskEvaluation:
+    def setup(self, trainer) -> None:
+        from dlm.eval import run_eval  # noqa: F401 - fail before the first step where evaluation cannot run
+
+    def on_evaluate(self, trainer, step: int) -> dict:
+        from dlm.eval import run_eval
+
+        cfg, dlm = trainer.cfg, trainer.dlm
+        was = dlm.training
+        dlm.eval()
+        try:
+            with torch.no_grad():
+                result = run_eval(dlm, tasks=list(cfg.eval.eval_tasks), data_dir=cfg.eval.eval_data_dir,
+                                  limit=cfg.eval.eval_limit, batch_size=cfg.eval.eval_batch_size)
+        finally:
+            dlm.train(was)
+        return dict(result) if isinstance(result, dict) else {"tasks": result}

@@ -354,8 +354,9 @@ def load_published(folder: str | Path, dtype=None, device=None, block_size: int 
 
 # -- the family's attention for a forward without a 4-D mask -----------------------------------------------
 def default_attention(config, kwargs: dict[str, Any], input_ids: torch.Tensor | None) -> dict[str, Any]:
-    """``kwargs`` of a forward with the family's 4-D attention mask (and Dream's position ids under padding) added
-    when the caller gave none (no mask or a 2-D padding mask, and no cache with content)."""
+    """``kwargs`` of a forward with the family's 4-D attention mask added when the caller gave none (no mask or a
+    2-D padding mask, and no cache with content). Positions 0..L-1 (with rotary embeddings only relative positions
+    matter, so the offset a padded row's tokens get changes nothing)."""
     kind = getattr(config, "dlm_attention", None)
     mask = kwargs.get("attention_mask")
     if kind not in ("bidirectional", "block") or input_ids is None or (mask is not None and mask.dim() != 2):
@@ -367,9 +368,6 @@ def default_attention(config, kwargs: dict[str, Any], input_ids: torch.Tensor | 
     dev = input_ids.device
     valid = torch.ones(b, n, dtype=torch.bool, device=dev) if mask is None else mask.to(dev).bool()
     pos = kwargs.get("position_ids")
-    if pos is None and mask is not None and getattr(config, "dlm_family", None) == "dream":
-        # Dream numbers the tokens of a padded row from 0 (pads get 1, as its sampler does)
-        pos = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
     if pos is None:
         pos = torch.arange(n, device=dev)[None].expand(b, n)
     allowed = valid[:, None, None, :].expand(b, 1, n, n)

@@ -101,9 +101,9 @@ def main(argv=None) -> int:
     strides = [int(s) for s in args.strides.split(",") if s]
     if args.data == "heldout":  # the chat distribution the quickstart's checkpoints are trained for
         from dlm.data.distill import builtin_instructions
-        from dlm.quickstart import _chat_prompt_ids
+        from dlm.data.distill import chat_prompt_ids
 
-        prompts = [_chat_prompt_ids(tok, x)[-args.prompt_tokens:]
+        prompts = [chat_prompt_ids(tok, x)[-args.prompt_tokens:]
                    for x in builtin_instructions("heldout", n=max(batch_sizes) * args.groups)]
     else:
         texts = read_prompts(Path(args.data), max(batch_sizes) * args.groups)

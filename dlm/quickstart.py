@@ -109,15 +109,9 @@ def check_disk(path: Path, min_free_gb: float) -> None:
                        f"(model cache, checkpoints): free some space or pass --output on a larger disk")
 
 
-def _chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
-    text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
-                                         add_generation_prompt=True)
-    return tokenizer(text, add_special_tokens=False).input_ids
-
-
 # -- stage 2: data ---------------------------------------------------------------------------------------------
 def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
-    from dlm.data.distill import builtin_instructions, self_distill
+    from dlm.data.distill import builtin_instructions, chat_prompt_ids, self_distill
 
     if cfg.data:
         path = Path(cfg.data)
@@ -148,7 +142,7 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
 
     def generate(batch: list[str]) -> list[str]:
         with torch.inference_mode():
-            results = engine.generate([_chat_prompt_ids(tokenizer, x) for x in batch], params)
+            results = engine.generate([chat_prompt_ids(tokenizer, x) for x in batch], params)
         return [tokenizer.decode(r.token_ids, skip_special_tokens=True).strip() for r in results]
 
     instructions = builtin_instructions("train", n=cfg.num_instructions, seed=cfg.seed)
@@ -243,7 +237,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     slow minutes and another its fast ones (measured here: ISD 1.10x `dlm ar` in sequence, 1.30x interleaved)."""
     import torch
 
-    from dlm.data.distill import builtin_instructions
+    from dlm.data.distill import builtin_instructions, chat_prompt_ids
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.device import get_device
@@ -253,7 +247,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     device = get_device()  # where training ran: a GPU, where there is one
     tokenizer = load_tokenizer(cfg.model)
     base = load_model(cfg.model, device=device)
-    prompts = [_chat_prompt_ids(tokenizer, x) for x in builtin_instructions("heldout", n=cfg.eval_prompts)]
+    prompts = [chat_prompt_ids(tokenizer, x) for x in builtin_instructions("heldout", n=cfg.eval_prompts)]
     eos = tokenizer.eos_token_id
     dlm = AutoDLMForCausalLM.from_pretrained(model_dir, device=device) if model_dir else \
         convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1).to(device)

@@ -74,6 +74,14 @@ def chat_record(instruction: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": instruction}, {"role": "assistant", "content": answer}]}
 
 
+def chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
+    """The token ids of ``instruction`` as one user turn in the tokenizer's chat template, ready for the
+    assistant's answer (how self-distillation and the quickstart's measurements prompt the model)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
 def self_distill(generate_fn: Callable[[list[str]], list[str]], instructions: Iterable[str], out_path: str | os.PathLike,
                  batch_size: int = 16, progress: bool = True) -> Path:
     """Write ``out_path`` (chat JSONL) with ``generate_fn``'s answers to ``instructions``, in batches.

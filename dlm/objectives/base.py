@@ -15,6 +15,7 @@ never crosses documents and positions restart at 0 in every document); optional 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -89,6 +90,14 @@ class Objective:
         raise NotImplementedError
 
     # -- checks shared by the objectives ----------------------------------------------------------------------
+    def start(self, model, batch: dict, unmasked_ok: bool = False):
+        """Every objective's first lines: ``(batch on the model's device, its build start time, whether the model
+        takes custom masks)``, after :meth:`check_model`."""
+        t_build = time.perf_counter()
+        b = prepare_batch(batch, model.device)
+        maskable = self.check_model(model, b.shape[1], unmasked_ok=unmasked_ok)
+        return b, t_build, maskable
+
     def check_model(self, model, L: int, unmasked_ok: bool = False) -> bool:
         """Validate model vs objective; returns whether the model takes custom masks (``unmasked_ok``: the
         caller can run without one, i.e. full attention through ``is_causal=False``)."""

@@ -16,7 +16,7 @@ import torch
 from dlm.objectives.configs import BlockConfig
 from dlm.model import masks
 from dlm.objectives import schedules
-from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, zero_loss
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, token_ce, zero_loss
 from dlm.objectives.mdm import score_positions, weighted_loss
 
 
@@ -33,10 +33,8 @@ class BlockObjective(Objective):
 
     def __call__(self, model, batch, step: int = 0, generator=None) -> ObjectiveOutput:
         c = self.config
-        t_build = time.perf_counter()
-        b = prepare_batch(batch, model.device)
+        b, t_build, _ = self.start(model, batch)
         B, L = b.shape
-        self.check_model(model, L)
         bs = self.resolve_block_size(model, c.block_size)
         shift = self.resolve_shift(model, c.shift)
         trainable = b.labels != IGNORE

@@ -41,7 +41,7 @@ from dlm.objectives.configs import IDLMConfig
 from dlm.model import masks
 from dlm.model.convert import cache_kw
 from dlm.model.lora import get_gated
-from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, upcast, zero_loss
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, upcast, zero_loss
 
 
 def build_noisy(input_ids: torch.Tensor, targets: torch.Tensor, mask_token_id: int):
@@ -63,10 +63,8 @@ class IDLMObjective(Objective):
 
     def __call__(self, model, batch, step: int = 0, generator=None) -> ObjectiveOutput:
         c = self.config
-        t_build = time.perf_counter()
-        b = prepare_batch(batch, model.device)
+        b, t_build, _ = self.start(model, batch)
         B, L = b.shape
-        self.check_model(model, L)
         if not model.shift:
             raise DLMError("objective 'idlm' needs a shifted checkpoint (config.json shift: true); re-convert "
                            "with `dlm convert --objective idlm`")

@@ -21,7 +21,7 @@ from dlm.errors import DLMError
 from dlm.objectives.configs import MDMConfig
 from dlm.model import masks
 from dlm.objectives import schedules
-from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, prepare_batch, token_ce, zero_loss
+from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, token_ce, zero_loss
 
 
 def weighted_loss(ce: torch.Tensor, weight: torch.Tensor, n_masked: int, n_all: int, normalize: str):
@@ -47,10 +47,8 @@ class MDMObjective(Objective):
 
     def __call__(self, model, batch, step: int = 0, generator=None) -> ObjectiveOutput:
         c = self.config
-        t_build = time.perf_counter()
-        b = prepare_batch(batch, model.device)
+        b, t_build, maskable = self.start(model, batch, unmasked_ok=c.attention == "full")
         B, L = b.shape
-        maskable = self.check_model(model, L, unmasked_ok=c.attention == "full")
         if not maskable and (b.doc_ids is not None or b.key_valid is not None):
             attn_impl = getattr(model.hf_config, "_attn_implementation", None)
             raise DLMError(f"attention implementation '{attn_impl}' cannot take a custom mask, so packed rows "

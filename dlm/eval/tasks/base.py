@@ -212,3 +212,22 @@ def read_labeled(path: str | Path, task: str, fits: Callable[[Path], bool], expe
         raise DLMError(f"{task}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
                        f"records; use the labels file of the same split")
     return data, labels_path, records, labels
+
+
+def load_labeled_mc(path: str | Path, task: str, fields: tuple[str, ...], expected: str, labels_file: str,
+                    n_choices: int, make: Callable[[dict], tuple[str, list[str]]],
+                    one_based: bool = False) -> list[MCExample]:
+    """A multiple-choice task of JSONL records with ``fields`` and gold answers in a ``label`` field or a labels
+    file (:func:`read_labeled`); ``make(record) -> (context, choices)`` is the task's prompt."""
+    def fits(p: Path) -> bool:
+        return has_fields(read_records(p), *fields)
+
+    data, labels_path, records, labels = read_labeled(path, task, fits, expected, labels_file)
+    out = []
+    for i, r in enumerate(records):
+        gold = labels[i] if labels is not None else r["label"]
+        context, choices = make(r)
+        out.append(MCExample(context=context, choices=choices, id=str(r.get("id", i)),
+                             label=parse_label(gold, n_choices, f"{task} '{labels_path or data}' item {i + 1}",
+                                               one_based=one_based)))
+    return check_nonempty(out, task, data)

@@ -5,9 +5,7 @@ Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {goal}\
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from dlm.eval.tasks.base import MCExample, check_nonempty, has_fields, parse_label, read_labeled, read_records
+from dlm.eval.tasks.base import MCExample, load_labeled_mc
 
 NAME = "piqa"
 KIND = "mc"
@@ -15,22 +13,6 @@ SUBDIR = "piqa"
 EXPECTED = "JSONL records with fields goal, sol1, sol2 (+ optional 'label') and a labels file with 0/1 per line"
 
 
-def _fits(path: Path) -> bool:
-    return has_fields(read_records(path), "goal", "sol1", "sol2")
-
-
 def load(path) -> list[MCExample]:
-    data, labels_path, records, labels = read_labeled(path, NAME, _fits, EXPECTED, "valid-labels.lst")
-    out = []
-    for i, r in enumerate(records):
-        gold = labels[i] if labels is not None else r["label"]
-        out.append(MCExample(
-            context=f"Question: {r['goal']}\nAnswer: ",
-            choices=[" " + r["sol1"], " " + r["sol2"]],
-            label=parse_label(gold, 2, f"{NAME} '{labels_path or data}' item {i + 1}"),
-            id=str(r.get("id", i)),
-        ))
-    return check_nonempty(out, NAME, data)
-
-
-
+    return load_labeled_mc(path, NAME, ("goal", "sol1", "sol2"), EXPECTED, "valid-labels.lst", 2,
+                           lambda r: (f"Question: {r['goal']}\nAnswer: ", [" " + r["sol1"], " " + r["sol2"]]))

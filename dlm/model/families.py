@@ -183,7 +183,7 @@ def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -
     value = block_size if block_size is not None else fields.get(key)
     if value is None:
         raise DLMError(f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "
-                       f"\"block_size\": 4 (the model's block length) to it, or pass block_size= to load_model, or "
+                       f"\"block_size\": 4 (the model's block length) to it, or "
                        f"write a dlm folder with: dlm convert --model {path.parent} --objective "
                        f"{OBJECTIVE[family]} --block-size 4 --output DIR")
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

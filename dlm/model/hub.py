@@ -101,6 +101,10 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
                 and not (path / "tokenizer_config.json").is_file():
             raise DLMError(f"'{path}' is a folder but holds no config.json or tokenizer files of a "
                            f"Hugging Face model/tokenizer")
+        if (path / "config.json").is_file():  # a damaged config is an error naming it, wherever it is read
+            from dlm.fsutil import read_json_file
+
+            read_json_file(path / "config.json", "model folder")
         return path
     raise DLMError(
         f"unknown model or tokenizer '{name}': not a local Hugging Face folder and not an alias "

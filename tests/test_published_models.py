@@ -139,6 +139,15 @@ def test_missing_block_size_through_the_commands(tmp_path, capsys):
     assert main(["convert", "--model", str(folder), "--objective", "mdm", "--output", str(tmp_path / "x")]) == 2
 
 
+def test_block_size_given_by_a_flag_fills_in_only(tmp_path):
+    from dlm.model.convert import load_any
+
+    hub = write_sdar(tmp_path / "hub", block_size=None, mask_token_id=MASK)
+    assert load_any(hub, objective="block", block_size=8).block_size == 8     # e.g. dlm train --block-size 8
+    with pytest.raises(DLMError, match="'block_size' 4, but block size 8"):
+        load_any(write_sdar(tmp_path / "b4"), block_size=8)
+
+
 # -- export ---------------------------------------------------------------------------------------------------
 def _own(arch, objective, shift, block_size=None):
     from dlm.testing import make_model, make_tokenizer

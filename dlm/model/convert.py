@@ -255,7 +255,12 @@ def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtyp
     from dlm.model.families import family_of
 
     if "dlm_objective" in fields or family_of(fields) is not None:
-        dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
+        if family_of(fields) is not None:  # a published folder: a block_size where its config lacks one
+            from dlm.model.families import load_published
+
+            dlm = load_published(folder, dtype=dtype, device=device, block_size=convert_kw.get("block_size"))
+        else:
+            dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
         if objective is not None and objective != dlm.objective:
             raise DLMError(f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}'")
         return dlm

@@ -180,6 +180,9 @@ def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -
     if family in ("llada", "dream"):
         return None
     key = "bd_size" if family == "fast_dllm_v2" and "bd_size" in fields else "block_size"
+    if block_size is not None and fields.get(key) is not None and block_size != fields[key]:
+        raise DLMError(f"'{path}' says '{key}' {fields[key]}, but block size {block_size} was asked (--block-size); "
+                       f"drop --block-size (a published model decodes with the block size it was trained with)")
     value = block_size if block_size is not None else fields.get(key)
     if value is None:
         raise DLMError(f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "

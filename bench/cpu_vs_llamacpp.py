@@ -98,13 +98,13 @@ def main(argv=None) -> int:
     from dlm.decode import cpu
     from dlm.decode.engine import Engine
     from dlm.model.convert import load_any
-    from dlm.model.hub import ALIASES, _gguf_location
+    from dlm.model.hub import ALIASES, gguf_location
 
     dlm = load_any(args.model, "idlm")
     tok, hf = dlm.tokenizer, dlm.model
     gguf = None
     if args.model in ALIASES:
-        folder, name = _gguf_location(args.model)
+        folder, name = gguf_location(args.model)
         gguf = folder / name
     try:
         import llama_cpp

@@ -46,7 +46,9 @@ def _file_lock(path: Path):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def _gguf_location(alias: str) -> tuple[Path, str]:
+def gguf_location(alias: str) -> tuple[Path, str]:
+    """The folder and file name of an alias's GGUF file (inside its PyPI package); DLMError with the install hint
+    when the package is missing."""
     package, filename, hint = ALIASES[alias]
     spec = importlib.util.find_spec(package)
     if spec is None or spec.origin is None:
@@ -64,7 +66,7 @@ def _materialize_alias(alias: str) -> Path:
     target = dlm_home() / "models" / alias
     if (target / "config.json").is_file():
         return target
-    folder, filename = _gguf_location(alias)
+    folder, filename = gguf_location(alias)
     with _file_lock(dlm_home() / "models" / f".{alias}.lock"):
         if (target / "config.json").is_file():  # another process finished it while we waited
             return target

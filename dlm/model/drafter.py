@@ -10,8 +10,9 @@ it was trained. The target verifies the drafts, so the served output is the targ
 
 - gated-LoRA adapters (which act at mask positions only) are merged into the weights and the trained mask
   embedding written into the mask token's input row (a tied head gets its own copy, so the head rows stay the
-  model's): the drafter then runs the adapters at every position, so its context is read by slightly different
-  weights than in training (plain/merged checkpoints have no such gap);
+  model's): the drafter then runs the adapters at every position, so its context and first draft come from
+  weights it was not trained with - exact output still, but far fewer accepted drafts (docs/vllm.md); plain or
+  merged-adapter checkpoints and small full drafters have no such gap;
 - the vocabulary is made the target's: a mask token added by ``dlm convert`` (the row past the target's last
   token) moves to a special token of the target's tokenizer that chat text does not use (``<empty_output>`` for
   SmolLM2) and the extra rows are dropped, so vLLM accepts the pair without a heterogeneous-vocabulary mapping;

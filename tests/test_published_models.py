@@ -186,7 +186,7 @@ def test_a_published_folder_exports_back_to_its_own_files(tmp_path):
         assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
         fa = json.loads((src / "config.json").read_text())
         fb = json.loads((tmp_path / f"{family}-out/config.json").read_text())
-        for key in ("model_type", "architectures", "mask_token_id", "vocab_size"):
+        for key in ("model_type", "architectures", "mask_token_id", "vocab_size", "rope_theta", "block_size"):
             assert fa.get(key) == fb.get(key), key
 
 

@@ -59,6 +59,12 @@ def _hf_fields(config) -> dict:
                 "dlm_family", "dlm_attention", "dlm_gated_lora", "_name_or_path", "transformers_version",
                 "auto_map", "dtype", "torch_dtype"):
         fields.pop(key, None)
+    rope = fields.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        # the older field names too: the families' own code (pinned to earlier transformers) reads these
+        fields["rope_theta"] = rope["rope_theta"]
+        extra = {k: v for k, v in rope.items() if k != "rope_theta"}
+        fields["rope_scaling"] = None if extra.get("rope_type", "default") == "default" else extra
     return fields
 
 

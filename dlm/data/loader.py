@@ -15,7 +15,9 @@
   ``chunk_size // block_size`` blocks per file (blocks never cross files; a tail shorter than a block is skipped)
   and the block order within the window is shuffled with a seeded RNG (``seed, e, c, window``).
 - **Validation.** Every file's header (magic, version, dtype, chunk size) and size is checked when the dataset is
-  built, naming the file; ``chunk_size >= block_size`` is required.
+  built, naming the file; ``chunk_size >= block_size`` is required. A file that ``manifest.json`` beside it lists
+  is checked against the manifest's sha256 the first time a process opens it (``verify=True``), so a bit flipped
+  on disk is an error naming the file, never silently different tokens.
 - **Exact resume.** Everything above is a pure function of (seed, epoch, consumer), so the state is just the number
   of blocks each consumer has yielded: :meth:`PackedDataset.state_dict` / :meth:`load_state_dict`; after loading,
   iteration yields exactly what the uninterrupted iterator would have yielded next. The counts are tracked in the
@@ -69,7 +71,8 @@ class PackedDataset(IterableDataset):
     """Blocks of ``block_size`` tokens (int64 tensors) from LITPKDS shard files; see the module docstring."""
 
     def __init__(self, filenames: Sequence[str | os.PathLike], block_size: int, n_chunks: int = 8, seed: int = 12345,
-                 shuffle: bool = True, wrap: bool = False, rank: int | None = None, world_size: int | None = None):
+                 shuffle: bool = True, wrap: bool = False, rank: int | None = None, world_size: int | None = None,
+                 verify: bool = True):
         super().__init__()
         self.files = sorted(str(f) for f in filenames)
         if not self.files:
@@ -86,6 +89,9 @@ class PackedDataset(IterableDataset):
                                f"{self.block_size}; re-run dlm prepare with a larger --chunk-size or use a smaller "
                                f"block size")
         self.n_blocks = np.array([h.chunk_size // self.block_size for h in self.headers], dtype=np.int64)
+        self.verify = verify
+        self._expected_sha = _manifest_hashes(self.files) if verify else {}
+        self._verified: set[int] = set()
         self._start: dict[int, int] = {}
         self._consumed: dict[int, int] = {}
         self._num_consumers: int | None = None
@@ -142,6 +148,8 @@ class PackedDataset(IterableDataset):
                 if skip >= total:
                     skip -= total
                     continue
+                for f in window.tolist():
+                    self._check_hash(f)
                 fidx, bidx = self._window_order(epoch, cid, w, window)
                 maps = {int(f): np.memmap(self.files[f], dtype=self.headers[f].dtype, mode="r", offset=HDR_SIZE,
                                           shape=(self.headers[f].chunk_size,)) for f in window}
@@ -154,6 +162,19 @@ class PackedDataset(IterableDataset):
             epoch += 1
             if not self.wrap:
                 return
+
+    def _check_hash(self, f: int) -> None:
+        """The first time this process opens file ``f``: its sha256 against the manifest's (when it lists it)."""
+        if f in self._verified or f not in self._expected_sha:
+            return
+        from dlm.data.shards import sha256_file
+
+        expected, manifest = self._expected_sha[f]
+        if sha256_file(self.files[f]) != expected:
+            raise DLMError(f"shard '{self.files[f]}' is corrupt: its sha256 differs from the one in '{manifest}' "
+                           f"(changed or damaged on disk since dlm prepare wrote it); re-run dlm prepare "
+                           f"--overwrite for its prefix, or restore the file")
+        self._verified.add(f)
 
     # ---------------------------------------------------------------------------------------- state
     def _fingerprint(self) -> str:
@@ -257,6 +278,29 @@ class CombinedDataset(IterableDataset):
         self._draws = dict(self._start)
         for d, s in zip(self.datasets, state["datasets"]):
             d.load_state_dict(s)
+
+
+def _manifest_hashes(files: list[str]) -> dict[int, tuple[str, str]]:
+    """{file index: (sha256, manifest path)} for the files a ``manifest.json`` beside them lists (dlm prepare's;
+    shards from elsewhere have none and are read unverified)."""
+    from dlm.data.shards import MANIFEST_NAME, read_manifest
+
+    by_folder: dict[str, dict[str, str]] = {}
+    out = {}
+    for i, f in enumerate(files):
+        folder = os.path.dirname(os.path.abspath(f))
+        if folder not in by_folder:
+            table = {}
+            if os.path.isfile(os.path.join(folder, MANIFEST_NAME)):
+                for entry in read_manifest(folder)["prefixes"].values():
+                    for sh in entry.get("shards", []) if isinstance(entry, dict) else []:
+                        if isinstance(sh, dict) and isinstance(sh.get("sha256"), str):
+                            table[str(sh.get("file"))] = sh["sha256"]
+            by_folder[folder] = table
+        digest = by_folder[folder].get(os.path.basename(f))
+        if digest is not None:
+            out[i] = (digest, os.path.join(folder, MANIFEST_NAME))
+    return out
 
 
 def find_shards(data_dir: str | os.PathLike, prefix: str) -> list[str]:

@@ -42,9 +42,10 @@ from pathlib import Path
 import numpy as np
 
 from dlm.data.shards import (
-    MANIFEST_NAME, ShardWriter, atomic_write_text, choose_dtype, read_manifest, update_manifest,
+    MANIFEST_NAME, RESUME_FIX, ShardWriter, atomic_write_text, choose_dtype, read_manifest, update_manifest,
 )
 from dlm.errors import DLMError
+from dlm.fsutil import DiskFullError, disk_full_as_error
 
 DEFAULT_CHUNK_SIZE = 2049 * 1024
 TEXT_COLUMNS = ("text", "content", "body")
@@ -380,22 +381,33 @@ def _state_dir(dest: Path, prefix: str) -> Path:
 def _save_state(path: Path, state: dict, pending: np.ndarray) -> None:
     blob = json.dumps(state).encode()
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)))
-        fh.write(blob)
-        fh.write(pending.tobytes())
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with disk_full_as_error(path, RESUME_FIX):
+            with open(tmp, "wb") as fh:
+                fh.write(struct.pack("<Q", len(blob)))
+                fh.write(blob)
+                fh.write(pending.tobytes())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def _load_state(path: Path, dtype) -> tuple[dict, np.ndarray] | None:
     if not path.is_file():
         return None
     raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    state = json.loads(raw[8: 8 + n])
-    pending = np.frombuffer(raw[8 + n:], dtype=dtype).copy()
+    try:
+        (n,) = struct.unpack("<Q", raw[:8])
+        state = json.loads(raw[8: 8 + n])
+        pending = np.frombuffer(raw[8 + n:], dtype=dtype).copy()
+        if not isinstance(state, dict) or not {"files_done", "counter", "shards", "sources"} <= set(state):
+            raise ValueError("not a prepare checkpoint")
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise DLMError(f"the resume checkpoint '{path}' of an interrupted dlm prepare is damaged ({e}); delete "
+                       f"the folder '{path.parent}' and its prefix's shards, or rerun with --overwrite") from e
     return state, pending
 
 
@@ -539,6 +551,8 @@ def _worker_main(job: _Job, queue) -> None:
     try:
         _run_job(job, lambda *m: queue.put((job.proc, *m)))
         queue.put((job.proc, "done"))
+    except DiskFullError as e:
+        queue.put((job.proc, "diskfull", str(e)))
     except DLMError as e:
         queue.put((job.proc, "error", str(e)))
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
@@ -696,6 +710,8 @@ def prepare(cfg: PrepareConfig) -> dict:
                 states = _run_all(cfg, files, num_processes, dest, sdir, tokenizer_json, eos_id, sep_id, dtype,
                                   chash)
                 summary = _finish(cfg, dest, config, chash, states, files, time.perf_counter() - t0)
+            except DiskFullError:
+                raise  # keep the finished shards and the checkpoints: the same command resumes
             except DLMError:
                 _purge(dest, cfg.prefix)
                 raise
@@ -799,6 +815,8 @@ def _run_spawned(jobs: list[_Job], progress) -> list[dict]:
                 continue
             if kind == "done":
                 finished.add(proc)
+            elif kind == "diskfull":
+                raise DiskFullError(values[0])
             elif kind == "error":
                 raise DLMError(values[0])
             elif kind == "crash":

@@ -34,6 +34,9 @@ from pathlib import Path
 import numpy as np
 
 from dlm.errors import DLMError
+from dlm.fsutil import disk_full_as_error
+
+RESUME_FIX = "free some space (or use another --destination-path) and rerun the same command: finished shards are kept and it resumes after them"
 
 HDR_MAGIC = b"LITPKDS"
 HDR_VERSION = 1
@@ -127,12 +130,17 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> str:
     header = encode_header(tokens.dtype, tokens.shape[0])
     payload = tokens.tobytes(order="C")
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(header)
-        fh.write(payload)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with disk_full_as_error(path, RESUME_FIX):
+            with open(tmp, "wb") as fh:
+                fh.write(header)
+                fh.write(payload)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # never leave half a shard behind
+        raise
     h = hashlib.sha256(header)
     h.update(payload)
     return h.hexdigest()
@@ -229,11 +237,16 @@ def _locked(path: Path):
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with disk_full_as_error(path, RESUME_FIX):
+            with open(tmp, "w") as fh:
+                fh.write(text)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -217,6 +217,7 @@ class AutoDLMForCausalLM:
                         attn_implementation: str = "sdpa") -> DiffusionLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from dlm.fsutil import check_model_folder, read_json_file
         from dlm.model import lora as lora_mod
         from dlm.model.hub import resolve_model_path
 
@@ -224,7 +225,8 @@ class AutoDLMForCausalLM:
         config_path = folder / "config.json"
         if not config_path.is_file():
             raise DLMError(f"'{folder}' has no config.json")
-        fields = json.loads(config_path.read_text())
+        fields = read_json_file(config_path, "model folder")
+        check_model_folder(folder)  # damaged files: an error naming the file, not a traceback or wrong weights
         from dlm.model.families import family_of, load_published
 
         if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder
@@ -234,7 +236,11 @@ class AutoDLMForCausalLM:
                            f"convert it with: dlm convert --model {path} --objective idlm --output DIR")
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32,
                                                      attn_implementation=attn_implementation)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except Exception as e:  # noqa: BLE001 - transformers raises many types for a damaged tokenizer file
+            raise DLMError(f"could not load the tokenizer of '{folder}' ({type(e).__name__}: {e}); its "
+                           f"tokenizer.json / tokenizer_config.json is damaged: restore the folder") from e
         dlm = DiffusionLM(model, tokenizer)
         lora_mod.load_adapters_if_any(dlm, folder)
         if device is not None:
@@ -248,10 +254,11 @@ def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtyp
     """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias. ``objective``: the
     objective a DLM folder must have and the one an AR model is converted to; ``convert_to``: only the latter (a
     DLM folder loads whatever its objective). Conversion defaults to idlm."""
+    from dlm.fsutil import read_json_file
     from dlm.model.hub import resolve_model_path
 
     folder = resolve_model_path(name_or_path)
-    fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    fields = read_json_file(folder / "config.json", "model folder") if (folder / "config.json").is_file() else {}
     from dlm.model.families import family_of
 
     if "dlm_objective" in fields or family_of(fields) is not None:

@@ -9,6 +9,9 @@ by :meth:`DiffusionLM.save_pretrained`: config with the DLM fields, safetensors,
 - ``trainer_state.json``: step, tokens seen, world size, the resolved configuration. It is written last, and the
   folder is built under ``.step_00000500.tmp`` and renamed when complete, so a crash never leaves a folder that
   looks like a checkpoint. :func:`latest_checkpoint` only considers folders with ``trainer_state.json``.
+- ``checksums.sha256``: the sha256 of every file (``sha256sum -c`` format), checked on resume, so a file damaged
+  on disk is an error naming it. A save that fails (a full disk: a one-line error naming the path and the free
+  space) removes its temporary folder and leaves the earlier checkpoints as they were.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dlm.errors import DLMError
+from dlm.fsutil import disk_full_as_error, verify_checksums, write_checksums
 
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -54,7 +58,21 @@ def read_state(path: str | os.PathLike) -> dict:
     if not f.is_file():
         raise DLMError(f"'{path}' is not a complete dlm checkpoint (no {STATE_FILE}); pass a folder like "
                        f"<output_dir>/checkpoints/step_00000500 or --resume auto")
-    return json.loads(f.read_text())
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise DLMError(f"'{f}' is damaged ({e}); resume from an earlier checkpoint with --resume PATH or restore "
+                       f"the folder") from e
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise DLMError(f"'{f}' is damaged (no integer 'step'); resume from an earlier checkpoint with --resume PATH")
+    return state
+
+
+def _write_synced(path: Path, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
 
 
 def resolve_resume(resume: str | None, checkpoint_dir: Path) -> Path | None:
@@ -76,24 +94,33 @@ def save_checkpoint(accelerator, dlm, wrapped, root: Path, step: int, state: dic
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".{checkpoint_name(step)}.tmp"
-    if accelerator.is_main_process:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    export_model(accelerator, dlm, wrapped, tmp)  # creates tmp (main process)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp / "training_state"), safe_serialization=False)
-    torch.save(rank_state, tmp / "training_state" / f"dlm_rank{accelerator.process_index}.pt")
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1, default=str))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        if keep_last > 0:
-            for old in list_checkpoints(root)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+    fix = (f"the checkpoints before it are intact: free some space (or pass another --output-dir / "
+           f"--checkpoint-dir) and rerun the same command with --resume auto")
+    try:
+        with disk_full_as_error(tmp, fix):
+            if accelerator.is_main_process:
+                root.mkdir(parents=True, exist_ok=True)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+            accelerator.wait_for_everyone()
+            export_model(accelerator, dlm, wrapped, tmp)  # creates tmp (main process)
+            accelerator.wait_for_everyone()
+            accelerator.save_state(str(tmp / "training_state"), safe_serialization=False)
+            torch.save(rank_state, tmp / "training_state" / f"dlm_rank{accelerator.process_index}.pt")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                _write_synced(tmp / STATE_FILE, json.dumps(state, indent=1, default=str))
+                write_checksums(tmp)  # every file, so a resume notices one damaged on disk
+                if final.exists():
+                    shutil.rmtree(final)
+                os.replace(tmp, final)
+    except BaseException:
+        if accelerator.is_main_process:
+            shutil.rmtree(tmp, ignore_errors=True)  # never a half-written folder beside the complete ones
+        raise
+    if accelerator.is_main_process and keep_last > 0:
+        for old in list_checkpoints(root)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
     accelerator.wait_for_everyone()
     return final
 
@@ -103,15 +130,25 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict]:
     import torch
 
     state = read_state(path)
+    verify_checksums(path, what="checkpoint")  # a damaged file is an error naming it, never a garbled resume
     world = accelerator.num_processes
     if state.get("world_size", world) != world:
         raise DLMError(f"checkpoint '{path}' was written by {state.get('world_size')} processes but this run has "
                        f"{world}; resume with the same number of processes (the data position is per process)")
-    accelerator.load_state(str(Path(path) / "training_state"))
+    try:
+        accelerator.load_state(str(Path(path) / "training_state"))
+    except Exception as e:  # noqa: BLE001 - torch/pickle raise many types for a damaged file; name the folder
+        raise DLMError(f"cannot load the training state of checkpoint '{path}' ({type(e).__name__}: "
+                       f"{str(e).splitlines()[0] if str(e) else ''}); resume from an earlier checkpoint with "
+                       f"--resume PATH") from e
     rank_file = Path(path) / "training_state" / f"dlm_rank{accelerator.process_index}.pt"
     if not rank_file.is_file():
         raise DLMError(f"checkpoint '{path}' has no state for process {accelerator.process_index} ({rank_file.name})")
-    rank_state = torch.load(rank_file, weights_only=False)
+    try:
+        rank_state = torch.load(rank_file, weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise DLMError(f"'{rank_file}' is damaged ({type(e).__name__}); resume from an earlier checkpoint with "
+                       f"--resume PATH") from e
     return state, rank_state
 
 
@@ -123,6 +160,12 @@ def export_model(accelerator, dlm, wrapped, path: Path) -> None:
     """
     from accelerate.utils import DistributedType
 
+    with disk_full_as_error(path, "free some space and rerun the same command with --resume auto (the checkpoints "
+                                  "written so far are intact)"):
+        _export(accelerator, dlm, wrapped, path, DistributedType)
+
+
+def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
     sharded = accelerator.distributed_type == DistributedType.FSDP or (
         accelerator.distributed_type == DistributedType.DEEPSPEED
         and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3)
@@ -152,6 +195,7 @@ def publish_final(src: Path, output_dir: Path) -> None:
     and checkpoints, so it is not replaced as a whole); ``config.json`` moves last, so the folder only looks like
     a model once the weights are in place."""
     output_dir.mkdir(parents=True, exist_ok=True)
+    write_checksums(src)  # loading the model checks them: a file damaged later is an error naming it
     names = sorted(p.name for p in src.iterdir())
     for name in [n for n in names if n != "config.json"] + (["config.json"] if "config.json" in names else []):
         target = output_dir / name

@@ -256,6 +256,13 @@ def test_sampler_option_errors():
         llada_quotas(12, 4, 2)
 
 
+def test_too_few_steps_refused_when_the_request_is_added(models):
+    engine = Engine(models["llada"], decoder="mdm", method="llada", steps=2, block_length=4)
+    with pytest.raises(DLMError, match="--steps 2 is fewer than the 3 blocks"):
+        engine.add([5, 6, 7], SamplingParams(max_new_tokens=12))
+    assert not engine.has_unfinished()
+
+
 def test_generate_command_on_published_folders(tmp_path, capsys):
     folder = write_llada(tmp_path / "llada")
     argv = ["generate", "--model", str(folder), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens", "6",

@@ -161,6 +161,11 @@ class MDMDecoder(DiffusionDecoder):
         if self.cfg_scale and self.method != "llada":
             raise DLMError("--cfg-scale is a setting of --sampler llada; drop it or use --sampler llada")
 
+    def check_request(self, engine: Engine, row: Row) -> None:
+        super().check_request(engine, row)
+        if self.method == "llada":  # fewer steps than blocks: refused at add, not in the middle of a step
+            llada_quotas(row.params.max_new_tokens, self.block_length, self.steps or row.params.max_new_tokens)
+
     def _cfg(self, row: Row) -> bool:
         return self.method == "llada" and self.cfg_scale > 0
 

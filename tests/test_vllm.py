@@ -224,3 +224,15 @@ def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch)
     assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), "--drafter",
                  str(target), "--print-command"]) == 2
     assert "plain causal LM" in capsys.readouterr().err
+
+
+def test_cli_convert_layers_cuts_a_drafter(tiny_model_dir, tmp_path, capsys):
+    target, vocab, spare = _target_with_spare_token(tiny_model_dir, tmp_path)
+    assert main(["convert", "--model", str(target), "--objective", "idlm", "--block-size", "2", "--layers", "1",
+                 "--output", str(tmp_path / "cut")]) == 0
+    assert f"mask_token_id={spare}" in capsys.readouterr().out
+    cfg = json.loads((tmp_path / "cut" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == vocab and cfg["block_size"] == 2
+    assert main(["convert", "--model", str(target), "--objective", "mdm", "--layers", "1", "--output",
+                 str(tmp_path / "bad")]) == 2
+    assert "--layers cuts a drafter" in capsys.readouterr().err and not (tmp_path / "bad").exists()

@@ -3,6 +3,7 @@
     dlm convert --model smollm2-135m --objective idlm --block-size 2 --output out/smollm2-idlm
     dlm convert --model ./my-llama --objective mdm --output out/llama-mdm
     dlm convert --model smollm2-135m --objective idlm --lora-r 16 --gated-lora --output out/smollm2-idlm-gated
+    dlm convert --model smollm2-135m --objective idlm --block-size 2 --layers 4 --output out/drafter-l4
 
 The weights are untouched (under a causal mask the result returns the original logits); the folder gets a mask
 token (the tokenizer's own, or a new special token with a resized embedding) and the DLM fields in config.json
@@ -31,6 +32,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated module names (e.g. q_proj,v_proj) or all-linear (default)")
     p.add_argument("--gated-lora", action="store_true",
                    help="adapters act only at mask positions: the clean path stays the base model exactly")
+    p.add_argument("--layers", type=int, metavar="L",
+                   help="keep only the model's first L layers (+ embedding, final norm, head): the start of a small "
+                        "drafter for it (idlm; mask token: the tokenizer's own or a spare special token, so the "
+                        "vocabulary stays the model's); train it on the model's greedy answers (docs/vllm.md)")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights as saved)")
     p.add_argument("--output", required=True, help="output folder (written atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing --output folder")
@@ -62,11 +67,19 @@ def run(args) -> int:
                            "nothing on save; add --gated-lora, or set the lora section of `dlm train`")
     elif args.lora_alpha is not None:
         raise DLMError("--lora-alpha needs --lora-r or --gated-lora")
+    if args.layers is not None and (args.objective != "idlm" or lora is not None or args.shift is False):
+        raise DLMError("--layers cuts a drafter: use it with --objective idlm, without adapters or --no-shift")
     dtype = get_dtype(args.dtype, __import__("torch").device("cpu"))
     bar = progress_bar(2, f"convert: loading {args.model}", "stage") if wanted(args.quiet) else None
     try:
-        dlm = convert_ar_to_dlm(args.model, args.objective, block_size=args.block_size, shift=args.shift,
-                                mask_token=args.mask_token, lora=lora, dtype=dtype)
+        if args.layers is not None:
+            from dlm.model.drafter import truncated_drafter
+
+            dlm = truncated_drafter(args.model, args.layers, block_size=args.block_size or 1,
+                                    mask_token=args.mask_token, dtype=dtype)
+        else:
+            dlm = convert_ar_to_dlm(args.model, args.objective, block_size=args.block_size, shift=args.shift,
+                                    mask_token=args.mask_token, lora=lora, dtype=dtype)
         if bar is not None:
             bar.update(1)
             bar.set_description(f"convert: writing {out}")

@@ -665,3 +665,20 @@ def test_sft_labels_are_ignored_exactly_on_prompt_tokens(tiny_tokenizer, msgs, l
         assert at == len(text)  # every token of the conversation is there
     else:
         assert len(ids) == min(cut, len(ids)) and (at == len(text) or len(ids) == cut)
+
+
+# ============================================================================================ sampling
+@examples(30, 500)
+@given(logits=st.lists(st.floats(-1e4, 1e4), min_size=2, max_size=8),
+       temperature=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-30, 1e-8]), st.floats(1e-6, 2.0)),
+       top_p=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-8]), st.floats(1e-6, 1.0)), top_k=st.integers(0, 9))
+def test_sampling_distribution_is_a_distribution_for_any_settings(logits, temperature, top_p, top_k):
+    """Any temperature in (0, 2], top_p in (0, 1] and top_k: finite probabilities summing to 1 that keep the most
+    likely token (a server request with top_p=5e-324 once made them NaN and failed the engine step)."""
+    from dlm.decode.sampling import SamplingParams, probs_from_logits
+
+    t = torch.tensor(logits)
+    p = probs_from_logits(t, SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k), None)
+    assert torch.isfinite(p).all() and (p >= 0).all(), p
+    assert abs(float(p.sum()) - 1.0) < 1e-5
+    assert float(p[int(t.argmax())]) > 0

@@ -81,7 +81,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_i
         out = torch.zeros_like(logits)
         out.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         return out
-    logits = logits / params.temperature
+    # shifted by the max first (the same distribution, no inf - inf) and a temperature of at least float32's
+    # smallest normal number (5e-324 would be 0 in float32: 0 / 0)
+    temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -90,6 +93,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_i
         sorted_probs = sorted_logits.softmax(-1)
         # keep the smallest prefix whose mass reaches top_p (always at least the top token)
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop_sorted[..., 0] = False  # a top_p below float32's smallest number (5e-324) would drop every token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)

@@ -25,7 +25,8 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from dlm.errors import DLMError, require
-from dlm.serve.schemas import (APIError, ChatCompletionRequest, CompletionRequest, error_body)
+from dlm.serve.schemas import (APIError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
+                               ErrorResponse, Health, ModelCard, ModelList, error_body)
 
 log = logging.getLogger("dlm.serve")
 
@@ -164,7 +165,8 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         finally:
             scheduler.stop()
 
-    app = FastAPI(title="dlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="dlm serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = lambda: openapi_schema(app, settings)
     app.state.scheduler = scheduler
     app.state.settings = settings
 
@@ -212,14 +214,16 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         return error(500, f"internal error: {type(exc).__name__}: {exc}")
 
     # -- simple endpoints -----------------------------------------------------------------------------------
-    @app.get("/health")
+    @app.get("/health", response_model=None, responses={200: {"model": Health}, 503: {"model": ErrorResponse}})
     async def health():
         if not scheduler.alive:
             return error(503, "the engine thread is not running")
         waiting, running = scheduler.load()
         return {"status": "ok", "model": settings.model_name, "waiting": waiting, "running": running}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_model=None, response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text format"}})
     async def get_metrics():
         waiting, running = scheduler.load()
         metrics.set_load(waiting, running)
@@ -229,11 +233,12 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "dlm",
                 "max_model_len": engine.max_positions, "decoder": engine.decoder.name}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", response_model=None,
+             responses={200: {"model": ModelCard}, 404: {"model": ErrorResponse}})
     async def get_model(model_id: str):
         check_model(model_id)
         return model_card()
@@ -396,7 +401,10 @@ def create_app(scheduler, settings: ServeSettings | None = None):
             abort_all(handles)
 
     # -- endpoints ------------------------------------------------------------------------------------------
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None,
+              responses={200: {"model": Completion, "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                               "description": "a completion, or with stream=true server-sent events"},
+                         404: {"model": ErrorResponse}})
     async def completions(request: Request, body: CompletionRequest):
         max_tokens = check_common(body, body.max_tokens, settings.completion_default_max_tokens)
         p = body.prompt
@@ -414,7 +422,11 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         prompts = [check_prompt(x) for x in prompts]
         return await run(request, body, prompts, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": ChatCompletion,
+                               "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                               "description": "a chat completion, or with stream=true server-sent events"},
+                         404: {"model": ErrorResponse}})
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = check_common(body, limit, settings.max_tokens_limit)
@@ -432,6 +444,99 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         return await run(request, body, [prompt], max_tokens, chat=True)
 
     return LimitAndAuth(app, settings, metrics)
+
+
+def openapi_schema(app, settings: ServeSettings) -> dict:
+    """The OpenAPI document of the routes as they answer: FastAPI's, with its 422 validation responses replaced by
+    the 400 the app sends (every error in the OpenAI shape), 413 on the POST routes (--max-body-bytes), 401 where
+    --api-key applies, and the served model name as the example of every ``model`` field."""
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    doc = get_openapi(title="dlm serve", version="1", routes=app.routes,
+                      description="OpenAI-compatible completions and chat completions of one diffusion LM")
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    err = {"$ref": "#/components/schemas/ErrorResponse"}
+    comps.setdefault("ErrorResponse", ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}"))
+    for sub in ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}").get("$defs", {}).items():
+        comps.setdefault(*sub)
+    comps["ErrorResponse"].pop("$defs", None)
+
+    def answer(text: str) -> dict:
+        return {"description": text, "content": {"application/json": {"schema": err}}}
+
+    for path, item in doc.get("paths", {}).items():
+        for method, op in item.items():
+            responses = op.setdefault("responses", {})
+            had_422 = responses.pop("422", None) is not None
+            if had_422 or method == "post":
+                responses["400"] = answer("a malformed or unsupported request (the message names the field)")
+            if method == "post":
+                responses["413"] = answer("the body is over --max-body-bytes")
+                responses["500"] = answer("the engine failed during this request (the server keeps serving)")
+                responses["503"] = answer("the server is shutting down")
+            if settings.api_key is not None and path != "/health":
+                responses["401"] = answer("missing or wrong API key")
+                op["security"] = [{"bearer": []}]
+            for code, r in responses.items():
+                if code != "200" and "content" in r:
+                    r["content"] = {"application/json": {"schema": err}}
+    if settings.api_key is not None:
+        comps_root = doc["components"]
+        comps_root["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    from dlm.serve.schemas import MAX_PROMPTS, MAX_STOP
+
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        props = comps.get(name, {}).get("properties", {})
+        if "model" in props:
+            props["model"]["examples"] = [settings.model_name]
+        for field in ("max_tokens", "max_completion_tokens"):  # --max-tokens-limit
+            for branch in props.get(field, {}).get("anyOf", []):
+                if branch.get("type") == "integer":
+                    branch["maximum"] = settings.max_tokens_limit
+        for branch in props.get("stop", {}).get("anyOf", []):
+            if branch.get("type") == "array":
+                branch["maxItems"] = MAX_STOP
+                branch.setdefault("items", {})["minLength"] = 1
+            elif branch.get("type") == "string":
+                branch["minLength"] = 1
+        for field in ("presence_penalty", "frequency_penalty"):  # accepted only at their neutral value
+            if field in props:
+                props[field] = {"anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}],
+                                "title": props[field].get("title", field)}
+        if "logit_bias" in props:
+            props["logit_bias"] = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
+    completion = comps.get("CompletionRequest", {}).get("properties", {})
+    vocab = int(app.state.scheduler.engine.config.vocab_size)
+
+    def ids_schema(node):  # token ids: 0 .. vocab-1 (the mask token is refused too, by message)
+        if node.get("type") == "integer":
+            node.update(minimum=0, maximum=vocab - 1)
+        elif node.get("type") == "array":
+            node.update(minItems=1)
+            ids_schema(node.get("items", {}))
+
+    for branch in completion.get("prompt", {}).get("anyOf", []):
+        if branch.get("type") == "array":
+            branch.update(maxItems=MAX_PROMPTS)
+            ids_schema(branch)
+            if branch.get("items", {}).get("type") == "string":
+                branch["items"]["minLength"] = 1
+        elif branch.get("type") == "string":
+            branch["minLength"] = 1
+    for field, value in (("echo", False), ("logprobs", None), ("suffix", None)):
+        if field in completion:
+            completion[field] = {"const": value} if value is not None else {"type": "null"}
+    chat = comps.get("ChatCompletionRequest", {}).get("properties", {})
+    for field in ("logprobs", "tools"):
+        if field in chat:
+            chat[field] = {"anyOf": [{"const": False}, {"type": "null"}]} if field == "logprobs" else \
+                {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+    app.openapi_schema = doc
+    return doc
 
 
 def sse(obj) -> str:

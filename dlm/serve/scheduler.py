@@ -120,23 +120,29 @@ class Scheduler:
             torch.set_num_threads(self.threads)  # per OS thread: it must be set here, in the engine thread
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._wake.clear()
-                self._drain()
-                if not self.engine.has_unfinished():
-                    self.metrics.set_load(0, 0)
-                    self._wake.wait(self.idle_wait)
-                    continue
                 try:
-                    events = self.engine.step()
+                    self._iteration()
                 except Exception as e:  # noqa: BLE001 - never let one bad step kill the server
                     log.exception("engine step failed")
-                    self._fail_all(f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
-                                   f"the request was dropped, the server keeps serving")
-                    continue
-                self._deliver(events)
-                waiting, running = self.load()
-                self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None),
-                                     getattr(self.engine.decoder, "branch_steps", None))
+                    try:
+                        self._fail_all(f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
+                                       f"the request was dropped, the server keeps serving")
+                    except Exception:  # noqa: BLE001 - keep the thread; the next request gets the next try
+                        log.exception("could not restart the engine")
+                        time.sleep(self.idle_wait)
+
+    def _iteration(self) -> None:
+        self._wake.clear()
+        self._drain()
+        if not self.engine.has_unfinished():
+            self.metrics.set_load(0, 0)
+            self._wake.wait(self.idle_wait)
+            return
+        events = self.engine.step()
+        self._deliver(events)
+        waiting, running = self.load()
+        self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None),
+                             getattr(self.engine.decoder, "branch_steps", None))
 
     def _drain(self) -> None:
         while True:
@@ -152,12 +158,21 @@ class Scheduler:
                     handle.done = True
                     handle.push("error", (400, str(e)))
                     continue
+                except Exception as e:  # noqa: BLE001 - a bug in add() fails this request, not the engine thread
+                    log.exception("engine.add failed")
+                    handle.done = True
+                    handle.push("error", (500, f"the engine could not take this request ({type(e).__name__}: "
+                                               f"{e}); the server keeps serving"))
+                    continue
                 self._handles[handle.request_id] = handle
             else:
                 handle = msg[1]
                 if handle.done or handle.request_id not in self._handles:
                     continue
-                self.engine.abort(handle.request_id)
+                try:
+                    self.engine.abort(handle.request_id)
+                except Exception:  # noqa: BLE001 - the request is dropped below either way
+                    log.exception("engine.abort failed")
                 # aborted: nobody wants the text, but its tokens count in the metrics
                 result = self.engine.results.pop(handle.request_id, None)
                 handle.done = True
@@ -189,15 +204,18 @@ class Scheduler:
         from dlm.decode.engine import Engine
 
         self.failures += 1
-        old = self.engine
-        threads = old._threads.mode if old._threads is not None else None
-        old.close()
-        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
-                             compact_threshold=old.compact_threshold, threads=threads)
-        for h in self._handles.values():
+        for h in self._handles.values():  # first: whatever happens below, nobody waits forever
             h.done = True
             h.push("error", (500, message))
         self._handles.clear()
+        old = self.engine
+        threads = old._threads.mode if old._threads is not None else None
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - a broken engine may fail to close; the new one replaces it anyway
+            log.exception("closing the failed engine")
+        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
+                             compact_threshold=old.compact_threshold, threads=threads)
 
 
 class _EmptyStats:

@@ -63,6 +63,13 @@ def test_gated_folder_for_vllm_is_the_base_model(tiny_model_dir, tmp_path):
     assert (tmp_path / "gated" / ADAPTER_FILE).is_file()  # the checkpoint itself is untouched
     assert CONFIG_KEY not in json.loads((served / "config.json").read_text())
     assert vllm_model_folder(tmp_path / "gated", cache_root=tmp_path / "cache") == served  # reused
+    # a trained folder's checksum list is not carried over: config.json was rewritten, so it would not match
+    from dlm.fsutil import CHECKSUMS, write_checksums
+
+    write_checksums(tmp_path / "gated")
+    served2 = vllm_model_folder(tmp_path / "gated", cache_root=tmp_path / "cache2")
+    assert not (served2 / CHECKSUMS).exists()
+    AutoDLMForCausalLM.from_pretrained(served2)  # loads through dlm too, no stale checksum
     # what vLLM reads as plain weights is dlm's clean path exactly
     ids = torch.tensor([[1, 5, 9, 33, 2, 7]])
     clean = AutoDLMForCausalLM.from_pretrained(tmp_path / "gated")

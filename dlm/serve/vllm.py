@@ -79,6 +79,7 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     """A folder vLLM loads as ``model`` means it: the folder itself, or - for a gated-LoRA I-DLM - a folder of
     links to all its files but the adapter file (and a config.json without the adapter entry)."""
     from dlm.model.hub import dlm_home, resolve_model_path
+    from dlm.fsutil import CHECKSUMS
     from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
 
     folder = resolve_model_path(model).resolve()
@@ -90,7 +91,9 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
 
     from dlm.fsutil import atomic_folder
 
-    files = [p for p in sorted(folder.iterdir()) if p.is_file() and p.name != ADAPTER_FILE]
+    # not the adapter file (vLLM cannot load it), nor the checksum list: the folder's config.json is rewritten, so
+    # the list would no longer match it
+    files = [p for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (ADAPTER_FILE, CHECKSUMS)]
     stamp = "|".join(f"{p.name}:{p.stat().st_mtime_ns}:{p.stat().st_size}" for p in files)
     key = hashlib.sha256(f"{folder}|{stamp}".encode()).hexdigest()[:16]
     out = (cache_root or dlm_home() / "vllm" / "models") / f"{folder.name}-{key}"

@@ -118,13 +118,16 @@ def main(argv=None) -> int:
         ar, isd = Engine(dlm, tok, decoder="ar"), Engine(dlm, tok, decoder="isd", stride=2)
         llm = None
         if llama_cpp is not None and gguf is not None:
-            llm = llama_cpp.Llama(str(gguf), n_ctx=max(contexts) + args.tokens + 8, n_threads=th, n_batch=512,
-                                  verbose=False)
+            llm = llama_cpp.Llama(
+                str(gguf), n_ctx=max(contexts) + args.tokens + 8, n_threads=th, n_batch=512, verbose=False
+            )
         for ctx in contexts:
             prompt = prompt_ids(tok, ctx, DEFAULT_DATA)
-            fns = {"transformers generate": lambda: hf_ms(hf, prompt, args.tokens),
-                   "dlm engine ar": lambda: engine_ms(ar, [prompt], args.tokens),
-                   "dlm isd N=2 verify forward": lambda: engine_ms(isd, [prompt], args.tokens)}
+            fns = {
+                "transformers generate": lambda: hf_ms(hf, prompt, args.tokens),
+                "dlm engine ar": lambda: engine_ms(ar, [prompt], args.tokens),
+                "dlm isd N=2 verify forward": lambda: engine_ms(isd, [prompt], args.tokens),
+            }
             if llm is not None:
                 fns["llama.cpp"] = lambda: llama_ms(llm, prompt, args.tokens)
             for fn in fns.values():  # warm-up
@@ -141,17 +144,27 @@ def main(argv=None) -> int:
             eng = Engine(dlm, tok, decoder="ar", max_batch_size=args.batch)
             engine_ms(eng, prompts[:1], 4)
             ms = min(engine_ms(eng, prompts, args.tokens) for _ in range(args.repeats))
-            rows.append({"threads": th, "context": ctx, "method": f"dlm engine ar, {args.batch} rows",
-                         "batch": args.batch, "ms": ms, "tok_s": args.batch * 1e3 / ms})
+            rows.append(
+                {
+                    "threads": th,
+                    "context": ctx,
+                    "method": f"dlm engine ar, {args.batch} rows",
+                    "batch": args.batch,
+                    "ms": ms,
+                    "tok_s": args.batch * 1e3 / ms,
+                }
+            )
             eng.close()
         handle = ar._cpu
         ar.close()
         isd.close()
 
     print(f"cpu={cpu.cpu_name()} isa={cpu.isa()} kernels: {handle!r}")
-    print(f"model={args.model} gguf={gguf.name if gguf else '-'} tokens={args.tokens} repeats={args.repeats} "
-          f"load average={' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-          f"{'' if llama_cpp else ' (llama-cpp-python not installed: no llama.cpp rows)'}")
+    print(
+        f"model={args.model} gguf={gguf.name if gguf else '-'} tokens={args.tokens} repeats={args.repeats} "
+        f"load average={' '.join(f'{x:.2f}' for x in os.getloadavg())}"
+        f"{'' if llama_cpp else ' (llama-cpp-python not installed: no llama.cpp rows)'}"
+    )
     hdr = f"{'threads':>7} {'ctx':>5} {'method':<28} {'ms/step':>8} {'tok/s':>8} {'x hf':>6} {'x llama.cpp':>11}"
     print(hdr)
     print("-" * len(hdr))
@@ -164,8 +177,10 @@ def main(argv=None) -> int:
         if r["method"].startswith("dlm isd") and "dlm engine ar" in ref:
             note = f"  ({r['ms'] / ref['dlm engine ar']['ms']:.2f}x the AR step)"
             x_hf = x_ll = float("nan")
-        print(f"{r['threads']:>7} {r['context']:>5} {r['method']:<28} {r['ms']:>8.1f} {r['tok_s']:>8.1f} "
-              f"{x_hf:>6.2f} {x_ll:>11.2f}{note}")
+        print(
+            f"{r['threads']:>7} {r['context']:>5} {r['method']:<28} {r['ms']:>8.1f} {r['tok_s']:>8.1f} "
+            f"{x_hf:>6.2f} {x_ll:>11.2f}{note}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -60,25 +60,42 @@ def next_verify(engine) -> float | None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--data", default=str(DEFAULT_DATA),
-                    help="text / JSONL file whose first lines are the prompts (default: LAMBADA), or 'heldout': "
-                         "dlm's built-in held-out chat instructions (chat template applied)")
+    ap.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA),
+        help="text / JSONL file whose first lines are the prompts (default: LAMBADA), or 'heldout': "
+        "dlm's built-in held-out chat instructions (chat template applied)",
+    )
     ap.add_argument("--batch-sizes", default="1,8")
     ap.add_argument("--strides", default="2,3,4")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--groups", type=int, default=4,
-                    help="batches per batch size (distinct prompts; every method runs each, interleaved; default 4)")
-    ap.add_argument("--fallbacks", default="predict",
-                    help="comma-separated ISD fallback modes to run (default predict; 'isd N=n' is the first, the "
-                         "others are named 'isd N=n MODE'): predict, all, off (plain ISD (docs/algorithms.md#isd): a cold-start step "
-                         "after every rejection)")
-    ap.add_argument("--candidates", default="",
-                    help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "
-                         "(rows 'isd N=2 K=k')")
-    ap.add_argument("--temperature", type=float, default=0.0,
-                    help="0 (default): greedy, outputs compared token for token; > 0: sampled (seed 0 per "
-                         "request; the outputs then differ between methods by construction and are not compared)")
+    ap.add_argument(
+        "--groups",
+        type=int,
+        default=4,
+        help="batches per batch size (distinct prompts; every method runs each, interleaved; default 4)",
+    )
+    ap.add_argument(
+        "--fallbacks",
+        default="predict",
+        help="comma-separated ISD fallback modes to run (default predict; 'isd N=n' is the first, the "
+        "others are named 'isd N=n MODE'): predict, all, off (plain ISD (docs/algorithms.md#isd): a cold-start step "
+        "after every rejection)",
+    )
+    ap.add_argument(
+        "--candidates",
+        default="",
+        help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "
+        "(rows 'isd N=2 K=k')",
+    )
+    ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy, outputs compared token for token; > 0: sampled (seed 0 per "
+        "request; the outputs then differ between methods by construction and are not compared)",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
@@ -100,14 +117,15 @@ def main(argv=None) -> int:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     strides = [int(s) for s in args.strides.split(",") if s]
     if args.data == "heldout":  # the chat distribution the quickstart's checkpoints are trained for
-        from dlm.data.distill import builtin_instructions
-        from dlm.data.distill import chat_prompt_ids
+        from dlm.data.distill import builtin_instructions, chat_prompt_ids
 
-        prompts = [chat_prompt_ids(tok, x)[-args.prompt_tokens:]
-                   for x in builtin_instructions("heldout", n=max(batch_sizes) * args.groups)]
+        prompts = [
+            chat_prompt_ids(tok, x)[-args.prompt_tokens :]
+            for x in builtin_instructions("heldout", n=max(batch_sizes) * args.groups)
+        ]
     else:
         texts = read_prompts(Path(args.data), max(batch_sizes) * args.groups)
-        prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens:] for t in texts]
+        prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens :] for t in texts]
     k = args.max_new_tokens
     if args.temperature < 0:
         ap.error("--temperature must be >= 0")
@@ -119,18 +137,23 @@ def main(argv=None) -> int:
     cands = [int(c) for c in args.candidates.split(",") if c.strip()]
     if any(c < 2 for c in cands):
         ap.error("--candidates takes K >= 2 (K = 1 is plain ISD: --strides 2)")
-    methods = ["transformers", "ar"] + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides] + \
-        [f"isd N=2 K={c}" for c in cands]
+    methods = (
+        ["transformers", "ar"]
+        + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
+        + [f"isd N=2 K={c}" for c in cands]
+    )
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
         for n in strides:
             for f in fallbacks:
-                engines[b][f"isd N={n}{names[f]}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=n,
-                                                            fallback=f)
+                engines[b][f"isd N={n}{names[f]}"] = Engine(
+                    dlm, tok, decoder="isd", max_batch_size=b, stride=n, fallback=f
+                )
         for c in cands:
-            engines[b][f"isd N=2 K={c}"] = Engine(dlm, tok, decoder="isd", max_batch_size=b, stride=2, candidates=c,
-                                                  fallback=fallbacks[0])
+            engines[b][f"isd N=2 K={c}"] = Engine(
+                dlm, tok, decoder="isd", max_batch_size=b, stride=2, candidates=c, fallback=fallbacks[0]
+            )
     pad = hf.generation_config.pad_token_id
 
     def run(b, method, batch):
@@ -139,8 +162,9 @@ def main(argv=None) -> int:
             ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
             att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             t = time.perf_counter()
-            extra = {"do_sample": True, "temperature": args.temperature, "top_k": 0} if sampled else \
-                {"do_sample": False}
+            extra = (
+                {"do_sample": True, "temperature": args.temperature, "top_k": 0} if sampled else {"do_sample": False}
+            )
             out = hf.generate(ids, attention_mask=att, max_new_tokens=k, min_new_tokens=k, **extra)
             s = time.perf_counter() - t
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
@@ -149,13 +173,18 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         res = engine.generate(batch, params)
         s = time.perf_counter() - t
-        return [r.token_ids for r in res], s, engine.total_forwards, [r.stats.forwards for r in res], \
-            [r.stats for r in res]
+        return (
+            [r.token_ids for r in res],
+            s,
+            engine.total_forwards,
+            [r.stats.forwards for r in res],
+            [r.stats for r in res],
+        )
 
     rows = []
     with torch.inference_mode():
         for b in batch_sizes:
-            groups = [prompts[g * b:(g + 1) * b] for g in range(args.groups)]
+            groups = [prompts[g * b : (g + 1) * b] for g in range(args.groups)]
             for m in methods:  # warm-up: first calls pay one-off costs, not timed
                 run(b, m, [groups[0][0][:8]])
             agg = {m: {"tokens": [], "seconds": 0.0, "forwards": 0, "row_forwards": 0, "stats": []} for m in methods}
@@ -174,20 +203,32 @@ def main(argv=None) -> int:
                 a = agg[m]
                 n_tok = sum(map(len, a["tokens"]))
                 prop, accd = draft_totals(a["stats"])
-                rows.append({"batch": b, "method": m, "tokens": n_tok, "seconds": a["seconds"],
-                             "tok_s": n_tok / a["seconds"], "forwards": a["forwards"],
-                             "tpf": n_tok / max(a["row_forwards"], 1),
-                             "acceptance": [round(x / y, 3) for x, y in zip(accd, prop) if y],
-                             "match_ar": None if m == "transformers" or sampled else a["tokens"] == ar_tokens,
-                             "match_hf": None if m == "transformers" or sampled else a["tokens"] == hf_tokens,
-                             "next_verify": next_verify(engines[b].get(m))})
+                rows.append(
+                    {
+                        "batch": b,
+                        "method": m,
+                        "tokens": n_tok,
+                        "seconds": a["seconds"],
+                        "tok_s": n_tok / a["seconds"],
+                        "forwards": a["forwards"],
+                        "tpf": n_tok / max(a["row_forwards"], 1),
+                        "acceptance": [round(x / y, 3) for x, y in zip(accd, prop) if y],
+                        "match_ar": None if m == "transformers" or sampled else a["tokens"] == ar_tokens,
+                        "match_hf": None if m == "transformers" or sampled else a["tokens"] == hf_tokens,
+                        "next_verify": next_verify(engines[b].get(m)),
+                    }
+                )
 
-    hdr = f"{'batch':>5} {'method':<17} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} " \
-          f"{'TPF':>5} {'acc':>5} {'hit':>5} {'= ar':>5} {'= hf':>5}"
+    hdr = (
+        f"{'batch':>5} {'method':<17} {'tokens':>6} {'tok/s':>8} {'x hf':>6} {'x ar':>6} {'forwards':>8} "
+        f"{'TPF':>5} {'acc':>5} {'hit':>5} {'= ar':>5} {'= hf':>5}"
+    )
     source = "heldout chat" if args.data == "heldout" else Path(args.data).name
-    print(f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
-          f"{f'temperature={args.temperature:g} ' if sampled else 'greedy '}"
-          f"threads={torch.get_num_threads()} groups={args.groups} (methods interleaved per group)")
+    print(
+        f"model={args.model} prompts={source} prompt_tokens<={args.prompt_tokens} new_tokens={k} "
+        f"{f'temperature={args.temperature:g} ' if sampled else 'greedy '}"
+        f"threads={torch.get_num_threads()} groups={args.groups} (methods interleaved per group)"
+    )
     print(hdr)
     print("-" * len(hdr))
     ref = {}
@@ -198,11 +239,13 @@ def main(argv=None) -> int:
         if r["method"] == "ar":
             ar_ref[r["batch"]] = r["tok_s"]
         x_ar = r["tok_s"] / ar_ref[r["batch"]] if r["batch"] in ar_ref else float("nan")
-        print(f"{r['batch']:>5} {r['method']:<17} {r['tokens']:>6} {r['tok_s']:>8.1f} "
-              f"{r['tok_s'] / ref[r['batch']]:>6.2f} {x_ar:>6.2f} {r['forwards']:>8} {r['tpf']:>5.2f} "
-              f"{(f'{acc[0]:.2f}' if (acc := r.get('acceptance')) else '-'):>5} "
-              f"{(f'{h:.2f}' if (h := r.get('next_verify')) is not None else '-'):>5} "
-              f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}")
+        print(
+            f"{r['batch']:>5} {r['method']:<17} {r['tokens']:>6} {r['tok_s']:>8.1f} "
+            f"{r['tok_s'] / ref[r['batch']]:>6.2f} {x_ar:>6.2f} {r['forwards']:>8} {r['tpf']:>5.2f} "
+            f"{(f'{acc[0]:.2f}' if (acc := r.get('acceptance')) else '-'):>5} "
+            f"{(f'{h:.2f}' if (h := r.get('next_verify')) is not None else '-'):>5} "
+            f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -30,8 +30,9 @@ from decode import DEFAULT_DATA, read_prompts  # noqa: E402  (bench/decode.py)
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="AR model converted on the fly when --mdm/--block "
-                                                            "are not given")
+    ap.add_argument(
+        "--model", default="smollm2-135m", help="AR model converted on the fly when --mdm/--block are not given"
+    )
     ap.add_argument("--mdm", help="an mdm DLM folder (default: --model converted)")
     ap.add_argument("--block", help="a block DLM folder (default: --model converted with --block-size)")
     ap.add_argument("--block-size", type=int, default=4)
@@ -39,8 +40,11 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
-    ap.add_argument("--configs", default="mdm-confidence,mdm-threshold,block",
-                    help="comma list of mdm-confidence, mdm-random, mdm-threshold, block")
+    ap.add_argument(
+        "--configs",
+        default="mdm-confidence,mdm-threshold,block",
+        help="comma list of mdm-confidence, mdm-random, mdm-threshold, block",
+    )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -71,13 +75,17 @@ def main(argv=None) -> int:
         models[objective] = load_any(path, objective, **kw)
     tok = next(iter(models.values())).tokenizer
     texts = read_prompts(Path(args.data), args.batch_size)
-    prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens:] for t in texts]
+    prompts = [tok(t, add_special_tokens=False)["input_ids"][-args.prompt_tokens :] for t in texts]
     params = SamplingParams(max_new_tokens=k, ignore_eos=True)
 
-    print(f"model={args.model} prompts={len(prompts)} x <= {args.prompt_tokens} tokens, new_tokens={k}, "
-          f"threads={torch.get_num_threads()}")
-    hdr = f"{'decoder':<16} {'run':<14} {'tok/s':>7} {'x loop':>7} {'forwards':>8} {'TPF':>5} {'model calls':>11} " \
-          f"{'= loop':>6}"
+    print(
+        f"model={args.model} prompts={len(prompts)} x <= {args.prompt_tokens} tokens, new_tokens={k}, "
+        f"threads={torch.get_num_threads()}"
+    )
+    hdr = (
+        f"{'decoder':<16} {'run':<14} {'tok/s':>7} {'x loop':>7} {'forwards':>8} {'TPF':>5} {'model calls':>11} "
+        f"{'= loop':>6}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name in wanted:
@@ -91,8 +99,10 @@ def main(argv=None) -> int:
         n_tok = sum(len(ids) for ids, _ in ref)
         loop_tps = n_tok / loop_s
         fw = sum(f for _, f in ref)
-        print(f"{name:<16} {'per-request':<14} {loop_tps:>7.1f} {1.0:>7.2f} {fw:>8} {n_tok / fw:>5.2f} {fw:>11} "
-              f"{'':>6}", flush=True)
+        print(
+            f"{name:<16} {'per-request':<14} {loop_tps:>7.1f} {1.0:>7.2f} {fw:>8} {n_tok / fw:>5.2f} {fw:>11} {'':>6}",
+            flush=True,
+        )
         for b in sorted({1, args.batch_size}):
             engine = Engine(dlm, tok, decoder=objective, max_batch_size=b, **kw)
             t = time.perf_counter()
@@ -101,8 +111,11 @@ def main(argv=None) -> int:
             got = sum(len(r.token_ids) for r in res)
             same = all(r.token_ids == ids for r, (ids, _) in zip(res, ref))
             fw = sum(r.stats.forwards for r in res)  # per request, as for the loop; model calls: batched
-            print(f"{name:<16} {f'engine b{b}':<14} {got / s:>7.1f} {got / s / loop_tps:>7.2f} {fw:>8} "
-                  f"{got / fw:>5.2f} {engine.total_forwards:>11} {str(same):>6}", flush=True)
+            print(
+                f"{name:<16} {f'engine b{b}':<14} {got / s:>7.1f} {got / s / loop_tps:>7.2f} {fw:>8} "
+                f"{got / fw:>5.2f} {engine.total_forwards:>11} {str(same):>6}",
+                flush=True,
+            )
     return 0
 
 

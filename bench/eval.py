@@ -80,8 +80,11 @@ def main() -> None:
             pairs.append(encode_pair(em, ex.context, c))
             keys.append(f"piqa:{i}")
     n_tok = sum(len(a) + len(b) for a, b in pairs) / len(pairs)
-    print(f"model {args.model} (mdm, shift={dlm.shift}), {len(examples)} PIQA items, {len(pairs)} pairs of "
-          f"~{n_tok:.0f} tokens, T={args.steps}, threads={torch.get_num_threads()}", flush=True)
+    print(
+        f"model {args.model} (mdm, shift={dlm.shift}), {len(examples)} PIQA items, {len(pairs)} pairs of "
+        f"~{n_tok:.0f} tokens, T={args.steps}, threads={torch.get_num_threads()}",
+        flush=True,
+    )
 
     denoising_scores(em, pairs[:2], keys[:2], steps=2, seed=args.seed)  # warm-up
     t0 = time.perf_counter()

@@ -52,7 +52,7 @@ def main() -> None:
     items = load_task("piqa", paths={"piqa": args.data})
     if args.limit:
         items = items[: args.limit]
-    goals = [ex.context[len("Question: "):-len("\nAnswer: ")] for ex in items]
+    goals = [ex.context[len("Question: ") : -len("\nAnswer: ")] for ex in items]
     sols = [[c[1:] for c in ex.choices] for ex in items]
     tmp = tempfile.mkdtemp(prefix="dlm_parity_")
     data = os.path.join(tmp, "piqa_items.jsonl")
@@ -66,22 +66,31 @@ def main() -> None:
     for name in args.prompts.split(","):
         text, delim, prefix = PROMPTS[name]
         with open(os.path.join(tmp, f"parity_{name}.yaml"), "w") as fh:
-            fh.write(f"task: dlm_parity_piqa_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
-                     f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
-                     f"doc_to_text: \"{text}\"\ntarget_delimiter: \"{delim}\"\n"
-                     f"doc_to_choice: \"{{{{['{prefix}' + sol1, '{prefix}' + sol2]}}}}\"\ndoc_to_target: label\n"
-                     f"metric_list:\n  - metric: acc\n  - metric: acc_norm\n")
+            fh.write(
+                f"task: dlm_parity_piqa_{name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+                f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\n"
+                f'doc_to_text: "{text}"\ntarget_delimiter: "{delim}"\n'
+                f"doc_to_choice: \"{{{{['{prefix}' + sol1, '{prefix}' + sol2]}}}}\"\ndoc_to_target: label\n"
+                f"metric_list:\n  - metric: acc\n  - metric: acc_norm\n"
+            )
         ctx_text = text.replace("{{goal}}", "{}").replace("\\n", "\n")
-        examples = [MCExample(ctx_text.format(g) + delim, [prefix + s for s in ss], ex.label)
-                    for g, ss, ex in zip(goals, sols, items)]
+        examples = [
+            MCExample(ctx_text.format(g) + delim, [prefix + s for s in ss], ex.label)
+            for g, ss, ex in zip(goals, sols, items)
+        ]
         t0 = time.perf_counter()
         ours = evaluate_multiple_choice(em, examples, "piqa", keep_predictions=True)
         t_ours = time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = lm_eval.simple_evaluate(model="hf", model_args=f"pretrained={folder},dtype=float32",
-                                      tasks=[f"dlm_parity_piqa_{name}"], batch_size=args.batch_size,
-                                      task_manager=TaskManager(include_path=tmp, include_defaults=False),
-                                      log_samples=True, device="cpu")
+        out = lm_eval.simple_evaluate(
+            model="hf",
+            model_args=f"pretrained={folder},dtype=float32",
+            tasks=[f"dlm_parity_piqa_{name}"],
+            batch_size=args.batch_size,
+            task_manager=TaskManager(include_path=tmp, include_defaults=False),
+            log_samples=True,
+            device="cpu",
+        )
         t_hf = time.perf_counter() - t0
         task = f"dlm_parity_piqa_{name}"
         res = out["results"][task]
@@ -91,14 +100,19 @@ def main() -> None:
             hf_ll = [float(r[0]) for r in s["filtered_resps"]]
             max_diff = max(max_diff, max(abs(a - b) for a, b in zip(hf_ll, p["scores"])))
             differ += int(max(range(2), key=lambda i: hf_ll[i]) != p["pred"])
-        rows.append((name, ours["acc"], res["acc,none"], ours["acc_norm"], res["acc_norm,none"], max_diff, differ,
-                     t_ours, t_hf))
+        rows.append(
+            (name, ours["acc"], res["acc,none"], ours["acc_norm"], res["acc_norm,none"], max_diff, differ, t_ours, t_hf)
+        )
     print(f"\nPIQA, {len(items)} items from {args.data}, model {args.model} (causal, fp32, CPU)")
-    print(f"{'prompt':<8} {'dlm acc':>8} {'hf acc':>8} {'dlm norm':>9} {'hf norm':>8} {'max|dLL|':>9} "
-          f"{'preds differ':>12} {'dlm s':>7} {'hf s':>7}")
+    print(
+        f"{'prompt':<8} {'dlm acc':>8} {'hf acc':>8} {'dlm norm':>9} {'hf norm':>8} {'max|dLL|':>9} "
+        f"{'preds differ':>12} {'dlm s':>7} {'hf s':>7}"
+    )
     for r in rows:
-        print(f"{r[0]:<8} {r[1]:>8.4f} {r[2]:>8.4f} {r[3]:>9.4f} {r[4]:>8.4f} {r[5]:>9.2e} {r[6]:>12d} "
-              f"{r[7]:>7.1f} {r[8]:>7.1f}")
+        print(
+            f"{r[0]:<8} {r[1]:>8.4f} {r[2]:>8.4f} {r[3]:>9.4f} {r[4]:>8.4f} {r[5]:>9.2e} {r[6]:>12d} "
+            f"{r[7]:>7.1f} {r[8]:>7.1f}"
+        )
 
 
 if __name__ == "__main__":

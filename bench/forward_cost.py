@@ -32,27 +32,43 @@ from dlm.decode import cpu as cpu_kernels
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m", help="alias / AR folder (converted, random adapters) or a "
-                    "trained I-DLM checkpoint")
+    ap.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="alias / AR folder (converted, random adapters) or a trained I-DLM checkpoint",
+    )
     ap.add_argument("--strides", default="2,3,4")
     ap.add_argument("--context", type=int, default=128, help="tokens already in the KV cache")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--lora-r", type=int, default=32, help="rank of the random adapters when --model has none")
-    ap.add_argument("--targets", default="all-linear", help="modules of the random adapters when --model has none "
-                    "(comma-separated names, e.g. q_proj,v_proj; default all-linear)")
+    ap.add_argument(
+        "--targets",
+        default="all-linear",
+        help="modules of the random adapters when --model has none "
+        "(comma-separated names, e.g. q_proj,v_proj; default all-linear)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
     ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
-    ap.add_argument("--candidates", default="",
-                    help="comma-separated K: also time ISD N=2 verify chunks with K draft candidates "
-                    "([c, d^1..d^K, M^1..M^K, F]: 2K+2 tokens, K+1 masks)")
-    ap.add_argument("--linear", default="kernel,blas",
-                    help="comma-separated, interleaved per repeat: kernel (the engine's few-row CPU kernel, "
-                    "dlm.decode.cpu; fp32 CPU only) and/or blas (torch's F.linear)")
-    ap.add_argument("--attn", default="dlm_sdpa",
-                    help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
-                    "masked grouped-query chunks) and/or sdpa (transformers')")
+    ap.add_argument(
+        "--candidates",
+        default="",
+        help="comma-separated K: also time ISD N=2 verify chunks with K draft candidates "
+        "([c, d^1..d^K, M^1..M^K, F]: 2K+2 tokens, K+1 masks)",
+    )
+    ap.add_argument(
+        "--linear",
+        default="kernel,blas",
+        help="comma-separated, interleaved per repeat: kernel (the engine's few-row CPU kernel, "
+        "dlm.decode.cpu; fp32 CPU only) and/or blas (torch's F.linear)",
+    )
+    ap.add_argument(
+        "--attn",
+        default="dlm_sdpa",
+        help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
+        "masked grouped-query chunks) and/or sdpa (transformers')",
+    )
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
 
@@ -67,14 +83,16 @@ def main(argv=None) -> int:
 
         folder = resolve_model_path(args.model)
         torch.manual_seed(0)
-        ar = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), attn_implementation="sdpa",
-                                              dtype=torch.float32)
+        ar = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), attn_implementation="sdpa", dtype=torch.float32
+        )
         dlm = convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder))
     else:
         dlm = load_any(args.model, "idlm")
     if get_gated(dlm) is None:
-        prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True,
-                                                 target_modules=args.targets))
+        prepare_model_for_lora(
+            dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True, target_modules=args.targets)
+        )
         with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
             for a in dlm.gated_lora.adapters.values():
                 a.B.normal_(0, 1e-3)
@@ -95,8 +113,10 @@ def main(argv=None) -> int:
         from dlm.decode import cpu as cpu_kernels
 
         if not cpu_kernels.attach(dlm):
-            print("the CPU kernels do not apply here (not fp32 on CPU, DLM_CPU_KERNEL=0, no build, or slower "
-                  "than stock on this machine - DLM_CPU_KERNEL=1 forces them): blas only")
+            print(
+                "the CPU kernels do not apply here (not fp32 on CPU, DLM_CPU_KERNEL=0, no build, or slower "
+                "than stock on this machine - DLM_CPU_KERNEL=1 forces them): blas only"
+            )
             lins = ["blas"]
     args.lins = lins
     hf, m = dlm.model, dlm.mask_token_id
@@ -108,8 +128,10 @@ def main(argv=None) -> int:
         shapes += [(f"isd cold N={n}", n, n - 1), (f"isd verify N={n}", 2 * n - 1, n - 1)]
     shapes += [(f"isd N=2 K={k}", 2 * k + 2, k + 1) for k in (int(x) for x in args.candidates.split(",") if x)]
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
-    print(f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
-          f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}")
+    print(
+        f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
+        f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}"
+    )
     for B in [int(x) for x in args.batch_size.split(",") if x]:
         bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, impls)
     return 0
@@ -128,7 +150,7 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
         def one(t: int, masks: int, kernel: bool) -> float:
             ids = torch.randint(100, 20000, (B, t), generator=g)
             if masks:
-                ids[:, t - masks:] = m
+                ids[:, t - masks :] = m
             ids = ids.to(device)
             pos = torch.arange(args.context, args.context + t, device=device)[None].expand(B, t)
             sync()
@@ -182,8 +204,10 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
     if len(impls) > 1:
         a0, a1 = impls[0], impls[1]
         lin = args.lins[0]
-        print(f"batch {B}: ms gated, {a1} / {a0}: " + ", ".join(
-            f"{s[0]} {with_adapters[(a1, lin, s)] / with_adapters[(a0, lin, s)]:.2f}" for s in shapes))
+        print(
+            f"batch {B}: ms gated, {a1} / {a0}: "
+            + ", ".join(f"{s[0]} {with_adapters[(a1, lin, s)] / with_adapters[(a0, lin, s)]:.2f}" for s in shapes)
+        )
 
 
 if __name__ == "__main__":

@@ -60,9 +60,12 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rows", default="1,2,3,5", help="comma-separated M (the first is the reference)")
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--linear", default="blas,kernel",
-                    help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu, what the decoding "
-                    "engine uses for fp32 on CPU)")
+    ap.add_argument(
+        "--linear",
+        default="blas,kernel",
+        help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu, what the decoding "
+        "engine uses for fp32 on CPU)",
+    )
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r]
     kinds = [k for k in args.linear.split(",") if k]
@@ -73,8 +76,13 @@ def main(argv=None) -> int:
         kinds = ["blas"]
     h, i, kv = args.hidden, args.intermediate, args.kv
     # (name, out, in, calls per layer); lm_head once per forward
-    shapes = [("q_proj + o_proj", h, h, 2), ("k_proj + v_proj", kv, h, 2), ("gate_proj + up_proj", i, h, 2),
-              ("down_proj", h, i, 1), ("lm_head", args.vocab, h, None)]
+    shapes = [
+        ("q_proj + o_proj", h, h, 2),
+        ("k_proj + v_proj", kv, h, 2),
+        ("gate_proj + up_proj", i, h, 2),
+        ("down_proj", h, i, 1),
+        ("lm_head", args.vocab, h, None),
+    ]
     torch.manual_seed(0)
     print(f"{torch.get_num_threads()} threads, fp32, {args.layers} layers, weights cycled (cold in cache)")
     cols = [(k, m) for k in kinds for m in rows]
@@ -94,9 +102,15 @@ def main(argv=None) -> int:
     ref = totals[(kinds[0], rows[0])]
     print(f"all matmuls of one forward ({nbytes / 1e6:.0f} MB of weights), ms (x {kinds[0]} M={rows[0]}):")
     for k in kinds:
-        print(f"  {k:<7}" + ", ".join(f"M={m} {totals[(k, m)]:.1f} ({totals[(k, m)] / ref:.2f}x; "
-                                      f"{nbytes / totals[(k, m)] / 1e6:.0f} GB/s, "
-                                      f"{nbytes / 4 * 2 * m / totals[(k, m)] / 1e6:.0f} GFLOP/s)" for m in rows))
+        print(
+            f"  {k:<7}"
+            + ", ".join(
+                f"M={m} {totals[(k, m)]:.1f} ({totals[(k, m)] / ref:.2f}x; "
+                f"{nbytes / totals[(k, m)] / 1e6:.0f} GB/s, "
+                f"{nbytes / 4 * 2 * m / totals[(k, m)] / 1e6:.0f} GFLOP/s)"
+                for m in rows
+            )
+        )
     return 0
 
 

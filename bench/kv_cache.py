@@ -61,8 +61,11 @@ def main(argv=None) -> int:
                         best[growing] = min(best.get(growing, s), s)
                         tokens.setdefault(growing, out)
                 n = b * args.new_tokens
-                print(f"{ctx:>7} {b:>5} {dec:<8} {n / best[False]:>9.1f} {n / best[True]:>8.1f} "
-                      f"{best[False] / best[True]:>6.2f} {str(tokens[False] == tokens[True]):>5}", flush=True)
+                print(
+                    f"{ctx:>7} {b:>5} {dec:<8} {n / best[False]:>9.1f} {n / best[True]:>8.1f} "
+                    f"{best[False] / best[True]:>6.2f} {str(tokens[False] == tokens[True]):>5}",
+                    flush=True,
+                )
     engine_mod.GROWING_CACHE = True
     return 0
 

@@ -62,8 +62,10 @@ def main(argv=None) -> int:
                 dt = time.perf_counter() - t0
                 best = dt if best is None else min(best, dt)
             rows.append((name, n, best))
-    print(f"{args.files} shards x {CHUNK:,} uint16 tokens, block {BLOCK}, one process, load average "
-          f"{os.getloadavg()[0]:.1f}")
+    print(
+        f"{args.files} shards x {CHUNK:,} uint16 tokens, block {BLOCK}, one process, load average "
+        f"{os.getloadavg()[0]:.1f}"
+    )
     print(f"| {'reader':<34} | {'tokens':>11} | {'seconds':>7} | {'tokens/s':>13} | {'vs baseline':>11} |")
     print(f"|{'-' * 36}|{'-' * 12}:|{'-' * 8}:|{'-' * 14}:|{'-' * 12}:|")
     base = rows[0][1] / rows[0][2]

@@ -60,12 +60,14 @@ def main(argv=None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(folder)
 
         def source():
-            return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa",
-                                                    dtype=torch.float32)
+            return AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation="sdpa", dtype=torch.float32
+            )
 
         def convert(objective, **kw):
             return convert_ar_to_dlm(source(), objective, tokenizer=tokenizer, **kw)
     else:
+
         def convert(objective, **kw):
             return convert_ar_to_dlm(folder, objective, **kw)
 
@@ -75,12 +77,13 @@ def main(argv=None) -> int:
         "block": convert("block", block_size=args.block_size),
         "idlm": convert("idlm", block_size=args.block_size),
         "idlm-2L": convert("idlm", block_size=args.block_size),
-        "idlm-gated": prepare_model_for_lora(convert("idlm", block_size=args.block_size),
-                                             {"r": 16, "alpha": 32, "gated": True}),
+        "idlm-gated": prepare_model_for_lora(
+            convert("idlm", block_size=args.block_size), {"r": 16, "alpha": 32, "gated": True}
+        ),
     }
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    for name, m in models.items():
+    for _name, m in models.items():
         m.to(device)
         if args.attn_impl != "sdpa":
             m.base_model_hf.set_attn_implementation(args.attn_impl)
@@ -89,8 +92,9 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize(device)
 
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16
-                else __import__("contextlib").nullcontext())
+    autocast = (
+        torch.autocast(device.type, dtype=torch.bfloat16) if args.bf16 else __import__("contextlib").nullcontext()
+    )
     objectives = {
         "mdm": get_objective("mdm", attention="annealed", anneal_steps=1000),
         "block": get_objective("block"),
@@ -117,13 +121,16 @@ def main(argv=None) -> int:
                 out = objectives[name](model, batch, step=10, generator=gen)
             out.loss.backward()
             return out.parts.get("build_s", 0.0)
+
         return step
 
     steps = {"ar": ar_step, **{n: obj_step(n) for n in objectives}}
     rows = []
     where = torch.cuda.get_device_name(device) if cuda else f"cpu threads={torch.get_num_threads()}"
-    print(f"model={args.model}{' (random init)' if args.random_init else ''} {where} reps={args.reps} "
-          f"block_size={args.block_size} batch={args.batch_size} attn={args.attn_impl} bf16={args.bf16}")
+    print(
+        f"model={args.model}{' (random init)' if args.random_init else ''} {where} reps={args.reps} "
+        f"block_size={args.block_size} batch={args.batch_size} attn={args.attn_impl} bf16={args.bf16}"
+    )
     for L in [int(x) for x in args.lengths.split(",")]:
         ids = torch.randint(0, vocab, (args.batch_size, L), generator=torch.Generator().manual_seed(L)).to(device)
         batch = {"input_ids": ids, "labels": ids.clone()}
@@ -145,9 +152,18 @@ def main(argv=None) -> int:
         base = statistics.median(times["ar"])
         for name in steps:
             t = statistics.median(times[name])
-            rows.append({"objective": name, "L": L, "batch": args.batch_size, "attn": args.attn_impl,
-                         "device": str(device), "ms": 1000 * t, "ratio": t / base,
-                         "build_pct": 100 * statistics.median(builds[name]) / t})
+            rows.append(
+                {
+                    "objective": name,
+                    "L": L,
+                    "batch": args.batch_size,
+                    "attn": args.attn_impl,
+                    "device": str(device),
+                    "ms": 1000 * t,
+                    "ratio": t / base,
+                    "build_pct": 100 * statistics.median(builds[name]) / t,
+                }
+            )
     print(f"{'objective':<12} {'L':>5} {'ms/step':>9} {'ratio':>7} {'build %':>8}")
     for r in rows:
         print(f"{r['objective']:<12} {r['L']:>5} {r['ms']:>9.0f} {r['ratio']:>6.2f}x {r['build_pct']:>7.2f}%")

@@ -44,8 +44,11 @@ def make_corpus(folder: Path, copies: int, files: int, doc_chars: int = 2000) ->
     per_file = copies // files
     for i in range(files):
         rows = docs * per_file
-        pq.write_table(pa.table({"id": list(range(len(rows))), "text": rows}), folder / f"part-{i:03d}.parquet",
-                       row_group_size=1024)
+        pq.write_table(
+            pa.table({"id": list(range(len(rows))), "text": rows}),
+            folder / f"part-{i:03d}.parquet",
+            row_group_size=1024,
+        )
     return len(docs) * per_file * files
 
 
@@ -70,10 +73,10 @@ class ReferenceBuilder:
     def add_array(self, arr):
         while self._idx + arr.shape[0] > self._chunk_size:
             part_len = self._chunk_size - self._idx
-            self._arr[self._idx: self._idx + part_len] = arr[:part_len]
+            self._arr[self._idx : self._idx + part_len] = arr[:part_len]
             self._write_chunk()
             arr = arr[part_len:]
-        self._arr[self._idx: self._idx + arr.shape[0]] = arr
+        self._arr[self._idx : self._idx + arr.shape[0]] = arr
         self._idx += arr.shape[0]
 
 
@@ -128,27 +131,51 @@ def main(argv=None) -> int:
         rows.append(("baseline: per-doc tokenizer call, 1 process", base_tokens, base_s, cpu_seconds() - c0))
         for procs in sorted({1, args.num_processes}):
             c0 = cpu_seconds()
-            s = prepare(PrepareConfig(str(tmp / "src"), str(tmp / f"dlm{procs}"), tokenizer="smollm2-135m",
-                                      num_processes=procs, chunk_size=args.chunk_size, progress=False))
+            s = prepare(
+                PrepareConfig(
+                    str(tmp / "src"),
+                    str(tmp / f"dlm{procs}"),
+                    tokenizer="smollm2-135m",
+                    num_processes=procs,
+                    chunk_size=args.chunk_size,
+                    progress=False,
+                )
+            )
             if s["tokens"] != base_tokens:
                 print(f"MISMATCH: dlm prepare produced {s['tokens']} tokens, baseline {base_tokens}", file=sys.stderr)
                 return 1
             rows.append((f"dlm prepare --num-processes {procs}", s["tokens"], s["seconds"], cpu_seconds() - c0))
-    print(f"corpus: {n_docs:,} documents in {args.files} parquet files, {base_tokens:,} tokens "
-          f"(smollm2-135m tokenizer, chunk size {args.chunk_size:,}); {os.cpu_count()} CPU cores, "
-          f"load average {load:.1f} at start (the machine is shared: wall-clock rates depend on it)")
-    print(f"| {'run':<45} | {'tokens':>10} | {'wall s':>7} | {'tokens/s':>10} | {'vs base':>7} | {'CPU s':>6} | "
-          f"{'tok/CPU-s':>10} | {'vs base':>7} |")
+    print(
+        f"corpus: {n_docs:,} documents in {args.files} parquet files, {base_tokens:,} tokens "
+        f"(smollm2-135m tokenizer, chunk size {args.chunk_size:,}); {os.cpu_count()} CPU cores, "
+        f"load average {load:.1f} at start (the machine is shared: wall-clock rates depend on it)"
+    )
+    print(
+        f"| {'run':<45} | {'tokens':>10} | {'wall s':>7} | {'tokens/s':>10} | {'vs base':>7} | {'CPU s':>6} | "
+        f"{'tok/CPU-s':>10} | {'vs base':>7} |"
+    )
     print(f"|{'-' * 47}|{'-' * 11}:|{'-' * 8}:|{'-' * 11}:|{'-' * 8}:|{'-' * 7}:|{'-' * 11}:|{'-' * 8}:|")
     base_rate, base_cpu_rate = base_tokens / base_s, base_tokens / rows[0][3]
     results = []
     for name, tokens, secs, cpu in rows:
         rate, cpu_rate = tokens / secs, tokens / cpu
-        results.append({"run": name, "tokens": tokens, "seconds": secs, "tokens_per_s": rate,
-                        "ratio": rate / base_rate, "cpu_seconds": cpu, "tokens_per_cpu_s": cpu_rate,
-                        "cpu_ratio": cpu_rate / base_cpu_rate, "load_average": load})
-        print(f"| {name:<45} | {tokens:>10,} | {secs:>7.2f} | {rate:>10,.0f} | {rate / base_rate:>6.2f}x | "
-              f"{cpu:>6.2f} | {cpu_rate:>10,.0f} | {cpu_rate / base_cpu_rate:>6.2f}x |")
+        results.append(
+            {
+                "run": name,
+                "tokens": tokens,
+                "seconds": secs,
+                "tokens_per_s": rate,
+                "ratio": rate / base_rate,
+                "cpu_seconds": cpu,
+                "tokens_per_cpu_s": cpu_rate,
+                "cpu_ratio": cpu_rate / base_cpu_rate,
+                "load_average": load,
+            }
+        )
+        print(
+            f"| {name:<45} | {tokens:>10,} | {secs:>7.2f} | {rate:>10,.0f} | {rate / base_rate:>6.2f}x | "
+            f"{cpu:>6.2f} | {cpu_rate:>10,.0f} | {cpu_rate / base_cpu_rate:>6.2f}x |"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -33,16 +33,38 @@ import sys
 import time
 
 PROMPTS = [
-    "What is the capital of France?", "Give me three tips for staying focused.", "Explain photosynthesis simply.",
-    "Write a haiku about the sea.", "How do I boil an egg?", "What is 17 times 23?", "Name five fruits.",
-    "Why is the sky blue?", "Summarize the plot of Cinderella.", "What does a CPU do?",
-    "Translate 'good morning' into Spanish.", "List three uses of a paperclip.", "What is a prime number?",
-    "Describe a cat to someone who has never seen one.", "How many days are in a leap year?",
-    "What is machine learning?", "Give a synonym for happy.", "Why do we sleep?", "What is gravity?",
-    "Suggest a name for a pet goldfish.", "How do airplanes fly?", "What is the boiling point of water?",
-    "Tell me a fun fact about octopuses.", "What is the difference between weather and climate?",
-    "Write one sentence about autumn.", "How do vaccines work?", "What is an API?", "Why is exercise healthy?",
-    "What is the largest planet?", "How do I make a cup of tea?", "What is a noun?", "Explain recursion briefly.",
+    "What is the capital of France?",
+    "Give me three tips for staying focused.",
+    "Explain photosynthesis simply.",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What is 17 times 23?",
+    "Name five fruits.",
+    "Why is the sky blue?",
+    "Summarize the plot of Cinderella.",
+    "What does a CPU do?",
+    "Translate 'good morning' into Spanish.",
+    "List three uses of a paperclip.",
+    "What is a prime number?",
+    "Describe a cat to someone who has never seen one.",
+    "How many days are in a leap year?",
+    "What is machine learning?",
+    "Give a synonym for happy.",
+    "Why do we sleep?",
+    "What is gravity?",
+    "Suggest a name for a pet goldfish.",
+    "How do airplanes fly?",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Write one sentence about autumn.",
+    "How do vaccines work?",
+    "What is an API?",
+    "Why is exercise healthy?",
+    "What is the largest planet?",
+    "How do I make a cup of tea?",
+    "What is a noun?",
+    "Explain recursion briefly.",
 ]
 
 
@@ -61,8 +83,14 @@ async def _one(client, model, prompt, max_tokens, ignore_eos):
     tokens = 0
     text = []
     stream = await client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
-        stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": ignore_eos},
+    )
     async for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
             first = first or time.perf_counter()
@@ -71,8 +99,12 @@ async def _one(client, model, prompt, max_tokens, ignore_eos):
             tokens = chunk.usage.completion_tokens
     end = time.perf_counter()
     first = first or end
-    return {"ttft": first - t0, "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0, "tokens": tokens,
-            "text": "".join(text)}
+    return {
+        "ttft": first - t0,
+        "tpot": (end - first) / (tokens - 1) if tokens > 1 else 0.0,
+        "tokens": tokens,
+        "text": "".join(text),
+    }
 
 
 async def _level(url, model, concurrency, n_requests, max_tokens, ignore_eos=False):
@@ -98,19 +130,30 @@ async def _level(url, model, concurrency, n_requests, max_tokens, ignore_eos=Fal
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="alias, AR folder or DLM folder (default smollm2-135m)")
-    ap.add_argument("--decodes", default="ar,isd", help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
-                    "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
-                    "--isd-candidates K")
+    ap.add_argument(
+        "--decodes",
+        default="ar,isd",
+        help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
+        "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
+        "--isd-candidates K",
+    )
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
     ap.add_argument("--min-requests", type=int, default=4, help="requests per level at least (default 4)")
     ap.add_argument("--max-tokens", type=int, default=32, help="output tokens per request (default 32)")
-    ap.add_argument("--ignore-eos", action="store_true", help="generate exactly --max-tokens per request, past the "
-                    "end of the answer (default: stop at end-of-sequence)")
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly --max-tokens per request, past the end of the answer (default: stop at end-of-sequence)",
+    )
     ap.add_argument("--max-batch-size", type=int, help="engine batch (default: the largest concurrency)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    ap.add_argument("--rounds", type=int, default=1, help="run every level this many times, interleaved, and "
-                    "report the sums (default 1)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every level this many times, interleaved, and report the sums (default 1)",
+    )
     ap.add_argument("--output", help="write the results as JSON here")
     args = ap.parse_args(argv)
 
@@ -131,9 +174,12 @@ def main(argv=None) -> int:
     dev = get_device(None)
     t = time.perf_counter()
     dlm = load_any(args.model, dtype=get_dtype("auto", dev), device=dev)
-    print(f"model {args.model} ({dlm.objective}, block {dlm.block_size}) loaded in {time.perf_counter() - t:.1f}s; "
-          f"torch threads {torch.get_num_threads()}; batch {batch}; "
-          f"{'exactly ' if args.ignore_eos else 'up to '}{args.max_tokens} tokens/request", flush=True)
+    print(
+        f"model {args.model} ({dlm.objective}, block {dlm.block_size}) loaded in {time.perf_counter() - t:.1f}s; "
+        f"torch threads {torch.get_num_threads()}; batch {batch}; "
+        f"{'exactly ' if args.ignore_eos else 'up to '}{args.max_tokens} tokens/request",
+        flush=True,
+    )
 
     # every decoder gets its own server (same model object, same server code); the levels are interleaved
     # (ar c=1, isd c=1, ..., ar c=8, ...) so that load drift on a shared machine hits all decoders alike
@@ -149,8 +195,10 @@ def main(argv=None) -> int:
                 else:
                     kw["token_budget"] = opt
             engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
-            app = create_app(Scheduler(engine, threads=args.threads),
-                             ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens))
+            app = create_app(
+                Scheduler(engine, threads=args.threads),
+                ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens),
+            )
             srv = stack.enter_context(ServerThread(app))
             asyncio.run(_level(srv.url, "bench", 1, 1, 4))  # warm-up
             servers[decode] = (srv, engine)
@@ -166,8 +214,7 @@ def main(argv=None) -> int:
                     cpu = time.process_time() - cpu0
                     after = _metric_values(httpx.get(srv.url + "/metrics").text)
                     d = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-                    acc = raw.setdefault((decode, c), {"res": [], "wall": 0.0, "cpu": 0.0, "n": 0, "d": {},
-                                                       "load": []})
+                    acc = raw.setdefault((decode, c), {"res": [], "wall": 0.0, "cpu": 0.0, "n": 0, "d": {}, "load": []})
                     acc["res"] += [dict(r, round=rnd) for r in res]
                     acc["wall"] += wall
                     acc["cpu"] += cpu
@@ -176,9 +223,12 @@ def main(argv=None) -> int:
                     for k, v in d.items():
                         acc["d"][k] = acc["d"].get(k, 0) + v
                     toks = sum(r["tokens"] for r in res)
-                    print(f"  round {rnd + 1} {decode:>11} c={c:<3} {toks / wall:7.1f} tok/s  "
-                          f"tpf {d['dlm_generation_tokens_total'] / max(d['dlm_forwards_total'], 1):.2f}  "
-                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"  round {rnd + 1} {decode:>11} c={c:<3} {toks / wall:7.1f} tok/s  "
+                        f"tpf {d['dlm_generation_tokens_total'] / max(d['dlm_forwards_total'], 1):.2f}  "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
         rows = []
         for c in levels:
             for decode in decodes:
@@ -186,16 +236,27 @@ def main(argv=None) -> int:
                 res, d, wall = acc["res"], acc["d"], acc["wall"]
                 toks = sum(r["tokens"] for r in res)
                 ttfts = [r["ttft"] for r in res]
-                row = {"decode": decode, "stride": getattr(servers[decode][1].decoder, "stride", None),
-                       "concurrency": c, "requests": acc["n"], "output_tokens": toks, "wall_s": wall,
-                       "tokens_per_s": toks / wall, "cpu_s_per_token": acc["cpu"] / max(toks, 1),
-                       "load_average": statistics.fmean(acc["load"]),
-                       "ttft_p50_s": statistics.median(ttfts), "ttft_mean_s": statistics.fmean(ttfts),
-                       "tpot_mean_s": statistics.fmean(r["tpot"] for r in res),
-                       "tpf": d["dlm_generation_tokens_total"] / max(d["dlm_forwards_total"], 1),
-                       "acceptance": (d["dlm_draft_accepted_total"] / d["dlm_draft_proposed_total"]
-                                      if d.get("dlm_draft_proposed_total") else None),
-                       "engine_steps": d["dlm_engine_steps_total"]}
+                row = {
+                    "decode": decode,
+                    "stride": getattr(servers[decode][1].decoder, "stride", None),
+                    "concurrency": c,
+                    "requests": acc["n"],
+                    "output_tokens": toks,
+                    "wall_s": wall,
+                    "tokens_per_s": toks / wall,
+                    "cpu_s_per_token": acc["cpu"] / max(toks, 1),
+                    "load_average": statistics.fmean(acc["load"]),
+                    "ttft_p50_s": statistics.median(ttfts),
+                    "ttft_mean_s": statistics.fmean(ttfts),
+                    "tpot_mean_s": statistics.fmean(r["tpot"] for r in res),
+                    "tpf": d["dlm_generation_tokens_total"] / max(d["dlm_forwards_total"], 1),
+                    "acceptance": (
+                        d["dlm_draft_accepted_total"] / d["dlm_draft_proposed_total"]
+                        if d.get("dlm_draft_proposed_total")
+                        else None
+                    ),
+                    "engine_steps": d["dlm_engine_steps_total"],
+                }
                 # greedy: every decoder must serve the same text for the same request as the first decoder
                 ref = {(r["round"], r["request"]): r["text"] for r in raw[(decodes[0], c)]["res"]}
                 row["same_output_as"] = decodes[0]
@@ -205,31 +266,46 @@ def main(argv=None) -> int:
     base = {(r["decode"]): r["tokens_per_s"] for r in rows if r["concurrency"] == levels[0]}
     print()
     w = max(8, *(len(d) for d in decodes))
-    hdr = (f"{'decode':<{w}} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
-           f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5} "
-           f"{'== ' + decodes[0]:>8}")
+    hdr = (
+        f"{'decode':<{w}} {'conc':>4} {'reqs':>4} {'tok/s':>8} {'x c=' + str(levels[0]):>7} {'TTFT p50 ms':>11} "
+        f"{'TTFT mean ms':>12} {'TPOT ms':>8} {'CPU ms/tok':>10} {'TPF':>5} {'accept':>6} {'load':>5} "
+        f"{'== ' + decodes[0]:>8}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
         acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.2f}"
-        print(f"{r['decode']:<{w}} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
-              f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
-              f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
-              f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f} {r['same_output']:>8.0%}")
+        print(
+            f"{r['decode']:<{w}} {r['concurrency']:>4} {r['requests']:>4} {r['tokens_per_s']:>8.1f} "
+            f"{r['tokens_per_s'] / base[r['decode']]:>7.2f} {r['ttft_p50_s'] * 1e3:>11.0f} "
+            f"{r['ttft_mean_s'] * 1e3:>12.0f} {r['tpot_mean_s'] * 1e3:>8.1f} {r['cpu_s_per_token'] * 1e3:>10.1f} "
+            f"{r['tpf']:>5.2f} {acc:>6} {r['load_average']:>5.1f} {r['same_output']:>8.0%}"
+        )
     others = [d for d in decodes if d != "ar"]
     if "ar" in decodes and others:
         print()
         print(f"{'conc':>4} " + " ".join(f"{d + '/ar tok/s':>18}" for d in others))
         for c in levels:
             a = next(r for r in rows if r["decode"] == "ar" and r["concurrency"] == c)
-            ratios = [next(r for r in rows if r["decode"] == d and r["concurrency"] == c)["tokens_per_s"]
-                      / a["tokens_per_s"] for d in others]
+            ratios = [
+                next(r for r in rows if r["decode"] == d and r["concurrency"] == c)["tokens_per_s"] / a["tokens_per_s"]
+                for d in others
+            ]
             print(f"{c:>4} " + " ".join(f"{x:>18.2f}" for x in ratios))
     if args.output:
         tmp = args.output + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"model": args.model, "max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos, "batch": batch,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "model": args.model,
+                    "max_tokens": args.max_tokens,
+                    "ignore_eos": args.ignore_eos,
+                    "batch": batch,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
         os.replace(tmp, args.output)
     return 0
 

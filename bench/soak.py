@@ -30,8 +30,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
-PROMPTS = ["The cat sat on the", "Once upon a time", "To be, or not to be", "Numbers: 1 2 3", "The quick brown fox",
-           "A diffusion language model", "First Citizen: Before we proceed", "Why is the sky blue?"]
+PROMPTS = [
+    "The cat sat on the",
+    "Once upon a time",
+    "To be, or not to be",
+    "Numbers: 1 2 3",
+    "The quick brown fox",
+    "A diffusion language model",
+    "First Citizen: Before we proceed",
+    "Why is the sky blue?",
+]
 
 
 def rss_kib(pid: int) -> int:
@@ -55,9 +63,26 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
 
         model = str(save_tiny(Path(tempfile.mkdtemp(prefix="dlm-soak-")) / "tiny", "llama"))
     port = free_port()
-    cmd = [sys.executable, "-m", "dlm", "serve", "--model", model, "--port", str(port), "--decode", args.decode,
-           "--max-tokens-limit", str(args.max_tokens_limit), "--served-model-name", "soak", "--log-level", "error",
-           "--max-batch-size", str(args.max_batch_size)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "serve",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--decode",
+        args.decode,
+        "--max-tokens-limit",
+        str(args.max_tokens_limit),
+        "--served-model-name",
+        "soak",
+        "--log-level",
+        "error",
+        "--max-batch-size",
+        str(args.max_batch_size),
+    ]
     log = open(os.path.join(tempfile.gettempdir(), f"dlm-soak-server-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     return proc, f"http://127.0.0.1:{port}", "soak"
@@ -83,8 +108,13 @@ def openai_error(r) -> bool:
         body = r.json()
     except ValueError:
         return False
-    return isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], dict) \
-        and set(body["error"]) == {"message", "type", "param", "code"} and bool(body["error"]["message"])
+    return (
+        isinstance(body, dict)
+        and set(body) == {"error"}
+        and isinstance(body["error"], dict)
+        and set(body["error"]) == {"message", "type", "param", "code"}
+        and bool(body["error"]["message"])
+    )
 
 
 class Soak:
@@ -105,8 +135,12 @@ class Soak:
     # -- one request of each kind -------------------------------------------------------------------------
     def body(self, chat: bool, **extra) -> dict:
         prompt = self.rng.choice(PROMPTS)
-        b = {"model": self.model, "max_tokens": self.rng.randint(1, self.max_tokens),
-             "temperature": self.rng.choice([0.0, 0.7, 1.0]), "seed": self.rng.randint(0, 1 << 30)}
+        b = {
+            "model": self.model,
+            "max_tokens": self.rng.randint(1, self.max_tokens),
+            "temperature": self.rng.choice([0.0, 0.7, 1.0]),
+            "seed": self.rng.randint(0, 1 << 30),
+        }
         if chat:
             b["messages"] = [{"role": "user", "content": prompt}]
         else:
@@ -117,8 +151,13 @@ class Soak:
     async def well_formed(self, client, kind: str) -> None:
         chat = self.rng.random() < 0.5
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        extra = {"n": self.rng.randint(2, 4)} if kind == "n" else \
-            {"stop": [self.rng.choice([" the", ".", "\n", "e"])]} if kind == "stop" else {}
+        extra = (
+            {"n": self.rng.randint(2, 4)}
+            if kind == "n"
+            else {"stop": [self.rng.choice([" the", ".", "\n", "e"])]}
+            if kind == "stop"
+            else {}
+        )
         body = self.body(chat, **extra)
         t0 = time.perf_counter()
         if kind in ("stream", "cancel"):
@@ -159,22 +198,32 @@ class Soak:
         case = self.rng.randrange(7)
         path = self.rng.choice(["/v1/completions", "/v1/chat/completions"])
         if case == 0:
-            r = await client.post(self.url + path, content=b'{"model": "soak", "prompt": ', timeout=60,
-                                  headers={"content-type": "application/json"})
+            r = await client.post(
+                self.url + path,
+                content=b'{"model": "soak", "prompt": ',
+                timeout=60,
+                headers={"content-type": "application/json"},
+            )
         elif case == 1:
-            r = await client.post(self.url + path, json={"model": self.model, "prompt": "x", "messages": "x",
-                                                         "max_tokens": "five"}, timeout=60)
+            r = await client.post(
+                self.url + path,
+                json={"model": self.model, "prompt": "x", "messages": "x", "max_tokens": "five"},
+                timeout=60,
+            )
         elif case == 2:
-            r = await client.post(self.url + path, json=self.body(path.endswith("chat/completions"),
-                                                                  model="no-such-model"), timeout=60)
+            r = await client.post(
+                self.url + path, json=self.body(path.endswith("chat/completions"), model="no-such-model"), timeout=60
+            )
         elif case == 3:
-            r = await client.post(self.url + path, content=b"x" * (2 << 20), timeout=60,
-                                  headers={"content-type": "application/json"})
+            r = await client.post(
+                self.url + path, content=b"x" * (2 << 20), timeout=60, headers={"content-type": "application/json"}
+            )
         elif case == 4:
             r = await client.get(self.url + "/v1/nothing-here", timeout=60)
         elif case == 5:
-            r = await client.post(self.url + path, json=self.body(path.endswith("chat/completions"),
-                                                                  max_tokens=10 ** 9), timeout=60)
+            r = await client.post(
+                self.url + path, json=self.body(path.endswith("chat/completions"), max_tokens=10**9), timeout=60
+            )
         else:
             r = await client.post(self.url + path, json=[1, 2, 3], timeout=60)
         self.status[r.status_code] += 1
@@ -184,8 +233,7 @@ class Soak:
             self.note(f"malformed case {case} {path}: not the OpenAI error shape: {r.text[:200]}")
 
     async def one(self, client) -> None:
-        kind = self.rng.choices(["plain", "stream", "cancel", "n", "stop", "malformed"],
-                                weights=[3, 3, 2, 1, 1, 2])[0]
+        kind = self.rng.choices(["plain", "stream", "cancel", "n", "stop", "malformed"], weights=[3, 3, 2, 1, 1, 2])[0]
         self.kinds[kind] += 1
         try:
             if kind == "malformed":
@@ -230,25 +278,37 @@ async def run(args) -> dict:
                 await asyncio.sleep(0.01)
                 if now - last_print > 30:
                     last_print = now
-                    print(f"  {now - t0:6.0f} s  clients {target:3d}  requests {sum(soak.kinds.values()):7d}  "
-                          f"status {dict(soak.status)}", file=sys.stderr, flush=True)
+                    print(
+                        f"  {now - t0:6.0f} s  clients {target:3d}  requests {sum(soak.kinds.values()):7d}  "
+                        f"status {dict(soak.status)}",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             if active:
                 await asyncio.wait(active, timeout=300)
             health = await client.get(url + "/health", timeout=30)
             rss["end"] = rss_kib(pid) if pid else None
             lat = sorted(soak.latency)
-            pct = (lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None)  # noqa: E731
+            pct = lambda q: round(lat[min(len(lat) - 1, int(q * len(lat)))], 3) if lat else None  # noqa: E731
             five = sum(v for k, v in soak.status.items() if isinstance(k, int) and k >= 500)
             growth = None
             if rss.get("warm") and rss.get("end"):
                 growth = round(100.0 * (rss["end"] - rss["warm"]) / rss["warm"], 1)
-            return {"minutes": args.minutes, "clients": levels, "model": args.model if not args.url else model,
-                    "requests": sum(soak.kinds.values()), "by_kind": dict(soak.kinds),
-                    "by_status": {str(k): v for k, v in sorted(soak.status.items(), key=str)}, "5xx": five,
-                    "unexpected": len(soak.unexpected), "unexpected_examples": soak.unexpected[:10],
-                    "latency_s": {"p50": pct(0.5), "p99": pct(0.99), "n": len(lat)},
-                    "rss_mib": {k: (round(v / 1024, 1) if v else None) for k, v in rss.items()},
-                    "rss_growth_after_warmup_pct": growth, "health_after": health.status_code}
+            return {
+                "minutes": args.minutes,
+                "clients": levels,
+                "model": args.model if not args.url else model,
+                "requests": sum(soak.kinds.values()),
+                "by_kind": dict(soak.kinds),
+                "by_status": {str(k): v for k, v in sorted(soak.status.items(), key=str)},
+                "5xx": five,
+                "unexpected": len(soak.unexpected),
+                "unexpected_examples": soak.unexpected[:10],
+                "latency_s": {"p50": pct(0.5), "p99": pct(0.99), "n": len(lat)},
+                "rss_mib": {k: (round(v / 1024, 1) if v else None) for k, v in rss.items()},
+                "rss_growth_after_warmup_pct": growth,
+                "health_after": health.status_code,
+            }
     finally:
         if proc is not None:
             proc.terminate()
@@ -283,11 +343,17 @@ def main() -> int:
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
-    ok = result["5xx"] == 0 and result["unexpected"] == 0 and result["health_after"] == 200 and \
-        (result["rss_growth_after_warmup_pct"] is None or result["rss_growth_after_warmup_pct"] < 10)
-    print(f"soak: {'PASS' if ok else 'FAIL'} ({result['requests']} requests, {result['5xx']} 5xx, "
-          f"{result['unexpected']} unexpected, RSS growth after warm-up {result['rss_growth_after_warmup_pct']}%)",
-          file=sys.stderr)
+    ok = (
+        result["5xx"] == 0
+        and result["unexpected"] == 0
+        and result["health_after"] == 200
+        and (result["rss_growth_after_warmup_pct"] is None or result["rss_growth_after_warmup_pct"] < 10)
+    )
+    print(
+        f"soak: {'PASS' if ok else 'FAIL'} ({result['requests']} requests, {result['5xx']} 5xx, "
+        f"{result['unexpected']} unexpected, RSS growth after warm-up {result['rss_growth_after_warmup_pct']}%)",
+        file=sys.stderr,
+    )
     return 0 if ok else 1
 
 

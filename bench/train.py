@@ -81,7 +81,7 @@ def run_plain(a) -> dict:
         opt.zero_grad(set_to_none=True)
         float(out.loss)  # the loss a user prints
         times.append(time.perf_counter() - t)
-    return {"step_s": times[a.warmup:], "peak_mb": peak_memory_mb()}
+    return {"step_s": times[a.warmup :], "peak_mb": peak_memory_mb()}
 
 
 def run_trainer(a) -> dict:
@@ -89,19 +89,34 @@ def run_trainer(a) -> dict:
     from dlm.train.loop import train
 
     out = Path(tempfile.mkdtemp(prefix="dlm-bench-train-"))
-    cfg = load_config(None, {
-        "model": a.model, "objective": "idlm", "block_size": 2, "packed_data_dir": a.data, "packed_prefixes": "train",
-        "seq_length": a.seq_length, "batch_size": a.batch_size, "gradient_accumulate_every": a.accum,
-        "max_train_steps": a.warmup + a.steps, "learning_rate": 1e-5, "optim.schedule": "constant",
-        "optim.max_grad_norm": 1.0, "output_dir": str(out), "train.progress": False, "data.seed": a.seed,
-        "train.mixed_precision": "no" if a.fp32 else "auto"})
+    cfg = load_config(
+        None,
+        {
+            "model": a.model,
+            "objective": "idlm",
+            "block_size": 2,
+            "packed_data_dir": a.data,
+            "packed_prefixes": "train",
+            "seq_length": a.seq_length,
+            "batch_size": a.batch_size,
+            "gradient_accumulate_every": a.accum,
+            "max_train_steps": a.warmup + a.steps,
+            "learning_rate": 1e-5,
+            "optim.schedule": "constant",
+            "optim.max_grad_norm": 1.0,
+            "output_dir": str(out),
+            "train.progress": False,
+            "data.seed": a.seed,
+            "train.mixed_precision": "no" if a.fp32 else "auto",
+        },
+    )
     train(cfg)
     recs = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
     # per-step wall time: differences of the log's elapsed clock (includes logging, reductions, the JSON line)
     el = [r["elapsed_s"] for r in steps]
     times = [b - a_ for a_, b in zip(el, el[1:])]
-    return {"step_s": times[a.warmup - 1:], "peak_mb": peak_memory_mb()}
+    return {"step_s": times[a.warmup - 1 :], "peak_mb": peak_memory_mb()}
 
 
 def main() -> None:
@@ -136,9 +151,15 @@ def main() -> None:
         mem: dict[str, float] = {}
         for _ in range(a.repeats):
             for mode in ("plain", "trainer"):
-                args = [sys.executable, __file__, "--mode", mode, "--data", str(data)] + [
-                    f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-                    if k not in ("mode", "data", "fp32", "repeats") and v is not None] + (["--fp32"] if a.fp32 else [])
+                args = (
+                    [sys.executable, __file__, "--mode", mode, "--data", str(data)]
+                    + [
+                        f"--{k.replace('_', '-')}={v}"
+                        for k, v in vars(a).items()
+                        if k not in ("mode", "data", "fp32", "repeats") and v is not None
+                    ]
+                    + (["--fp32"] if a.fp32 else [])
+                )
                 r = subprocess.run(args, capture_output=True, text=True)
                 line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
                 if r.returncode != 0 or not line:
@@ -151,15 +172,19 @@ def main() -> None:
     import torch
 
     mem_kind = "peak CUDA MiB" if torch.cuda.is_available() else "peak RSS MiB"
-    print(f"\nbench/train.py: {a.model}, I-DLM b2, seq {a.seq_length}, batch {a.batch_size} x accum {a.accum}, "
-          f"{a.steps} timed steps x {a.repeats} run(s) per mode, torch threads {torch.get_num_threads()}")
+    print(
+        f"\nbench/train.py: {a.model}, I-DLM b2, seq {a.seq_length}, batch {a.batch_size} x accum {a.accum}, "
+        f"{a.steps} timed steps x {a.repeats} run(s) per mode, torch threads {torch.get_num_threads()}"
+    )
     print(f"| loop | s/step (median) | tokens/s | {mem_kind} | n |")
     print("|---|---|---|---|---|")
     for m in ("plain", "trainer"):
         print(f"| {m} | {med[m]:.3f} | {tokens / med[m]:.1f} | {mem[m]:.0f} | {len(results[m])} |")
     ratio = med["trainer"] / med["plain"]
-    print(f"\ntrainer / plain time per step: {ratio:.3f} (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'}); "
-          f"memory ratio {mem['trainer'] / mem['plain']:.3f}")
+    print(
+        f"\ntrainer / plain time per step: {ratio:.3f} (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'}); "
+        f"memory ratio {mem['trainer'] / mem['plain']:.3f}"
+    )
 
 
 if __name__ == "__main__":

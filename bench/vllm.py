@@ -34,16 +34,38 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PROMPTS = [
-    "What is the capital of France?", "Give me three tips for staying focused.", "Explain photosynthesis simply.",
-    "Write a haiku about the sea.", "How do I boil an egg?", "What is 17 times 23?", "Name five fruits.",
-    "Why is the sky blue?", "Summarize the plot of Cinderella.", "What does a CPU do?",
-    "Translate 'good morning' into Spanish.", "List three uses of a paperclip.", "What is a prime number?",
-    "Describe a cat to someone who has never seen one.", "How many days are in a leap year?",
-    "What is machine learning?", "Give a synonym for happy.", "Why do we sleep?", "What is gravity?",
-    "Suggest a name for a pet goldfish.", "How do airplanes fly?", "What is the boiling point of water?",
-    "Tell me a fun fact about octopuses.", "What is the difference between weather and climate?",
-    "Write one sentence about autumn.", "How do vaccines work?", "What is an API?", "Why is exercise healthy?",
-    "What is the largest planet?", "How do I make a cup of tea?", "What is a noun?", "Explain recursion briefly.",
+    "What is the capital of France?",
+    "Give me three tips for staying focused.",
+    "Explain photosynthesis simply.",
+    "Write a haiku about the sea.",
+    "How do I boil an egg?",
+    "What is 17 times 23?",
+    "Name five fruits.",
+    "Why is the sky blue?",
+    "Summarize the plot of Cinderella.",
+    "What does a CPU do?",
+    "Translate 'good morning' into Spanish.",
+    "List three uses of a paperclip.",
+    "What is a prime number?",
+    "Describe a cat to someone who has never seen one.",
+    "How many days are in a leap year?",
+    "What is machine learning?",
+    "Give a synonym for happy.",
+    "Why do we sleep?",
+    "What is gravity?",
+    "Suggest a name for a pet goldfish.",
+    "How do airplanes fly?",
+    "What is the boiling point of water?",
+    "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?",
+    "Write one sentence about autumn.",
+    "How do vaccines work?",
+    "What is an API?",
+    "Why is exercise healthy?",
+    "What is the largest planet?",
+    "How do I make a cup of tea?",
+    "What is a noun?",
+    "Explain recursion briefly.",
 ]
 KEY = "bench"
 
@@ -59,13 +81,27 @@ class Server:
         self.name, self.kind, self.port = name, kind, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log_dir / f"{name}.log"
-        cmd = [sys.executable, "-m", "dlm.cli", "serve", *argv, "--port", str(self.port), "--api-key", KEY,
-               "--served-model-name", "bench", "--max-batch-size", "32"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "dlm.cli",
+            "serve",
+            *argv,
+            "--port",
+            str(self.port),
+            "--api-key",
+            KEY,
+            "--served-model-name",
+            "bench",
+            "--max-batch-size",
+            "32",
+        ]
         env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         with open(self.log, "w") as fh:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def wait(self, timeout: float) -> None:
         t0 = time.time()
@@ -108,8 +144,7 @@ def forwards(kind: str, d: dict[str, float], tokens: int) -> tuple[float | None,
     if kind == "vllm":
         drafts = d.get("vllm:spec_decode_num_drafts_total", d.get("vllm:spec_decode_num_drafts", 0.0))
         prop = d.get("vllm:spec_decode_num_draft_tokens_total", d.get("vllm:spec_decode_num_draft_tokens", 0.0))
-        acc = d.get("vllm:spec_decode_num_accepted_tokens_total",
-                    d.get("vllm:spec_decode_num_accepted_tokens", 0.0))
+        acc = d.get("vllm:spec_decode_num_accepted_tokens_total", d.get("vllm:spec_decode_num_accepted_tokens", 0.0))
         if drafts <= 0:
             return 1.0, None
         return 1.0 + acc / drafts, acc / max(prop, 1.0)
@@ -126,8 +161,9 @@ async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int)
 
     async def one(i, p):
         async with sem:
-            r = await client.chat.completions.create(model="bench", temperature=0, max_tokens=max_tokens,
-                                                     messages=[{"role": "user", "content": p}])
+            r = await client.chat.completions.create(
+                model="bench", temperature=0, max_tokens=max_tokens, messages=[{"role": "user", "content": p}]
+            )
             return i, r.choices[0].message.content, r.usage.completion_tokens
 
     t0 = time.perf_counter()
@@ -154,19 +190,33 @@ def machine() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="smollm2-135m", help="the served model (default smollm2-135m)")
-    ap.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR",
-                    help="a dlm I-DLM (or exported drafter) for vLLM's speculative decoding; repeatable")
-    ap.add_argument("--isd-model", help="the I-DLM dlm's ISD runs (its clean path must be --target; default: "
-                                        "--target converted on the fly, untrained drafts)")
+    ap.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a dlm I-DLM (or exported drafter) for vLLM's speculative decoding; repeatable",
+    )
+    ap.add_argument(
+        "--isd-model",
+        help="the I-DLM dlm's ISD runs (its clean path must be --target; default: "
+        "--target converted on the fly, untrained drafts)",
+    )
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", default="8,16,32", help="requests per level (one value per --concurrency)")
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--systems", default="vllm-ar,vllm-drafters,dlm-ar,dlm-isd",
-                    help="which to run (vllm-drafters: one per --drafter)")
-    ap.add_argument("--dlm-threads", default="1",
-                    help="--threads of the dlm servers (default 1: vLLM's CPU build computes on one core of a "
-                         "2-core machine, keeping the other for its API server)")
+    ap.add_argument(
+        "--systems",
+        default="vllm-ar,vllm-drafters,dlm-ar,dlm-isd",
+        help="which to run (vllm-drafters: one per --drafter)",
+    )
+    ap.add_argument(
+        "--dlm-threads",
+        default="1",
+        help="--threads of the dlm servers (default 1: vLLM's CPU build computes on one core of a "
+        "2-core machine, keeping the other for its API server)",
+    )
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--output", help="write the results as JSON here")
     ap.add_argument("--log-dir", default="/tmp/dlm-bench-vllm")
@@ -185,13 +235,19 @@ def main() -> int:
     if "vllm-drafters" in wanted:
         for item in args.drafter:
             name, _, path = item.partition("=")
-            specs.append((f"vllm + {name} drafter", ["--engine", "vllm", "--model", args.target, "--drafter", path],
-                          "vllm"))
+            specs.append(
+                (f"vllm + {name} drafter", ["--engine", "vllm", "--model", args.target, "--drafter", path], "vllm")
+            )
     if "dlm-ar" in wanted:
         specs.append(("dlm AR", ["--model", args.target, "--decode", "ar", "--threads", args.dlm_threads], "dlm"))
     if "dlm-isd" in wanted:
-        specs.append(("dlm ISD", ["--model", args.isd_model or args.target, "--decode", "isd", "--threads",
-                                  args.dlm_threads], "dlm"))
+        specs.append(
+            (
+                "dlm ISD",
+                ["--model", args.isd_model or args.target, "--decode", "isd", "--threads", args.dlm_threads],
+                "dlm",
+            )
+        )
     servers: list[Server] = []
     try:
         t0 = time.time()
@@ -207,7 +263,7 @@ def main() -> int:
             for li, (c, n) in enumerate(zip(levels, counts)):
                 prompts = [PROMPTS[i % len(PROMPTS)] for i in range(n)]
                 k = rnd * len(levels) + li
-                for s in servers[k % len(servers):] + servers[:k % len(servers)]:
+                for s in servers[k % len(servers) :] + servers[: k % len(servers)]:
                     before = s.metrics()
                     res, wall = asyncio.run(level(s.url, prompts, c, args.max_tokens))
                     after = s.metrics()
@@ -221,8 +277,11 @@ def main() -> int:
                     for key, v in d.items():
                         acc["d"][key] = acc["d"].get(key, 0.0) + v
                     toks = sum(t for _, _, t in res)
-                    print(f"  round {rnd + 1} {s.label:>24} c={c:<3} {toks / wall:7.1f} tok/s  "
-                          f"load {os.getloadavg()[0]:.1f}", flush=True)
+                    print(
+                        f"  round {rnd + 1} {s.label:>24} c={c:<3} {toks / wall:7.1f} tok/s  "
+                        f"load {os.getloadavg()[0]:.1f}",
+                        flush=True,
+                    )
         rows = []
         for c in levels:
             ref = raw.get(("vllm AR", c), {}).get("texts")
@@ -234,28 +293,48 @@ def main() -> int:
                     base_tps = tps
                 al, rate = forwards(s.kind, a["d"], a["tokens"])
                 same = None if ref is None else sum(a["texts"][i] == ref[i] for i in ref)
-                rows.append({"system": s.label, "concurrency": c, "requests": len(a["texts"]), "tokens": a["tokens"],
-                             "tokens_per_s": tps, "acceptance_length": al, "draft_acceptance": rate,
-                             "identical_to_vllm_ar": same, "load": sum(a["load"]) / len(a["load"])})
+                rows.append(
+                    {
+                        "system": s.label,
+                        "concurrency": c,
+                        "requests": len(a["texts"]),
+                        "tokens": a["tokens"],
+                        "tokens_per_s": tps,
+                        "acceptance_length": al,
+                        "draft_acceptance": rate,
+                        "identical_to_vllm_ar": same,
+                        "load": sum(a["load"]) / len(a["load"]),
+                    }
+                )
             for r in rows:
                 if r["concurrency"] == c and base_tps:
                     r["vs_vllm_ar"] = r["tokens_per_s"] / base_tps
     finally:
         for s in servers:
             s.stop()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    header = (f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; "
-              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}; greedy, <= {args.max_tokens} "
-              f"tokens per answer")
-    lines = [header, "", "| system | concurrency | tok/s | vs vLLM AR | acceptance length | draft acceptance | "
-             "identical to vLLM AR | load |", "|---|---|---|---|---|---|---|---|"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    header = (
+        f"machine: {machine()}; load average {os.getloadavg()[0]:.1f}; "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; commit {commit}; greedy, <= {args.max_tokens} "
+        f"tokens per answer"
+    )
+    lines = [
+        header,
+        "",
+        "| system | concurrency | tok/s | vs vLLM AR | acceptance length | draft acceptance | "
+        "identical to vLLM AR | load |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         da = f"{r['draft_acceptance']:.2f}" if r["draft_acceptance"] is not None else "-"
         same = f"{r['identical_to_vllm_ar']}/{r['requests']}" if r["identical_to_vllm_ar"] is not None else "-"
-        lines.append(f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-                     f"{r.get('vs_vllm_ar', float('nan')):.2f}x | {al} | {da} | {same} | {r['load']:.1f} |")
+        lines.append(
+            f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
+            f"{r.get('vs_vllm_ar', float('nan')):.2f}x | {al} | {da} | {same} | {r['load']:.1f} |"
+        )
     print("\n".join(lines))
     if args.output:
         Path(args.output).write_text(json.dumps({"header": header, "rows": rows, "args": vars(args)}, indent=1))

@@ -40,8 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
             if e.name != f"dlm.commands.{name}":
                 raise
             continue  # a command not built yet is simply not offered
-        p = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=(module.__doc__ or help_text).strip(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
         module.add_arguments(p)
         p.set_defaults(_module=module)
     return parser

@@ -44,12 +44,15 @@ class ModelConfig:
 
     name: str = opt("smollm2-135m", "alias, AR folder (converted on load) or DLM folder (trained further)")
     objective: str = opt("idlm", "training objective", choices=OBJECTIVES)
-    block_size: int | None = opt(None, "masks per block (block / idlm); None: the model's, else the objective's "
-                                       "default (block 4, idlm 1)")
-    attn_impl: str = opt("sdpa", "attention kernel (flash_attention_2: mdm only, full attention from step 0)",
-                         choices=ATTN_IMPLS)
-    mask_token: str | None = opt(None, "mask token text to add when converting an AR model (default: the "
-                                       "tokenizer's own, else <|mdm_mask|>)")
+    block_size: int | None = opt(
+        None, "masks per block (block / idlm); None: the model's, else the objective's default (block 4, idlm 1)"
+    )
+    attn_impl: str = opt(
+        "sdpa", "attention kernel (flash_attention_2: mdm only, full attention from step 0)", choices=ATTN_IMPLS
+    )
+    mask_token: str | None = opt(
+        None, "mask token text to add when converting an AR model (default: the tokenizer's own, else <|mdm_mask|>)"
+    )
     gradient_checkpointing: bool = opt(False, "recompute activations in the backward pass (less memory)")
 
 
@@ -63,8 +66,9 @@ class DataConfig:
     eval_packed_prefixes: list[str] | None = opt(None, "held-out shard prefixes for the scheduled held-out loss")
     data: str | None = opt(None, "chat/instruction JSONL (messages | conversations | prompt/response records)")
     eval_data: str | None = opt(None, "held-out chat JSONL; default: a seeded eval_fraction of data")
-    eval_fraction: float = opt(0.05, "share of data held out when eval_data is not given (always, so resumes "
-                                     "see the same split)")
+    eval_fraction: float = opt(
+        0.05, "share of data held out when eval_data is not given (always, so resumes see the same split)"
+    )
     seq_length: int = opt(256, "tokens per training row (chat data: the cut-off length)", unit="tokens")
     block_length: int | None = opt(None, "I-DLM data block length; must equal the model's block size when given")
     seed: int = opt(42, "seed of the data order and the held-out split")
@@ -83,15 +87,19 @@ class OptimConfig:
     beta1: float = opt(0.9, "AdamW beta1")
     beta2: float = opt(0.95, "AdamW beta2")
     adam_eps: float = opt(1e-8, "AdamW epsilon")
-    schedule: str = opt("cosine", "learning-rate schedule after the warm-up (wsd: constant, then linear to the "
-                                  "floor over decay_ratio)", choices=("cosine", "constant", "wsd"))
+    schedule: str = opt(
+        "cosine",
+        "learning-rate schedule after the warm-up (wsd: constant, then linear to the floor over decay_ratio)",
+        choices=("cosine", "constant", "wsd"),
+    )
     warmup_ratio: float = opt(0.0, "warm-up as a share of max_train_steps")
     warmup_steps: int | None = opt(None, "warm-up steps (overrides warmup_ratio)", unit="optimizer steps")
     min_lr_ratio: float = opt(0.0, "cosine / wsd floor, as a share of learning_rate")
     decay_ratio: float = opt(0.2, "wsd: the last share of the run that decays to the floor")
     max_grad_norm: float = opt(1.0, "gradient clipping norm (0: no clipping)")
-    fused: str = opt("auto", "fused AdamW kernel (auto: where torch has one for the device)",
-                     choices=("auto", "true", "false"))
+    fused: str = opt(
+        "auto", "fused AdamW kernel (auto: where torch has one for the device)", choices=("auto", "true", "false")
+    )
 
 
 @dataclass
@@ -102,8 +110,9 @@ class TrainConfig:
     gradient_accumulate_every: int = opt(1, "micro-batches per optimizer step")
     max_train_steps: int = opt(100, "optimizer steps to train", unit="optimizer steps")
     max_minutes: float | None = opt(None, "wall-clock budget: stop cleanly and save when spent", unit="minutes")
-    mixed_precision: str = opt("auto", "autocast precision (auto: bf16 where fast); weights stay fp32",
-                               choices=("auto", "no", "bf16", "fp16"))
+    mixed_precision: str = opt(
+        "auto", "autocast precision (auto: bf16 where fast); weights stay fp32", choices=("auto", "no", "bf16", "fp16")
+    )
     seed: int = opt(42, "seed of initialisation, masking and dropout")
     output_dir: str = opt("runs/dlm", "run folder: final model, checkpoints, logs")
     checkpoint_dir: str | None = opt(None, "checkpoint folder (default output_dir/checkpoints)")
@@ -114,23 +123,25 @@ class TrainConfig:
     log_every: int = opt(1, "JSONL log line every N optimizer steps", unit="optimizer steps")
     log_path: str | None = opt(None, "JSONL training log (default output_dir/train_log.jsonl)")
     progress: bool = opt(True, "progress bar on stderr")
-    accelerate_config: str | None = opt(None, "the accelerate launcher file the preset is meant for "
-                                              "(accelerate launch --config_file)")
+    accelerate_config: str | None = opt(
+        None, "the accelerate launcher file the preset is meant for (accelerate launch --config_file)"
+    )
 
 
 @dataclass
 class EvalConfig:
     """Scheduled evaluation during training."""
 
-    eval_every: int = opt(0, "held-out loss (and eval_tasks) every N optimizer steps (0: never)",
-                          unit="optimizer steps")
-    eval_tasks: list[str] = opt([], "task evaluations (dlm eval's tasks, e.g. hellaswag,piqa) besides the "
-                                    "held-out loss")
+    eval_every: int = opt(
+        0, "held-out loss (and eval_tasks) every N optimizer steps (0: never)", unit="optimizer steps"
+    )
+    eval_tasks: list[str] = opt(
+        [], "task evaluations (dlm eval's tasks, e.g. hellaswag,piqa) besides the held-out loss"
+    )
     eval_history_path: str | None = opt(None, "eval history JSONL (default output_dir/eval_history.jsonl)")
     eval_batches: int = opt(4, "held-out batches of the held-out loss")
     eval_limit: int = opt(50, "examples per task evaluation")
-    eval_batch_size: int = opt(8, "generation batch of the task evaluations (lambada, poem_reverse, "
-                                  "isd_acceptance)")
+    eval_batch_size: int = opt(8, "generation batch of the task evaluations (lambada, poem_reverse, isd_acceptance)")
     eval_data_dir: str | None = opt(None, "folder with <task>/ files for the task evaluations")
 
 
@@ -142,8 +153,9 @@ class LoraConfig:
     alpha: int = opt(32, "LoRA alpha")
     dropout: float = opt(0.0, "LoRA dropout")
     target_modules: list[str] | None = opt(None, "adapted modules (default all-linear)")
-    gated: bool = opt(False, "adapters act only at mask positions (I-DLM lossless mode: the clean path stays the "
-                             "base model)")
+    gated: bool = opt(
+        False, "adapters act only at mask positions (I-DLM lossless mode: the clean path stays the base model)"
+    )
 
 
 @dataclass
@@ -196,13 +208,15 @@ class TrainingConfig:
         if name in ("block", "idlm"):
             kw["block_size"] = block_size
         if name == "mdm" and self.model.attn_impl == "flash_attention_2":
-            kw["attention"] = "full"  # flash kernels cannot take the annealed mask (docs/algorithms.md#annealed-attention)
+            kw["attention"] = (
+                "full"  # flash kernels cannot take the annealed mask (docs/algorithms.md#annealed-attention)
+            )
         return kw
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
-    def validate(self) -> "TrainingConfig":
+    def validate(self) -> TrainingConfig:
         """Check values a user can get wrong; raise DLMError naming the key and the fix."""
         m, d, o, t, e = self.model, self.data, self.optim, self.train, self.eval
         o.fused = str(o.fused).lower()
@@ -212,22 +226,36 @@ class TrainingConfig:
             if hasattr(obj, "__post_init__"):
                 obj.__post_init__()
         if m.attn_impl == "flash_attention_2" and m.objective != "mdm":
-            raise DLMError(f"model.attn_impl=flash_attention_2 cannot take the attention masks of objective "
-                           f"'{m.objective}'; use --attn-impl sdpa")
+            raise DLMError(
+                f"model.attn_impl=flash_attention_2 cannot take the attention masks of objective "
+                f"'{m.objective}'; use --attn-impl sdpa"
+            )
         if m.objective == "mdm" and m.block_size is not None:
-            raise DLMError("model.block_size (--block-size) is meaningless for objective 'mdm'; drop it or use "
-                           "--objective block/idlm")
+            raise DLMError(
+                "model.block_size (--block-size) is meaningless for objective 'mdm'; drop it or use "
+                "--objective block/idlm"
+            )
         if not 0 < o.decay_ratio <= 1:
-            raise DLMError(f"optim.decay_ratio must be in (0, 1], got {o.decay_ratio} (the share of the run over "
-                           f"which --optim.schedule wsd decays)")
-        for key, value in (("train.batch_size", t.batch_size), ("train.gradient_accumulate_every",
-                           t.gradient_accumulate_every), ("train.max_train_steps", t.max_train_steps),
-                           ("data.seq_length", d.seq_length), ("train.log_every", t.log_every),
-                           ("eval.eval_batch_size", e.eval_batch_size)):
+            raise DLMError(
+                f"optim.decay_ratio must be in (0, 1], got {o.decay_ratio} (the share of the run over "
+                f"which --optim.schedule wsd decays)"
+            )
+        for key, value in (
+            ("train.batch_size", t.batch_size),
+            ("train.gradient_accumulate_every", t.gradient_accumulate_every),
+            ("train.max_train_steps", t.max_train_steps),
+            ("data.seq_length", d.seq_length),
+            ("train.log_every", t.log_every),
+            ("eval.eval_batch_size", e.eval_batch_size),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise DLMError(f"{key} must be a positive integer, got {value!r}")
-        for key, value in (("train.save_every", t.save_every), ("eval.eval_every", e.eval_every),
-                           ("train.keep_last", t.keep_last), ("lora.r", self.lora.r)):
+        for key, value in (
+            ("train.save_every", t.save_every),
+            ("eval.eval_every", e.eval_every),
+            ("train.keep_last", t.keep_last),
+            ("lora.r", self.lora.r),
+        ):
             if value < 0:
                 raise DLMError(f"{key} must be >= 0, got {value}")
         if not o.learning_rate > 0:
@@ -237,11 +265,15 @@ class TrainingConfig:
         if t.max_minutes is not None and not t.max_minutes > 0:
             raise DLMError(f"train.max_minutes (--max-minutes) must be > 0, got {t.max_minutes}")
         if (d.packed_data_dir is None) == (d.data is None):
-            raise DLMError("give exactly one data source: --packed-data-dir DIR (packed shards) or --data FILE.jsonl "
-                           "(chat/instruction records)")
+            raise DLMError(
+                "give exactly one data source: --packed-data-dir DIR (packed shards) or --data FILE.jsonl "
+                "(chat/instruction records)"
+            )
         if d.packed_weights is not None and len(d.packed_weights) != len(d.packed_prefixes):
-            raise DLMError(f"--packed-weights has {len(d.packed_weights)} values but --packed-prefixes has "
-                           f"{len(d.packed_prefixes)}; give one weight per prefix")
+            raise DLMError(
+                f"--packed-weights has {len(d.packed_weights)} values but --packed-prefixes has "
+                f"{len(d.packed_prefixes)}; give one weight per prefix"
+            )
         if not 0 <= d.eval_fraction < 1:
             raise DLMError(f"data.eval_fraction must be in [0, 1), got {d.eval_fraction}")
         if self.lora.gated and self.lora.r == 0:
@@ -315,8 +347,9 @@ DERIVED = {"block.block_size": "model.block_size", "idlm.block_size": "model.blo
 
 def section_keys() -> list[str]:
     """Every ``section.key`` of the configuration (the one spelling of each field)."""
-    return [k for k in (f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls))
-            if k not in DERIVED]
+    return [
+        k for k in (f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)) if k not in DERIVED
+    ]
 
 
 def field_help(dotted: str) -> str:
@@ -399,8 +432,9 @@ def resolve_key(key: str, where: str = "", in_file: bool = False) -> str:
         section, name = k.split(".", 1)
         name = name.replace("-", "_")
         if section not in SECTIONS:
-            raise DLMError(f"unknown configuration section '{section}'{where}; did you mean: "
-                           f"{closest(section, SECTIONS)}")
+            raise DLMError(
+                f"unknown configuration section '{section}'{where}; did you mean: {closest(section, SECTIONS)}"
+            )
         names = [f.name for f in dataclasses.fields(SECTIONS[section])]
         if name not in names:
             near = ", ".join(f"{section}.{n}" for n in closest(name, names).split(", "))
@@ -412,11 +446,12 @@ def resolve_key(key: str, where: str = "", in_file: bool = False) -> str:
         dotted, origin = ALIASES[k]
         if in_file and origin == SHORTCUT:
             section, name = dotted.split(".", 1)
-            raise DLMError(f"'{k}'{where} is a command-line shortcut; in a file write it as {dotted} "
-                           f"(a '{section}:' section with '{name}:')")
+            raise DLMError(
+                f"'{k}'{where} is a command-line shortcut; in a file write it as {dotted} "
+                f"(a '{section}:' section with '{name}:')"
+            )
         return dotted
-    raise DLMError(f"unknown key '{key}'{where}; did you mean: "
-                   f"{closest(k, list(FLAT_KEYS) + section_keys())}")
+    raise DLMError(f"unknown key '{key}'{where}; did you mean: {closest(k, list(FLAT_KEYS) + section_keys())}")
 
 
 def set_value(cfg: TrainingConfig, key: str, value, where: str = "", in_file: bool = False) -> None:
@@ -460,8 +495,10 @@ def preset_path(name: str) -> Path:
     path = PRESET_DIR / f"{stem}.yaml"
     if not path.is_file():
         names = presets() + sorted(f"accelerate/{p.stem}" for p in (PRESET_DIR / "accelerate").glob("*.yaml"))
-        raise DLMError(f"--config '{name}' is neither a file nor a preset: did you mean {closest(stem, names)}? "
-                       f"(presets: {', '.join(presets())})")
+        raise DLMError(
+            f"--config '{name}' is neither a file nor a preset: did you mean {closest(stem, names)}? "
+            f"(presets: {', '.join(presets())})"
+        )
     return path
 
 
@@ -474,8 +511,7 @@ def resolve_config_path(path: str | Path) -> Path:
     parts = p.parts[1:] if p.parts[:1] == ("configs",) else p.parts
     if len(parts) == 1 or (len(parts) == 2 and parts[0] == "accelerate"):
         return preset_path("/".join(parts))
-    raise DLMError(f"config file '{path}' does not exist; give a YAML file or a preset name "
-                   f"({', '.join(presets())})")
+    raise DLMError(f"config file '{path}' does not exist; give a YAML file or a preset name ({', '.join(presets())})")
 
 
 def load_yaml(path: str | Path) -> dict:
@@ -491,8 +527,9 @@ def load_yaml(path: str | Path) -> dict:
     return data
 
 
-def load_config(path: str | Path | None = None, overrides: dict | list[str] | None = None,
-                validate: bool = True) -> TrainingConfig:
+def load_config(
+    path: str | Path | None = None, overrides: dict | list[str] | None = None, validate: bool = True
+) -> TrainingConfig:
     """Defaults, then the YAML file at ``path``, then ``overrides`` (a mapping or ``["section.key=value"]``)."""
     cfg = TrainingConfig()
     if path is not None:
@@ -524,5 +561,5 @@ def alias_table() -> str:
     for origin in (MINIDIFFULLAMA, IDLM_YAML, SHORTCUT):
         items = rows[origin]
         for i in range(0, len(items), 4):
-            lines.append(f"| {origin if i == 0 else ''} | {', '.join(items[i:i + 4])} |")
+            lines.append(f"| {origin if i == 0 else ''} | {', '.join(items[i : i + 4])} |")
     return "\n".join(lines)

@@ -34,9 +34,12 @@ def get_dtype(name: str | None, device: torch.device) -> torch.dtype:
     if name in (None, "auto"):
         return torch.bfloat16 if supports_bf16(device) else torch.float32
     table = {
-        "float32": torch.float32, "fp32": torch.float32,
-        "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-        "float16": torch.float16, "fp16": torch.float16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
     }
     if name not in table:
         from dlm.errors import DLMError

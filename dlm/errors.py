@@ -8,7 +8,7 @@ traceback and exits with status 2.
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class DLMError(Exception):

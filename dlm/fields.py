@@ -44,5 +44,4 @@ def check_choices(obj, section: str) -> None:
         choices = f.metadata.get("choices") if f.metadata else None
         value = getattr(obj, f.name)
         if choices and value is not None and value not in choices:
-            raise DLMError(f"{section}.{f.name} = {value!r} is not valid; use one of: "
-                           f"{', '.join(map(str, choices))}")
+            raise DLMError(f"{section}.{f.name} = {value!r} is not valid; use one of: {', '.join(map(str, choices))}")

@@ -73,17 +73,22 @@ def verify_checksums(folder: str | os.PathLike, what: str = "folder") -> bool:
         raise DLMError(f"cannot read '{listing}' ({e}); the {what} is damaged: restore it from a copy") from e
     for entry in entries:
         if len(entry) != 2 or len(entry[0]) != 64:
-            raise DLMError(f"'{listing}' is damaged (line {entry!r}); the {what} cannot be verified: restore it "
-                           f"from a copy")
+            raise DLMError(
+                f"'{listing}' is damaged (line {entry!r}); the {what} cannot be verified: restore it from a copy"
+            )
         digest, rel = entry
         f = folder / rel
         if not f.is_file():
-            raise DLMError(f"'{f}' is missing from the {what} '{folder}' (listed in {CHECKSUMS}); restore the whole "
-                           f"folder from a copy")
+            raise DLMError(
+                f"'{f}' is missing from the {what} '{folder}' (listed in {CHECKSUMS}); restore the whole "
+                f"folder from a copy"
+            )
         if sha256_file(f) != digest:
-            raise DLMError(f"'{f}' is corrupt: its sha256 differs from the one recorded in {CHECKSUMS} when the "
-                           f"{what} was written (truncated or changed on disk); restore it from a copy or use an "
-                           f"earlier one")
+            raise DLMError(
+                f"'{f}' is corrupt: its sha256 differs from the one recorded in {CHECKSUMS} when the "
+                f"{what} was written (truncated or changed on disk); restore it from a copy or use an "
+                f"earlier one"
+            )
     return True
 
 
@@ -189,5 +194,6 @@ def check_model_folder(folder: str | os.PathLike) -> None:
             if 8 + n + max(ends, default=0) != size:
                 raise ValueError(f"{size} bytes, the header describes {8 + n + max(ends, default=0)}")
         except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error, UnicodeDecodeError) as e:
-            raise DLMError(f"'{f}' is truncated or damaged ({type(e).__name__}: {e}); restore the model folder "
-                           f"from a copy") from e
+            raise DLMError(
+                f"'{f}' is truncated or damaged ({type(e).__name__}: {e}); restore the model folder from a copy"
+            ) from e

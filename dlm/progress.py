@@ -16,5 +16,4 @@ def bar(total: int | None, desc: str, unit: str, initial: int = 0):
     """A tqdm bar on stderr over ``total`` ``unit``s (``None``: a counter with a rate, no ETA)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=False,
-                file=sys.stderr)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, dynamic_ncols=True, leave=False, file=sys.stderr)

@@ -53,7 +53,9 @@ class QuickstartConfig:
     lora_r: int | None = None
     lora_targets: str | None = None  # adapter modules: comma-separated names, or all-linear
     learning_rate: float = 2e-3
-    lr_schedule: str = "constant"  # per stage, after 10 warm-up steps: constant | wsd (decay over the last 25%) | cosine
+    lr_schedule: str = (
+        "constant"  # per stage, after 10 warm-up steps: constant | wsd (decay over the last 25%) | cosine
+    )
     batch_size: int = 2
     seq_length: int = 192
     loss_type: str = "distill"  # distill (soft targets from the clean pass) | ar (hard labels)
@@ -77,12 +79,14 @@ class QuickstartConfig:
     def gated(self) -> bool:
         return self.adapters == "gated"
 
-    def validate(self) -> "QuickstartConfig":
+    def validate(self) -> QuickstartConfig:
         if self.adapters not in ("gated", "merged"):
             raise DLMError(f"--adapters must be gated or merged, got {self.adapters!r}")
         if not self.minutes or self.minutes <= 0:
-            raise DLMError(f"--minutes must be positive (got {self.minutes}): it is the training budget; "
-                           f"use e.g. --minutes 10 for a short run")
+            raise DLMError(
+                f"--minutes must be positive (got {self.minutes}): it is the training budget; "
+                f"use e.g. --minutes 10 for a short run"
+            )
         if self.curriculum_split is not None and len(self.curriculum_split) != len(self.curriculum):
             raise DLMError("--curriculum-split needs one share per --curriculum stage")
         if any(b < 1 for b in self.curriculum):
@@ -92,8 +96,10 @@ class QuickstartConfig:
         from dlm.decode import MAX_CANDIDATES
 
         if any(not 2 <= k <= MAX_CANDIDATES for k in self.candidates):
-            raise DLMError(f"--candidates takes K from 2 to {MAX_CANDIDATES} (draft candidates per position at "
-                           f"stride 2; K = 1 is the plain N=2 row), got {','.join(map(str, self.candidates))}")
+            raise DLMError(
+                f"--candidates takes K from 2 to {MAX_CANDIDATES} (draft candidates per position at "
+                f"stride 2; K = 1 is the plain N=2 row), got {','.join(map(str, self.candidates))}"
+            )
         if self.lr_schedule not in ("constant", "wsd", "cosine"):
             raise DLMError(f"--lr-schedule must be constant, wsd or cosine, got {self.lr_schedule!r}")
         if self.loss_type not in ("distill", "ar"):
@@ -105,8 +111,10 @@ def check_disk(path: Path, min_free_gb: float) -> None:
     path.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(path).free / 2**30
     if free < min_free_gb:
-        raise DLMError(f"only {free:.1f} GiB free under '{path}'; the quickstart needs about {min_free_gb:.0f} GiB "
-                       f"(model cache, checkpoints): free some space or pass --output on a larger disk")
+        raise DLMError(
+            f"only {free:.1f} GiB free under '{path}'; the quickstart needs about {min_free_gb:.0f} GiB "
+            f"(model cache, checkpoints): free some space or pass --output on a larger disk"
+        )
 
 
 # -- stage 2: data ---------------------------------------------------------------------------------------------
@@ -172,9 +180,18 @@ def lora_settings(cfg: QuickstartConfig):
     return LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=cfg.gated, target_modules=cfg.lora_targets)
 
 
-def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_dir: Path, *, minutes: float | None,
-                    seed: int, resume: str | None = None, max_train_steps: int = 1_000_000,
-                    save_every: int = 50) -> dict:
+def stage_overrides(
+    cfg: QuickstartConfig,
+    block_size: int,
+    data: Path,
+    stage_dir: Path,
+    *,
+    minutes: float | None,
+    seed: int,
+    resume: str | None = None,
+    max_train_steps: int = 1_000_000,
+    save_every: int = 50,
+) -> dict:
     """The training settings of one curriculum stage (``dlm train``'s config sections); ``bench/acceptance_curve.py``
     trains with the same ones."""
     return {
@@ -183,11 +200,25 @@ def stage_overrides(cfg: QuickstartConfig, block_size: int, data: Path, stage_di
         # gated: the clean pass is the frozen base model, its loss a constant; merged: CE_clean keeps the clean pass
         # on the base model's answers while the same adapters learn to draft
         "idlm": {"idlm_loss_type": cfg.loss_type, "ce_alpha": 0.0 if cfg.gated else 1.0, "loss_auto_balance": False},
-        "optim": {"learning_rate": cfg.learning_rate, "schedule": cfg.lr_schedule, "warmup_steps": 10,
-                  "decay_ratio": 0.25, "weight_decay": 0.0},
-        "train": {"batch_size": cfg.batch_size, "max_train_steps": max_train_steps, "max_minutes": minutes,
-                  "output_dir": str(stage_dir), "save_every": save_every, "keep_last": 1, "seed": seed,
-                  "resume": resume, "overwrite": resume is None, "progress": cfg.progress},
+        "optim": {
+            "learning_rate": cfg.learning_rate,
+            "schedule": cfg.lr_schedule,
+            "warmup_steps": 10,
+            "decay_ratio": 0.25,
+            "weight_decay": 0.0,
+        },
+        "train": {
+            "batch_size": cfg.batch_size,
+            "max_train_steps": max_train_steps,
+            "max_minutes": minutes,
+            "output_dir": str(stage_dir),
+            "save_every": save_every,
+            "keep_last": 1,
+            "seed": seed,
+            "resume": resume,
+            "overwrite": resume is None,
+            "progress": cfg.progress,
+        },
         "eval": {"eval_every": 0},
     }
 
@@ -205,13 +236,14 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
         if (stage_dir / "config.json").is_file() and (stage_dir / "DONE").is_file():
             was_gated = CONFIG_KEY in json.loads((stage_dir / "config.json").read_text())
             if was_gated != cfg.gated:
-                raise DLMError(f"'{stage_dir}' was trained with --adapters {'gated' if was_gated else 'merged'}, "
-                               f"this run asks for --adapters {cfg.adapters}: use another --output, or the same mode")
+                raise DLMError(
+                    f"'{stage_dir}' was trained with --adapters {'gated' if was_gated else 'merged'}, "
+                    f"this run asks for --adapters {cfg.adapters}: use another --output, or the same mode"
+                )
             log(f"train: stage b{b} already done ({stage_dir})")
             previous = stage_dir
             continue
-        resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) \
-            else None
+        resume = "auto" if (stage_dir / "checkpoints").is_dir() and any((stage_dir / "checkpoints").iterdir()) else None
         if previous is None:
             dlm = convert_ar_to_dlm(cfg.model, "idlm", block_size=b, lora=lora_settings(cfg))
         else:
@@ -219,8 +251,9 @@ def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
             dlm.hf_config.block_size = b  # the curriculum step: the same adapters now train b masks per block
             if not cfg.gated:  # the previous stage's adapters are merged into its weights: fresh ones on top
                 prepare_model_for_lora(dlm, lora_settings(cfg))
-        tcfg = load_config(None, stage_overrides(cfg, b, data, stage_dir, minutes=minutes, seed=cfg.seed + i,
-                                                 resume=resume))
+        tcfg = load_config(
+            None, stage_overrides(cfg, b, data, stage_dir, minutes=minutes, seed=cfg.seed + i, resume=resume)
+        )
         log(f"train: stage b{b} (stride {b + 1}) for {minutes:.1f} min -> {stage_dir}")
         train(tcfg, dlm=dlm)
         (stage_dir / "DONE").write_text(time.strftime("%Y-%m-%dT%H:%M:%S"))
@@ -249,36 +282,45 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     base = load_model(cfg.model, device=device)
     prompts = [chat_prompt_ids(tokenizer, x) for x in builtin_instructions("heldout", n=cfg.eval_prompts)]
     eos = tokenizer.eos_token_id
-    dlm = AutoDLMForCausalLM.from_pretrained(model_dir, device=device) if model_dir else \
-        convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1).to(device)
+    dlm = (
+        AutoDLMForCausalLM.from_pretrained(model_dir, device=device)
+        if model_dir
+        else convert_ar_to_dlm(cfg.model, "idlm", block_size=max(cfg.strides) - 1).to(device)
+    )
     params = SamplingParams(max_new_tokens=cfg.eval_tokens, temperature=0.0)
 
     def hf_generate(p, n=cfg.eval_tokens):  # the base model's own generate (the baseline everybody knows)
         ids = torch.tensor([p], device=device)
-        o = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                          pad_token_id=eos)
-        return o[0, len(p):].tolist(), len(o[0]) - len(p), None
+        o = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=eos)
+        return o[0, len(p) :].tolist(), len(o[0]) - len(p), None
 
     def engine_run(engine):
         def run(p, n=cfg.eval_tokens):
-            r = engine.generate([p], params if n == cfg.eval_tokens else
-                                SamplingParams(max_new_tokens=n, temperature=0.0))[0]
+            r = engine.generate(
+                [p], params if n == cfg.eval_tokens else SamplingParams(max_new_tokens=n, temperature=0.0)
+            )[0]
             return r.token_ids, r.stats.forwards, r.stats
+
         return run
 
     # Gated adapters leave the clean path the base model: its AR decoding is the base model's (the fastest form, no
     # hooks). Merged adapters changed the weights: the trained model's own AR decoding is ISD's reference too.
-    runs = [("generate", None, "base", None)] + [("ar", None, "base", None)] + \
-        ([] if cfg.gated else [("ar", None, "trained", None)]) + \
-        [("isd", n, "trained", 1) for n in cfg.strides] + [("isd", 2, "trained", k) for k in cfg.candidates]
+    runs = (
+        [("generate", None, "base", None)]
+        + [("ar", None, "base", None)]
+        + ([] if cfg.gated else [("ar", None, "trained", None)])
+        + [("isd", n, "trained", 1) for n in cfg.strides]
+        + [("isd", 2, "trained", k) for k in cfg.candidates]
+    )
     fns = []
     for decoder, stride, which, cands in runs:
         if decoder == "generate":
             fns.append(hf_generate)
             continue
         kw = {"stride": stride, "candidates": cands} if stride else {}
-        fns.append(engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder,
-                                     max_batch_size=1, **kw)))
+        fns.append(
+            engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder, max_batch_size=1, **kw))
+        )
     acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
     bar = None
     if cfg.progress:
@@ -310,25 +352,43 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         own_ar, ar_tps = own["trained" if not cfg.gated and which == "trained" else "base"]
         n_all = sum(map(len, a["out"]))
         prop, accd = draft_totals(a["stats"])
-        row = {"decoder": decoder, "stride": stride, "candidates": cands, "model": which, "tokens": n_all,
-               "forwards": a["fw"],
-               "tpf": n_all / max(a["fw"], 1),
-               "acceptance": [x / y for x, y in zip(accd, prop) if y],
-               "tokens_per_s": t, "speedup_vs_generate": t / base_tps, "speedup_vs_ar": t / ar_tps,
-               "identical_to_base": f"{sum(o == g for o, g in zip(a['out'], ref))}/{len(prompts)}",
-               "identical_to_ar": f"{sum(o == g for o, g in zip(a['out'], own_ar))}/{len(prompts)}"}
+        row = {
+            "decoder": decoder,
+            "stride": stride,
+            "candidates": cands,
+            "model": which,
+            "tokens": n_all,
+            "forwards": a["fw"],
+            "tpf": n_all / max(a["fw"], 1),
+            "acceptance": [x / y for x, y in zip(accd, prop) if y],
+            "tokens_per_s": t,
+            "speedup_vs_generate": t / base_tps,
+            "speedup_vs_ar": t / ar_tps,
+            "identical_to_base": f"{sum(o == g for o, g in zip(a['out'], ref))}/{len(prompts)}",
+            "identical_to_ar": f"{sum(o == g for o, g in zip(a['out'], own_ar))}/{len(prompts)}",
+        }
         rows.append(row)
-        log(f"measure: {decoder} ({which}){'' if stride is None else f' N={stride}'}"
+        log(
+            f"measure: {decoder} ({which}){'' if stride is None else f' N={stride}'}"
             f"{f' K={cands}' if _k(row) > 1 else ''}: TPF {row['tpf']:.2f}, "
             f"{row['tokens_per_s']:.1f} tok/s ({row['speedup_vs_generate']:.2f}x generate, "
             f"{row['speedup_vs_ar']:.2f}x its ar), identical to base {row['identical_to_base']}, to its ar "
-            f"{row['identical_to_ar']}")
-    result = {"generate_tokens_per_s": base_tps, "prompts": len(prompts), "max_new_tokens": cfg.eval_tokens,
-              "adapters": cfg.adapters, "interleaved": True, "rows": rows}
+            f"{row['identical_to_ar']}"
+        )
+    result = {
+        "generate_tokens_per_s": base_tps,
+        "prompts": len(prompts),
+        "max_new_tokens": cfg.eval_tokens,
+        "adapters": cfg.adapters,
+        "interleaved": True,
+        "rows": rows,
+    }
     if not cfg.gated:
         result["base_agreement"] = base_agreement(dlm, prompts, ref, device)
-        log(f"measure: the trained model's greedy next token == the base model's on "
-            f"{result['base_agreement']:.3f} of the base model's answer tokens")
+        log(
+            f"measure: the trained model's greedy next token == the base model's on "
+            f"{result['base_agreement']:.3f} of the base model's answer tokens"
+        )
     return result
 
 
@@ -343,7 +403,7 @@ def base_agreement(dlm, prompts: list[list[int]], answers: list[list[int]], devi
             if not a:
                 continue
             ids = torch.tensor([p + a], device=device)
-            logits = dlm(input_ids=ids).logits[0, len(p) - 1:-1]
+            logits = dlm(input_ids=ids).logits[0, len(p) - 1 : -1]
             hit += int((logits.argmax(-1).cpu() == torch.tensor(a)).sum())
             total += len(a)
     return hit / max(total, 1)
@@ -356,17 +416,21 @@ def _k(row: dict) -> int:
 
 # -- stage 5: report -------------------------------------------------------------------------------------------
 def table(results: dict) -> str:
-    lines = ["| decoder | model | N | TPF | acceptance per draft position | tok/s | speedup vs generate | vs its dlm ar "
-             "| output == base | output == its ar |",
-             "|---|---|---|---|---|---|---|---|---|---|",
-             f"| transformers generate | base | 1 | 1.00 | - | {results['generate_tokens_per_s']:.1f} | 1.00x | - | "
-             f"reference | - |"]
+    lines = [
+        "| decoder | model | N | TPF | acceptance per draft position | tok/s | speedup vs generate | vs its dlm ar "
+        "| output == base | output == its ar |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        f"| transformers generate | base | 1 | 1.00 | - | {results['generate_tokens_per_s']:.1f} | 1.00x | - | "
+        f"reference | - |",
+    ]
     for r in results["rows"]:
         acc = ", ".join(f"{a:.2f}" for a in r["acceptance"]) or "-"
         n = f"{r['stride'] or 1}" + (f", K={_k(r)}" if _k(r) > 1 else "")
-        lines.append(f"| dlm {r['decoder']} | {r['model']} | {n} | {r['tpf']:.2f} | {acc} | "
-                     f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['speedup_vs_ar']:.2f}x | "
-                     f"{r['identical_to_base']} | {r['identical_to_ar']} |")
+        lines.append(
+            f"| dlm {r['decoder']} | {r['model']} | {n} | {r['tpf']:.2f} | {acc} | "
+            f"{r['tokens_per_s']:.1f} | {r['speedup_vs_generate']:.2f}x | {r['speedup_vs_ar']:.2f}x | "
+            f"{r['identical_to_base']} | {r['identical_to_ar']} |"
+        )
     return "\n".join(lines)
 
 
@@ -391,8 +455,9 @@ def plots(results: dict, out: Path) -> list[str]:
         if steps:
             ax.plot(steps, losses, label=stage.parent.name)
             k = 10
-            smooth = [sum(agree[max(0, i - k + 1): i + 1]) / len(agree[max(0, i - k + 1): i + 1])
-                      for i in range(len(agree))]
+            smooth = [
+                sum(agree[max(0, i - k + 1) : i + 1]) / len(agree[max(0, i - k + 1) : i + 1]) for i in range(len(agree))
+            ]
             ax2.plot(steps, smooth, label=stage.parent.name)
             offset = steps[-1]
     ax.set_xlabel("optimizer step"), ax.set_ylabel("training loss"), ax.legend()
@@ -404,8 +469,12 @@ def plots(results: dict, out: Path) -> list[str]:
     cand = [r for r in results["rows"] if r["decoder"] == "isd" and _k(r) > 1]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for r in isd + cand:
-        ax.plot(range(1, len(r["acceptance"]) + 1), r["acceptance"], marker="o",
-                label=f"N={r['stride']}" + (f", up to K={_k(r)} candidates" if _k(r) > 1 else ""))
+        ax.plot(
+            range(1, len(r["acceptance"]) + 1),
+            r["acceptance"],
+            marker="o",
+            label=f"N={r['stride']}" + (f", up to K={_k(r)} candidates" if _k(r) > 1 else ""),
+        )
     ax.set_xlabel("draft position"), ax.set_ylabel("acceptance rate"), ax.set_ylim(0, 1), ax.legend()
     fig.tight_layout(), fig.savefig(out / "acceptance.png", dpi=110), plt.close(fig)
     made.append("acceptance.png")
@@ -415,8 +484,13 @@ def plots(results: dict, out: Path) -> list[str]:
     ax.plot(ns, [r["speedup_vs_generate"] for r in isd], marker="s", label="speedup vs generate")
     for r in cand:
         ax.scatter([r["stride"]], [r["tpf"]], marker="^", zorder=3, label=f"TPF, up to K={r['candidates']} candidates")
-        ax.scatter([r["stride"]], [r["speedup_vs_generate"]], marker="v", zorder=3,
-                   label=f"speedup, up to K={r['candidates']} candidates")
+        ax.scatter(
+            [r["stride"]],
+            [r["speedup_vs_generate"]],
+            marker="v",
+            zorder=3,
+            label=f"speedup, up to K={r['candidates']} candidates",
+        )
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xlabel("stride N"), ax.set_xticks(ns), ax.legend()
     fig.tight_layout(), fig.savefig(out / "tpf_speedup.png", dpi=110), plt.close(fig)
@@ -454,9 +528,16 @@ def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
         if not steps:
             continue
         last = [_agreement(rec) for rec in steps[-50:]]
-        stages.append({"block_size": b, "steps": steps[-1]["step"], "tokens": steps[-1]["tokens"],
-                       "seconds": round(steps[-1]["elapsed_s"], 1), "finished": end is not None,
-                       "train_agreement_last50": round(sum(last) / len(last), 4)})
+        stages.append(
+            {
+                "block_size": b,
+                "steps": steps[-1]["step"],
+                "tokens": steps[-1]["tokens"],
+                "seconds": round(steps[-1]["elapsed_s"], 1),
+                "finished": end is not None,
+                "train_agreement_last50": round(sum(last) / len(last), 4),
+            }
+        )
     return stages
 
 
@@ -471,35 +552,50 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
         return f"N={r['stride']}" + (f" with up to K={_k(r)} candidates" if _k(r) > 1 else "")
 
     lines = [
-        "# dlm quickstart report", "",
+        "# dlm quickstart report",
+        "",
         f"Model `{cfg.model}` -> I-DLM with {cfg.adapters} LoRA (r={cfg.lora_r}, {cfg.lora_targets}), curriculum "
         f"block sizes "
         f"{list(cfg.curriculum)}, {cfg.minutes:g} training minutes, loss `{cfg.loss_type}`, learning rate "
         f"{cfg.learning_rate:g} ({cfg.lr_schedule}).",
         f"Measured on {results['prompts']} held-out instructions, greedy, batch 1, up to {results['max_new_tokens']} "
-        f"new tokens.", "", tbl, "",
+        f"new tokens.",
+        "",
+        tbl,
+        "",
     ]
     if best and cfg.gated:
-        lines += [f"Fastest: {name(best)}: TPF {best['tpf']:.2f}, "
-                  f"{best['speedup_vs_generate']:.2f}x the base model's generate, output identical to the base "
-                  f"model on {best['identical_to_base']} prompts.", ""]
+        lines += [
+            f"Fastest: {name(best)}: TPF {best['tpf']:.2f}, "
+            f"{best['speedup_vs_generate']:.2f}x the base model's generate, output identical to the base "
+            f"model on {best['identical_to_base']} prompts.",
+            "",
+        ]
     elif best:
-        lines += [f"Fastest: {name(best)}: TPF {best['tpf']:.2f}, "
-                  f"{best['speedup_vs_generate']:.2f}x the base model's generate and {best['speedup_vs_ar']:.2f}x the "
-                  f"trained model's own `dlm ar`, output identical to that model's greedy AR output on "
-                  f"{best['identical_to_ar']} prompts. Merged adapters change the model: its greedy next token equals "
-                  f"the base model's on {results['base_agreement']:.1%} of the base model's answer tokens, and whole "
-                  f"{results['max_new_tokens']}-token answers equal the base model's on {best['identical_to_base']} "
-                  f"prompts.", ""]
+        lines += [
+            f"Fastest: {name(best)}: TPF {best['tpf']:.2f}, "
+            f"{best['speedup_vs_generate']:.2f}x the base model's generate and {best['speedup_vs_ar']:.2f}x the "
+            f"trained model's own `dlm ar`, output identical to that model's greedy AR output on "
+            f"{best['identical_to_ar']} prompts. Merged adapters change the model: its greedy next token equals "
+            f"the base model's on {results['base_agreement']:.1%} of the base model's answer tokens, and whole "
+            f"{results['max_new_tokens']}-token answers equal the base model's on {best['identical_to_base']} "
+            f"prompts.",
+            "",
+        ]
     if most is not None and most is not best:
-        lines += [f"Most tokens per forward: {name(most)}: TPF {most['tpf']:.2f} "
-                  f"({most['speedup_vs_generate']:.2f}x generate; output identical to the base model on "
-                  f"{most['identical_to_base']} prompts, to its AR decoding on {most['identical_to_ar']}).", ""]
+        lines += [
+            f"Most tokens per forward: {name(most)}: TPF {most['tpf']:.2f} "
+            f"({most['speedup_vs_generate']:.2f}x generate; output identical to the base model on "
+            f"{most['identical_to_base']} prompts, to its AR decoding on {most['identical_to_ar']}).",
+            "",
+        ]
     lines += ["Stage times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in seconds.items()), ""]
     for st in results.get("training", []):
-        lines += [f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "
-                  f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step); mask argmax == clean "
-                  f"argmax on {st['train_agreement_last50']:.2f} of the last 50 steps' training targets."]
+        lines += [
+            f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "
+            f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step); mask argmax == clean "
+            f"argmax on {st['train_agreement_last50']:.2f} of the last 50 steps' training targets."
+        ]
     if results.get("training"):
         lines += [""]
     lines += [f"![{i}]({i})" for i in imgs]

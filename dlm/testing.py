@@ -37,20 +37,33 @@ def make_tokenizer(vocab_size: int = 320, text: str | None = None):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([(text or _TEXT)] * 4, trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<pad>",
+        tokenizer_object=tok,
+        eos_token="<|endoftext|>",
+        bos_token="<|endoftext|>",
+        pad_token="<pad>",
         unk_token=None,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def make_config(arch: str = "llama", vocab_size: int = 320, hidden: int = 64, layers: int = 2, heads: int = 4,
-                kv_heads: int = 2, max_positions: int = 512, tie: bool = False):
+def make_config(
+    arch: str = "llama",
+    vocab_size: int = 320,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 512,
+    tie: bool = False,
+):
     """A tiny config of one of ARCHITECTURES."""
     from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -58,9 +71,15 @@ def make_config(arch: str = "llama", vocab_size: int = 320, hidden: int = 64, la
     if arch == "gpt2":
         return GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_positions=max_positions, **common)
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[arch]
-    kw = dict(hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-              **common)
+    kw = dict(
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        **common,
+    )
     if arch == "qwen3":
         kw["head_dim"] = hidden // heads
     return cls(**kw)

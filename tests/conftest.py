@@ -14,8 +14,9 @@ try:  # property tests (hypothesis): few examples by default, many under HYPOTHE
     from hypothesis import HealthCheck, settings
 
     _hc = [HealthCheck.too_slow, HealthCheck.function_scoped_fixture, HealthCheck.data_too_large]
-    settings.register_profile("fast", max_examples=12, deadline=None, derandomize=True, suppress_health_check=_hc,
-                              print_blob=True)
+    settings.register_profile(
+        "fast", max_examples=12, deadline=None, derandomize=True, suppress_health_check=_hc, print_blob=True
+    )
     settings.register_profile("ci", max_examples=200, deadline=None, suppress_health_check=_hc, print_blob=True)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fast"))
 except ImportError:  # pragma: no cover - the property tests skip themselves

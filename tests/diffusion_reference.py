@@ -73,9 +73,13 @@ def reference_mdm(dlm, prompt, params, method="confidence", steps=None, threshol
                 else:
                     forwards += 1
                     q = n - c
-                    logits = dlm(input_ids=x[None, c:], position_ids=torch.arange(c, n)[None],
-                                 attention_mask=torch.ones(1, 1, q, c + q, dtype=torch.bool), **{kw: cache},
-                                 use_cache=True).logits[0]
+                    logits = dlm(
+                        input_ids=x[None, c:],
+                        position_ids=torch.arange(c, n)[None],
+                        attention_mask=torch.ones(1, 1, q, c + q, dtype=torch.bool),
+                        **{kw: cache},
+                        use_cache=True,
+                    ).logits[0]
                     offset = c
                 _crop(cache, c)
                 masked = (x[start:end] == mask_id).nonzero().squeeze(-1) + start
@@ -105,8 +109,13 @@ def reference_block(dlm, prompt, params, steps=None, threshold=0.9):
         # a block). dlm's pre-engine code fed only x[:c] here, so that block's KV missed its own last token.
         pos = torch.arange(first_block)
         forwards += 1
-        dlm(input_ids=x[None, :first_block], position_ids=pos[None], attention_mask=block_mask(pos, pos, b),
-            **{kw: cache}, use_cache=True)
+        dlm(
+            input_ids=x[None, :first_block],
+            position_ids=pos[None],
+            attention_mask=block_mask(pos, pos, b),
+            **{kw: cache},
+            use_cache=True,
+        )
         _crop(cache, c)
     for bs in range(first_block, end, b):
         be = min(bs + b, end)
@@ -118,8 +127,13 @@ def reference_block(dlm, prompt, params, steps=None, threshold=0.9):
                 break
             q_pos, k_pos = torch.arange(c, be), torch.arange(0, be)
             forwards += 1
-            logits = dlm(input_ids=x[None, c:be], position_ids=q_pos[None],
-                         attention_mask=block_mask(q_pos, k_pos, b), **{kw: cache}, use_cache=True).logits[0]
+            logits = dlm(
+                input_ids=x[None, c:be],
+                position_ids=q_pos[None],
+                attention_mask=block_mask(q_pos, k_pos, b),
+                **{kw: cache},
+                use_cache=True,
+            ).logits[0]
             new_c = max(bs - off, c)
             _crop(cache, new_c)
             rows = masked - c - off

@@ -12,7 +12,7 @@ import torch
 
 from dlm.testing import make_tokenizer
 
-VOCAB = 336          # embedding rows; the tokenizer has 320 tokens + the mask token (id 320)
+VOCAB = 336  # embedding rows; the tokenizer has 320 tokens + the mask token (id 320)
 MASK = 320
 HIDDEN, LAYERS, HEADS, HEAD_DIM, FFN, POSITIONS = 32, 2, 4, 8, 64, 256
 EOS = 0
@@ -58,21 +58,57 @@ def write_llada(path, seed: int = 0, tie: bool = False, shards: int = 1, **overr
     path = Path(path)
     g = torch.Generator().manual_seed(seed)
     config = {
-        "architectures": ["LLaDAModelLM"], "model_type": "llada",
-        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
-                     "AutoModel": "modeling_llada.LLaDAModelLM",
-                     "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
-        "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "attention_dropout": 0.0,
-        "attention_layer_norm": False, "attention_layer_norm_with_affine": True, "bias_for_layer_norm": False,
-        "block_group_size": 1, "block_type": "llama", "d_model": HIDDEN, "embedding_dropout": 0.0,
-        "embedding_size": VOCAB, "eos_token_id": EOS, "flash_attention": False, "include_bias": False,
-        "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta", "init_fn": "mitchell",
-        "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms", "layer_norm_with_affine": True,
-        "mask_token_id": MASK, "max_sequence_length": POSITIONS, "mlp_hidden_size": FFN, "mlp_ratio": 4,
-        "model_type_": None, "multi_query_attention": None, "n_heads": HEADS, "n_kv_heads": HEADS,
-        "n_layers": LAYERS, "pad_token_id": 3, "precision": "amp_bf16", "residual_dropout": 0.0, "rms_norm_eps": 1e-05,
-        "rope": True, "rope_full_precision": True, "rope_theta": 500000.0, "scale_logits": False,
-        "transformers_version": "4.46.3", "use_cache": False, "vocab_size": VOCAB, "weight_tying": tie,
+        "architectures": ["LLaDAModelLM"],
+        "model_type": "llada",
+        "auto_map": {
+            "AutoConfig": "configuration_llada.LLaDAConfig",
+            "AutoModel": "modeling_llada.LLaDAModelLM",
+            "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+        },
+        "activation_type": "silu",
+        "alibi": False,
+        "alibi_bias_max": 8.0,
+        "attention_dropout": 0.0,
+        "attention_layer_norm": False,
+        "attention_layer_norm_with_affine": True,
+        "bias_for_layer_norm": False,
+        "block_group_size": 1,
+        "block_type": "llama",
+        "d_model": HIDDEN,
+        "embedding_dropout": 0.0,
+        "embedding_size": VOCAB,
+        "eos_token_id": EOS,
+        "flash_attention": False,
+        "include_bias": False,
+        "include_qkv_bias": False,
+        "init_cutoff_factor": None,
+        "init_device": "meta",
+        "init_fn": "mitchell",
+        "init_std": 0.02,
+        "input_emb_norm": False,
+        "layer_norm_type": "rms",
+        "layer_norm_with_affine": True,
+        "mask_token_id": MASK,
+        "max_sequence_length": POSITIONS,
+        "mlp_hidden_size": FFN,
+        "mlp_ratio": 4,
+        "model_type_": None,
+        "multi_query_attention": None,
+        "n_heads": HEADS,
+        "n_kv_heads": HEADS,
+        "n_layers": LAYERS,
+        "pad_token_id": 3,
+        "precision": "amp_bf16",
+        "residual_dropout": 0.0,
+        "rms_norm_eps": 1e-05,
+        "rope": True,
+        "rope_full_precision": True,
+        "rope_theta": 500000.0,
+        "scale_logits": False,
+        "transformers_version": "4.46.3",
+        "use_cache": False,
+        "vocab_size": VOCAB,
+        "weight_tying": tie,
     }
     del config["model_type_"]
     config.update(override)
@@ -83,12 +119,19 @@ def write_llada(path, seed: int = 0, tie: bool = False, shards: int = 1, **overr
         state[f"{t}.ff_out.weight"] = _rand(g, VOCAB, d)
     for i in range(LAYERS):
         b = f"{t}.blocks.{i}"
-        state.update({
-            f"{b}.attn_norm.weight": _norm(g, d), f"{b}.q_proj.weight": _rand(g, HEADS * HEAD_DIM, d),
-            f"{b}.k_proj.weight": _rand(g, kv * HEAD_DIM, d), f"{b}.v_proj.weight": _rand(g, kv * HEAD_DIM, d),
-            f"{b}.attn_out.weight": _rand(g, d, HEADS * HEAD_DIM), f"{b}.ff_norm.weight": _norm(g, d),
-            f"{b}.ff_proj.weight": _rand(g, FFN, d), f"{b}.up_proj.weight": _rand(g, FFN, d),
-            f"{b}.ff_out.weight": _rand(g, d, FFN)})
+        state.update(
+            {
+                f"{b}.attn_norm.weight": _norm(g, d),
+                f"{b}.q_proj.weight": _rand(g, HEADS * HEAD_DIM, d),
+                f"{b}.k_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{b}.v_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{b}.attn_out.weight": _rand(g, d, HEADS * HEAD_DIM),
+                f"{b}.ff_norm.weight": _norm(g, d),
+                f"{b}.ff_proj.weight": _rand(g, FFN, d),
+                f"{b}.up_proj.weight": _rand(g, FFN, d),
+                f"{b}.ff_out.weight": _rand(g, d, FFN),
+            }
+        )
     _save(path, config, state, shards)
     _tokenizer(path, "<|mdm_mask|>")
     return path
@@ -96,18 +139,26 @@ def write_llada(path, seed: int = 0, tie: bool = False, shards: int = 1, **overr
 
 def _qwen_state(g, qkv_bias: bool, qk_norm: bool, kv: int = 2) -> dict:
     d = HIDDEN
-    state = {"model.embed_tokens.weight": _rand(g, VOCAB, d), "model.norm.weight": _norm(g, d),
-             "lm_head.weight": _rand(g, VOCAB, d)}
+    state = {
+        "model.embed_tokens.weight": _rand(g, VOCAB, d),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, VOCAB, d),
+    }
     for i in range(LAYERS):
         p = f"model.layers.{i}"
-        state.update({
-            f"{p}.input_layernorm.weight": _norm(g, d), f"{p}.post_attention_layernorm.weight": _norm(g, d),
-            f"{p}.self_attn.q_proj.weight": _rand(g, HEADS * HEAD_DIM, d),
-            f"{p}.self_attn.k_proj.weight": _rand(g, kv * HEAD_DIM, d),
-            f"{p}.self_attn.v_proj.weight": _rand(g, kv * HEAD_DIM, d),
-            f"{p}.self_attn.o_proj.weight": _rand(g, d, HEADS * HEAD_DIM),
-            f"{p}.mlp.gate_proj.weight": _rand(g, FFN, d), f"{p}.mlp.up_proj.weight": _rand(g, FFN, d),
-            f"{p}.mlp.down_proj.weight": _rand(g, d, FFN)})
+        state.update(
+            {
+                f"{p}.input_layernorm.weight": _norm(g, d),
+                f"{p}.post_attention_layernorm.weight": _norm(g, d),
+                f"{p}.self_attn.q_proj.weight": _rand(g, HEADS * HEAD_DIM, d),
+                f"{p}.self_attn.k_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{p}.self_attn.v_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{p}.self_attn.o_proj.weight": _rand(g, d, HEADS * HEAD_DIM),
+                f"{p}.mlp.gate_proj.weight": _rand(g, FFN, d),
+                f"{p}.mlp.up_proj.weight": _rand(g, FFN, d),
+                f"{p}.mlp.down_proj.weight": _rand(g, d, FFN),
+            }
+        )
         if qkv_bias:
             for n, rows in (("q", HEADS), ("k", kv), ("v", kv)):
                 state[f"{p}.self_attn.{n}_proj.bias"] = _rand(g, rows * HEAD_DIM)
@@ -118,12 +169,29 @@ def _qwen_state(g, qkv_bias: bool, qk_norm: bool, kv: int = 2) -> dict:
 
 
 def _qwen_config(**kw) -> dict:
-    config = {"hidden_size": HIDDEN, "intermediate_size": FFN, "num_hidden_layers": LAYERS,
-              "num_attention_heads": HEADS, "num_key_value_heads": 2, "vocab_size": VOCAB, "hidden_act": "silu",
-              "max_position_embeddings": POSITIONS, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-              "rope_scaling": None, "tie_word_embeddings": False, "use_cache": False, "use_sliding_window": False,
-              "sliding_window": None, "attention_dropout": 0.0, "bos_token_id": EOS, "eos_token_id": EOS,
-              "initializer_range": 0.02, "torch_dtype": "bfloat16", "transformers_version": "4.46.2"}
+    config = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "hidden_act": "silu",
+        "max_position_embeddings": POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "use_cache": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "bos_token_id": EOS,
+        "eos_token_id": EOS,
+        "initializer_range": 0.02,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.2",
+    }
     config.update(kw)
     return config
 
@@ -132,16 +200,33 @@ def write_dream(path, seed: int = 0, **override) -> Path:
     """Dream-org/Dream-v0-* layout (Qwen2 names with q/k/v biases; a generation_config.json)."""
     path = Path(path)
     g = torch.Generator().manual_seed(seed)
-    config = _qwen_config(architectures=["DreamModel"], model_type="Dream",
-                          auto_map={"AutoConfig": "configuration_dream.DreamConfig",
-                                    "AutoModel": "modeling_dream.DreamModel"},
-                          mask_token_id=MASK, pad_token_id=3, max_window_layers=28)
+    config = _qwen_config(
+        architectures=["DreamModel"],
+        model_type="Dream",
+        auto_map={"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+        mask_token_id=MASK,
+        pad_token_id=3,
+        max_window_layers=28,
+    )
     config.update(override)
     _save(path, config, _qwen_state(g, qkv_bias=True, qk_norm=False))
-    (path / "generation_config.json").write_text(json.dumps(
-        {"alg": "origin", "alg_temp": None, "bos_token_id": EOS, "eos_token_id": EOS, "eps": 0.001,
-         "mask_token_id": None, "pad_token_id": EOS, "steps": 512, "temperature": 0.0, "top_k": None,
-         "top_p": None}))
+    (path / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "alg": "origin",
+                "alg_temp": None,
+                "bos_token_id": EOS,
+                "eos_token_id": EOS,
+                "eps": 0.001,
+                "mask_token_id": None,
+                "pad_token_id": EOS,
+                "steps": 512,
+                "temperature": 0.0,
+                "top_k": None,
+                "top_p": None,
+            }
+        )
+    )
     _tokenizer(path, "<|mask|>")
     return path
 
@@ -152,12 +237,24 @@ def write_sdar(path, seed: int = 0, block_size: int | None = 4, idlm: bool = Fal
     (same layout, causal, block 1/2/3, longer context, eos <|im_end|>)."""
     path = Path(path)
     g = torch.Generator().manual_seed(seed)
-    config = _qwen_config(architectures=["SDARForCausalLM"], model_type="sdar", head_dim=HEAD_DIM,
-                          auto_map={"AutoConfig": "configuration_sdar.SDARConfig",
-                                    "AutoModel": "modeling_sdar.SDARModel",
-                                    "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-                          attention_bias=False, attn_implementation="flex_attention", fuse_cross_entropy=True,
-                          debug=False, ep_size=1, micro_forward=False, skip_checkpoint=False, use_deepep=False)
+    config = _qwen_config(
+        architectures=["SDARForCausalLM"],
+        model_type="sdar",
+        head_dim=HEAD_DIM,
+        auto_map={
+            "AutoConfig": "configuration_sdar.SDARConfig",
+            "AutoModel": "modeling_sdar.SDARModel",
+            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+        },
+        attention_bias=False,
+        attn_implementation="flex_attention",
+        fuse_cross_entropy=True,
+        debug=False,
+        ep_size=1,
+        micro_forward=False,
+        skip_checkpoint=False,
+        use_deepep=False,
+    )
     if block_size is not None:
         config.update(block_size=block_size, mask_token_id=MASK)
     if idlm:
@@ -176,20 +273,33 @@ def write_fast_dllm_v2(path, seed: int = 0, bd_size: int = 4, **override) -> Pat
     """Efficient-Large-Model/Fast_dLLM_v2_7B layout (Qwen2 names with q/k/v biases, bd_size)."""
     path = Path(path)
     g = torch.Generator().manual_seed(seed)
-    config = _qwen_config(architectures=["Fast_dLLM_QwenForCausalLM"], model_type="Fast_dLLM_Qwen",
-                          auto_map={"AutoConfig": "configuration.Fast_dLLM_QwenConfig",
-                                    "AutoModel": "modeling.Fast_dLLM_QwenModel",
-                                    "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-                          bd_size=bd_size, conplemenrary_mask=True, mask_token_id=MASK,
-                          layer_types=["full_attention"] * LAYERS, max_window_layers=LAYERS)
+    config = _qwen_config(
+        architectures=["Fast_dLLM_QwenForCausalLM"],
+        model_type="Fast_dLLM_Qwen",
+        auto_map={
+            "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
+            "AutoModel": "modeling.Fast_dLLM_QwenModel",
+            "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
+        },
+        bd_size=bd_size,
+        conplemenrary_mask=True,
+        mask_token_id=MASK,
+        layer_types=["full_attention"] * LAYERS,
+        max_window_layers=LAYERS,
+    )
     config.update(override)
     _save(path, config, _qwen_state(g, qkv_bias=True, qk_norm=False))
     _tokenizer(path, "|<MASK>|")
     return path
 
 
-WRITERS = {"llada": write_llada, "dream": write_dream, "sdar": write_sdar, "idlm": write_idlm,
-           "fast_dllm_v2": write_fast_dllm_v2}
+WRITERS = {
+    "llada": write_llada,
+    "dream": write_dream,
+    "sdar": write_sdar,
+    "idlm": write_idlm,
+    "fast_dllm_v2": write_fast_dllm_v2,
+}
 
 
 # -- reference forwards ---------------------------------------------------------------------------------------
@@ -201,9 +311,9 @@ def _rms(x, w, eps):
 def _rope(x, pos, theta):
     d = x.shape[-1]
     inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    ang = pos[:, None].float() * inv[None]                      # [L, d/2]
+    ang = pos[:, None].float() * inv[None]  # [L, d/2]
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    half = torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1)
+    half = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
     return x * cos + half * sin
 
 
@@ -216,26 +326,47 @@ def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Ten
     cfg = json.loads((folder / "config.json").read_text())
     index = folder / "model.safetensors.index.json"
     W = {}
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    )
     for f in files:
         W.update(load_file(str(folder / f)))
     llada = cfg["model_type"] == "llada"
     if llada:
         t = "model.transformer"
-        names = dict(emb=f"{t}.wte.weight", norm=f"{t}.ln_f.weight",
-                     head=f"{t}.wte.weight" if cfg["weight_tying"] else f"{t}.ff_out.weight")
+        names = dict(
+            emb=f"{t}.wte.weight",
+            norm=f"{t}.ln_f.weight",
+            head=f"{t}.wte.weight" if cfg["weight_tying"] else f"{t}.ff_out.weight",
+        )
         blk = lambda i, n: f"{t}.blocks.{i}.{n}"  # noqa: E731
-        part = dict(ln1="attn_norm", q="q_proj", k="k_proj", v="v_proj", o="attn_out", ln2="ff_norm",
-                    gate="ff_proj", up="up_proj", down="ff_out")
+        part = dict(
+            ln1="attn_norm",
+            q="q_proj",
+            k="k_proj",
+            v="v_proj",
+            o="attn_out",
+            ln2="ff_norm",
+            gate="ff_proj",
+            up="up_proj",
+            down="ff_out",
+        )
         eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
         heads, kv, layers = cfg["n_heads"], cfg["n_kv_heads"], cfg["n_layers"]
     else:
         names = dict(emb="model.embed_tokens.weight", norm="model.norm.weight", head="lm_head.weight")
         blk = lambda i, n: f"model.layers.{i}.{n}"  # noqa: E731
-        part = dict(ln1="input_layernorm", q="self_attn.q_proj", k="self_attn.k_proj", v="self_attn.v_proj",
-                    o="self_attn.o_proj", ln2="post_attention_layernorm", gate="mlp.gate_proj",
-                    up="mlp.up_proj", down="mlp.down_proj")
+        part = dict(
+            ln1="input_layernorm",
+            q="self_attn.q_proj",
+            k="self_attn.k_proj",
+            v="self_attn.v_proj",
+            o="self_attn.o_proj",
+            ln2="post_attention_layernorm",
+            gate="mlp.gate_proj",
+            up="mlp.up_proj",
+            down="mlp.down_proj",
+        )
         eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
         heads, kv, layers = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["num_hidden_layers"]
     hd = HEAD_DIM

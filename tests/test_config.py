@@ -12,8 +12,10 @@ PRESETS = sorted((ROOT / "configs").glob("*.yaml"))
 
 def test_defaults_sections_and_flat_keys_layer_in_order(tmp_path):
     y = tmp_path / "c.yaml"
-    y.write_text("learning_rate: 3.0e-5\nper_device_train_batch_size: 2\ntrain:\n  max_minutes: 5\n"
-                 "cutoff_len: 128\nbf16: true\npacked_prefixes: a,b\n")
+    y.write_text(
+        "learning_rate: 3.0e-5\nper_device_train_batch_size: 2\ntrain:\n  max_minutes: 5\n"
+        "cutoff_len: 128\nbf16: true\npacked_prefixes: a,b\n"
+    )
     cfg = load_config(y, {"data": "x.jsonl", "train.max_minutes": "2.5", "optim": {"schedule": "constant"}})
     assert cfg.optim.learning_rate == 3e-5
     assert cfg.train.batch_size == 2 and cfg.data.seq_length == 128
@@ -24,8 +26,15 @@ def test_defaults_sections_and_flat_keys_layer_in_order(tmp_path):
     assert cfg.optim.warmup_ratio == TrainingConfig().optim.warmup_ratio  # untouched default
 
 
-@pytest.mark.parametrize("key, near", [("train.max_minuts", "train.max_minutes"), ("lerning_rate", "learning_rate"),
-                                       ("trian.batch_size", "train"), ("ce_alfa", "ce_alpha")])
+@pytest.mark.parametrize(
+    "key, near",
+    [
+        ("train.max_minuts", "train.max_minutes"),
+        ("lerning_rate", "learning_rate"),
+        ("trian.batch_size", "train"),
+        ("ce_alfa", "ce_alpha"),
+    ],
+)
 def test_typo_names_the_key_and_the_closest(key, near):
     with pytest.raises(DLMError) as e:
         load_config(None, {"data": "x.jsonl", key: 1})
@@ -40,19 +49,22 @@ def test_typo_in_yaml_names_the_file(tmp_path):
         load_config(y, {"data": "x"})
 
 
-@pytest.mark.parametrize("override, msg", [
-    (["train.batch_size=two", "data.data=x"], "train.batch_size = 'two' is not a valid int"),
-    (["train.batch_size=1.5", "data.data=x"], "not a valid int"),
-    (["train.overwrite=maybe", "data.data=x"], "not a valid bool"),
-    (["model.objective=ar", "data.data=x"], "model.objective"),
-    (["train.max_train_steps=0", "data.data=x"], "train.max_train_steps"),
-    ([], "exactly one data source"),
-    (["data.data=x", "packed_data_dir=y"], "exactly one data source"),
-    (["data.data=x", "packed_prefixes=a,b", "packed_weights=1"], "one weight per prefix"),
-    (["data.data=x", "model.objective=mdm", "model.block_size=2"], "mdm"),
-    (["data.data=x", "gated_lora=true"], "--lora-r"),
-    (["data.data=x", "model.attn_impl=flash_attention_2"], "sdpa"),
-])
+@pytest.mark.parametrize(
+    "override, msg",
+    [
+        (["train.batch_size=two", "data.data=x"], "train.batch_size = 'two' is not a valid int"),
+        (["train.batch_size=1.5", "data.data=x"], "not a valid int"),
+        (["train.overwrite=maybe", "data.data=x"], "not a valid bool"),
+        (["model.objective=ar", "data.data=x"], "model.objective"),
+        (["train.max_train_steps=0", "data.data=x"], "train.max_train_steps"),
+        ([], "exactly one data source"),
+        (["data.data=x", "packed_data_dir=y"], "exactly one data source"),
+        (["data.data=x", "packed_prefixes=a,b", "packed_weights=1"], "one weight per prefix"),
+        (["data.data=x", "model.objective=mdm", "model.block_size=2"], "mdm"),
+        (["data.data=x", "gated_lora=true"], "--lora-r"),
+        (["data.data=x", "model.attn_impl=flash_attention_2"], "sdpa"),
+    ],
+)
 def test_bad_values_are_clear_errors(override, msg):
     with pytest.raises(DLMError, match=msg.replace("(", r"\(").replace(".", r"\.")):
         load_config(None, override)
@@ -145,9 +157,28 @@ def test_cli_flags_and_section_keys(capsys):
     from dlm.commands.train import build_config
 
     parser = build_parser()
-    args = parser.parse_args(["train", "--config", str(ROOT / "configs/idlm_b2_cpu.yaml"), "--data", "c.jsonl",
-                              "--batch-size", "3", "--packed-prefixes", "a", "b", "--optim.warmup_ratio", "0.1",
-                              "--resume", "--gated-lora", "--lora-r", "4", "--max-minutes", "1.5"])
+    args = parser.parse_args(
+        [
+            "train",
+            "--config",
+            str(ROOT / "configs/idlm_b2_cpu.yaml"),
+            "--data",
+            "c.jsonl",
+            "--batch-size",
+            "3",
+            "--packed-prefixes",
+            "a",
+            "b",
+            "--optim.warmup_ratio",
+            "0.1",
+            "--resume",
+            "--gated-lora",
+            "--lora-r",
+            "4",
+            "--max-minutes",
+            "1.5",
+        ]
+    )
     cfg = build_config(args)
     assert cfg.train.batch_size == 3 and cfg.optim.warmup_ratio == 0.1 and cfg.train.resume == "auto"
     assert cfg.lora.gated and cfg.lora.r == 4 and cfg.train.max_minutes == 1.5
@@ -193,5 +224,5 @@ def test_the_docs_alias_table_is_the_code_s():
 
     text = (ROOT / "docs" / "training.md").read_text()
     begin = text.index("<!-- aliases:begin")
-    body = text[text.index("\n", begin) + 1:text.index("<!-- aliases:end -->")]
+    body = text[text.index("\n", begin) + 1 : text.index("<!-- aliases:end -->")]
     assert body.strip() == alias_table(), "docs/training.md's alias table is stale: regenerate it from alias_table()"

@@ -105,8 +105,11 @@ def test_smollm2_parity_and_round_trip(smollm2_path, tmp_path):
         torch.testing.assert_close(got[..., :V], ref, atol=1e-4, rtol=1e-4)
         x_t = x.clone()
         x_t[:, 12:] = dlm.mask_token_id
-        two = dlm(input_ids=torch.cat([x_t, x], 1), attention_mask=masks.dense(masks.introspective(24, 2), 1, 48),
-                  position_ids=torch.arange(24).repeat(2)[None]).logits
+        two = dlm(
+            input_ids=torch.cat([x_t, x], 1),
+            attention_mask=masks.dense(masks.introspective(24, 2), 1, 48),
+            position_ids=torch.arange(24).repeat(2)[None],
+        ).logits
         torch.testing.assert_close(two[:, 24:, :V], ref, atol=1e-4, rtol=1e-4)
     dlm.save_pretrained(tmp_path / "s")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "s")
@@ -119,15 +122,47 @@ def test_cli_convert(tiny_model_dir, tmp_path, capsys):
 
     folder = tiny_model_dir("qwen3")
     out = tmp_path / "conv"
-    assert main(["convert", "--model", str(folder), "--objective", "block", "--block-size", "2", "--shift",
-                 "--output", str(out)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                str(folder),
+                "--objective",
+                "block",
+                "--block-size",
+                "2",
+                "--shift",
+                "--output",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "objective=block block_size=2 shift=True" in capsys.readouterr().out
     dlm = AutoDLMForCausalLM.from_pretrained(out)
     assert (dlm.objective, dlm.block_size, dlm.shift) == ("block", 2, True)
     # gated LoRA conversion: adapters beside the base weights
     gout = tmp_path / "gated"
-    assert main(["convert", "--model", str(folder), "--objective", "idlm", "--gated-lora", "--lora-r", "4",
-                 "--lora-targets", "q_proj,v_proj", "--output", str(gout)]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                str(folder),
+                "--objective",
+                "idlm",
+                "--gated-lora",
+                "--lora-r",
+                "4",
+                "--lora-targets",
+                "q_proj,v_proj",
+                "--output",
+                str(gout),
+            ]
+        )
+        == 0
+    )
     g = AutoDLMForCausalLM.from_pretrained(gout)
     assert len(g.gated_lora.adapters) == 4 and g.gated_lora.settings.r == 4
     # errors: one line, exit 2
@@ -135,7 +170,11 @@ def test_cli_convert(tiny_model_dir, tmp_path, capsys):
     assert "valid objectives are mdm, block, idlm" in capsys.readouterr().err
     assert main(["convert", "--model", str(folder), "--objective", "mdm", "--output", str(out)]) == 2
     assert "already exists" in capsys.readouterr().err
-    assert main(["convert", "--model", str(folder), "--objective", "mdm", "--lora-r", "4",
-                 "--output", str(tmp_path / "y")]) == 2
+    assert (
+        main(
+            ["convert", "--model", str(folder), "--objective", "mdm", "--lora-r", "4", "--output", str(tmp_path / "y")]
+        )
+        == 2
+    )
     assert "--gated-lora" in capsys.readouterr().err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()

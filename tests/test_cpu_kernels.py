@@ -80,8 +80,9 @@ def test_packed_copy_follows_in_place_weight_updates():
     net(x).pow(2).sum().backward()
     opt.step()  # in place: the packed copy is now stale and must be rebuilt at the next call
     with torch.no_grad():
-        ref = nn.functional.linear(nn.functional.relu(nn.functional.linear(x, net[0].weight, net[0].bias)),
-                                   net[2].weight)
+        ref = nn.functional.linear(
+            nn.functional.relu(nn.functional.linear(x, net[0].weight, net[0].bias)), net[2].weight
+        )
         with cpu.active():
             got = net(x)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -229,13 +230,17 @@ def test_decode_attention_matches_sdpa_and_is_query_invariant(each_isa):
         ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True).transpose(1, 2)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         for i in (0, 3, t - 1):
-            alone = cpu.attend(q[:, :, i: i + 1], k, v, mask[:, :, i: i + 1], None)
+            alone = cpu.attend(q[:, :, i : i + 1], k, v, mask[:, :, i : i + 1], None)
             assert torch.equal(alone[:, 0], got[:, i])
         one = cpu.attend(q[:, :, :1], k, v, None, 0.3)  # no mask: every key (1-token steps)
         full = cpu.attend(q[:, :, :1], k, v, torch.ones(b, 1, 1, s, dtype=torch.bool), 0.3)
         assert torch.equal(one, full)
-        torch.testing.assert_close(one, F.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.3, enable_gqa=True)
-                                   .transpose(1, 2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            one,
+            F.scaled_dot_product_attention(q[:, :, :1], k, v, scale=0.3, enable_gqa=True).transpose(1, 2),
+            rtol=1e-5,
+            atol=1e-5,
+        )
         assert cpu.attend(q, k, v, None, None) is None  # several queries need a mask: SDPA's business
         assert cpu.attend(q.double(), k.double(), v.double(), mask, None) is None
     with torch.no_grad():
@@ -311,8 +316,13 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     with torch.no_grad(), cpu.active():
         cache = DynamicCache()
         model(input_ids=ids[:, :6], cache=cache, use_cache=True)  # prefill (beyond the kernels' rows: stock)
-        got = model(input_ids=ids[:, 6:], cache=cache, use_cache=True, attention_mask=mask,
-                    position_ids=torch.arange(6, 9)[None].expand(2, 3)).logits
+        got = model(
+            input_ids=ids[:, 6:],
+            cache=cache,
+            use_cache=True,
+            attention_mask=mask,
+            position_ids=torch.arange(6, 9)[None].expand(2, 3),
+        ).logits
     handle.remove()
     torch.testing.assert_close(got, stock[:, 6:], rtol=1e-4, atol=1e-4)
     assert seen[-1] == (2, 3, 64)  # the hooked projection was called as a module, on [B, T, D]
@@ -348,8 +358,11 @@ def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_sa
     the kernel's outputs are bit for bit the fp32 kernel's, at every row count; a weight with one block off the
     form (or plain random weights) stays fp32."""
     g = torch.Generator().manual_seed(0)
-    for make, n, k, dtype in ((_q4_1_form, 100, 64, torch.uint8), (_q4_1_form, 300, 576, torch.uint8),
-                              (_q8_0_form, 70, 96, torch.int8)):
+    for make, n, k, dtype in (
+        (_q4_1_form, 100, 64, torch.uint8),
+        (_q4_1_form, 300, 576, torch.uint8),
+        (_q8_0_form, 70, 96, torch.int8),
+    ):
         w = make(n, k, g)
         (packed, tail), plain = packing.quant_pack(w, ext), ext.pack(w, False)
         assert tail is None and packed.dtype == dtype
@@ -366,8 +379,9 @@ def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_sa
         packed, tail = packing.quant_pack(off, ext)
         assert packed.dtype == dtype and tail.dtype == torch.float32
         x = torch.randn(5, k, generator=g)
-        assert torch.equal(ext.linear(x, packed, n + 3, None, tail), ext.linear(x, ext.pack(off, False), n + 3, None,
-                                                                                None))
+        assert torch.equal(
+            ext.linear(x, packed, n + 3, None, tail), ext.linear(x, ext.pack(off, False), n + 3, None, None)
+        )
     assert packing.quant_pack(torch.randn(256, 64, generator=g), ext) is None
 
 
@@ -399,10 +413,16 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
         outs = []
         for decoder in ("ar", "isd"):
             engine = Engine(dlm, decoder=decoder)
-            outs.append(engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=12, temperature=0.0))[0]
-                        .token_ids)
-        kinds = {str(t.dtype) for m in dlm.modules() if getattr(m, "_dlm_packed", None) is not None
-                 for t in (m._dlm_packed, m._dlm_tail) if t is not None}
+            outs.append(
+                engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=12, temperature=0.0))[0].token_ids
+            )
+        kinds = {
+            str(t.dtype)
+            for m in dlm.modules()
+            if getattr(m, "_dlm_packed", None) is not None
+            for t in (m._dlm_packed, m._dlm_tail)
+            if t is not None
+        }
         ids = torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])
         with torch.no_grad(), cpu.active():
             outs.append(dlm(input_ids=ids).logits)
@@ -436,8 +456,14 @@ def _fake_measure(monkeypatch, stock_ms, kernel_ms, fp32_ms=None):
         f32 = fp32_ms if fp32_ms is not None else kernel_ms
         quant = kernel_ms <= f32
         best = kernel_ms if quant else f32
-        return choice.Choice(use=best <= stock_ms, quant=quant, stock_ms={"1": stock_ms, "4": stock_ms},
-                             kernel_ms={"1": best, "4": best}, fp32_ms={"1": f32, "4": f32}, isa=ops.isa())
+        return choice.Choice(
+            use=best <= stock_ms,
+            quant=quant,
+            stock_ms={"1": stock_ms, "4": stock_ms},
+            kernel_ms={"1": best, "4": best},
+            fp32_ms={"1": f32, "4": f32},
+            isa=ops.isa(),
+        )
 
     monkeypatch.setattr(choice, "measure", measure)
     return calls
@@ -527,8 +553,9 @@ def test_engine_close_gives_the_model_back_as_it_was(tiny_model_dir):
         assert engine._cpu_kernel and hf.config._attn_implementation == "dlm_sdpa"
         engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert hf.config._attn_implementation == impl
-    assert not any(getattr(m.__dict__.get("forward"), "_dlm", False) or hasattr(m, "_dlm_packed")
-                   for m in model.modules())
+    assert not any(
+        getattr(m.__dict__.get("forward"), "_dlm", False) or hasattr(m, "_dlm_packed") for m in model.modules()
+    )
 
 
 @needs_kernel

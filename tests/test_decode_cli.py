@@ -39,14 +39,28 @@ def test_generate_json_ar_and_isd_on_the_fly(tiny_dir, tmp_path, capsys):
     assert "runs at --stride 2 only" in capsys.readouterr().err
     assert main(["generate", *common, "--decode", "isd", "--isd-candidates", "0"]) == 2
     assert "--isd-candidates must be an integer from 1 to 8" in capsys.readouterr().err
-    mdm = run_json(capsys, "--model", str(tiny_dir), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens",
-                   "5", "--steps", "3", "--temperature", "1", "--seed", "1")
+    mdm = run_json(
+        capsys,
+        "--model",
+        str(tiny_dir),
+        "--prompt",
+        "The cat",
+        "--decode",
+        "mdm",
+        "--max-new-tokens",
+        "5",
+        "--steps",
+        "3",
+        "--temperature",
+        "1",
+        "--seed",
+        "1",
+    )
     assert len(mdm) == 1 and mdm[0]["forwards"] == 3
 
 
 def test_generate_text_output_and_errors(tiny_dir, tmp_path, capsys):
-    assert main(["generate", "--model", str(tiny_dir), "--prompt", "The cat", "--max-new-tokens", "4",
-                 "--chat"]) == 0
+    assert main(["generate", "--model", str(tiny_dir), "--prompt", "The cat", "--max-new-tokens", "4", "--chat"]) == 0
     out = capsys.readouterr().out
     assert "forwards" in out and "TPF" in out and "tokens/s" in out
     assert main(["generate", "--model", str(tiny_dir), "--prompts-file", str(tmp_path / "none.txt")]) == 2

@@ -1,6 +1,5 @@
 """The token-id engine: AR parity with transformers generate, join/leave, stops, seeds, streaming, errors."""
 
-
 import pytest
 import torch
 
@@ -25,8 +24,10 @@ def idlm(arch="llama", seed=1, block_size=3):
 def hf_greedy(model, prompts, k, batched=False):
     """transformers generate(do_sample=False): one by one, or as one left-padded batch."""
     if not batched:
-        return [model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=k, pad_token_id=3)[0, len(p):]
-                .tolist() for p in prompts]
+        return [
+            model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=k, pad_token_id=3)[0, len(p) :].tolist()
+            for p in prompts
+        ]
     width = max(map(len, prompts))
     ids = torch.tensor([[3] * (width - len(p)) + p for p in prompts])
     att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
@@ -133,16 +134,20 @@ def test_stop_tokens_strings_max_tokens_and_streaming():
     first = free.index(stop)
     streamed = []
     res = Engine(dlm, decoder="ar").generate(
-        [PROMPTS[0]], SamplingParams(12, stop_token_ids=[stop]),
-        on_tokens=lambda rid, new, done: streamed.append((list(new), done)))[0]
+        [PROMPTS[0]],
+        SamplingParams(12, stop_token_ids=[stop]),
+        on_tokens=lambda rid, new, done: streamed.append((list(new), done)),
+    )[0]
     assert res.token_ids == free[: first + 1] and res.finish_reason == "stop"  # the stop token is kept in ids
-    assert [t for new, _ in streamed for t in new] == res.token_ids and streamed[-1][1] and \
-        not any(done for _, done in streamed[:-1])
+    assert (
+        [t for new, _ in streamed for t in new] == res.token_ids
+        and streamed[-1][1]
+        and not any(done for _, done in streamed[:-1])
+    )
     # stop strings cut the text; max_new_tokens is respected exactly, also by ISD (which commits several)
     text = tok.decode(free, skip_special_tokens=True)
-    needle = text[len(text) // 2: len(text) // 2 + 2]
-    r = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(12, stop_strings=[needle],
-                                                                       ignore_eos=True))[0]
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    r = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(12, stop_strings=[needle], ignore_eos=True))[0]
     assert needle not in r.text and text.startswith(r.text) and r.finish_reason == "stop"
     for k in (1, 2, 5):
         r = Engine(dlm, decoder="isd", stride=4).generate([PROMPTS[1]], SamplingParams(k, ignore_eos=True))[0]
@@ -164,10 +169,15 @@ def test_mask_token_never_emitted():
     dlm = idlm("llama")
     with torch.no_grad():  # make the mask token the model's favourite by far
         dlm.model.lm_head.weight[dlm.mask_token_id] = dlm.model.lm_head.weight.sum(0) * 100
-    for dec, p in [("ar", SamplingParams(8, ignore_eos=True)),
-                   ("isd", SamplingParams(8, temperature=1.0, seed=0, ignore_eos=True))]:
-        for r in Engine(dlm, decoder=dec, stride=2).generate(PROMPTS, p) if dec == "isd" else \
-                Engine(dlm, decoder=dec).generate(PROMPTS, p):
+    for dec, p in [
+        ("ar", SamplingParams(8, ignore_eos=True)),
+        ("isd", SamplingParams(8, temperature=1.0, seed=0, ignore_eos=True)),
+    ]:
+        for r in (
+            Engine(dlm, decoder=dec, stride=2).generate(PROMPTS, p)
+            if dec == "isd"
+            else Engine(dlm, decoder=dec).generate(PROMPTS, p)
+        ):
             assert dlm.mask_token_id not in r.token_ids and len(r.token_ids) == 8
 
 
@@ -180,8 +190,9 @@ def test_clear_errors():
     with pytest.raises(DLMError, match="top-p"):
         SamplingParams(top_p=0.0)
     # generation stops at the end of the context instead of running past it
-    r = Engine(dlm, decoder="isd", stride=3).generate([list(range(5, 300)) + list(range(5, 210))],
-                                                     SamplingParams(50, ignore_eos=True))[0]
+    r = Engine(dlm, decoder="isd", stride=3).generate(
+        [list(range(5, 300)) + list(range(5, 210))], SamplingParams(50, ignore_eos=True)
+    )[0]
     assert r.finish_reason == "length" and len(r.token_ids) == 512 - 500  # positions 500..511
 
 
@@ -214,8 +225,9 @@ def gqa_parity(device="cpu"):
                 pos = torch.arange(K, K + T, device=device)[None].expand(2, T)
                 extra = torch.ones(2, K - 9, dtype=torch.bool, device=device)
                 mask = decode_mask(torch.cat([valid, extra], 1), T)
-                res.append(model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                                 **{kw: cache}).logits)
+                res.append(
+                    model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True, **{kw: cache}).logits
+                )
         outs[impl] = res
     return outs["sdpa"], outs["dlm_sdpa"]
 

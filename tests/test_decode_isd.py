@@ -33,8 +33,7 @@ def test_isd_greedy_equals_ar_greedy(arch):
     for stride, fallback in itertools.product((2, 3, 4), ("predict", "all", "off")):
         one = Engine(dlm, decoder="isd", stride=stride, fallback=fallback).generate([PROMPTS[2]], params)[0]
         assert one.token_ids == ar[2], (arch, stride, fallback)
-        batch = Engine(dlm, decoder="isd", stride=stride, fallback=fallback, max_batch_size=3).generate(
-            PROMPTS, params)
+        batch = Engine(dlm, decoder="isd", stride=stride, fallback=fallback, max_batch_size=3).generate(PROMPTS, params)
         assert [r.token_ids for r in batch] == ar, (arch, stride, fallback)
         assert all(1.0 <= r.stats.tpf <= stride for r in batch)
 
@@ -67,12 +66,14 @@ def test_isd_verify_paths_with_oracle_drafts(stride):
     truth = truth.token_ids
     # ("predict" would route on the untrained model's own draft probabilities, not on the oracle's)
     perfect = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.0, stride=stride, fallback="off")).generate(
-        [PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
+        [PROMPTS[0]], SamplingParams(k, ignore_eos=True)
+    )[0]
     assert perfect.token_ids == truth[:k]
     assert perfect.stats.forwards == 6 and perfect.stats.acceptance == [1.0] * (stride - 1)  # TPF = k/6
     for fallback in ("predict", "all", "off"):
         noisy = Engine(dlm, decoder=OracleDrafts(truth, 5, 0.3, stride=stride, fallback=fallback)).generate(
-            [PROMPTS[0]], SamplingParams(k, ignore_eos=True))[0]
+            [PROMPTS[0]], SamplingParams(k, ignore_eos=True)
+        )[0]
         assert noisy.token_ids == truth[:k]
         assert 1.0 < noisy.stats.tpf < perfect.stats.tpf
 
@@ -190,11 +191,13 @@ def empirical(dlm, prompt, k, n, **engine_kw):
     m = dlm.mask_token_id
     params = [SamplingParams(max_new_tokens=k, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
     res = Engine(dlm, max_batch_size=n, **engine_kw).generate([prompt] * n, params)
-    counts = torch.zeros(m ** k)
+    counts = torch.zeros(m**k)
     for r in res:
         counts[sum(t * m ** (k - 1 - j) for j, t in enumerate(r.token_ids))] += 1
-    acc = [sum(r.stats.accepted[i] for r in res) / max(1, sum(r.stats.proposed[i] for r in res))
-           for i in range(len(res[0].stats.proposed))]
+    acc = [
+        sum(r.stats.accepted[i] for r in res) / max(1, sum(r.stats.proposed[i] for r in res))
+        for i in range(len(res[0].stats.proposed))
+    ]
     return counts / n, acc
 
 
@@ -207,10 +210,13 @@ def test_isd_sampling_has_the_ar_distribution_and_argmax_drafts_are_biased():
     K = len(conts)
     eps = math.sqrt((K * math.log(2) + math.log(1e4)) / (2 * n))  # = 0.116 for n = 2000
     tv = {}
-    for name, kw in [("ar", dict(decoder="ar")), ("isd2", dict(decoder="isd", stride=2)),
-                     ("isd3", dict(decoder="isd", stride=3)),
-                     ("isd2-cold", dict(decoder="isd", stride=2, fallback="off")),
-                     ("isd2-argmax", dict(decoder="isd", stride=2, draft="argmax"))]:
+    for name, kw in [
+        ("ar", dict(decoder="ar")),
+        ("isd2", dict(decoder="isd", stride=2)),
+        ("isd3", dict(decoder="isd", stride=3)),
+        ("isd2-cold", dict(decoder="isd", stride=2, fallback="off")),
+        ("isd2-argmax", dict(decoder="isd", stride=2, draft="argmax")),
+    ]:
         dist, acc = empirical(dlm, prompt, k, n, **kw)
         tv[name] = 0.5 * float((dist - exact).abs().sum())
         if name.startswith("isd"):
@@ -240,8 +246,10 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
 
     dlm = load_any(smollm2_path, "idlm", block_size=3)
     tok = dlm.tokenizer
-    prompts = [tok(t)["input_ids"] for t in ["The capital of France is", "Once upon a time, in a small village",
-                                             "def fibonacci(n):"]]
+    prompts = [
+        tok(t)["input_ids"]
+        for t in ["The capital of France is", "Once upon a time, in a small village", "def fibonacci(n):"]
+    ]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(prompts, params)]
     for stride in (2, 3, 4):
@@ -250,7 +258,8 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         assert [r.token_ids for r in batch] == ar
     for min_prob in (0.0, 0.05):  # every candidate verified / only those the mask gives >= 5% (the default)
         batch = Engine(dlm, decoder="isd", candidates=3, candidate_min_prob=min_prob, max_batch_size=3).generate(
-            prompts, params)
+            prompts, params
+        )
         assert [r.token_ids for r in batch] == ar
 
 
@@ -279,11 +288,12 @@ def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length(
 
     dec = ISDDecoder(stride=3)
     row = Row(0, [1], SamplingParams(), None, frozenset(), None, None)
-    for conf, want in [([0.9, 0.9], (0,)),       # P(0) .81
-                       ([0.3, 0.9], (1,)),       # P(1) .7
-                       ([0.9, 0.3], (2,)),       # P(2) .63
-                       ([0.6, 0.6], (0,)),       # .36 .4 .24: P(1) .4 > P(0) .36 -> 1
-                       ]:
+    for conf, want in [
+        ([0.9, 0.9], (0,)),  # P(0) .81
+        ([0.3, 0.9], (1,)),  # P(1) .7
+        ([0.9, 0.3], (2,)),  # P(2) .63
+        ([0.6, 0.6], (0,)),  # .36 .4 .24: P(1) .4 > P(0) .36 -> 1
+    ]:
         row.state["conf"] = conf
         got = dec._branches(row)
         if conf == [0.6, 0.6]:
@@ -308,7 +318,9 @@ def test_accept_calibration_learns_that_unconfident_drafts_are_right():
     assert cal.p_accept(0, 0.2) == pytest.approx(0.2)  # the prior: the draft's own probability
     for _ in range(3):
         cal.observe(0, 0.21, True)
-    assert cal.p_accept(0, 0.25) == pytest.approx((3 + 2 * 0.25) / 5) and cal.p_accept(0, 0.95) == pytest.approx(0.95)  # other bins untouched
+    assert cal.p_accept(0, 0.25) == pytest.approx((3 + 2 * 0.25) / 5) and cal.p_accept(0, 0.95) == pytest.approx(
+        0.95
+    )  # other bins untouched
     for _ in range(1000):
         cal.observe(1, 0.9, False)
     assert cal.p_accept(1, 0.9) < 0.01 and cal.counts[(1, 9)][1] <= cal.cap  # capped: it can turn again
@@ -330,10 +342,12 @@ def test_isd_candidates_greedy_equals_ar_greedy(arch):
     # a random tiny model's mask spreads its mass thinly: candidate_min_prob=0 makes every step verify all K
     for k, fallback in itertools.product((2, 3), ("predict", "off")):
         one = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0).generate(
-            [PROMPTS[2]], params)[0]
+            [PROMPTS[2]], params
+        )[0]
         assert one.token_ids == ar[2], (arch, k, fallback)
-        batch = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0,
-                       max_batch_size=3).generate(PROMPTS, params)
+        batch = Engine(
+            dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0, max_batch_size=3
+        ).generate(PROMPTS, params)
         assert [r.token_ids for r in batch] == ar, (arch, k, fallback)
         assert all(1.0 <= r.stats.tpf <= 2 for r in batch)
 
@@ -387,8 +401,14 @@ def test_candidate_layout_and_its_logits_equal_plain_forwards():
     offsets, attn = candidate_layout(2, True)
     #                c  d1 d2 M1 M2 F
     assert offsets == [0, 1, 1, 2, 2, 1]
-    assert attn.int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
-                                   [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1]]
+    assert attn.int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 0, 1, 0, 0, 0],
+        [1, 1, 0, 1, 0, 0],
+        [1, 0, 1, 0, 1, 0],
+        [1, 0, 0, 0, 0, 1],
+    ]
     assert candidate_layout(3, False)[0] == [0, 1, 1, 1, 2, 2, 2]
     dlm = idlm("llama", block_size=1)
     m = dlm.mask_token_id
@@ -444,7 +464,8 @@ def test_isd_candidates_settings_and_errors():
     # top-k 2 leaves q two tokens with mass: at most two candidates are drawn, the chunk shrinks to match
     dec = ISDDecoder(candidates=3)
     r = Engine(idlm("llama"), decoder=dec, max_batch_size=2).generate(
-        [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True))
+        [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True)
+    )
     assert [len(x.token_ids) for x in r] == [12, 12] and set(dec._layouts) == {(2, ("cands", 2, True))}
 
 

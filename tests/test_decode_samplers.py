@@ -1,9 +1,9 @@
 """Diffusion samplers (mdm: confidence / random / threshold; block): every mask resolved, max tokens respected,
 reproducible for a seed, the right errors."""
 
-
 import pytest
 import torch
+from diffusion_reference import reference_block, reference_mdm
 
 from dlm import convert_ar_to_dlm
 from dlm.decode import generate
@@ -12,7 +12,6 @@ from dlm.decode.engine import Engine
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.testing import make_model, make_tokenizer
-from diffusion_reference import reference_block, reference_mdm
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
@@ -21,8 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def dlm_of(objective, shift=None, block_size=None, arch="llama"):
-    return convert_ar_to_dlm(make_model(arch, seed=3), objective, block_size=block_size, shift=shift,
-                             tokenizer=make_tokenizer())
+    return convert_ar_to_dlm(
+        make_model(arch, seed=3), objective, block_size=block_size, shift=shift, tokenizer=make_tokenizer()
+    )
 
 
 CASES = [
@@ -70,8 +70,10 @@ def test_batched_engine_equals_the_one_request_reference(objective, kw, conv):
     plain per-request sampler does: same tokens greedy, and the same draws when sampling with a seed."""
     dlm = dlm_of(objective, **conv)
     for temperature in (0.0, 1.0):
-        params = [SamplingParams(max_new_tokens=5 + i, temperature=temperature, top_k=20, seed=100 + i,
-                                 ignore_eos=True) for i in range(len(MIXED))]
+        params = [
+            SamplingParams(max_new_tokens=5 + i, temperature=temperature, top_k=20, seed=100 + i, ignore_eos=True)
+            for i in range(len(MIXED))
+        ]
         results = Engine(dlm, decoder=objective, max_batch_size=3, **kw).generate(MIXED, params)
         for prompt, p, r in zip(MIXED, params, results):
             ids, forwards = reference(dlm, objective, prompt, p, kw)
@@ -86,8 +88,14 @@ def test_diffusion_decoders_stream_in_order_and_stop_early(objective, kw, conv):
     dlm = dlm_of(objective, **conv)
     full = generate(dlm, MIXED[:2], objective, SamplingParams(12, ignore_eos=True), **kw)
     streamed = {}
-    got = generate(dlm, MIXED[:2], objective, SamplingParams(12, ignore_eos=True), **kw,
-                   on_tokens=lambda rid, new, done: streamed.setdefault(rid, []).append(list(new)))
+    got = generate(
+        dlm,
+        MIXED[:2],
+        objective,
+        SamplingParams(12, ignore_eos=True),
+        **kw,
+        on_tokens=lambda rid, new, done: streamed.setdefault(rid, []).append(list(new)),
+    )
     for rid, (a, b) in enumerate(zip(full, got)):
         assert a.token_ids == b.token_ids
         assert sum(streamed[rid], []) == b.token_ids
@@ -118,8 +126,14 @@ def test_diffusion_decoders_refuse_what_does_not_fit():
 def test_block_mask_is_block_causal():
     pos = torch.arange(6)
     m = block_mask(pos, pos, 2)[0, 0].int().tolist()
-    assert m == [[1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 0, 0],
-                 [1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+    assert m == [
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1],
+    ]
 
 
 def test_block_kv_cache_equals_full_recompute():

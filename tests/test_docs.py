@@ -25,8 +25,10 @@ def _prose_lines(path: Path):
 
 def _anchors(path: Path) -> set[str]:
     text = path.read_text()
-    heads = {re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
-             for h in re.findall(r"^#+\s+(.*)$", text, flags=re.M)}
+    heads = {
+        re.sub(r"[^a-z0-9 _-]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+\s+(.*)$", text, flags=re.M)
+    }
     return heads | set(re.findall(r'<a id="([^"]+)"></a>', text))
 
 
@@ -95,9 +97,13 @@ def test_readme_command_lines_parse():
 def test_readme_is_short_and_its_table_cells_are_too():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= README_MAX_LINES, f"README.md: {len(lines)} lines, more than {README_MAX_LINES}"
-    long = [f"README.md:{n}: a table cell of {len(c.strip())} characters"
-            for n, line in _prose_lines(ROOT / "README.md") if line.startswith("|")
-            for c in line.strip("|").split("|") if len(c.strip()) > 200]
+    long = [
+        f"README.md:{n}: a table cell of {len(c.strip())} characters"
+        for n, line in _prose_lines(ROOT / "README.md")
+        if line.startswith("|")
+        for c in line.strip("|").split("|")
+        if len(c.strip()) > 200
+    ]
     assert not long, "\n".join(long)
 
 
@@ -107,6 +113,10 @@ def test_docs_speak_of_the_project(path):
     if not path.exists():
         pytest.skip(f"{path.name} not written")
     words = re.compile(r"\b(this stop|last stop|stop \d+|session|was lent|were lent|no GPU was lent)\b", re.I)
-    bad = [f"{path.relative_to(ROOT)}:{n}: '{m.group(0)}'" for n, line in enumerate(path.read_text().splitlines(), 1)
-           for m in [words.search(line)] if m]
+    bad = [
+        f"{path.relative_to(ROOT)}:{n}: '{m.group(0)}'"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        for m in [words.search(line)]
+        if m
+    ]
     assert not bad, "\n".join(bad)

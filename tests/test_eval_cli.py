@@ -14,8 +14,21 @@ from dlm.testing import make_model, make_tokenizer
 def test_dlm_eval_writes_table_and_json(tiny_model_dir, shared_data, tmp_path, capsys):
     model = tiny_model_dir("llama")
     out = tmp_path / "r.json"
-    rc = main(["eval", "--model", str(model), "--eval-tasks", "piqa,winogrande", "--data-dir", shared_data,
-               "--limit", "4", "--output", str(out)])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(model),
+            "--eval-tasks",
+            "piqa,winogrande",
+            "--data-dir",
+            shared_data,
+            "--limit",
+            "4",
+            "--output",
+            str(out),
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out
     assert "accuracy" in printed and "piqa" in printed and "acc_norm" in printed
@@ -36,7 +49,7 @@ def test_generation_tasks_with_controlled_generator(shared_data):
 
     def oracle(em, prompts, lengths, **kw):  # returns the target tokens for even items, garbage for odd ones
         outs = []
-        for i, (p, n) in enumerate(zip(prompts, lengths)):
+        for i, (_p, n) in enumerate(zip(prompts, lengths)):
             outs.append(targets[i] if i % 2 == 0 else tok("zz", add_special_tokens=False)["input_ids"][:1] * n)
         return outs
 
@@ -96,22 +109,40 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     """The task's figures are the ISD engine's own counts on the same prompts, and ISD output == greedy AR."""
     from dlm.decode import generate
     from dlm.decode.sampling import SamplingParams
-    from dlm.eval.scoring import as_eval_model
     from dlm.eval.generation import _prompt_ids
+    from dlm.eval.scoring import as_eval_model
     from dlm.eval.tasks import load_task
 
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"tell me about item {i}"},
-                                                        {"role": "assistant", "content": "ok"}]}) + "\n"
-                               for i in range(5)))
+    prompts.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"tell me about item {i}"},
+                        {"role": "assistant", "content": "ok"},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(5)
+        )
+    )
     dlm = _idlm(block_size=2)
-    r = run_eval(dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, stride=3, batch_size=3,
-                 keep_predictions=True)["isd_acceptance"]
+    r = run_eval(
+        dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, stride=3, batch_size=3, keep_predictions=True
+    )["isd_acceptance"]
     ex = load_task("isd_acceptance", paths={"isd_acceptance": str(prompts)})
     assert [e.prompt for e in ex] == [f"tell me about item {i}" for i in range(5)]
     em = as_eval_model(dlm)
-    direct = generate(dlm, [_prompt_ids(em, e) for e in ex], "isd",
-                      [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5, batch_size=3, stride=3)
+    direct = generate(
+        dlm,
+        [_prompt_ids(em, e) for e in ex],
+        "isd",
+        [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
+        batch_size=3,
+        stride=3,
+    )
     prop = [sum(x.stats.proposed[i] for x in direct) for i in range(2)]
     acc = [sum(x.stats.accepted[i] for x in direct) for i in range(2)]
     assert r["stride"] == 3 and r["n"] == 5 and r["drafts"] == prop
@@ -122,8 +153,14 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     # with draft candidates: the engine's counts again, stride 2, output still AR's
     k3 = run_eval(dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, candidates=3, batch_size=3)
     k3 = k3["isd_acceptance"]
-    direct = generate(dlm, [_prompt_ids(em, e) for e in ex], "isd",
-                      [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5, batch_size=3, candidates=3)
+    direct = generate(
+        dlm,
+        [_prompt_ids(em, e) for e in ex],
+        "isd",
+        [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
+        batch_size=3,
+        candidates=3,
+    )
     assert k3["stride"] == 2 and k3["candidates"] == 3 and k3["identical"] == 1.0
     assert k3["drafts"] == [sum(x.stats.proposed[0] for x in direct)]
     assert k3["acc"] == sum(x.stats.accepted[0] for x in direct) / k3["drafts"][0]
@@ -178,12 +215,19 @@ def test_isd_acceptance_data_and_bad_input(tmp_path, capsys):
     assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "2"]) == 0
     out = capsys.readouterr().out
     assert "isd_acceptance acc" in out and "isd_acceptance tpf" in out and "isd_acceptance identical    1.0000" in out
-    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "1",
-                 "--isd-candidates", "2"]) == 0
+    assert (
+        main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--limit", "1", "--isd-candidates", "2"])
+        == 0
+    )
     assert "isd_acceptance: N=2 K=2 acceptance" in capsys.readouterr().out
-    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--stride", "3",
-                 "--isd-candidates", "2"]) == 2
+    assert (
+        main(
+            ["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--stride", "3", "--isd-candidates", "2"]
+        )
+        == 2
+    )
     assert "runs at --stride 2 only" in capsys.readouterr().err
-    assert main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--isd-acceptance-path",
-                 str(bad)]) == 2
+    assert (
+        main(["eval", "--model", str(model), "--eval-tasks", "isd_acceptance", "--isd-acceptance-path", str(bad)]) == 2
+    )
     assert "expected JSONL chat records" in capsys.readouterr().err

@@ -14,17 +14,18 @@ from dlm.eval.multiple_choice import evaluate_multiple_choice  # noqa: E402
 from dlm.eval.scoring import as_eval_model, encode_pair, loglikelihoods  # noqa: E402
 from dlm.eval.tasks.base import MCExample  # noqa: E402
 
-ITEMS = [("How do you boil an egg?", "Put it in boiling water.", "Put it in the fridge.", 0),
-         ("How do you open a jar?", "Sing to it.", "Twist the lid.", 1),
-         ("How do you dry a towel?", "Hang it in the sun.", "Soak it in water.", 0),
-         ("How do you light a room?", "Close the curtains.", "Switch on the lamp.", 1)]
+ITEMS = [
+    ("How do you boil an egg?", "Put it in boiling water.", "Put it in the fridge.", 0),
+    ("How do you open a jar?", "Sing to it.", "Twist the lid.", 1),
+    ("How do you dry a towel?", "Hang it in the sun.", "Soak it in water.", 0),
+    ("How do you light a room?", "Close the curtains.", "Switch on the lamp.", 1),
+]
 
 
 def _write_task(folder):
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "tiny.jsonl"
-    data.write_text("".join(json.dumps({"goal": g, "sol1": a, "sol2": b, "label": y}) + "\n"
-                            for g, a, b, y in ITEMS))
+    data.write_text("".join(json.dumps({"goal": g, "sol1": a, "sol2": b, "label": y}) + "\n" for g, a, b, y in ITEMS))
     (folder / "tiny_mc.yaml").write_text(f"""task: dlm_tiny_mc
 dataset_path: json
 dataset_kwargs:
@@ -52,9 +53,13 @@ def test_harness_runs_dlm_model_on_local_task(tiny_model_dir, tmp_path, monkeypa
 
     model_dir = tiny_model_dir("llama")
     tasks_dir = _write_task(tmp_path / "tasks_dir")
-    out = lm_eval.simple_evaluate(model="dlm", model_args=f"pretrained={model_dir}", tasks=["dlm_tiny_mc"],
-                                  task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
-                                  batch_size=2)
+    out = lm_eval.simple_evaluate(
+        model="dlm",
+        model_args=f"pretrained={model_dir}",
+        tasks=["dlm_tiny_mc"],
+        task_manager=TaskManager(include_path=str(tasks_dir), include_defaults=False),
+        batch_size=2,
+    )
     got = out["results"]["dlm_tiny_mc"]
     # our own evaluation of the same items and prompt gives the same numbers
     from dlm.model.hub import load_model, load_tokenizer
@@ -76,7 +81,7 @@ def test_adapter_rolling_and_generate(tiny_model_dir):
     (rolling,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
     pairs = [([lm.em.prefix_token_id], lm.em.tokenizer(text, add_special_tokens=False)["input_ids"])]
     assert rolling == pytest.approx(loglikelihoods(lm.em, pairs)[0][0], abs=1e-4)
-    (ll, greedy), = lm.loglikelihood([SimpleNamespace(args=("The quick brown", " fox"))])
+    ((ll, greedy),) = lm.loglikelihood([SimpleNamespace(args=("The quick brown", " fox"))])
     assert ll == pytest.approx(loglikelihoods(lm.em, [encode_pair(lm.em, "The quick brown", " fox")])[0][0])
     outs = lm.generate_until([SimpleNamespace(args=("Question: How", {"until": ["\n"], "max_gen_toks": 6}))])
     assert isinstance(outs[0], str) and "\n" not in outs[0]
@@ -92,9 +97,26 @@ def test_adapter_rolling_and_generate(tiny_model_dir):
 def test_dlm_lm_eval_command_line(tiny_model_dir, tmp_path):
     tasks_dir = _write_task(tmp_path / "tasks_dir")
     env = dict(os.environ, HF_DATASETS_OFFLINE="1")
-    proc = subprocess.run([sys.executable, "-m", "dlm.eval.lm_eval", "--model", "dlm", "--model_args",
-                           f"pretrained={tiny_model_dir('llama')}", "--tasks", "dlm_tiny_mc", "--include_path",
-                           str(tasks_dir), "--output_path", str(tmp_path / "out")],
-                          capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dlm.eval.lm_eval",
+            "--model",
+            "dlm",
+            "--model_args",
+            f"pretrained={tiny_model_dir('llama')}",
+            "--tasks",
+            "dlm_tiny_mc",
+            "--include_path",
+            str(tasks_dir),
+            "--output_path",
+            str(tmp_path / "out"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "dlm_tiny_mc" in proc.stdout

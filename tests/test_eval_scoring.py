@@ -13,11 +13,13 @@ from dlm.eval.tasks.base import MCExample
 from dlm.model.convert import convert_ar_to_dlm
 from dlm.testing import make_model, make_tokenizer
 
-PAIRS = [("Question: How do you boil an egg?\nAnswer: ", " Put it in boiling water."),
-         ("Question: How do you boil an egg?\nAnswer: ", " Put it in the fridge for a year."),
-         ("The quick brown fox", " jumps over the lazy dog."),
-         ("", "Once upon a time"),
-         ("To be, or not to be,", " that")]
+PAIRS = [
+    ("Question: How do you boil an egg?\nAnswer: ", " Put it in boiling water."),
+    ("Question: How do you boil an egg?\nAnswer: ", " Put it in the fridge for a year."),
+    ("The quick brown fox", " jumps over the lazy dog."),
+    ("", "Once upon a time"),
+    ("To be, or not to be,", " that"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +42,7 @@ def test_causal_loglikelihood_matches_naive(arch, tok):
     em = as_eval_model(model, tok)
     pairs = [encode_pair(em, c, x) for c, x in PAIRS]
     assert pairs[3][0] == [tok.eos_token_id]  # empty context -> the BOS/EOS token
-    for budget in ((64, 10_000) if arch == "llama" else (10_000,)):  # several batches vs one
+    for budget in (64, 10_000) if arch == "llama" else (10_000,):  # several batches vs one
         got = loglikelihoods(em, pairs, token_budget=budget)
         for (ctx, cont), (lp, greedy) in zip(pairs, got):
             want, want_greedy = _naive_ll(model, ctx, cont)
@@ -123,8 +125,12 @@ def test_accuracy_from_known_scores(tok, monkeypatch):
     import dlm.eval.multiple_choice as mc
 
     em = as_eval_model(make_model(), tok)
-    examples = [MCExample("c", ["a", "bbbbbbbb"], 1), MCExample("c", ["a", "b"], 0),
-                MCExample("c", ["aaaa", "b"], 0), MCExample("c", ["a", "b"], 1)]
+    examples = [
+        MCExample("c", ["a", "bbbbbbbb"], 1),
+        MCExample("c", ["a", "b"], 0),
+        MCExample("c", ["aaaa", "b"], 0),
+        MCExample("c", ["a", "b"], 1),
+    ]
     fake = [[-1.0, -2.0], [-1.0, -2.0], [-4.0, -2.0], [-3.0, -1.0]]
     monkeypatch.setattr(mc, "score_examples", lambda *a, **k: fake)
     r = mc.evaluate_multiple_choice(em, examples)

@@ -6,8 +6,7 @@ import shutil
 import pytest
 
 from dlm.errors import DLMError
-from dlm.eval.tasks import TASKS, load_task, parse_task_list
-from dlm.eval.tasks import hellaswag, lambada, piqa, poem_reverse, siqa, winogrande
+from dlm.eval.tasks import TASKS, hellaswag, lambada, load_task, parse_task_list, piqa, poem_reverse, siqa, winogrande
 
 
 def _lines(path):
@@ -25,8 +24,10 @@ def test_shared_data_loads_every_task(shared_data):
     assert p[0].choices[0].startswith(" Provide the guinea pig")
     s = load_task("siqa", shared_data)
     assert [e.label for e in s] == [int(x) - 1 for x in _lines(f"{shared_data}/siqa/dev-labels.lst")]
-    assert s[0].context == ("Question: Tracy didn't go home that evening and resisted Riley's attacks. "
-                            "What does Tracy need to do before this?\nAnswer: ")
+    assert s[0].context == (
+        "Question: Tracy didn't go home that evening and resisted Riley's attacks. "
+        "What does Tracy need to do before this?\nAnswer: "
+    )
     w = load_task("winogrande", shared_data)
     assert [e.label for e in w] == [int(x) - 1 for x in _lines(f"{shared_data}/winogrande/dev-labels.lst")]
     assert w[0].context == "Sarah was a much better surgeon than Maria so "
@@ -66,22 +67,34 @@ def test_layout_by_content_not_name(shared_data, tmp_path):
 def test_original_winogrande_and_mosaicml_agree(tmp_path):
     orig = tmp_path / "orig"
     orig.mkdir()
-    (orig / "dev.jsonl").write_text(json.dumps({"sentence": "The cup fell off the table because _ was wobbly.",
-                                                "option1": "the cup", "option2": "the table", "answer": "2"}) + "\n")
+    (orig / "dev.jsonl").write_text(
+        json.dumps(
+            {
+                "sentence": "The cup fell off the table because _ was wobbly.",
+                "option1": "the cup",
+                "option2": "the table",
+                "answer": "2",
+            }
+        )
+        + "\n"
+    )
     ex = winogrande.load(orig)[0]
     assert ex.context == "The cup fell off the table because " and ex.label == 1
     assert ex.choices == ["the cup was wobbly.", "the table was wobbly."]
     mosaic = tmp_path / "mosaic"
     mosaic.mkdir()
-    (mosaic / "w.jsonl").write_text(json.dumps({"context_options": ["A beat B so A", "A beat B so B"],
-                                                "continuation": "won the cup.", "gold": 0}) + "\n")
+    (mosaic / "w.jsonl").write_text(
+        json.dumps({"context_options": ["A beat B so A", "A beat B so B"], "continuation": "won the cup.", "gold": 0})
+        + "\n"
+    )
     m = winogrande.load(mosaic)[0]
     assert (m.context, m.choices, m.label) == ("A beat B so ", ["A won the cup.", "B won the cup."], 0)
     # test split without answers takes the labels file beside it
     test = tmp_path / "test"
     test.mkdir()
-    (test / "test.jsonl").write_text(json.dumps({"sentence": "X _ y.", "option1": "a", "option2": "b",
-                                                 "answer": ""}) + "\n")
+    (test / "test.jsonl").write_text(
+        json.dumps({"sentence": "X _ y.", "option1": "a", "option2": "b", "answer": ""}) + "\n"
+    )
     with pytest.raises(DLMError, match="no answer"):
         winogrande.load(test)
     (test / "test-labels.lst").write_text("1\n")
@@ -89,8 +102,15 @@ def test_original_winogrande_and_mosaicml_agree(tmp_path):
 
 
 def test_hellaswag_original_jsonl(tmp_path):
-    rec = {"ind": 7, "activity_label": "Making a cake", "ctx_a": "A woman mixes flour.", "ctx_b": "she",
-           "ctx": "A woman mixes flour. she", "endings": ["bakes it [title] well.", "sings.", "x", "y"], "label": 0}
+    rec = {
+        "ind": 7,
+        "activity_label": "Making a cake",
+        "ctx_a": "A woman mixes flour.",
+        "ctx_b": "she",
+        "ctx": "A woman mixes flour. she",
+        "endings": ["bakes it [title] well.", "sings.", "x", "y"],
+        "label": 0,
+    }
     (tmp_path / "hellaswag_val.jsonl").write_text(json.dumps(rec) + "\n")
     ex = hellaswag.load(tmp_path)[0]
     assert ex.context == "Making a cake: A woman mixes flour. She"

@@ -14,9 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from dlm.cli import main
 from dlm.errors import DLMError
@@ -71,11 +69,14 @@ def small_fs(tmp_path):
     mounted = []
 
     def make(size: int):
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], capture_output=True, text=True
+        )
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a size-limited tmpfs here ({r.stderr.strip() or 'mount failed'}); the "
-                        f"disk-full tests need root or CAP_SYS_ADMIN")
+            pytest.skip(
+                f"cannot mount a size-limited tmpfs here ({r.stderr.strip() or 'mount failed'}); the "
+                f"disk-full tests need root or CAP_SYS_ADMIN"
+            )
         mounted.append(mnt)
         return mnt
 
@@ -89,8 +90,19 @@ def small_fs(tmp_path):
 
 
 def prepare_args(src, dest, tok_dir, *extra):
-    return ["prepare", "--source-path", str(src), "--destination-path", str(dest), "--tokenizer", str(tok_dir),
-            "--chunk-size", "4096", "--no-progress", *extra]
+    return [
+        "prepare",
+        "--source-path",
+        str(src),
+        "--destination-path",
+        str(dest),
+        "--tokenizer",
+        str(tok_dir),
+        "--chunk-size",
+        "4096",
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.mark.integration
@@ -123,8 +135,10 @@ def test_disk_full_during_prepare_keeps_finished_shards_and_resumes(tmp_path, sm
     assert main(prepare_args(src, dest, tok_dir)) == 0
     assert {p.name: p.read_bytes() for p in dest.glob("train_*.bin")} == ref_shards
     entry = json.loads((dest / "manifest.json").read_text())["prefixes"]["train"]
-    assert entry["totals"]["tokens"] == json.loads((ref / "manifest.json").read_text())["prefixes"]["train"][
-        "totals"]["tokens"]
+    assert (
+        entry["totals"]["tokens"]
+        == json.loads((ref / "manifest.json").read_text())["prefixes"]["train"]["totals"]["tokens"]
+    )
 
 
 # ============================================================================================ training runs
@@ -144,16 +158,42 @@ def tiny_run(tmp_path_factory):
 
 
 def train_args(t, out, steps=6, *extra):
-    return ["train", "--model", str(t["model"]), "--data", str(t["data"]), "--objective", "idlm", "--block-size", "2",
-            "--seq-length", "48", "--batch-size", "4", "--max-train-steps", str(steps), "--learning-rate", "1e-3",
-            "--save-every", "2", "--keep-last", "1", "--output-dir", str(out), "--train.progress", "false",
-            "--eval-every", "0", *extra]
+    return [
+        "train",
+        "--model",
+        str(t["model"]),
+        "--data",
+        str(t["data"]),
+        "--objective",
+        "idlm",
+        "--block-size",
+        "2",
+        "--seq-length",
+        "48",
+        "--batch-size",
+        "4",
+        "--max-train-steps",
+        str(steps),
+        "--learning-rate",
+        "1e-3",
+        "--save-every",
+        "2",
+        "--keep-last",
+        "1",
+        "--output-dir",
+        str(out),
+        "--train.progress",
+        "false",
+        "--eval-every",
+        "0",
+        *extra,
+    ]
 
 
 def losses(out: Path) -> dict[int, tuple]:
     recs = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     start = max(i for i, r in enumerate(recs) if r.get("event") in ("start", "resume"))
-    return {r["step"]: (r["loss"], r["grad_norm"], r["lr"]) for r in recs[start + 1:] if "loss" in r}
+    return {r["step"]: (r["loss"], r["grad_norm"], r["lr"]) for r in recs[start + 1 :] if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -196,10 +236,12 @@ def test_damaged_checkpoint_is_a_clear_error_naming_the_file(tiny_run, reference
     out = tmp_path / "run"
     shutil.copytree(ref_out, out)
     ck = out / "checkpoints" / "step_00000006"
-    target = {"optimizer_flip": ck / "training_state" / "optimizer.bin",
-              "weights_truncated": ck / "training_state" / "pytorch_model.bin",
-              "state_json_truncated": ck / "trainer_state.json",
-              "rank_flip": ck / "training_state" / "dlm_rank0.pt"}[damage]
+    target = {
+        "optimizer_flip": ck / "training_state" / "optimizer.bin",
+        "weights_truncated": ck / "training_state" / "pytorch_model.bin",
+        "state_json_truncated": ck / "trainer_state.json",
+        "rank_flip": ck / "training_state" / "dlm_rank0.pt",
+    }[damage]
     if damage.endswith("flip"):
         flip_byte(target, target.stat().st_size // 2)
     else:
@@ -218,8 +260,9 @@ def packed(tmp_path_factory, tok_dir):
     return root / "out"
 
 
-@pytest.mark.parametrize("damage", ["truncated", "header_flip", "payload_flip", "manifest_truncated",
-                                    "manifest_sha_changed"])
+@pytest.mark.parametrize(
+    "damage", ["truncated", "header_flip", "payload_flip", "manifest_truncated", "manifest_sha_changed"]
+)
 def test_damaged_shards_and_manifest_name_the_file(packed, tmp_path, damage):
     from dlm.data.loader import build_packed_dataset
 
@@ -310,14 +353,28 @@ def _model_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-@pytest.mark.parametrize("damage", ["config_truncated", "config_flip", "weights_truncated", "weights_header_flip",
-                                    "weights_payload_flip", "adapter_truncated", "adapter_header_flip",
-                                    "tokenizer_truncated"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "config_truncated",
+        "config_flip",
+        "weights_truncated",
+        "weights_header_flip",
+        "weights_payload_flip",
+        "adapter_truncated",
+        "adapter_header_flip",
+        "tokenizer_truncated",
+    ],
+)
 def test_damaged_model_folder_is_a_clear_error_naming_the_file(model_dirs, tmp_path, capsys, damage):
     trained, gated = model_dirs
     folder = _model_copy(gated if damage.startswith("adapter") else trained, tmp_path / "m")
-    name = {"config": "config.json", "weights": "model.safetensors", "adapter": "dlm_adapter.safetensors",
-            "tokenizer": "tokenizer.json"}[damage.split("_")[0]]
+    name = {
+        "config": "config.json",
+        "weights": "model.safetensors",
+        "adapter": "dlm_adapter.safetensors",
+        "tokenizer": "tokenizer.json",
+    }[damage.split("_")[0]]
     f = folder / name
     if damage.endswith("truncated"):
         truncate(f)
@@ -393,8 +450,9 @@ def test_sigkill_at_random_moments_of_checkpoint_writes(tiny_run, tmp_path):
             assert all(read_state(p)["step"] >= 1 for p in list_checkpoints(ck))
         if (out / "train_log.jsonl").exists():
             seen.update(losses(out))
-    r = subprocess.run([*args(out, "--resume", "auto"), "--save-every", "1"], capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [*args(out, "--resume", "auto"), "--save-every", "1"], capture_output=True, text=True, timeout=900
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     seen.update(losses(out))
     assert kills >= 20 and mid_save >= 10, (kills, mid_save)

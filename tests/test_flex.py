@@ -39,8 +39,7 @@ def _batch(device):
     am = torch.ones_like(ids)
     am[1, 19:] = 0  # padding
     doc = torch.tensor([[0] * 14 + [1] * 9, [0] * 23])  # a packed row
-    return {k: v.to(device) for k, v in
-            {"input_ids": ids, "labels": lab, "attention_mask": am, "doc_ids": doc}.items()}
+    return {k: v.to(device) for k, v in {"input_ids": ids, "labels": lab, "attention_mask": am, "doc_ids": doc}.items()}
 
 
 def objective_parity(device: str, grads: bool, cases=CASES):
@@ -63,8 +62,11 @@ def objective_parity(device: str, grads: bool, cases=CASES):
             g = torch.cat([p.grad.flatten() for p in dlm.parameters() if p.grad is not None]) if grads else None
             res[impl] = (out.loss.item(), g)
         (ls, gs), (lf, gf) = res["sdpa"], res["flex_attention"]
-        name = objective + ("" if kw.get("fast_path", True) else "-2L") + (f"-{kw['attention']}" if "attention" in kw
-                                                                          else "")
+        name = (
+            objective
+            + ("" if kw.get("fast_path", True) else "-2L")
+            + (f"-{kw['attention']}" if "attention" in kw else "")
+        )
         diff = float((gs - gf).abs().max()) if grads else 0.0
         scale = float(gs.abs().max()) if grads else 0.0
         rows.append((name, ls, lf, diff, scale))

@@ -10,8 +10,7 @@ import json
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def test_objectives_under_flex_equal_sdpa_with_gradients():
@@ -69,10 +68,23 @@ def test_bf16_flex_gated_lora_run_on_cuda_resumes_exactly(tmp_path, monkeypatch)
     data = _chat(tmp_path / "chat.jsonl")
 
     def cfg(out, **over):
-        base = {"model": str(model), "data": str(data), "output_dir": str(out), "objective": "idlm",
-                "block_size": 2, "seq_length": 64, "batch_size": 4, "max_train_steps": 6, "learning_rate": 1e-3,
-                "lora_r": 4, "gated_lora": True, "mixed_precision": "bf16", "attn_impl": "flex_attention",
-                "save_every": 3, "train.progress": False}
+        base = {
+            "model": str(model),
+            "data": str(data),
+            "output_dir": str(out),
+            "objective": "idlm",
+            "block_size": 2,
+            "seq_length": 64,
+            "batch_size": 4,
+            "max_train_steps": 6,
+            "learning_rate": 1e-3,
+            "lora_r": 4,
+            "gated_lora": True,
+            "mixed_precision": "bf16",
+            "attn_impl": "flex_attention",
+            "save_every": 3,
+            "train.progress": False,
+        }
         base.update(over)
         return load_config(None, base)
 

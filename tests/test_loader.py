@@ -95,8 +95,16 @@ def test_validation_names_the_file(tmp_path):
 
 def test_seeded_shuffle_is_deterministic(tmp_path):
     files = make_files(tmp_path, 6)
-    order = lambda seed, shuffle=True: [block_id(b) for b in PackedDataset(files, BLOCK, n_chunks=3, seed=seed,  # noqa
-                                                                          shuffle=shuffle)]
+    order = lambda seed, shuffle=True: [
+        block_id(b)
+        for b in PackedDataset(
+            files,
+            BLOCK,
+            n_chunks=3,
+            seed=seed,  # noqa
+            shuffle=shuffle,
+        )
+    ]
     assert order(7) == order(7)
     assert order(7) != order(8)
     assert sorted(order(7)) == sorted(order(8))
@@ -138,8 +146,11 @@ def test_combined_mixing_weights_determinism_and_resume(tmp_path):
     b = make_files(tmp_path / "b", 4, "b", base=100)
 
     def make(seed=9):
-        return CombinedDataset([PackedDataset(a, BLOCK, seed=1, wrap=True), PackedDataset(b, BLOCK, seed=2, wrap=True)],
-                               weights=[0.8, 0.2], seed=seed)
+        return CombinedDataset(
+            [PackedDataset(a, BLOCK, seed=1, wrap=True), PackedDataset(b, BLOCK, seed=2, wrap=True)],
+            weights=[0.8, 0.2],
+            seed=seed,
+        )
 
     ref = _take(iter(make()), 3000)
     frac_b = np.mean([int(x[0]) >= 100_000 for x in ref])
@@ -174,7 +185,8 @@ def test_rank_world_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     env_ids = [block_id(b) for b in build_packed_dataset(tmp_path, "d", block_size=BLOCK, wrap=False)]
-    explicit = [block_id(b) for b in build_packed_dataset(tmp_path, ["d"], block_size=BLOCK, wrap=False, rank=1,
-                                                          world_size=2)]
+    explicit = [
+        block_id(b) for b in build_packed_dataset(tmp_path, ["d"], block_size=BLOCK, wrap=False, rank=1, world_size=2)
+    ]
     assert env_ids == explicit and len({f for f, _ in env_ids}) == 2
     assert find_shards(tmp_path, "d") == [str(p) for p in files]

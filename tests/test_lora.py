@@ -19,7 +19,7 @@ def _batch(dlm, L=12, B=2, seed=0):
     g = torch.Generator().manual_seed(seed)
     x0 = torch.randint(5, 300, (B, L), generator=g)
     xt = x0.clone()
-    xt[:, L // 2:] = dlm.mask_token_id
+    xt[:, L // 2 :] = dlm.mask_token_id
     return x0, xt
 
 
@@ -50,8 +50,9 @@ def test_gated_lora_clean_path_stays_base_after_training(arch):
     dlm.train()
     for _ in range(4):
         logits = _two_half(dlm, xt, x0)
-        loss = torch.nn.functional.cross_entropy(logits[:, :12].reshape(-1, logits.shape[-1]),
-                                                 x0.roll(-1, 1).reshape(-1))
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :12].reshape(-1, logits.shape[-1]), x0.roll(-1, 1).reshape(-1)
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()

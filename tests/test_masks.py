@@ -40,12 +40,15 @@ def test_doc_ids_and_key_padding():
     valid = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     m = d(masks.full(key_valid=valid), 2, 5)
     assert m[0].all()
-    assert torch.equal(m[1, 0], grid("""
+    assert torch.equal(
+        m[1, 0],
+        grid("""
         x x x . .
         x x x . .
         x x x . .
         x x x x .
-        x x x . x"""))
+        x x x . x"""),
+    )
     assert m.any(-1).all()
 
 
@@ -164,9 +167,12 @@ def test_decode_mask():
     valid = torch.tensor([[True, False, True], [True, True, True]])
     m = masks.decode_mask(valid, 2)
     assert m.shape == (2, 1, 2, 5)
-    assert torch.equal(m[0, 0], grid("""
+    assert torch.equal(
+        m[0, 0],
+        grid("""
         x . x x .
-        x . x x x"""))
+        x . x x x"""),
+    )
     assert m[1, 0, 1].all() and not m[1, 0, 0, 4]
 
 
@@ -261,5 +267,5 @@ def test_rows_from_equals_slicing_the_dense_cached_mask():
     mod = masks.introspective_cached(L, 2, doc_ids=doc, key_valid=valid)
     full = masks.dense(mod, 2, L, 2 * L)
     for start in (0, 1, 4, 8):
-        cut = torch.cat([full[:, :, start:, :L], full[:, :, start:, L + start:]], -1)
+        cut = torch.cat([full[:, :, start:, :L], full[:, :, start:, L + start :]], -1)
         assert torch.equal(masks.dense(masks.rows_from(mod, L, start), 2, L - start, 2 * L - start), cut), start

@@ -44,8 +44,10 @@ class FakeDLM(torch.nn.Module):
 
 def one_hot_logits(targets_fn):
     """Logits = 30 * one_hot(targets_fn(input_ids)): CE ~ 0 at the right target, ~30 at any other."""
+
     def fn(input_ids):
         return 30.0 * F.one_hot(targets_fn(input_ids), V).float()
+
     return fn
 
 
@@ -90,11 +92,16 @@ def test_mdm_alignment_oracle(shift):
     else:
         target = lambda ids: x0  # noqa: E731
     model = FakeDLM("mdm", shift=shift, logits_fn=one_hot_logits(target))
-    out = get_objective("mdm", attention="full")(model, {"input_ids": x0, "labels": x0}, generator=torch.Generator().manual_seed(0))
+    out = get_objective("mdm", attention="full")(
+        model, {"input_ids": x0, "labels": x0}, generator=torch.Generator().manual_seed(0)
+    )
     assert out.num_tokens > 0 and out.loss.item() < 1e-6
-    wrong = FakeDLM("mdm", shift=shift, logits_fn=one_hot_logits(lambda ids: x0 if shift else
-                                                                  torch.cat([x0[:, 1:], x0[:, :1]], 1)))
-    bad = get_objective("mdm", attention="full")(wrong, {"input_ids": x0, "labels": x0}, generator=torch.Generator().manual_seed(0))
+    wrong = FakeDLM(
+        "mdm", shift=shift, logits_fn=one_hot_logits(lambda ids: x0 if shift else torch.cat([x0[:, 1:], x0[:, :1]], 1))
+    )
+    bad = get_objective("mdm", attention="full")(
+        wrong, {"input_ids": x0, "labels": x0}, generator=torch.Generator().manual_seed(0)
+    )
     assert bad.loss.item() > 1.0
 
 
@@ -106,7 +113,8 @@ def test_mdm_weighting_and_normalisation_by_hand(normalize):
     labels[:, :3] = -100  # a prompt
     model = FakeDLM("mdm", shift=True)
     out = get_objective("mdm", attention="full", normalize=normalize)(
-        model, {"input_ids": x0, "labels": labels}, generator=torch.Generator().manual_seed(5))
+        model, {"input_ids": x0, "labels": labels}, generator=torch.Generator().manual_seed(5)
+    )
     t = schedules.sample_t(B, eps, False, torch.Generator().manual_seed(5))  # the objective's first draw
     x_t = model.calls[0]["input_ids"]
     masked = x_t == M
@@ -141,8 +149,9 @@ def test_block_objective_by_hand_t_per_block():
     B, L, bs = 2, 8, 4
     x0 = torch.randint(0, 40, (B, L), generator=torch.Generator().manual_seed(3))
     model = FakeDLM("block", shift=False, block_size=bs)
-    out = get_objective("block", t_per="block")(model, {"input_ids": x0, "labels": x0},
-                                                generator=torch.Generator().manual_seed(7))
+    out = get_objective("block", t_per="block")(
+        model, {"input_ids": x0, "labels": x0}, generator=torch.Generator().manual_seed(7)
+    )
     call = model.calls[0]
     assert call["input_ids"].shape == (B, 2 * L) and torch.equal(call["input_ids"][:, L:], x0)
     assert torch.equal(call["position_ids"][0], torch.arange(L).repeat(2))
@@ -151,8 +160,12 @@ def test_block_objective_by_hand_t_per_block():
     t_tok = t_blocks.gather(1, block_run_ids(torch.arange(L).expand(B, L), bs))
     masked = call["input_ids"][:, :L] == M
     logits = model.table[:L]
-    total = sum(F.cross_entropy(logits[j], x0[b, j]).item() / t_tok[b, j].item()
-                for b in range(B) for j in range(L) if masked[b, j])
+    total = sum(
+        F.cross_entropy(logits[j], x0[b, j]).item() / t_tok[b, j].item()
+        for b in range(B)
+        for j in range(L)
+        if masked[b, j]
+    )
     assert out.num_tokens == int(masked.sum())
     assert math.isclose(out.loss.item(), total / int(masked.sum()), rel_tol=1e-5)
     # per-block t: tokens of one block share t, blocks differ
@@ -168,17 +181,22 @@ def test_idlm_alignment_hand_checked():
     attn = torch.tensor([[1, 1, 1, 1, 1, 1, 1, 0]])
     L = 8
     nxt = torch.cat([x0[:, 1:], x0[:, :1]], 1)  # token i+1 at i
-    model = FakeDLM("idlm", shift=True, block_size=1,
-                    logits_fn=one_hot_logits(lambda ids: nxt.repeat(1, ids.shape[1] // L)))
+    model = FakeDLM(
+        "idlm", shift=True, block_size=1, logits_fn=one_hot_logits(lambda ids: nxt.repeat(1, ids.shape[1] // L))
+    )
     out = get_objective("idlm", fast_path=False)(model, {"input_ids": x0, "labels": labels, "attention_mask": attn})
     x_t = model.calls[0]["input_ids"][:, :L]
     assert x_t.tolist() == [[10, 11, M, M, M, M, 23, 0]]
     assert out.num_tokens == 4  # = number of response tokens; the first one (20) is scored by the mask at 2
     assert out.parts["ce_noisy"] < 1e-6 and out.parts["ce_clean"] < 1e-6
     # the same oracle shifted by one more position fails badly
-    off = FakeDLM("idlm", shift=True, block_size=1,
-                  logits_fn=one_hot_logits(lambda ids: x0.repeat(1, ids.shape[1] // L)))
-    assert get_objective("idlm", fast_path=False)(off, {"input_ids": x0, "labels": labels, "attention_mask": attn}).loss > 5
+    off = FakeDLM(
+        "idlm", shift=True, block_size=1, logits_fn=one_hot_logits(lambda ids: x0.repeat(1, ids.shape[1] // L))
+    )
+    assert (
+        get_objective("idlm", fast_path=False)(off, {"input_ids": x0, "labels": labels, "attention_mask": attn}).loss
+        > 5
+    )
     # the mask the model saw: the introspective mask, padded key 7 blocked for real queries
     am = model.calls[0]["attention_mask"][0, 0]
     assert not am[:7, 7].any() and not am[8:15, 15].any()
@@ -199,8 +217,9 @@ def test_idlm_loss_combination_and_auto_balance():
 def test_idlm_distill_targets_clean_distribution():
     x0 = torch.randint(0, 40, (2, 10), generator=torch.Generator().manual_seed(4))
     # both halves give the same logits per position -> masks already match the clean distribution: KL = 0
-    model = FakeDLM("idlm", block_size=1,
-                    logits_fn=lambda ids: model.table[:10].repeat(ids.shape[1] // 10, 1).expand(2, -1, -1))
+    model = FakeDLM(
+        "idlm", block_size=1, logits_fn=lambda ids: model.table[:10].repeat(ids.shape[1] // 10, 1).expand(2, -1, -1)
+    )
     out = get_objective("idlm", fast_path=False, idlm_loss_type="distill")(model, {"input_ids": x0, "labels": x0})
     assert abs(out.parts["kl_noisy"]) < 1e-5
     assert out.parts["mask_greedy_agree"] == 1.0
@@ -223,8 +242,11 @@ def test_idlm_clean_half_is_ar_logits(arch, tok):
     x_t[:, 4:] = dlm.mask_token_id
     am = masks.dense(masks.introspective(12, 2), 2, 24)
     with torch.no_grad():
-        two = dlm(input_ids=torch.cat([x_t, x0], 1), attention_mask=am,
-                  position_ids=torch.arange(12).repeat(2)[None].expand(2, -1)).logits
+        two = dlm(
+            input_ids=torch.cat([x_t, x0], 1),
+            attention_mask=am,
+            position_ids=torch.arange(12).repeat(2)[None].expand(2, -1),
+        ).logits
         ar = dlm(input_ids=x0).logits
     torch.testing.assert_close(two[:, 12:], ar, atol=1e-5, rtol=1e-5)
 
@@ -259,8 +281,11 @@ def test_idlm_padded_and_packed_batches_equal_single_rows(tok):
         out2 = obj(dlm, {"input_ids": ids, "labels": lab_bad, "attention_mask": am})
         assert out2.num_tokens == n and out2.parts["ce_noisy"] == pytest.approx(ref, abs=1e-5)
         # packed: both documents in one row
-        packed = {"input_ids": torch.tensor([a[0] + b[0]]), "labels": torch.tensor([a[1] + b[1]]),
-                  "doc_ids": torch.tensor([[0] * 7 + [1] * 5])}
+        packed = {
+            "input_ids": torch.tensor([a[0] + b[0]]),
+            "labels": torch.tensor([a[1] + b[1]]),
+            "doc_ids": torch.tensor([[0] * 7 + [1] * 5]),
+        }
         out3 = obj(dlm, packed)
         assert out3.num_tokens == n and out3.parts["ce_noisy"] == pytest.approx(ref, abs=1e-5)
 
@@ -273,8 +298,14 @@ def test_mdm_and_block_packed_rows_equal_single_rows(tok):
         a, b = [5, 6, 7, 8, 9, 10, 11, 12], [20, 21, 22, 23]
         with torch.no_grad():
             single = [obj(dlm, {"input_ids": torch.tensor([r]), "labels": torch.tensor([r])}) for r in (a, b)]
-            packed = obj(dlm, {"input_ids": torch.tensor([a + b]), "labels": torch.tensor([a + b]),
-                               "doc_ids": torch.tensor([[0] * 8 + [1] * 4])})
+            packed = obj(
+                dlm,
+                {
+                    "input_ids": torch.tensor([a + b]),
+                    "labels": torch.tensor([a + b]),
+                    "doc_ids": torch.tensor([[0] * 8 + [1] * 4]),
+                },
+            )
         ce_sum = sum(o.parts["ce"] * o.num_tokens for o in single)
         assert packed.num_tokens == sum(o.num_tokens for o in single)
         assert packed.parts["ce"] == pytest.approx(ce_sum / packed.num_tokens, abs=1e-5)
@@ -341,8 +372,9 @@ def test_objective_errors(tok):
     with pytest.raises(DLMError, match="block_size 3 does not match the checkpoint's block_size 2"):
         get_objective("idlm", block_size=3)(FakeDLM("idlm", block_size=2), {"input_ids": x0, "labels": x0})
     with pytest.raises(DLMError, match="block_size 8 does not match"):
-        get_objective("block", block_size=8)(FakeDLM("block", shift=False, block_size=4),
-                                             {"input_ids": x0, "labels": x0})
+        get_objective("block", block_size=8)(
+            FakeDLM("block", shift=False, block_size=4), {"input_ids": x0, "labels": x0}
+        )
     with pytest.raises(DLMError, match="sequence length 8 is longer than the model's 6 positions"):
         get_objective("mdm")(FakeDLM("mdm", max_pos=6), {"input_ids": x0, "labels": x0})
     with pytest.raises(DLMError, match="'flash_attention_2'.*cannot take"):

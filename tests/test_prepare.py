@@ -11,11 +11,10 @@ import time
 
 import numpy as np
 import pytest
+from test_shards import spec_build, spec_read
 
 from dlm.cli import main
 from dlm.data.prepare import PrepareConfig, _load_state, assign_files, discover_files, prepare
-
-from test_shards import spec_build, spec_read
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +63,11 @@ def mixed_src(tmp_path_factory, paragraphs):
     src = tmp_path_factory.mktemp("mixed")
     p = paragraphs
     write_parquet(src / "a.parquet", {"id": list(range(150)), "text": p[0:150]})
-    write_jsonl(src / "b.jsonl", [{"content": t, "n": 1} for t in p[150:250]]
-                + [{"content": ""}, {"content": 5}, {"content": None}, {"other": "x"}, {"content": "   "}])
+    write_jsonl(
+        src / "b.jsonl",
+        [{"content": t, "n": 1} for t in p[150:250]]
+        + [{"content": ""}, {"content": 5}, {"content": None}, {"other": "x"}, {"content": "   "}],
+    )
     write_jsonl(src / "c.jsonl.gz", [{"text": t} for t in p[250:330]])
     write_jsonl(src / "d.jsonl.zst", [{"body": t} for t in p[330:400]])
     (src / "e.txt").write_text("\n\n".join(p[400:450]))
@@ -89,8 +91,22 @@ def run_cli(*args):
 def test_mixture_is_exactly_the_spec_builder_on_per_document_tokens(tmp_path, tok_dir, tok, mixed_src):
     src, docs = mixed_src
     dest = tmp_path / "out"
-    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", dest, "--prefix", "mix",
-                   "--chunk-size", 4096, "--write-remainder") == 0
+    assert (
+        run_cli(
+            "--source-path",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--destination-path",
+            dest,
+            "--prefix",
+            "mix",
+            "--chunk-size",
+            4096,
+            "--write-remainder",
+        )
+        == 0
+    )
     stream = expected_stream(tok, docs)
     (tmp_path / "ref").mkdir()
     names = spec_build(stream, 4096, tok.eos_token_id, "mix", tmp_path / "ref", "uint16", write_remainder=True)
@@ -118,11 +134,29 @@ def test_flags_no_eos_int32_percentage_column(tmp_path, tok_dir, tok, paragraphs
     src = tmp_path / "src"
     src.mkdir()
     for i in range(4):
-        write_parquet(src / f"p{i}.parquet", {"title": paragraphs[i * 50: i * 50 + 50], "x": list(range(50))})
+        write_parquet(src / f"p{i}.parquet", {"title": paragraphs[i * 50 : i * 50 + 50], "x": list(range(50))})
     dest = tmp_path / "out"
-    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", dest, "--chunk-size", 1000,
-                   "--no-eos", "--dtype", "int32", "--percentage", 0.5, "--pattern", "*.parquet",
-                   "--write-remainder") == 0
+    assert (
+        run_cli(
+            "--source-path",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--destination-path",
+            dest,
+            "--chunk-size",
+            1000,
+            "--no-eos",
+            "--dtype",
+            "int32",
+            "--percentage",
+            0.5,
+            "--pattern",
+            "*.parquet",
+            "--write-remainder",
+        )
+        == 0
+    )
     entry = json.loads((dest / "manifest.json").read_text())["prefixes"]["train"]
     assert [s["file"] for s in entry["sources"]] == ["p0.parquet", "p1.parquet"]
     stream = expected_stream(tok, [paragraphs[0:50], paragraphs[50:100]], eos=False)
@@ -135,11 +169,25 @@ def test_skip_redpajama_github(tmp_path, tok_dir):
     src = tmp_path / "src"
     src.mkdir()
     sets = ["RedPajamaGithub" if i % 3 == 0 else "RedPajamaBook" for i in range(30)]
-    write_parquet(src / "rp.parquet", {"text": [f"row {i} some text here" for i in range(30)],
-                                       "meta": [{"redpajama_set_name": s} for s in sets]})
+    write_parquet(
+        src / "rp.parquet",
+        {"text": [f"row {i} some text here" for i in range(30)], "meta": [{"redpajama_set_name": s} for s in sets]},
+    )
     dest = tmp_path / "out"
-    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", dest, "--chunk-size", 64,
-                   "--skip-redpajama-github") == 0
+    assert (
+        run_cli(
+            "--source-path",
+            src,
+            "--tokenizer",
+            tok_dir,
+            "--destination-path",
+            dest,
+            "--chunk-size",
+            64,
+            "--skip-redpajama-github",
+        )
+        == 0
+    )
     src_entry = json.loads((dest / "manifest.json").read_text())["prefixes"]["train"]["sources"][0]
     assert src_entry["rows_read"] == 30 and src_entry["documents_written"] == 20
     assert src_entry["rows_skipped"] == {"redpajama_github": 10}
@@ -147,11 +195,12 @@ def test_skip_redpajama_github(tmp_path, tok_dir):
 
 # ------------------------------------------------------------------------------------- processes and resume
 
+
 @pytest.fixture(scope="module")
 def many_src(tmp_path_factory, paragraphs):
     src = tmp_path_factory.mktemp("many")
     for i in range(8):
-        rows = paragraphs[i * 60: i * 60 + 40 + 5 * i]  # uneven sizes
+        rows = paragraphs[i * 60 : i * 60 + 40 + 5 * i]  # uneven sizes
         write_parquet(src / f"part{i:02d}.parquet", {"text": rows})
     return src
 
@@ -159,8 +208,17 @@ def many_src(tmp_path_factory, paragraphs):
 @pytest.fixture(scope="module")
 def p2_reference(tmp_path_factory, many_src, tok_dir):
     dest = tmp_path_factory.mktemp("p2ref")
-    prepare(PrepareConfig(str(many_src), str(dest), tokenizer=str(tok_dir), prefix="tr", num_processes=2,
-                          chunk_size=512, progress=False))
+    prepare(
+        PrepareConfig(
+            str(many_src),
+            str(dest),
+            tokenizer=str(tok_dir),
+            prefix="tr",
+            num_processes=2,
+            chunk_size=512,
+            progress=False,
+        )
+    )
     return dest
 
 
@@ -169,13 +227,27 @@ def _bins(folder):
 
 
 @pytest.mark.integration
-def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path, many_src, tok_dir, tok,
-                                                                        p2_reference):
+def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path, many_src, tok_dir, tok, p2_reference):
     ref = _bins(p2_reference)
     assert any(n.startswith("tr_0_") for n in ref) and any(n.startswith("tr_1_") for n in ref)
     dest = tmp_path / "again"
-    assert run_cli("--source-path", many_src, "--tokenizer", tok_dir, "--destination-path", dest, "--prefix", "tr",
-                   "--num-processes", 2, "--chunk-size", 512) == 0
+    assert (
+        run_cli(
+            "--source-path",
+            many_src,
+            "--tokenizer",
+            tok_dir,
+            "--destination-path",
+            dest,
+            "--prefix",
+            "tr",
+            "--num-processes",
+            2,
+            "--chunk-size",
+            512,
+        )
+        == 0
+    )
     assert _bins(dest) == ref
     # each worker's shards = the reference builder (docs/algorithms.md#shards) over the per-document tokens of the files assigned to it
     import pyarrow.parquet as pq
@@ -186,25 +258,43 @@ def test_multiprocess_is_deterministic_and_each_worker_matches_the_spec(tmp_path
         folder = tmp_path / f"spec{p}"
         folder.mkdir()
         names = spec_build(expected_stream(tok, docs), 512, tok.eos_token_id, f"tr_{p}", folder, "uint16")
-        assert {n: (folder / n).read_bytes() for n in names} == {n: b for n, b in ref.items()
-                                                                 if n.startswith(f"tr_{p}_")}
+        assert {n: (folder / n).read_bytes() for n in names} == {
+            n: b for n, b in ref.items() if n.startswith(f"tr_{p}_")
+        }
 
 
 @pytest.mark.integration
 def test_sigkill_then_rerun_gives_the_uninterrupted_shards(tmp_path, many_src, tok_dir, p2_reference):
     dest = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "dlm", "prepare", "--no-progress", "--source-path", str(many_src), "--tokenizer",
-           str(tok_dir), "--destination-path", str(dest), "--prefix", "tr", "--num-processes", "2",
-           "--chunk-size", "512"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlm",
+        "prepare",
+        "--no-progress",
+        "--source-path",
+        str(many_src),
+        "--tokenizer",
+        str(tok_dir),
+        "--destination-path",
+        str(dest),
+        "--prefix",
+        "tr",
+        "--num-processes",
+        "2",
+        "--chunk-size",
+        "512",
+    ]
     env = dict(os.environ, DLM_PREPARE_TEST_DELAY_S="0.3")
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     state_dir = dest / ".dlm-prepare-tr"
     deadline = time.time() + 60
     try:
         while time.time() < deadline:
-            done = [(_load_state(state_dir / f"p{p}.state", np.uint16) or ({"files_done": 0},))[0]["files_done"]
-                    for p in range(2)]
+            done = [
+                (_load_state(state_dir / f"p{p}.state", np.uint16) or ({"files_done": 0},))[0]["files_done"]
+                for p in range(2)
+            ]
             if sum(done) >= 2:
                 break
             assert proc.poll() is None, "prepare finished before it could be killed"
@@ -216,8 +306,23 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_shards(tmp_path, many_src, t
         proc.wait()
     assert 2 <= sum(done) < 8
     assert not (dest / "manifest.json").exists()
-    assert run_cli("--source-path", many_src, "--tokenizer", tok_dir, "--destination-path", dest, "--prefix", "tr",
-                   "--num-processes", 2, "--chunk-size", 512) == 0
+    assert (
+        run_cli(
+            "--source-path",
+            many_src,
+            "--tokenizer",
+            tok_dir,
+            "--destination-path",
+            dest,
+            "--prefix",
+            "tr",
+            "--num-processes",
+            2,
+            "--chunk-size",
+            512,
+        )
+        == 0
+    )
     assert _bins(dest) == _bins(p2_reference)
     assert not [n for n in os.listdir(dest) if n.startswith(".") and n != ".manifest.json.lock"]
     ref_entry = json.loads((p2_reference / "manifest.json").read_text())["prefixes"]["tr"]
@@ -226,8 +331,18 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_shards(tmp_path, many_src, t
 
 
 def test_existing_destination_rules(tmp_path, many_src, tok_dir, capsys):
-    args = ["--source-path", many_src, "--tokenizer", tok_dir, "--destination-path", tmp_path / "d",
-            "--chunk-size", 1024, "--percentage", 0.25]
+    args = [
+        "--source-path",
+        many_src,
+        "--tokenizer",
+        tok_dir,
+        "--destination-path",
+        tmp_path / "d",
+        "--chunk-size",
+        1024,
+        "--percentage",
+        0.25,
+    ]
     assert run_cli(*args) == 0
     before = _bins(tmp_path / "d")
     assert run_cli(*args) == 0  # same configuration: already complete, nothing rewritten
@@ -251,21 +366,25 @@ def test_existing_destination_rules(tmp_path, many_src, tok_dir, capsys):
 
 # ------------------------------------------------------------------------------------------------ bad input
 
+
 def _err(capsys):
     return capsys.readouterr().err
 
 
 def _assert_no_output(dest):
-    assert not dest.exists() or not [n for n in os.listdir(dest) if n not in ("keep", ".manifest.json.lock")], \
+    assert not dest.exists() or not [n for n in os.listdir(dest) if n not in ("keep", ".manifest.json.lock")], (
         os.listdir(dest)
+    )
 
 
 def test_bad_paths_and_tokenizer(tmp_path, tok_dir, many_src, capsys):
     dest = tmp_path / "out"
     assert run_cli("--source-path", tmp_path / "nope", "--tokenizer", tok_dir, "--destination-path", dest) == 2
     assert "--source-path" in _err(capsys)
-    assert run_cli("--source-path", many_src, "--pattern", "*.csv", "--tokenizer", tok_dir,
-                   "--destination-path", dest) == 2
+    assert (
+        run_cli("--source-path", many_src, "--pattern", "*.csv", "--tokenizer", tok_dir, "--destination-path", dest)
+        == 2
+    )
     e = _err(capsys)
     assert "--pattern '*.csv'" in e and "part00.parquet" in e
     assert run_cli("--source-path", many_src, "--tokenizer", tmp_path / "no-tok", "--destination-path", dest) == 2
@@ -294,8 +413,12 @@ def test_no_usable_text_column_lists_columns(tmp_path, tok_dir, capsys):
     assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", tmp_path / "o") == 2
     e = _err(capsys)
     assert "nums.parquet" in e and "id (int64)" in e and "score (double)" in e and "--text-column" in e
-    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", tmp_path / "o",
-                   "--text-column", "body") == 2
+    assert (
+        run_cli(
+            "--source-path", src, "--tokenizer", tok_dir, "--destination-path", tmp_path / "o", "--text-column", "body"
+        )
+        == 2
+    )
     assert "--text-column 'body'" in _err(capsys)
     _assert_no_output(tmp_path / "o")
 
@@ -322,8 +445,7 @@ def test_corrupt_files_leave_no_partial_output(tmp_path, tok_dir, paragraphs, ca
     dest = tmp_path / "out"
     dest.mkdir()
     (dest / "keep").write_text("unrelated")
-    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", dest,
-                   "--chunk-size", 256) == 2
+    assert run_cli("--source-path", src, "--tokenizer", tok_dir, "--destination-path", dest, "--chunk-size", 256) == 2
     e = _err(capsys)
     assert "b_bad" in e and ("corrupt" in e or "truncated" in e or "not valid JSON" in e), e
     if case == "bad_json_line":

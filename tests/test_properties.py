@@ -17,13 +17,13 @@ import pytest
 import torch
 
 hypothesis = pytest.importorskip("hypothesis")
-from hypothesis import given, settings, strategies as st  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from test_shards import spec_build, spec_read  # noqa: E402
 
 from dlm.data.loader import CombinedDataset, PackedDataset  # noqa: E402
-from dlm.data.shards import ShardWriter, read_shard  # noqa: E402
+from dlm.data.shards import ShardWriter  # noqa: E402
 from dlm.model import masks  # noqa: E402
-
-from test_shards import spec_build, spec_read  # noqa: E402
 
 CI = os.environ.get("HYPOTHESIS_PROFILE") == "ci"
 
@@ -34,9 +34,13 @@ def examples(fast: int, ci: int):
 
 # ============================================================================================ shards and prepare
 @examples(15, 300)
-@given(docs=st.lists(st.lists(st.integers(1, 65535), max_size=40), min_size=1, max_size=12),
-       chunk=st.integers(1, 37), dtype=st.sampled_from(["uint16", "int32"]), remainder=st.booleans(),
-       eos=st.sampled_from([None, 0, 7]))
+@given(
+    docs=st.lists(st.lists(st.integers(1, 65535), max_size=40), min_size=1, max_size=12),
+    chunk=st.integers(1, 37),
+    dtype=st.sampled_from(["uint16", "int32"]),
+    remainder=st.booleans(),
+    eos=st.sampled_from([None, 0, 7]),
+)
 def test_writer_and_reader_round_trip_any_token_stream(tmp_path_factory, docs, chunk, dtype, remainder, eos):
     """Any documents, chunk size, dtype and EOS policy: ShardWriter's files are the reference builder's byte for
     byte, and the loader (one block per shard, no shuffle) reads back exactly the packed stream."""
@@ -115,10 +119,15 @@ source_files = st.lists(st.lists(doc_text, min_size=1, max_size=6), min_size=1, 
 
 
 @examples(10, 150)
-@given(files=source_files, data=st.data(), chunk=st.integers(3, 60), dtype=st.sampled_from(["uint16", "int32"]),
-       eos=st.booleans(), remainder=st.booleans())
-def test_prepare_round_trips_any_documents(tmp_path_factory, tok_dir, tok, files, data, chunk, dtype, eos,
-                                           remainder):
+@given(
+    files=source_files,
+    data=st.data(),
+    chunk=st.integers(3, 60),
+    dtype=st.sampled_from(["uint16", "int32"]),
+    eos=st.booleans(),
+    remainder=st.booleans(),
+)
+def test_prepare_round_trips_any_documents(tmp_path_factory, tok_dir, tok, files, data, chunk, dtype, eos, remainder):
     """``dlm prepare`` on any JSONL/txt documents: the shards are the reference builder's over the per-document
     tokens (+ EOS), byte for byte, and the loader reads the same tokens back."""
     from dlm.data.prepare import PrepareConfig, prepare
@@ -131,8 +140,16 @@ def test_prepare_round_trips_any_documents(tmp_path_factory, tok_dir, tok, files
     ref = root / "ref"
     ref.mkdir()
     names = spec_build(stream, chunk, tok.eos_token_id, "train", ref, dtype, write_remainder=remainder)
-    cfg = PrepareConfig(source_path=str(root / "src"), destination_path=str(root / "out"), tokenizer=str(tok_dir),
-                        chunk_size=chunk, dtype=dtype, eos=eos, write_remainder=remainder, progress=False)
+    cfg = PrepareConfig(
+        source_path=str(root / "src"),
+        destination_path=str(root / "out"),
+        tokenizer=str(tok_dir),
+        chunk_size=chunk,
+        dtype=dtype,
+        eos=eos,
+        write_remainder=remainder,
+        progress=False,
+    )
     if not names:
         with pytest.raises(DLMError, match="--write-remainder|no documents"):
             prepare(cfg)
@@ -146,10 +163,16 @@ def test_prepare_round_trips_any_documents(tmp_path_factory, tok_dir, tok, files
 
 
 @examples(10, 150)
-@given(files=st.lists(st.lists(doc_text.filter(bool), min_size=1, max_size=5), min_size=2, max_size=4),
-       chunk=st.integers(3, 30), kill_at=st.integers(0, 40), partial=st.booleans(), remainder=st.booleans())
-def test_prepare_killed_anywhere_then_rerun_gives_the_same_shards(tmp_path_factory, tok_dir, files, chunk, kill_at,
-                                                                   partial, remainder):
+@given(
+    files=st.lists(st.lists(doc_text.filter(bool), min_size=1, max_size=5), min_size=2, max_size=4),
+    chunk=st.integers(3, 30),
+    kill_at=st.integers(0, 40),
+    partial=st.booleans(),
+    remainder=st.booleans(),
+)
+def test_prepare_killed_anywhere_then_rerun_gives_the_same_shards(
+    tmp_path_factory, tok_dir, files, chunk, kill_at, partial, remainder
+):
     """A prepare killed at the ``kill_at``-th write (a shard, a worker checkpoint or the manifest; with
     ``partial`` the killed write leaves half a temp file behind) and rerun ends with the uninterrupted shards."""
     import dlm.data.prepare as prep
@@ -160,8 +183,14 @@ def test_prepare_killed_anywhere_then_rerun_gives_the_same_shards(tmp_path_facto
     _write_sources(root / "src", files, ["jsonl"] * len(files))
 
     def cfg(dest):
-        return PrepareConfig(source_path=str(root / "src"), destination_path=str(root / dest),
-                             tokenizer=str(tok_dir), chunk_size=chunk, write_remainder=True, progress=False)
+        return PrepareConfig(
+            source_path=str(root / "src"),
+            destination_path=str(root / dest),
+            tokenizer=str(tok_dir),
+            chunk_size=chunk,
+            write_remainder=True,
+            progress=False,
+        )
 
     prepare(cfg("ref"))
     writes = [0]
@@ -241,12 +270,13 @@ def _consumer_stream(mp, files, rank, world, wid, workers, **kw):
     return ds, iter(ds)
 
 
-layouts = st.integers(1, 4).flatmap(lambda w: st.integers(1, 3).flatmap(
-    lambda k: st.tuples(st.just(w), st.just(k), st.integers(w * k, w * k + 9))))
+layouts = st.integers(1, 4).flatmap(
+    lambda w: st.integers(1, 3).flatmap(lambda k: st.tuples(st.just(w), st.just(k), st.integers(w * k, w * k + 9)))
+)
 
 
 @examples(20, 400)
-@given(layout=layouts, n_chunks=st.integers(1, 5), seed=st.integers(0, 2 ** 31), shuffle=st.booleans())
+@given(layout=layouts, n_chunks=st.integers(1, 5), seed=st.integers(0, 2**31), shuffle=st.booleans())
 def test_every_block_once_per_epoch_for_any_topology(tmp_path_factory, layout, n_chunks, seed, shuffle):
     """Any file count, world size and worker count: over the consumers, each of epochs 0, 1 and 2 reads every
     block exactly once (consumer c's epoch e holds the files at positions (c + e) % C, + C, ... of that epoch's
@@ -261,8 +291,9 @@ def test_every_block_once_per_epoch_for_any_topology(tmp_path_factory, layout, n
         for rank in range(world):
             for wid in range(workers):
                 c = rank * workers + wid
-                _, it = _consumer_stream(mp, files, rank, world, wid, workers, n_chunks=n_chunks, seed=seed,
-                                         shuffle=shuffle, wrap=True)
+                _, it = _consumer_stream(
+                    mp, files, rank, world, wid, workers, n_chunks=n_chunks, seed=seed, shuffle=shuffle, wrap=True
+                )
                 for e in range(3):
                     count = len(range((c + e) % C, n, C)) * (CH // BL)
                     epochs[e].update(_bid(next(it)) for _ in range(count))
@@ -273,7 +304,7 @@ def test_every_block_once_per_epoch_for_any_topology(tmp_path_factory, layout, n
 
 
 @examples(20, 400)
-@given(layout=layouts, n_chunks=st.integers(1, 5), seed=st.integers(0, 2 ** 31), data=st.data())
+@given(layout=layouts, n_chunks=st.integers(1, 5), seed=st.integers(0, 2**31), data=st.data())
 def test_state_dict_resumes_to_the_identical_next_block(tmp_path_factory, layout, n_chunks, seed, data):
     """Any consumer, any cut point (across windows and epochs): a fresh dataset given ``state_dict()`` yields
     exactly what the uninterrupted one yields next."""
@@ -300,13 +331,26 @@ def test_state_dict_resumes_to_the_identical_next_block(tmp_path_factory, layout
 
 
 @examples(10, 200)
-@given(weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2 ** 31),
-       cut=st.integers(0, 60))
+@given(
+    weights=st.lists(st.floats(0.05, 1.0), min_size=2, max_size=3), seed=st.integers(0, 2**31), cut=st.integers(0, 60)
+)
 def test_mixture_resumes_to_the_identical_next_block(tmp_path_factory, weights, seed, cut):
     root = tmp_path_factory.mktemp("mix")
-    make = lambda: CombinedDataset([PackedDataset(_files(root / f"s{i}", 3, base=10 * i), BL, seed=seed + i,  # noqa
-                                                  wrap=True, rank=0, world_size=1) for i in range(len(weights))],
-                                   weights, seed=seed)
+    make = lambda: CombinedDataset(
+        [
+            PackedDataset(
+                _files(root / f"s{i}", 3, base=10 * i),
+                BL,
+                seed=seed + i,  # noqa
+                wrap=True,
+                rank=0,
+                world_size=1,
+            )
+            for i in range(len(weights))
+        ],
+        weights,
+        seed=seed,
+    )
     a = iter(make())
     ref = [next(a).tolist() for _ in range(cut + 6)]
     b = make()
@@ -330,8 +374,8 @@ def _pos(doc, i):
 
 def brute(kind: str, L: int, bs: int, doc, valid, draw=None, start=0):
     """The masks of docs/algorithms.md written as loops: allowed[q][k] for one batch row."""
-    same = (lambda i, j: doc is None or doc[i] == doc[j])
-    blk = (lambda i: (i if doc is None else _pos(doc, i)) // bs)
+    same = lambda i, j: doc is None or doc[i] == doc[j]
+    blk = lambda i: (i if doc is None else _pos(doc, i)) // bs
     if kind in ("causal", "full", "annealed"):
         Q = K = L
     elif kind in ("block_diffusion", "introspective"):
@@ -372,7 +416,7 @@ def brute(kind: str, L: int, bs: int, doc, valid, draw=None, start=0):
             out[q][k] = a
     t = torch.tensor(out, dtype=torch.bool)
     if kind == "introspective_cached" and start:
-        t = torch.cat([t[start:, :L], t[start:, L + start:]], dim=1)
+        t = torch.cat([t[start:, :L], t[start:, L + start :]], dim=1)
     return t
 
 
@@ -388,8 +432,14 @@ def _make(kind, L, bs, doc_t, valid_t, draw):
 
 
 def _dims(kind, L):
-    return {"causal": (L, L), "full": (L, L), "annealed": (L, L), "block_diffusion": (2 * L, 2 * L),
-            "introspective": (2 * L, 2 * L), "introspective_cached": (L, 2 * L)}[kind]
+    return {
+        "causal": (L, L),
+        "full": (L, L),
+        "annealed": (L, L),
+        "block_diffusion": (2 * L, 2 * L),
+        "introspective": (2 * L, 2 * L),
+        "introspective_cached": (L, 2 * L),
+    }[kind]
 
 
 KINDS = ["causal", "full", "annealed", "block_diffusion", "introspective", "introspective_cached"]
@@ -402,10 +452,10 @@ def mask_case(draw, kind=None, batch=None, docs=None):
     bs = draw(st.integers(1, 5))
     B = batch or draw(st.integers(1, 2))
     with_docs = draw(st.booleans()) if docs is None else docs
-    docs = [draw(st.lists(st.integers(0, 2), min_size=L, max_size=L).map(sorted)) for _ in range(B)] \
-        if with_docs else None
-    valid = [draw(st.lists(st.booleans(), min_size=L, max_size=L)) for _ in range(B)] if draw(st.booleans()) \
-        else None
+    docs = (
+        [draw(st.lists(st.integers(0, 2), min_size=L, max_size=L).map(sorted)) for _ in range(B)] if with_docs else None
+    )
+    valid = [draw(st.lists(st.booleans(), min_size=L, max_size=L)) for _ in range(B)] if draw(st.booleans()) else None
     anneal = draw(st.lists(st.lists(st.booleans(), min_size=L, max_size=L), min_size=L, max_size=L))
     start = draw(st.integers(0, L - 1))
     return kind, L, bs, B, docs, valid, anneal, start
@@ -468,8 +518,10 @@ def _check_flex(case):
 @given(valid=st.lists(st.booleans(), min_size=0, max_size=8), q_len=st.integers(1, 5))
 def test_decode_mask_equals_the_brute_force_definition(valid, q_len):
     got = masks.decode_mask(torch.tensor([valid], dtype=torch.bool).reshape(1, len(valid)), q_len)[0, 0]
-    want = [[(valid[k] if k < len(valid) else (k - len(valid)) <= q) for k in range(len(valid) + q_len)]
-            for q in range(q_len)]
+    want = [
+        [(valid[k] if k < len(valid) else (k - len(valid)) <= q) for k in range(len(valid) + q_len)]
+        for q in range(q_len)
+    ]
     assert got.tolist() == want
 
 
@@ -503,7 +555,7 @@ def assert_distributed_as(counts: Counter, p: torch.Tensor, n: int, what: str):
 
 
 @examples(12, 200)
-@given(p=dist(), q=dist(), seed=st.integers(0, 2 ** 31))
+@given(p=dist(), q=dist(), seed=st.integers(0, 2**31))
 def test_single_draft_rule_emits_p(p, q, seed):
     """d ~ q, then accept_or_correct: the emitted token (d or the correction) ~ p, for any p, q."""
     from dlm.decode.isd import accept_or_correct
@@ -519,7 +571,7 @@ def test_single_draft_rule_emits_p(p, q, seed):
 
 
 @examples(6, 200)
-@given(p=dist(), q=dist(), k=st.integers(1, 4), seed=st.integers(0, 2 ** 31))
+@given(p=dist(), q=dist(), k=st.integers(1, 4), seed=st.integers(0, 2**31))
 def test_candidate_rule_emits_p(p, q, k, seed):
     """K candidates drawn from q without replacement, then recursive rejection (with its all-rejected residual
     draw): the token ~ p."""
@@ -539,7 +591,7 @@ def test_candidate_rule_emits_p(p, q, k, seed):
 
 
 @examples(5, 150)
-@given(p1=dist(), q1=dist(), p2=dist(), q2=dist(), q_fb=dist(), seed=st.integers(0, 2 ** 31))
+@given(p1=dist(), q1=dist(), p2=dist(), q2=dist(), q_fb=dist(), seed=st.integers(0, 2**31))
 def test_fallback_draft_after_a_rejection_keeps_the_joint_distribution(p1, q1, p2, q2, q_fb, seed):
     """Two positions: d1 ~ q1 verified against p1; the next draft comes from q2 after an acceptance but from the
     fallback branch's q_fb after a rejection, and is verified against p2. The pair emitted ~ p1 x p2: choosing
@@ -568,9 +620,11 @@ def test_fallback_draft_after_a_rejection_keeps_the_joint_distribution(p1, q1, p
 
 
 # ============================================================================================ SFT prompt masking
-LLAMA_LIKE = ("{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
-              "{% elif m['role'] == 'assistant' %} {{ m['content'] }}</s>"
-              "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}")
+LLAMA_LIKE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}<<SYS>>{{ m['content'] }}<</SYS>>"
+    "{% elif m['role'] == 'assistant' %} {{ m['content'] }}</s>"
+    "{% else %}[INST] {{ m['content'] }} [/INST]{% endif %}{% endfor %}"
+)
 
 
 def _pieces(template: str, messages, eos: str):
@@ -601,8 +655,9 @@ def _pieces(template: str, messages, eos: str):
     return out
 
 
-sft_words = st.lists(st.sampled_from(["cat", "dog", "sat", "0", "1", "the", "mat", ".", "?", "To be"]),
-                     max_size=8).map(" ".join)
+sft_words = st.lists(st.sampled_from(["cat", "dog", "sat", "0", "1", "the", "mat", ".", "?", "To be"]), max_size=8).map(
+    " ".join
+)
 
 
 @st.composite
@@ -633,8 +688,12 @@ def _as_layout(msgs, layout):
 
 
 @examples(25, 400)
-@given(msgs=conversation(), layout=st.sampled_from(["openai", "sharegpt", "prompt_response"]),
-       template=st.sampled_from(["chatml", "fallback", "llama"]), cut=st.one_of(st.none(), st.integers(1, 80)))
+@given(
+    msgs=conversation(),
+    layout=st.sampled_from(["openai", "sharegpt", "prompt_response"]),
+    template=st.sampled_from(["chatml", "fallback", "llama"]),
+    cut=st.one_of(st.none(), st.integers(1, 80)),
+)
 def test_sft_labels_are_ignored_exactly_on_prompt_tokens(tiny_tokenizer, msgs, layout, template, cut):
     from dlm.data.sft import IGNORE_INDEX, record_to_messages, tokenize_messages
 
@@ -656,8 +715,8 @@ def test_sft_labels_are_ignored_exactly_on_prompt_tokens(tiny_tokenizer, msgs, l
     at = 0
     for i, (t, lab) in enumerate(zip(ids, labels)):
         piece = tok.decode([t])
-        assert text[at: at + len(piece)] == piece, (i, piece, text[at: at + 20])
-        flags = set(trained_chars[at: at + len(piece)])
+        assert text[at : at + len(piece)] == piece, (i, piece, text[at : at + 20])
+        flags = set(trained_chars[at : at + len(piece)])
         assert len(flags) == 1, (i, piece)  # no token straddles a prompt/answer boundary
         assert lab == (t if flags.pop() else IGNORE_INDEX), (i, piece, lab)
         at += len(piece)
@@ -669,9 +728,12 @@ def test_sft_labels_are_ignored_exactly_on_prompt_tokens(tiny_tokenizer, msgs, l
 
 # ============================================================================================ sampling
 @examples(30, 500)
-@given(logits=st.lists(st.floats(-1e4, 1e4), min_size=2, max_size=8),
-       temperature=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-30, 1e-8]), st.floats(1e-6, 2.0)),
-       top_p=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-8]), st.floats(1e-6, 1.0)), top_k=st.integers(0, 9))
+@given(
+    logits=st.lists(st.floats(-1e4, 1e4), min_size=2, max_size=8),
+    temperature=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-30, 1e-8]), st.floats(1e-6, 2.0)),
+    top_p=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-8]), st.floats(1e-6, 1.0)),
+    top_k=st.integers(0, 9),
+)
 def test_sampling_distribution_is_a_distribution_for_any_settings(logits, temperature, top_p, top_k):
     """Any temperature in (0, 2], top_p in (0, 1] and top_k: finite probabilities summing to 1 that keep the most
     likely token (a server request with top_p=5e-324 once made them NaN and failed the engine step)."""

@@ -6,12 +6,21 @@ import json
 
 import pytest
 import torch
+from published_layouts import (
+    MASK,
+    WRITERS,
+    family_attention,
+    reference_logits,
+    write_dream,
+    write_fast_dllm_v2,
+    write_idlm,
+    write_llada,
+    write_sdar,
+)
 
 import dlm
 from dlm.cli import main
 from dlm.errors import DLMError
-from published_layouts import (MASK, WRITERS, family_attention, reference_logits, write_dream, write_fast_dllm_v2,
-                               write_idlm, write_llada, write_sdar)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -82,7 +91,7 @@ def test_sdar_and_idlm_told_apart(tmp_path):
         return dlm.load_model(write_sdar(tmp_path / "x", **kw)).hf_config.dlm_family
 
     assert family(block_size=4) == "sdar"
-    assert family(block_size=2) == "idlm"          # the I-DLM release: no use_regular_causal, block 1/2/3
+    assert family(block_size=2) == "idlm"  # the I-DLM release: no use_regular_causal, block 1/2/3
     assert family(block_size=2, use_regular_causal=False) == "sdar"
     assert family(block_size=8, use_regular_causal=True) == "idlm"
     m = dlm.load_model(write_idlm(tmp_path / "b3", block_size=3))
@@ -100,19 +109,27 @@ def _broken(tmp_path, writer, drop=(), **set_):
     return folder
 
 
-@pytest.mark.parametrize("writer,drop,set_,words", [
-    (write_llada, ("d_model",), {}, ["'d_model'", "config.json"]),
-    (write_llada, (), {"block_type": "sequential"}, ["'block_type'", "llama"]),
-    (write_llada, (), {"rope": False}, ["'rope'"]),
-    (write_llada, ("mask_token_id",), {}, ["mask_token_id", "126336"]),
-    (write_dream, (), {"mask_token_id": 10_000}, ["'mask_token_id' 10000", "config.json"]),
-    (write_sdar, ("block_size",), {}, ["'block_size'", "--block-size", "dlm convert"]),
-    (write_fast_dllm_v2, ("bd_size",), {}, ["'block_size'"]),
-    (write_sdar, ("num_hidden_layers",), {}, ["'num_hidden_layers'"]),
-    (write_sdar, (), {"model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"]}, ["LLaDA2", "not supported"]),
-    (write_llada, (), {"n_layers": 3}, ["lacks", "model.layers.2"]),
-    (write_dream, (), {"intermediate_size": 48}, ["shape", "mlp"]),
-])
+@pytest.mark.parametrize(
+    "writer,drop,set_,words",
+    [
+        (write_llada, ("d_model",), {}, ["'d_model'", "config.json"]),
+        (write_llada, (), {"block_type": "sequential"}, ["'block_type'", "llama"]),
+        (write_llada, (), {"rope": False}, ["'rope'"]),
+        (write_llada, ("mask_token_id",), {}, ["mask_token_id", "126336"]),
+        (write_dream, (), {"mask_token_id": 10_000}, ["'mask_token_id' 10000", "config.json"]),
+        (write_sdar, ("block_size",), {}, ["'block_size'", "--block-size", "dlm convert"]),
+        (write_fast_dllm_v2, ("bd_size",), {}, ["'block_size'"]),
+        (write_sdar, ("num_hidden_layers",), {}, ["'num_hidden_layers'"]),
+        (
+            write_sdar,
+            (),
+            {"model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"]},
+            ["LLaDA2", "not supported"],
+        ),
+        (write_llada, (), {"n_layers": 3}, ["lacks", "model.layers.2"]),
+        (write_dream, (), {"intermediate_size": 48}, ["shape", "mlp"]),
+    ],
+)
 def test_broken_folders_fail_with_one_line_naming_the_field(tmp_path, writer, drop, set_, words):
     folder = _broken(tmp_path, writer, drop, **set_)
     with pytest.raises(DLMError) as e:
@@ -123,8 +140,7 @@ def test_broken_folders_fail_with_one_line_naming_the_field(tmp_path, writer, dr
 
 def test_missing_block_size_through_the_commands(tmp_path, capsys):
     folder = write_sdar(tmp_path / "hub", block_size=None)  # the hub config: no block_size, no mask_token_id
-    rc = main(["generate", "--model", str(folder), "--prompt", "The cat", "--decode", "block",
-               "--max-new-tokens", "4"])
+    rc = main(["generate", "--model", str(folder), "--prompt", "The cat", "--decode", "block", "--max-new-tokens", "4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "'block_size'" in err[0], err
     # the fix the message names: write a dlm folder with the block size (the default mask id is not in this tiny
@@ -132,8 +148,10 @@ def test_missing_block_size_through_the_commands(tmp_path, capsys):
     fields = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(dict(fields, mask_token_id=MASK)))
     out = tmp_path / "sdar-b4"
-    assert main(["convert", "--model", str(folder), "--objective", "block", "--block-size", "4",
-                 "--output", str(out)]) == 0
+    assert (
+        main(["convert", "--model", str(folder), "--objective", "block", "--block-size", "4", "--output", str(out)])
+        == 0
+    )
     m = dlm.load_model(out)
     assert (m.objective, m.block_size, m.hf_config.dlm_family) == ("block", 4, "sdar")
     assert main(["convert", "--model", str(folder), "--objective", "mdm", "--output", str(tmp_path / "x")]) == 2
@@ -143,7 +161,7 @@ def test_block_size_given_by_a_flag_fills_in_only(tmp_path):
     from dlm.model.convert import load_any
 
     hub = write_sdar(tmp_path / "hub", block_size=None, mask_token_id=MASK)
-    assert load_any(hub, objective="block", block_size=8).block_size == 8     # e.g. dlm train --block-size 8
+    assert load_any(hub, objective="block", block_size=8).block_size == 8  # e.g. dlm train --block-size 8
     with pytest.raises(DLMError, match="'block_size' 4, but block size 8"):
         load_any(write_sdar(tmp_path / "b4"), block_size=8)
 
@@ -152,17 +170,21 @@ def test_block_size_given_by_a_flag_fills_in_only(tmp_path):
 def _own(arch, objective, shift, block_size=None):
     from dlm.testing import make_model, make_tokenizer
 
-    return dlm.convert_ar_to_dlm(make_model(arch, seed=1), objective, block_size=block_size, shift=shift,
-                                 tokenizer=make_tokenizer())
+    return dlm.convert_ar_to_dlm(
+        make_model(arch, seed=1), objective, block_size=block_size, shift=shift, tokenizer=make_tokenizer()
+    )
 
 
-@pytest.mark.parametrize("arch,objective,shift,block,fmt,family", [
-    ("llama", "mdm", False, None, "llada", "llada"),
-    ("llama", "mdm", True, None, "dream", "dream"),
-    ("qwen2", "mdm", True, None, "dream", "dream"),
-    ("qwen3", "block", False, 4, "sdar", "sdar"),
-    ("qwen3", "idlm", True, 2, "sdar", "idlm"),
-])
+@pytest.mark.parametrize(
+    "arch,objective,shift,block,fmt,family",
+    [
+        ("llama", "mdm", False, None, "llada", "llada"),
+        ("llama", "mdm", True, None, "dream", "dream"),
+        ("qwen2", "mdm", True, None, "dream", "dream"),
+        ("qwen3", "block", False, 4, "sdar", "sdar"),
+        ("qwen3", "idlm", True, 2, "sdar", "idlm"),
+    ],
+)
 def test_export_then_load_gives_identical_logits(tmp_path, arch, objective, shift, block, fmt, family):
     model = _own(arch, objective, shift, block)
     out = tmp_path / "out"
@@ -191,8 +213,12 @@ def test_a_published_folder_exports_back_to_its_own_files(tmp_path):
 
 
 def test_export_refusals_leave_no_folder(tmp_path, capsys):
-    cases = [(_own("qwen2", "mdm", True), "sdar", "Qwen3"), (_own("llama", "mdm", True), "llada", "shift"),
-             (_own("qwen3", "block", False, 4), "dream", "qwen3"), (_own("llama", "idlm", True, 1), "llada", "idlm")]
+    cases = [
+        (_own("qwen2", "mdm", True), "sdar", "Qwen3"),
+        (_own("llama", "mdm", True), "llada", "shift"),
+        (_own("qwen3", "block", False, 4), "dream", "qwen3"),
+        (_own("llama", "idlm", True, 1), "llada", "idlm"),
+    ]
     for i, (model, fmt, word) in enumerate(cases):
         model.save_pretrained(tmp_path / f"m{i}")
         capsys.readouterr()
@@ -202,8 +228,9 @@ def test_export_refusals_leave_no_folder(tmp_path, capsys):
         assert len(err) == 1 and "--format" in err[0] and word in err[0], err
         assert not out.exists() and not list(tmp_path.glob(f".out{i}*"))
     (tmp_path / "taken").mkdir()
-    assert main(["export", "--model", str(tmp_path / "m0"), "--format", "dream", "--output",
-                 str(tmp_path / "taken")]) == 2
+    assert (
+        main(["export", "--model", str(tmp_path / "m0"), "--format", "dream", "--output", str(tmp_path / "taken")]) == 2
+    )
     assert "--force" in capsys.readouterr().err
 
 
@@ -216,8 +243,9 @@ def _peft_adapter(model, folder, **extra):
     base = AutoModelForCausalLM.from_config(model.hf_config)
     base.load_state_dict(model.base_model_hf.state_dict())
     torch.manual_seed(0)
-    cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False,
-                     **extra)
+    cfg = LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False, **extra
+    )
     peft_model = get_peft_model(base, cfg)
     peft_model.save_pretrained(folder)
     return peft_model.eval()
@@ -232,16 +260,17 @@ def test_gated_lora_adapter_acts_on_masks_only(tmp_path):
     peft_model = _peft_adapter(model, tmp_path / "adapter")
     clean = logits_of(model)
     attach_gated_adapter(model, tmp_path / "adapter")
-    assert torch.equal(logits_of(model), clean)                 # no mask: exactly the base model
+    assert torch.equal(logits_of(model), clean)  # no mask: exactly the base model
     masks = [MASK] * 6
     with torch.no_grad():
         want = peft_model(input_ids=torch.tensor([masks])).logits[0]
     torch.testing.assert_close(logits_of(model, masks), want, atol=2e-5, rtol=1e-5)  # all masks: the adapter's
     assert not torch.allclose(logits_of(model, masks), logits_of(dlm.load_model(tmp_path / "idlm"), masks))
     p = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    assert [r.token_ids for r in generate(model, [IDS], "isd", p)] == \
-        [r.token_ids for r in generate(model, [IDS], "ar", p)]
-    model.save_pretrained(tmp_path / "saved")                    # a dlm folder with dlm_adapter.safetensors
+    assert [r.token_ids for r in generate(model, [IDS], "isd", p)] == [
+        r.token_ids for r in generate(model, [IDS], "ar", p)
+    ]
+    model.save_pretrained(tmp_path / "saved")  # a dlm folder with dlm_adapter.safetensors
     back = dlm.load_model(tmp_path / "saved")
     assert torch.equal(logits_of(back, masks), logits_of(model, masks))
 

@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from published_layouts import MASK, write_dream, write_idlm, write_llada
 
 import dlm
 from dlm.cli import main
 from dlm.decode import generate
 from dlm.decode.sampling import SamplingParams
-from published_layouts import MASK, write_dream, write_idlm, write_llada
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -36,15 +36,32 @@ def test_idlm_checkpoint_isd_at_its_stride_equals_greedy_ar(tmp_path, block_size
             logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
             logits[MASK] = float("-inf")
             ids.append(int(logits.argmax()))
-    assert ar[0].token_ids == ids[len(PROMPTS[0]):]
+    assert ar[0].token_ids == ids[len(PROMPTS[0]) :]
 
 
 def test_idlm_checkpoint_through_dlm_generate(tmp_path, capsys):
     folder = write_idlm(tmp_path / "idlm", block_size=2)
     out = {}
     for decode in ("ar", "isd"):
-        assert main(["generate", "--model", str(folder), "--prompt", "The cat sat", "--decode", decode,
-                     "--max-new-tokens", "10", "--json", "--threads", "1"]) == 0
+        assert (
+            main(
+                [
+                    "generate",
+                    "--model",
+                    str(folder),
+                    "--prompt",
+                    "The cat sat",
+                    "--decode",
+                    decode,
+                    "--max-new-tokens",
+                    "10",
+                    "--json",
+                    "--threads",
+                    "1",
+                ]
+            )
+            == 0
+        )
         out[decode] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["isd"]["token_ids"] == out["ar"]["token_ids"] and out["isd"]["acceptance"]
 
@@ -77,15 +94,39 @@ def test_llada_denoising_score_uses_its_conventions(tmp_path):
 def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, shared_data, capsys):
     folder = write_llada(tmp_path / "llada")
     out = tmp_path / "r.json"
-    assert main(["eval", "--model", str(folder), "--eval-tasks", "piqa", "--data-dir", shared_data, "--limit", "3",
-                 "--diffusion-steps", "2", "--output", str(out), "--quiet"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(folder),
+                "--eval-tasks",
+                "piqa",
+                "--data-dir",
+                shared_data,
+                "--limit",
+                "3",
+                "--diffusion-steps",
+                "2",
+                "--output",
+                str(out),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
     res = json.loads(out.read_text())["results"]["piqa"]
     assert res["n"] == 3 and res["scoring"] == "diffusion"
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("writer,kw", [(write_llada, dict(method="llada", steps=4, block_length=4)),
-                                       (write_dream, dict(method="dream", steps=4, alg="entropy"))])
+@pytest.mark.parametrize(
+    "writer,kw",
+    [
+        (write_llada, dict(method="llada", steps=4, block_length=4)),
+        (write_dream, dict(method="dream", steps=4, alg="entropy")),
+    ],
+)
 def test_published_checkpoints_are_served(tmp_path, writer, kw):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
@@ -95,8 +136,7 @@ def test_published_checkpoints_are_served(tmp_path, writer, kw):
     folder = writer(tmp_path / "ckpt")
     eng = load_engine(str(folder), decode="mdm", max_batch_size=3, **kw)
     prompts = [("The cat " * (i % 3 + 1), 3 + i) for i in range(5)]
-    refs = [generate(eng.model, [eng.tokenizer(p)["input_ids"]], "mdm", SamplingParams(m), **kw)[0]
-            for p, m in prompts]
+    refs = [generate(eng.model, [eng.tokenizer(p)["input_ids"]], "mdm", SamplingParams(m), **kw)[0] for p, m in prompts]
     app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name="tiny", max_tokens_limit=32))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_sdar
 
 import dlm
 from dlm.cli import main
@@ -15,7 +16,6 @@ from dlm.decode.engine import Engine
 from dlm.decode.mdm import MDMDecoder, propose
 from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
-from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_sdar
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,10 +25,12 @@ MIXED = [[5, 6, 7, 8, 9], [10, 11, 12], [20, 21, 22, 23, 24, 25, 26, 27], [30], 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     d = tmp_path_factory.mktemp("published")
-    return {"llada": dlm.load_model(write_llada(d / "llada", seed=4)),
-            "dream": dlm.load_model(write_dream(d / "dream", seed=5)),
-            "sdar": dlm.load_model(write_sdar(d / "sdar", seed=6, block_size=4)),
-            "fast_dllm_v2": dlm.load_model(write_fast_dllm_v2(d / "fast", seed=7, bd_size=4))}
+    return {
+        "llada": dlm.load_model(write_llada(d / "llada", seed=4)),
+        "dream": dlm.load_model(write_dream(d / "dream", seed=5)),
+        "sdar": dlm.load_model(write_sdar(d / "sdar", seed=6, block_size=4)),
+        "fast_dllm_v2": dlm.load_model(write_fast_dllm_v2(d / "fast", seed=7, bd_size=4)),
+    }
 
 
 def split(n, parts):
@@ -109,7 +111,7 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
             if not bool(transfer.any()):
                 continue
             logits = full_logits(model, x)
-            logits = torch.cat([logits[:1], logits[:-1]])       # Dream's right shift
+            logits = torch.cat([logits[:1], logits[:-1]])  # Dream's right shift
             x[masked[transfer]] = next_token(logits[masked[transfer]], params, MASK, g)
             continue
         k = int(masked.numel() * (1 - float(s / tt))) if i < steps - 1 else masked.numel()
@@ -118,8 +120,11 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
         logits = full_logits(model, x)
         logits = torch.cat([logits[:1], logits[:-1]])
         # sample_tokens: temperature (none when greedy), top-k / top-p, softmax; a draw, or the argmax when greedy
-        probs = probs_from_logits(logits[masked], params if not params.greedy else
-                                  SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p), MASK)
+        probs = probs_from_logits(
+            logits[masked],
+            params if not params.greedy else SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p),
+            MASK,
+        )
         x0 = sample(probs, g) if not params.greedy else probs.argmax(-1)
         if alg == "maskgit_plus":
             conf = probs.gather(-1, x0[:, None]).squeeze(-1)
@@ -176,27 +181,72 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
 CASES = [
     ("llada", "mdm", dict(method="llada", steps=None, block_length=4), reference_llada, dict(block_length=4)),
     ("llada", "mdm", dict(method="llada", steps=6, block_length=3), reference_llada, dict(steps=6, block_length=3)),
-    ("llada", "mdm", dict(method="llada", steps=4, block_length=8, cfg_scale=1.5), reference_llada,
-     dict(steps=4, block_length=8, cfg_scale=1.5)),
-    ("llada", "mdm", dict(method="llada", steps=5, block_length=4, remasking="random"), reference_llada,
-     dict(steps=5, block_length=4, remasking="random")),
+    (
+        "llada",
+        "mdm",
+        dict(method="llada", steps=4, block_length=8, cfg_scale=1.5),
+        reference_llada,
+        dict(steps=4, block_length=8, cfg_scale=1.5),
+    ),
+    (
+        "llada",
+        "mdm",
+        dict(method="llada", steps=5, block_length=4, remasking="random"),
+        reference_llada,
+        dict(steps=5, block_length=4, remasking="random"),
+    ),
     ("dream", "mdm", dict(method="dream", steps=5), reference_dream, dict(steps=5)),
-    ("dream", "mdm", dict(method="dream", steps=4, alg="maskgit_plus"), reference_dream,
-     dict(steps=4, alg="maskgit_plus")),
-    ("dream", "mdm", dict(method="dream", steps=6, alg="topk_margin"), reference_dream,
-     dict(steps=6, alg="topk_margin")),
-    ("dream", "mdm", dict(method="dream", steps=5, alg="entropy", alg_temp=0.5), reference_dream,
-     dict(steps=5, alg="entropy", alg_temp=0.5)),
+    (
+        "dream",
+        "mdm",
+        dict(method="dream", steps=4, alg="maskgit_plus"),
+        reference_dream,
+        dict(steps=4, alg="maskgit_plus"),
+    ),
+    (
+        "dream",
+        "mdm",
+        dict(method="dream", steps=6, alg="topk_margin"),
+        reference_dream,
+        dict(steps=6, alg="topk_margin"),
+    ),
+    (
+        "dream",
+        "mdm",
+        dict(method="dream", steps=5, alg="entropy", alg_temp=0.5),
+        reference_dream,
+        dict(steps=5, alg="entropy", alg_temp=0.5),
+    ),
     ("dream", "mdm", dict(method="dream", steps=3, alg="entropy"), reference_dream, dict(steps=3, alg="entropy")),
-    ("sdar", "block", dict(steps=3, remasking="low_confidence_dynamic", threshold=0.03), reference_sdar,
-     dict(steps=3, threshold=0.03)),
-    ("sdar", "block", dict(steps=2, remasking="low_confidence_dynamic", threshold=0.06), reference_sdar,
-     dict(steps=2, threshold=0.06)),
-    ("sdar", "block", dict(steps=2, remasking="low_confidence_static"), reference_sdar,
-     dict(steps=2, remasking="low_confidence_static")),
+    (
+        "sdar",
+        "block",
+        dict(steps=3, remasking="low_confidence_dynamic", threshold=0.03),
+        reference_sdar,
+        dict(steps=3, threshold=0.03),
+    ),
+    (
+        "sdar",
+        "block",
+        dict(steps=2, remasking="low_confidence_dynamic", threshold=0.06),
+        reference_sdar,
+        dict(steps=2, threshold=0.06),
+    ),
+    (
+        "sdar",
+        "block",
+        dict(steps=2, remasking="low_confidence_static"),
+        reference_sdar,
+        dict(steps=2, remasking="low_confidence_static"),
+    ),
     ("sdar", "block", dict(steps=4, remasking="sequential"), reference_sdar, dict(steps=4, remasking="sequential")),
-    ("fast_dllm_v2", "block", dict(steps=2, remasking="low_confidence_dynamic", threshold=0.04), reference_sdar,
-     dict(steps=2, threshold=0.04)),
+    (
+        "fast_dllm_v2",
+        "block",
+        dict(steps=2, remasking="low_confidence_dynamic", threshold=0.04),
+        reference_sdar,
+        dict(steps=2, threshold=0.04),
+    ),
 ]
 
 
@@ -231,9 +281,11 @@ def test_the_family_sampler_is_the_default(models):
     """Without --sampler a LLaDA checkpoint decodes with LLaDA's sampler, Dream with Dream's (alg origin), SDAR
     with SDAR's dynamic low-confidence strategy; dlm's own mdm models keep the confidence sampler."""
     p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
-    cases = [("llada", "mdm", reference_llada, dict(block_length=32)),
-             ("dream", "mdm", reference_dream, {}),
-             ("sdar", "block", reference_sdar, {})]
+    cases = [
+        ("llada", "mdm", reference_llada, dict(block_length=32)),
+        ("dream", "mdm", reference_dream, {}),
+        ("sdar", "block", reference_sdar, {}),
+    ]
     for family, decode, ref, ref_kw in cases:
         got = generate(models[family], [MIXED[0]], decode, p, method=None)[0].token_ids
         assert got == ref(models[family], MIXED[0], p, **ref_kw), family
@@ -241,9 +293,14 @@ def test_the_family_sampler_is_the_default(models):
 
 
 def test_sampler_option_errors():
-    for kw, words in ((dict(method="dream", cfg_scale=1.0), "--cfg-scale"), (dict(method="llada", alg="entropy"),
-                      "--alg"), (dict(alg="nope"), "--alg"), (dict(method="llada", remasking="x"), "--remasking"),
-                      (dict(cfg_scale=-1.0), "--cfg-scale"), (dict(method="dream", alg_temp=-1.0), "--alg-temp")):
+    for kw, words in (
+        (dict(method="dream", cfg_scale=1.0), "--cfg-scale"),
+        (dict(method="llada", alg="entropy"), "--alg"),
+        (dict(alg="nope"), "--alg"),
+        (dict(method="llada", remasking="x"), "--remasking"),
+        (dict(cfg_scale=-1.0), "--cfg-scale"),
+        (dict(method="dream", alg_temp=-1.0), "--alg-temp"),
+    ):
         with pytest.raises(DLMError, match=words):
             MDMDecoder(**kw)
     from dlm.decode.block import BlockDecoder
@@ -265,12 +322,44 @@ def test_too_few_steps_refused_when_the_request_is_added(models):
 
 def test_generate_command_on_published_folders(tmp_path, capsys):
     folder = write_llada(tmp_path / "llada")
-    argv = ["generate", "--model", str(folder), "--prompt", "The cat", "--decode", "mdm", "--max-new-tokens", "6",
-            "--block-length", "3", "--json", "--threads", "1"]
+    argv = [
+        "generate",
+        "--model",
+        str(folder),
+        "--prompt",
+        "The cat",
+        "--decode",
+        "mdm",
+        "--max-new-tokens",
+        "6",
+        "--block-length",
+        "3",
+        "--json",
+        "--threads",
+        "1",
+    ]
     assert main(argv + ["--cfg-scale", "1.0"]) == 0
     assert main(argv + ["--sampler", "dream", "--alg", "entropy"]) == 0
-    assert main(["generate", "--model", str(write_sdar(tmp_path / "sdar")), "--prompt", "The cat", "--decode",
-                 "block", "--max-new-tokens", "6", "--remasking", "sequential", "--threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(write_sdar(tmp_path / "sdar")),
+                "--prompt",
+                "The cat",
+                "--decode",
+                "block",
+                "--max-new-tokens",
+                "6",
+                "--remasking",
+                "sequential",
+                "--threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     assert main(argv + ["--sampler", "dream", "--cfg-scale", "1.0"]) == 2
     assert "--cfg-scale" in capsys.readouterr().err

@@ -8,9 +8,28 @@ from dlm.cli import main
 
 
 def _args(model, out, *extra):
-    return ["quickstart", "--model", str(model), "--output", str(out), "--num-instructions", "6",
-            "--answer-tokens", "8", "--eval-prompts", "3", "--eval-tokens", "12", "--batch-size", "2",
-            "--seq-length", "64", "--lora-r", "4", *extra]
+    return [
+        "quickstart",
+        "--model",
+        str(model),
+        "--output",
+        str(out),
+        "--num-instructions",
+        "6",
+        "--answer-tokens",
+        "8",
+        "--eval-prompts",
+        "3",
+        "--eval-tokens",
+        "12",
+        "--batch-size",
+        "2",
+        "--seq-length",
+        "64",
+        "--lora-r",
+        "4",
+        *extra,
+    ]
 
 
 @pytest.mark.integration
@@ -54,8 +73,25 @@ def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path, capsys):
     model's own greedy AR output (not the base model's, which it may leave)."""
     model = tiny_model_dir("llama")
     out = tmp_path / "qs"
-    assert main(_args(model, out, "--adapters", "merged", "--minutes", "0.05", "--curriculum", "1,2",
-                      "--strides", "2,3", "--learning-rate", "0.05")) == 0
+    assert (
+        main(
+            _args(
+                model,
+                out,
+                "--adapters",
+                "merged",
+                "--minutes",
+                "0.05",
+                "--curriculum",
+                "1,2",
+                "--strides",
+                "2,3",
+                "--learning-rate",
+                "0.05",
+            )
+        )
+        == 0
+    )
     results = json.loads((out / "results.json").read_text())
     assert results["adapters"] == "merged" and results["config"]["lora_targets"] == "all-linear"
     rows = {(r["decoder"], r["stride"], r["model"]): r for r in results["rows"] if r["candidates"] in (None, 1)}

@@ -17,8 +17,11 @@ import httpx  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:--stride:UserWarning")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:--stride:UserWarning"),
+]
 
 MODEL = "tiny"
 
@@ -39,8 +42,11 @@ def srv(tmp_path_factory):
 def still_serving(srv):
     h = httpx.get(srv.url + "/health", timeout=30)
     assert h.status_code == 200, h.text
-    r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "The cat", "max_tokens": 6,
-                                                      "temperature": 0}, timeout=60)
+    r = httpx.post(
+        srv.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The cat", "max_tokens": 6, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
     assert srv.scheduler.alive
@@ -67,8 +73,15 @@ def test_clients_disconnecting_mid_stream(srv):
     aborted0, tokens0 = metrics.requests["abort"], metrics.generation_tokens
 
     def one(k):
-        body = {"model": MODEL, "prompt": f"Once upon a time {k}", "max_tokens": 400, "stream": True,
-                "temperature": 1.0, "seed": k, "ignore_eos": True}
+        body = {
+            "model": MODEL,
+            "prompt": f"Once upon a time {k}",
+            "max_tokens": 400,
+            "stream": True,
+            "temperature": 1.0,
+            "seed": k,
+            "ignore_eos": True,
+        }
         with httpx.Client(timeout=60) as c:
             with c.stream("POST", srv.url + "/v1/completions", json=body) as r:
                 assert r.status_code == 200
@@ -94,12 +107,16 @@ def test_raw_socket_dropped_after_sending_half_a_request(srv):
     body = b'{"model": "tiny", "prompt": "The cat", "max_tokens": 8, "stream": true}'
     for cut in (10, 60, len(body) - 1):
         s = socket.create_connection((host, port))
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(body) + body[:cut])
+        s.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body[:cut]
+        )
         s.close()
     s = socket.create_connection((host, port))  # a whole request, then gone before the answer
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    s.sendall(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body) + body
+    )
     s.close()
     assert settled(srv)
     still_serving(srv)
@@ -132,29 +149,30 @@ def test_engine_raising_fails_the_request_not_the_server(srv, monkeypatch, where
                 return real(*a, **k)
 
             monkeypatch.setattr(engine_mod, "Engine", flaky_engine)
-        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 500, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert "keeps serving" in r.json()["error"]["message"]
         if where == "step_and_restart":  # the first rebuild failed: the next request finds the step still broken
             monkeypatch.setattr(engine_mod, "Engine", real)
-            r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
-                           timeout=60)
+            r = httpx.post(
+                srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
+            )
             assert r.status_code == 500, r.text
     elif where == "add":
         monkeypatch.setattr(eng, "add", boom)
-        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4},
-                       timeout=60)
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 500, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         monkeypatch.undo()
     else:
         monkeypatch.setattr(eng, "abort", boom)
         with httpx.Client(timeout=60) as c:
-            with c.stream("POST", srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi",
-                                                                     "max_tokens": 64, "stream": True,
-                                                                     "ignore_eos": True}) as r:
+            with c.stream(
+                "POST",
+                srv.url + "/v1/completions",
+                json={"model": MODEL, "prompt": "Hi", "max_tokens": 64, "stream": True, "ignore_eos": True},
+            ) as r:
                 next(r.iter_lines())
         time.sleep(1.0)
         monkeypatch.undo()

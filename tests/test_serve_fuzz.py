@@ -24,8 +24,11 @@ from hypothesis import settings  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
-pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread"),
-              pytest.mark.filterwarnings("ignore:--stride:UserWarning")]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:--stride:UserWarning"),
+]
 
 MODEL = "tiny"
 PER_ROUTE = 300 if os.environ.get("HYPOTHESIS_PROFILE") == "ci" else 40
@@ -37,8 +40,9 @@ def fuzz_server(tmp_path_factory):
 
     folder = save_tiny(tmp_path_factory.mktemp("fuzz") / "tiny-llama", "llama")
     engine = load_engine(str(folder), decode="isd", stride=2, max_batch_size=16)
-    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=4,
-                                                                 max_body_bytes=64 * 1024))
+    app = create_app(
+        Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=4, max_body_bytes=64 * 1024)
+    )
     with ServerThread(app) as srv:
         yield srv
 
@@ -63,8 +67,12 @@ def openai_error_shape(ctx, response, case):
     return None
 
 
-CHECKS = [schemathesis.checks.not_a_server_error, schemathesis.checks.status_code_conformance,
-          schemathesis.checks.content_type_conformance, schemathesis.checks.response_schema_conformance]
+CHECKS = [
+    schemathesis.checks.not_a_server_error,
+    schemathesis.checks.status_code_conformance,
+    schemathesis.checks.content_type_conformance,
+    schemathesis.checks.response_schema_conformance,
+]
 
 
 @schema.parametrize()
@@ -82,16 +90,25 @@ def test_the_server_still_serves_after_the_fuzzing(fuzz_server):
     # runs after the fuzz test in file order (same module-scoped server)
     h = httpx.get(fuzz_server.url + "/health", timeout=30)
     assert h.status_code == 200 and h.json()["status"] == "ok"
-    r = httpx.post(fuzz_server.url + "/v1/completions", json={"model": MODEL, "prompt": "The cat", "max_tokens": 4,
-                                                              "temperature": 0}, timeout=60)
+    r = httpx.post(
+        fuzz_server.url + "/v1/completions",
+        json={"model": MODEL, "prompt": "The cat", "max_tokens": 4, "temperature": 0},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] >= 1
 
 
 def test_the_document_covers_every_route_and_no_422(fuzz_server):
     doc = httpx.get(fuzz_server.url + "/openapi.json", timeout=30).json()
-    assert set(doc["paths"]) == {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/completions",
-                                 "/v1/chat/completions"}
+    assert set(doc["paths"]) == {
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/models/{model_id}",
+        "/v1/completions",
+        "/v1/chat/completions",
+    }
     for path, item in doc["paths"].items():
         for method, op in item.items():
             assert "422" not in op["responses"], (path, method)

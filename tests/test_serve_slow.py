@@ -28,13 +28,14 @@ def test_smollm2_chat_greedy_equals_ar_generate(smollm2_path):
         ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
         with torch.inference_mode():
             out = ar.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
-        refs.append(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        refs.append(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
     app = create_app(Scheduler(engine), ServeSettings(model_name="smollm2-135m", max_tokens_limit=64))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=600)
-        r = client.chat.completions.create(model="smollm2-135m", max_tokens=16, temperature=0,
-                                           messages=[{"role": "user", "content": questions[0]}])
+        r = client.chat.completions.create(
+            model="smollm2-135m", max_tokens=16, temperature=0, messages=[{"role": "user", "content": questions[0]}]
+        )
         assert r.choices[0].message.content == refs[0]
 
         async def both():
@@ -42,8 +43,12 @@ def test_smollm2_chat_greedy_equals_ar_generate(smollm2_path):
 
             async def one(q):
                 stream = await aclient.chat.completions.create(
-                    model="smollm2-135m", max_tokens=16, temperature=0, stream=True,
-                    messages=[{"role": "user", "content": q}])
+                    model="smollm2-135m",
+                    max_tokens=16,
+                    temperature=0,
+                    stream=True,
+                    messages=[{"role": "user", "content": q}],
+                )
                 return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
             try:

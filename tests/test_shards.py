@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from dlm.data.loader import PackedDataset
-from dlm.data.shards import ShardWriter, choose_dtype, read_header, read_shard, update_manifest, read_manifest
+from dlm.data.shards import ShardWriter, choose_dtype, read_header, read_manifest, read_shard, update_manifest
 from dlm.errors import DLMError
 
 # ------------------------------------------------------------------ independent implementation of docs/algorithms.md#shards
@@ -42,7 +42,7 @@ def spec_build(stream, chunk_size, sep, prefix, folder, dtype_name, write_remain
     """The reference builder (docs/algorithms.md#shards): buffer pre-filled with sep; each full buffer -> {prefix}_{counter:010d}.bin."""
     names, counter = [], 0
     for start in range(0, len(stream), chunk_size):
-        part = list(stream[start: start + chunk_size])
+        part = list(stream[start : start + chunk_size])
         if len(part) < chunk_size:
             if not write_remainder:
                 break
@@ -116,7 +116,7 @@ def test_spec_files_load_in_our_reader_and_loader(tmp_path):
     assert read_shard(tmp_path / "ext_0000000001.bin").tolist() == tokens[1]
     ds = PackedDataset(sorted(tmp_path.glob("ext_*.bin")), block_size=16, shuffle=False, rank=0, world_size=1)
     got = [b.tolist() for b in ds]
-    want = [t[i: i + 16] for t in tokens for i in range(0, 64, 16)]
+    want = [t[i : i + 16] for t in tokens for i in range(0, 64, 16)]
     assert sorted(got) == sorted(want) and len(got) == 12
 
 

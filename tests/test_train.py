@@ -27,9 +27,18 @@ def tiny(tmp_path_factory):
 
 
 def make_cfg(tiny, out, **over):
-    base = {"model": str(tiny["model"]), "data": str(tiny["data"]), "output_dir": str(out), "objective": "idlm",
-            "block_size": 2, "seq_length": 64, "batch_size": 4, "max_train_steps": 4, "learning_rate": 1e-3,
-            "train.progress": False}
+    base = {
+        "model": str(tiny["model"]),
+        "data": str(tiny["data"]),
+        "output_dir": str(out),
+        "objective": "idlm",
+        "block_size": 2,
+        "seq_length": 64,
+        "batch_size": 4,
+        "max_train_steps": 4,
+        "learning_rate": 1e-3,
+        "train.progress": False,
+    }
     base.update(over)
     return load_config(None, base)
 
@@ -111,10 +120,14 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp
     assert last["event"] == "error" and "step 3" in last["message"]
 
 
-@pytest.mark.parametrize("over, msg", [({"seq_length": 600}, "exceeds the model's context of 512"),
-                                       ({"data.block_length": 3}, "block_length = 3 does not match"),
-                                       ({"attn_impl": "flex_attention"}, "cannot train on CPU"),
-                                       ])
+@pytest.mark.parametrize(
+    "over, msg",
+    [
+        ({"seq_length": 600}, "exceeds the model's context of 512"),
+        ({"data.block_length": 3}, "block_length = 3 does not match"),
+        ({"attn_impl": "flex_attention"}, "cannot train on CPU"),
+    ],
+)
 def test_mismatched_data_is_refused_before_training(tiny, tmp_path, over, msg):
     from dlm.train.loop import train
 
@@ -133,8 +146,17 @@ def test_lr_1e5_bf16_autocast_step_changes_fp32_master_weights(tiny, tmp_path):
 
     dlm = load_any(tiny["model"], objective="idlm", block_size=2)
     before = {n: p.detach().clone() for n, p in dlm.named_parameters()}
-    result = train(make_cfg(tiny, tmp_path / "bf16", mixed_precision="bf16", learning_rate=1e-5, max_train_steps=1,
-                            **{"optim.max_grad_norm": 0}), dlm=dlm)
+    result = train(
+        make_cfg(
+            tiny,
+            tmp_path / "bf16",
+            mixed_precision="bf16",
+            learning_rate=1e-5,
+            max_train_steps=1,
+            **{"optim.max_grad_norm": 0},
+        ),
+        dlm=dlm,
+    )
     assert result.step == 1
     changed, survives_bf16 = [], []
     for n, p in dlm.named_parameters():
@@ -196,8 +218,12 @@ def test_lr_schedule():
     assert lr_factor(6, 10, 2, "cosine", 0.0) == pytest.approx(0.5)
     assert lr_factor(7, 10, 0, "constant", 0.0) == 1.0
     # wsd: constant, then linear to the floor over the last decay_ratio of the run
-    assert [lr_factor(s, 10, 0, "wsd", 0.0, decay_ratio=0.2) for s in (0, 8, 9, 10)] == \
-        [1.0, 1.0, pytest.approx(0.5), pytest.approx(0.0, abs=1e-12)]
+    assert [lr_factor(s, 10, 0, "wsd", 0.0, decay_ratio=0.2) for s in (0, 8, 9, 10)] == [
+        1.0,
+        1.0,
+        pytest.approx(0.5),
+        pytest.approx(0.0, abs=1e-12),
+    ]
     assert lr_factor(10, 10, 0, "wsd", 0.1, decay_ratio=0.2) == pytest.approx(0.1)
     # a time budget drives the progress when it is ahead of the steps (a huge step limit under --max-minutes)
     assert lr_factor(5, 10**6, 2, "cosine", 0.0, time_fraction=0.5) == pytest.approx(0.5)
@@ -224,8 +250,15 @@ def test_time_bounded_run_decays_to_the_floor_when_its_minutes_run_out(tiny, tmp
 
     monkeypatch.setattr(loop, "time", Clock)
     out = tmp_path / "wsd"
-    result = loop.train(make_cfg(tiny, out, max_train_steps=10**6, max_minutes=1.0, **{"optim.warmup_steps": 2,
-                                 "optim.schedule": "wsd", "optim.decay_ratio": 0.5}))
+    result = loop.train(
+        make_cfg(
+            tiny,
+            out,
+            max_train_steps=10**6,
+            max_minutes=1.0,
+            **{"optim.warmup_steps": 2, "optim.schedule": "wsd", "optim.decay_ratio": 0.5},
+        )
+    )
     assert result.stopped == "max_minutes" and result.step > 8
     lrs = [r["lr"] for r in log_lines(out) if "loss" in r]
     peak = 1e-3
@@ -261,9 +294,19 @@ def test_packed_shards_mdm_run_with_heldout_prefix(tiny, tmp_path):
     data = write_shards(tmp_path / "packed", "train", 320)
     write_shards(data, "val", 320, n_files=1, seed=1)
     out = tmp_path / "mdm"
-    result = train(make_cfg(tiny, out, data=None, packed_data_dir=str(data), objective="mdm", block_size=None,
-                            max_train_steps=2, eval_every=2, **{"data.eval_packed_prefixes": "val",
-                                                                 "seq_length": 32}))
+    result = train(
+        make_cfg(
+            tiny,
+            out,
+            data=None,
+            packed_data_dir=str(data),
+            objective="mdm",
+            block_size=None,
+            max_train_steps=2,
+            eval_every=2,
+            **{"data.eval_packed_prefixes": "val", "seq_length": 32},
+        )
+    )
     assert result.step == 2 and all(math.isfinite(x) for x in result.losses)
     hist = json.loads((out / "eval_history.jsonl").read_text().splitlines()[-1])
     assert hist["metrics"]["heldout_loss"] > 0
@@ -294,8 +337,17 @@ def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, shared_d
     from dlm.train.loop import train
 
     out = tmp_path / "ev"
-    train(make_cfg(tiny, out, max_train_steps=1, eval_every=1, eval_tasks="piqa", eval_data_dir=shared_data,
-                   **{"eval.eval_limit": 4}))
+    train(
+        make_cfg(
+            tiny,
+            out,
+            max_train_steps=1,
+            eval_every=1,
+            eval_tasks="piqa",
+            eval_data_dir=shared_data,
+            **{"eval.eval_limit": 4},
+        )
+    )
     rec = json.loads((out / "eval_history.jsonl").read_text().splitlines()[0])
     assert rec["step"] == 1 and rec["checkpoint"] == "step_00000001"
     assert 0 <= rec["metrics"]["piqa/acc"] <= 1 and rec["metrics"]["heldout_loss"] > 0
@@ -306,8 +358,7 @@ def test_scheduled_isd_acceptance_needs_no_data(tiny, tmp_path):
     from dlm.train.loop import train
 
     out = tmp_path / "isd"
-    train(make_cfg(tiny, out, max_train_steps=2, eval_every=2, eval_tasks="isd_acceptance",
-                   **{"eval.eval_limit": 2}))
+    train(make_cfg(tiny, out, max_train_steps=2, eval_every=2, eval_tasks="isd_acceptance", **{"eval.eval_limit": 2}))
     m = json.loads((out / "eval_history.jsonl").read_text().splitlines()[0])["metrics"]
     assert m["isd_acceptance/stride"] == 3 and m["isd_acceptance/identical"] == 1.0
     assert 0 <= m["isd_acceptance/acc"] <= 1 and 0 <= m["isd_acceptance/acc_pos2"] <= 1
@@ -318,8 +369,12 @@ def test_only_complete_checkpoints_count(tmp_path):
     from dlm.train.checkpoint import STATE_FILE, latest_checkpoint, list_checkpoints, resolve_resume
 
     root = tmp_path / "checkpoints"
-    for name, complete in (("step_00000002", True), ("step_00000004", True), (".step_00000006.tmp", True),
-                           ("step_00000008", False)):
+    for name, complete in (
+        ("step_00000002", True),
+        ("step_00000004", True),
+        (".step_00000006.tmp", True),
+        ("step_00000008", False),
+    ):
         (root / name).mkdir(parents=True)
         if complete:
             (root / name / STATE_FILE).write_text("{}")

@@ -26,13 +26,47 @@ def test_two_gloo_processes_read_different_data_and_stay_identical(tmp_path):
         for i in range(48):
             f.write(json.dumps({"prompt": f"Say {i}.", "response": f"{i} {i + 1} {i + 2}"}) + "\n")
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), "-m", "dlm", "train", "--model", str(model), "--data", str(data),
-           "--objective", "idlm", "--block-size", "2", "--seq-length", "48", "--batch-size", "2",
-           "--gradient-accumulate-every", "2", "--max-train-steps", "4", "--learning-rate", "1e-3",
-           "--save-every", "2", "--output-dir", str(out), "--train.progress", "false"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ,
-                                                                             "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "dlm",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--objective",
+        "idlm",
+        "--block-size",
+        "2",
+        "--seq-length",
+        "48",
+        "--batch-size",
+        "2",
+        "--gradient-accumulate-every",
+        "2",
+        "--max-train-steps",
+        "4",
+        "--learning-rate",
+        "1e-3",
+        "--save-every",
+        "2",
+        "--output-dir",
+        str(out),
+        "--train.progress",
+        "false",
+    ]
+    r = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    )
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
     recs = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
     assert recs[0]["event"] == "start" and recs[0]["world_size"] == 2

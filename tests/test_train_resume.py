@@ -14,11 +14,43 @@ STEPS, SAVE = 10, 3
 
 
 def cli(model, data, out, *extra):
-    return [sys.executable, "-m", "dlm", "train", "--model", str(model), "--data", str(data), "--objective", "idlm",
-            "--block-size", "2", "--seq-length", "48", "--batch-size", "4", "--gradient-accumulate-every", "2",
-            "--max-train-steps", str(STEPS), "--learning-rate", "1e-3", "--save-every", str(SAVE), "--keep-last", "2",
-            "--eval-every", "5", "--output-dir", str(out), "--train.progress", "false", "--optim.warmup_steps", "3",
-            *extra]
+    return [
+        sys.executable,
+        "-m",
+        "dlm",
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        str(data),
+        "--objective",
+        "idlm",
+        "--block-size",
+        "2",
+        "--seq-length",
+        "48",
+        "--batch-size",
+        "4",
+        "--gradient-accumulate-every",
+        "2",
+        "--max-train-steps",
+        str(STEPS),
+        "--learning-rate",
+        "1e-3",
+        "--save-every",
+        str(SAVE),
+        "--keep-last",
+        "2",
+        "--eval-every",
+        "5",
+        "--output-dir",
+        str(out),
+        "--train.progress",
+        "false",
+        "--optim.warmup_steps",
+        "3",
+        *extra,
+    ]
 
 
 def records(out):
@@ -28,7 +60,7 @@ def records(out):
 def steps_after_last_start(out):
     recs = records(out)
     start = max(i for i, r in enumerate(recs) if r.get("event") in ("start", "resume"))
-    return recs[start], {r["step"]: r for r in recs[start + 1:] if "loss" in r}
+    return recs[start], {r["step"]: r for r in recs[start + 1 :] if "loss" in r}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +71,17 @@ def setup(tmp_path_factory):
     data = root / "chat.jsonl"
     with open(data, "w") as f:
         for i in range(60):
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"Count to {i % 7}."},
-                                             {"role": "assistant", "content": " ".join(map(str, range(i % 7 + 1)))}]})
-                    + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": f"Count to {i % 7}."},
+                            {"role": "assistant", "content": " ".join(map(str, range(i % 7 + 1)))},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return root, save_tiny(root / "tiny"), data
 
 
@@ -81,8 +121,12 @@ def test_sigkill_then_resume_matches_the_uninterrupted_run(setup):
     _, full = steps_after_last_start(ref)
     assert sorted(resumed) == list(range(start["step"] + 1, STEPS + 1))
     for s, rec in resumed.items():  # bit-for-bit: same weights, optimizer, schedule, RNG and data position
-        assert (rec["loss"], rec["grad_norm"], rec["lr"], rec["tokens"]) == \
-            (full[s]["loss"], full[s]["grad_norm"], full[s]["lr"], full[s]["tokens"]), s
+        assert (rec["loss"], rec["grad_norm"], rec["lr"], rec["tokens"]) == (
+            full[s]["loss"],
+            full[s]["grad_norm"],
+            full[s]["lr"],
+            full[s]["tokens"],
+        ), s
     a, b = load_file(ref / "model.safetensors"), load_file(cut / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
     hist_ref = (ref / "eval_history.jsonl").read_text().splitlines()

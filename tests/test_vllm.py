@@ -37,8 +37,9 @@ def _gated_idlm(target, out, block_size=2, seed=0):
     from dlm.model.convert import convert_ar_to_dlm
     from dlm.model.lora import LoraSettings
 
-    dlm = convert_ar_to_dlm(target, "idlm", block_size=block_size,
-                            lora=LoraSettings(r=4, alpha=8, gated=True, target_modules="all-linear"))
+    dlm = convert_ar_to_dlm(
+        target, "idlm", block_size=block_size, lora=LoraSettings(r=4, alpha=8, gated=True, target_modules="all-linear")
+    )
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for a in dlm.gated_lora.adapters.values():
@@ -53,7 +54,7 @@ def test_gated_folder_for_vllm_is_the_base_model(tiny_model_dir, tmp_path):
 
     from dlm.model.convert import AutoDLMForCausalLM
     from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
-    from dlm.serve.vllm import export_vllm_folder, vllm_model_folder
+    from dlm.serve.vllm import vllm_model_folder
 
     target, _, _ = _target_with_spare_token(tiny_model_dir, tmp_path)
     assert vllm_model_folder(target) == target.resolve()  # an AR folder goes as it is
@@ -77,8 +78,9 @@ def test_gated_folder_for_vllm_is_the_base_model(tiny_model_dir, tmp_path):
     with torch.no_grad():
         assert torch.equal(plain(input_ids=ids).logits, clean(input_ids=ids).logits)
     # `dlm export --format vllm`: a standalone copy of it
-    assert main(["export", "--model", str(tmp_path / "gated"), "--format", "vllm", "--output",
-                 str(tmp_path / "v")]) == 0
+    assert (
+        main(["export", "--model", str(tmp_path / "gated"), "--format", "vllm", "--output", str(tmp_path / "v")]) == 0
+    )
     assert sorted(p.name for p in (tmp_path / "v").iterdir()) == sorted(p.name for p in served.iterdir())
     assert not any(p.is_symlink() for p in (tmp_path / "v").iterdir())
 
@@ -90,8 +92,21 @@ def test_exported_drafter_is_the_gated_masks_in_the_targets_vocabulary(tiny_mode
 
     target, vocab, spare = _target_with_spare_token(tiny_model_dir, tmp_path)
     _gated_idlm(target, tmp_path / "gated", block_size=3)
-    assert main(["export", "--model", str(tmp_path / "gated"), "--drafter", "--target", str(target),
-                 "--output", str(tmp_path / "drafter")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp_path / "gated"),
+                "--drafter",
+                "--target",
+                str(target),
+                "--output",
+                str(tmp_path / "drafter"),
+            ]
+        )
+        == 0
+    )
     assert "num_speculative_tokens=4" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert cfg["vocab_size"] == vocab and cfg["mask_token_id"] == spare  # vLLM reads mask_token_id
@@ -126,11 +141,37 @@ def test_drafter_export_errors_leave_no_output(tiny_model_dir, tmp_path, capsys)
     # a drafter whose vocabulary is not the target's
     _gated_idlm(target, tmp_path / "gated")
     other = tiny_model_dir("qwen2", vocab_size=200)
-    assert main(["export", "--model", str(tmp_path / "gated"), "--drafter", "--target", str(other), "--output",
-                 str(tmp_path / "c")]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp_path / "gated"),
+                "--drafter",
+                "--target",
+                str(other),
+                "--output",
+                str(tmp_path / "c"),
+            ]
+        )
+        == 2
+    )
     assert "share the tokenizer" in capsys.readouterr().err
-    assert main(["export", "--model", str(tmp_path / "gated"), "--drafter", "--format", "sdar", "--output",
-                 str(tmp_path / "d")]) == 2
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp_path / "gated"),
+                "--drafter",
+                "--format",
+                "sdar",
+                "--output",
+                str(tmp_path / "d"),
+            ]
+        )
+        == 2
+    )
     assert "drop --format" in capsys.readouterr().err
     assert main(["export", "--model", str(tmp_path / "gated"), "--output", str(tmp_path / "e")]) == 2
     assert "--drafter" in capsys.readouterr().err
@@ -173,7 +214,7 @@ def _fake_vllm_python(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("__version__ = '0.0-fake'\n")
     script = tmp_path / "python-with-vllm"
-    script.write_text(f"#!/bin/sh\nPYTHONPATH={pkg.parent} exec {sys.executable} \"$@\"\n")
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={pkg.parent} exec {sys.executable} "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
 
@@ -183,16 +224,39 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     _gated_idlm(target, tmp_path / "gated", block_size=2)
     monkeypatch.setenv("DLM_HOME", str(tmp_path / "home"))
     py = _fake_vllm_python(tmp_path)
-    assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(tmp_path / "gated"),
-                 "--drafter", str(tmp_path / "gated"), "--host", "127.0.0.2", "--port", "8123", "--api-key",
-                 "s3cret", "--served-model-name", "smol", "--print-command"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "--engine",
+                "vllm",
+                "--vllm-python",
+                py,
+                "--model",
+                str(tmp_path / "gated"),
+                "--drafter",
+                str(tmp_path / "gated"),
+                "--host",
+                "127.0.0.2",
+                "--port",
+                "8123",
+                "--api-key",
+                "s3cret",
+                "--served-model-name",
+                "smol",
+                "--print-command",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "s3cret" not in out  # the key is never printed
     serve_line = next(line for line in out.splitlines() if "same as  vllm serve " in line)
     args = serve_line.split("same as  vllm serve ", 1)[1].split()
     served = args[0]
-    assert served.startswith(str(tmp_path / "home")) and not os.path.exists(os.path.join(served,
-                                                                                          "dlm_adapter.safetensors"))
+    assert served.startswith(str(tmp_path / "home")) and not os.path.exists(
+        os.path.join(served, "dlm_adapter.safetensors")
+    )
     assert args[args.index("--host") + 1] == "127.0.0.2" and args[args.index("--port") + 1] == "8123"
     assert args[args.index("--served-model-name") + 1] == "smol" and "--api-key" in args
     spec = json.loads(args[args.index("--speculative-config") + 1].strip("'"))
@@ -202,8 +266,25 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     runs = next(line for line in out.splitlines() if "runs  " in line)
     assert "-m vllm.entrypoints.openai.api_server --model " + served in runs and "--enforce-eager" in runs
     # K given by hand
-    assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), "--drafter",
-                 str(tmp_path / "gated"), "--num-speculative-tokens", "2", "--print-command"]) == 0
+    assert (
+        main(
+            [
+                "serve",
+                "--engine",
+                "vllm",
+                "--vllm-python",
+                py,
+                "--model",
+                str(target),
+                "--drafter",
+                str(tmp_path / "gated"),
+                "--num-speculative-tokens",
+                "2",
+                "--print-command",
+            ]
+        )
+        == 0
+    )
     assert '"num_speculative_tokens":2' in capsys.readouterr().out
 
 
@@ -228,18 +309,63 @@ def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch)
     assert "--stride" in capsys.readouterr().err
     assert main(["serve", "--model", str(target), "--drafter", str(target)]) == 2
     assert "--drafter goes with --engine vllm" in capsys.readouterr().err
-    assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), "--drafter",
-                 str(target), "--print-command"]) == 2
+    assert (
+        main(
+            [
+                "serve",
+                "--engine",
+                "vllm",
+                "--vllm-python",
+                py,
+                "--model",
+                str(target),
+                "--drafter",
+                str(target),
+                "--print-command",
+            ]
+        )
+        == 2
+    )
     assert "plain causal LM" in capsys.readouterr().err
 
 
 def test_cli_convert_layers_cuts_a_drafter(tiny_model_dir, tmp_path, capsys):
     target, vocab, spare = _target_with_spare_token(tiny_model_dir, tmp_path)
-    assert main(["convert", "--model", str(target), "--objective", "idlm", "--block-size", "2", "--layers", "1",
-                 "--output", str(tmp_path / "cut")]) == 0
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                str(target),
+                "--objective",
+                "idlm",
+                "--block-size",
+                "2",
+                "--layers",
+                "1",
+                "--output",
+                str(tmp_path / "cut"),
+            ]
+        )
+        == 0
+    )
     assert f"mask_token_id={spare}" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "cut" / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 1 and cfg["vocab_size"] == vocab and cfg["block_size"] == 2
-    assert main(["convert", "--model", str(target), "--objective", "mdm", "--layers", "1", "--output",
-                 str(tmp_path / "bad")]) == 2
+    assert (
+        main(
+            [
+                "convert",
+                "--model",
+                str(target),
+                "--objective",
+                "mdm",
+                "--layers",
+                "1",
+                "--output",
+                str(tmp_path / "bad"),
+            ]
+        )
+        == 2
+    )
     assert "--layers cuts a drafter" in capsys.readouterr().err and not (tmp_path / "bad").exists()

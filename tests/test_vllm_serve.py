@@ -27,8 +27,11 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-QUESTIONS = ["What is the capital of France?", "Write a short poem about the sea.",
-             "Give me three tips for learning to cook."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a short poem about the sea.",
+    "Give me three tips for learning to cook.",
+]
 MAX_TOKENS = 40
 KEY = "test-key"
 
@@ -56,9 +59,27 @@ def vllm_server(model, *extra, timeout=600):
     """`dlm serve --engine vllm` as a user runs it; yields (base_url, log path)."""
     port = _free_port()
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"dlm-vllm-{port}.log"
-    cmd = [sys.executable, "-m", "dlm.cli", "serve", "--engine", "vllm", "--model", str(model), "--port", str(port),
-           "--api-key", KEY, "--served-model-name", "smol", "--max-model-len", "1024", "--max-batch-size", "8",
-           *map(str, extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dlm.cli",
+        "serve",
+        "--engine",
+        "vllm",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        "smol",
+        "--max-model-len",
+        "1024",
+        "--max-batch-size",
+        "8",
+        *map(str, extra),
+    ]
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=fh, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -109,8 +130,7 @@ def dlm_ar_reference(model) -> list[list[int]]:
     try:
         out = []
         for q in QUESTIONS:
-            text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                           tokenize=False)
+            text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
             ids = tok(text, add_special_tokens=False).input_ids
             with torch.inference_mode():
                 r = engine.generate([ids], SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0))[0]
@@ -124,8 +144,9 @@ def chat_all(url) -> list[tuple[str, int]]:
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=600)
     out = []
     for q in QUESTIONS:
-        r = client.chat.completions.create(model="smol", max_tokens=MAX_TOKENS, temperature=0,
-                                           messages=[{"role": "user", "content": q}])
+        r = client.chat.completions.create(
+            model="smol", max_tokens=MAX_TOKENS, temperature=0, messages=[{"role": "user", "content": q}]
+        )
         out.append((r.choices[0].message.content, r.usage.completion_tokens))
     return out
 
@@ -143,8 +164,11 @@ def spec_counters(url) -> dict[str, float]:
     with urllib.request.urlopen(req, timeout=30) as r:
         text = r.read().decode()
     out = {}
-    for name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                 "vllm:spec_decode_num_accepted_tokens"):
+    for name in (
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+    ):
         vals = re.findall(rf"^{re.escape(name)}(?:_total)?(?:{{[^}}]*}})? ([0-9.e+]+)$", text, re.M)
         out[name.split(":")[1]] = sum(map(float, vals))
     return out
@@ -166,7 +190,9 @@ def test_ar_model_on_vllm_equals_dlm_ar_and_rejects_bad_requests(vllm_ready, smo
         with pytest.raises(openai.BadRequestError):  # vLLM's 400
             client.chat.completions.create(model="smol", max_tokens=-3, messages=[{"role": "user", "content": "x"}])
         with pytest.raises(openai.NotFoundError):  # an unknown model name: 404
-            client.chat.completions.create(model="not-served", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+            client.chat.completions.create(
+                model="not-served", max_tokens=4, messages=[{"role": "user", "content": "x"}]
+            )
         bad_key = openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0, timeout=120)
         with pytest.raises(openai.AuthenticationError):  # --api-key reached vLLM: 401
             bad_key.models.list()
@@ -182,8 +208,9 @@ def test_gated_idlm_serves_its_base_model_with_itself_as_drafter(vllm_ready, smo
     from dlm.model.lora import LoraSettings
 
     path, tok = smol
-    gated = convert_ar_to_dlm(path, "idlm", block_size=2,
-                              lora=LoraSettings(r=4, alpha=4, gated=True, target_modules="q_proj,v_proj"))
+    gated = convert_ar_to_dlm(
+        path, "idlm", block_size=2, lora=LoraSettings(r=4, alpha=4, gated=True, target_modules="q_proj,v_proj")
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for a in gated.gated_lora.adapters.values():
@@ -208,8 +235,21 @@ def test_merged_idlm_with_small_drafter_equals_dlm_ar(vllm_ready, smol, tmp_path
     path, tok = smol
     assert main(["convert", "--model", str(path), "--objective", "idlm", "--output", str(tmp_path / "idlm")]) == 0
     truncated_drafter(path, 2, block_size=3).save_pretrained(tmp_path / "small")
-    assert main(["export", "--model", str(tmp_path / "small"), "--drafter", "--target", str(tmp_path / "idlm"),
-                 "--output", str(tmp_path / "small-drafter")]) == 0
+    assert (
+        main(
+            [
+                "export",
+                "--model",
+                str(tmp_path / "small"),
+                "--drafter",
+                "--target",
+                str(tmp_path / "idlm"),
+                "--output",
+                str(tmp_path / "small-drafter"),
+            ]
+        )
+        == 0
+    )
     ref = dlm_ar_reference(tmp_path / "idlm")
     with vllm_server(tmp_path / "idlm", "--drafter", tmp_path / "small-drafter") as (url, log):
         assert "(K=4)" in log.read_text()

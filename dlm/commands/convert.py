@@ -22,20 +22,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="local Hugging Face folder or alias (e.g. smollm2-135m)")
     p.add_argument("--objective", required=True, help="mdm | block | idlm")
     p.add_argument("--block-size", type=int, help="masks per block (block: default 4, idlm: default 1)")
-    p.add_argument("--shift", dest="shift", action="store_true", default=None,
-                   help="hidden state i predicts token i+1 (default for mdm and idlm)")
+    p.add_argument(
+        "--shift",
+        dest="shift",
+        action="store_true",
+        default=None,
+        help="hidden state i predicts token i+1 (default for mdm and idlm)",
+    )
     p.add_argument("--no-shift", dest="shift", action="store_false", help="no shift (default for block/SDAR)")
     p.add_argument("--mask-token", help="mask token text (default: the tokenizer's own, else <|mdm_mask|>)")
     p.add_argument("--lora-r", type=int, help="rank of the --gated-lora adapters (default 16)")
     p.add_argument("--lora-alpha", type=int, help="LoRA alpha (default 2 x r)")
-    p.add_argument("--lora-targets", default="all-linear",
-                   help="comma-separated module names (e.g. q_proj,v_proj) or all-linear (default)")
-    p.add_argument("--gated-lora", action="store_true",
-                   help="adapters act only at mask positions: the clean path stays the base model exactly")
-    p.add_argument("--layers", type=int, metavar="L",
-                   help="keep only the model's first L layers (+ embedding, final norm, head): the start of a small "
-                        "drafter for it (idlm; mask token: the tokenizer's own or a spare special token, so the "
-                        "vocabulary stays the model's); train it on the model's greedy answers (docs/vllm.md)")
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="comma-separated module names (e.g. q_proj,v_proj) or all-linear (default)",
+    )
+    p.add_argument(
+        "--gated-lora",
+        action="store_true",
+        help="adapters act only at mask positions: the clean path stays the base model exactly",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        metavar="L",
+        help="keep only the model's first L layers (+ embedding, final norm, head): the start of a small "
+        "drafter for it (idlm; mask token: the tokenizer's own or a spare special token, so the "
+        "vocabulary stays the model's); train it on the model's greedy answers (docs/vllm.md)",
+    )
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (weights as saved)")
     p.add_argument("--output", required=True, help="output folder (written atomically)")
     p.add_argument("--force", action="store_true", help="replace an existing --output folder")
@@ -48,7 +63,8 @@ def run(args) -> int:
     from dlm.device import get_dtype
     from dlm.errors import DLMError
     from dlm.model.convert import check_objective, convert_ar_to_dlm
-    from dlm.progress import bar as progress_bar, wanted
+    from dlm.progress import bar as progress_bar
+    from dlm.progress import wanted
 
     check_objective(args.objective)
     out = Path(args.output)
@@ -58,13 +74,19 @@ def run(args) -> int:
     if args.gated_lora and args.lora_r is None:
         args.lora_r = 16
     if args.lora_r is not None:
-        lora = {"r": args.lora_r, "alpha": args.lora_alpha or 2 * args.lora_r, "target_modules": args.lora_targets,
-                "gated": bool(args.gated_lora)}
+        lora = {
+            "r": args.lora_r,
+            "alpha": args.lora_alpha or 2 * args.lora_r,
+            "target_modules": args.lora_targets,
+            "gated": bool(args.gated_lora),
+        }
         if args.gated_lora and args.objective != "idlm":
             raise DLMError("--gated-lora is the I-DLM lossless mode; use it with --objective idlm")
         if not args.gated_lora:
-            raise DLMError("--lora-r without --gated-lora: plain LoRA adapters start at zero and merge into "
-                           "nothing on save; add --gated-lora, or set the lora section of `dlm train`")
+            raise DLMError(
+                "--lora-r without --gated-lora: plain LoRA adapters start at zero and merge into "
+                "nothing on save; add --gated-lora, or set the lora section of `dlm train`"
+            )
     elif args.lora_alpha is not None:
         raise DLMError("--lora-alpha needs --lora-r or --gated-lora")
     if args.layers is not None and (args.objective != "idlm" or lora is not None or args.shift is False):
@@ -75,11 +97,19 @@ def run(args) -> int:
         if args.layers is not None:
             from dlm.model.drafter import truncated_drafter
 
-            dlm = truncated_drafter(args.model, args.layers, block_size=args.block_size or 1,
-                                    mask_token=args.mask_token, dtype=dtype)
+            dlm = truncated_drafter(
+                args.model, args.layers, block_size=args.block_size or 1, mask_token=args.mask_token, dtype=dtype
+            )
         else:
-            dlm = convert_ar_to_dlm(args.model, args.objective, block_size=args.block_size, shift=args.shift,
-                                    mask_token=args.mask_token, lora=lora, dtype=dtype)
+            dlm = convert_ar_to_dlm(
+                args.model,
+                args.objective,
+                block_size=args.block_size,
+                shift=args.shift,
+                mask_token=args.mask_token,
+                lora=lora,
+                dtype=dtype,
+            )
         if bar is not None:
             bar.update(1)
             bar.set_description(f"convert: writing {out}")
@@ -93,7 +123,9 @@ def run(args) -> int:
     extra = ""
     if lora is not None:
         extra = f", gated LoRA r={lora['r']} on {len(dlm.gated_lora.adapters)} layers"
-    print(f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} "
-          f"mask_token_id={spec.mask_token_id} ({dlm.tokenizer.convert_ids_to_tokens(spec.mask_token_id)})"
-          f"{extra}")
+    print(
+        f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} "
+        f"mask_token_id={spec.mask_token_id} ({dlm.tokenizer.convert_ids_to_tokens(spec.mask_token_id)})"
+        f"{extra}"
+    )
     return 0

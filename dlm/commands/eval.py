@@ -26,43 +26,73 @@ import argparse
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and tasks")
     g.add_argument("--model", help="DLM folder, AR folder or alias (e.g. smollm2-135m)")
-    g.add_argument("--objective", choices=("mdm", "block", "idlm"),
-                   help="convert a plain AR model on the fly to this DLM kind before evaluating")
-    g.add_argument("--eval-tasks", default="hellaswag,winogrande,piqa,siqa",
-                   help="comma-separated: hellaswag,winogrande,piqa,siqa,lambada,poem_reverse,isd_acceptance")
+    g.add_argument(
+        "--objective",
+        choices=("mdm", "block", "idlm"),
+        help="convert a plain AR model on the fly to this DLM kind before evaluating",
+    )
+    g.add_argument(
+        "--eval-tasks",
+        default="hellaswag,winogrande,piqa,siqa",
+        help="comma-separated: hellaswag,winogrande,piqa,siqa,lambada,poem_reverse,isd_acceptance",
+    )
     g.add_argument("--data-dir", help="folder holding one sub-folder per task (piqa/, siqa/, ...)")
     for task in ("hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem"):
         g.add_argument(f"--{task}-path", help=f"{task} data file or folder (overrides --data-dir)")
-    g.add_argument("--isd-acceptance-path", help="isd_acceptance prompts: chat JSONL, JSONL with 'prompt', or one "
-                   "prompt per line (default: the built-in held-out instructions)")
+    g.add_argument(
+        "--isd-acceptance-path",
+        help="isd_acceptance prompts: chat JSONL, JSONL with 'prompt', or one "
+        "prompt per line (default: the built-in held-out instructions)",
+    )
     g.add_argument("--limit", type=int, help="evaluate only the first N examples of each task")
     g.add_argument("--output", help="write the results as JSON to this file")
     g.add_argument("--predictions", action="store_true", help="include per-example predictions in --output")
     s = p.add_argument_group("scoring and decoding")
-    s.add_argument("--scoring", default="auto", choices=("auto", "causal", "diffusion"),
-                   help="auto: by the model's kind (causal for AR/I-DLM, denoising score for mdm/block)")
+    s.add_argument(
+        "--scoring",
+        default="auto",
+        choices=("auto", "causal", "diffusion"),
+        help="auto: by the model's kind (causal for AR/I-DLM, denoising score for mdm/block)",
+    )
     s.add_argument("--diffusion-steps", type=int, default=32, help="T for the denoising-loss score (default 32)")
     s.add_argument("--seed", type=int, default=0, help="seed of the denoising masks and of sampling")
-    s.add_argument("--quiet", action="store_true", help="no progress bars (they are shown only when stderr is a "
-                   "terminal)")
-    s.add_argument("--decode", default="auto", choices=("auto", "ar", "mdm", "block", "isd"),
-                   help="decoder for generation tasks (auto: the model's own)")
+    s.add_argument(
+        "--quiet", action="store_true", help="no progress bars (they are shown only when stderr is a terminal)"
+    )
+    s.add_argument(
+        "--decode",
+        default="auto",
+        choices=("auto", "ar", "mdm", "block", "isd"),
+        help="decoder for generation tasks (auto: the model's own)",
+    )
     s.add_argument("--gen-steps", type=int, help="denoising steps of diffusion decoders (default: one per token)")
-    s.add_argument("--poem-direction", default="ftb", choices=("ftb", "btf"),
-                   help="poem_reverse: ftb = give the first line, ask the next; btf = the reverse")
+    s.add_argument(
+        "--poem-direction",
+        default="ftb",
+        choices=("ftb", "btf"),
+        help="poem_reverse: ftb = give the first line, ask the next; btf = the reverse",
+    )
     s.add_argument("--gen-length", type=int, default=28, help="poem_reverse: tokens to generate (default 28)")
-    s.add_argument("--stride", type=int, help="isd_acceptance: the ISD stride N (default: the model's "
-                   "block_size + 1)")
-    s.add_argument("--isd-candidates", type=int, metavar="K",
-                   help="isd_acceptance: K draft candidates per position at stride 2 (see dlm generate)")
+    s.add_argument("--stride", type=int, help="isd_acceptance: the ISD stride N (default: the model's block_size + 1)")
+    s.add_argument(
+        "--isd-candidates",
+        type=int,
+        metavar="K",
+        help="isd_acceptance: K draft candidates per position at stride 2 (see dlm generate)",
+    )
     s.add_argument("--batch-size", type=int, default=8, help="generation batch size")
-    s.add_argument("--token-budget", type=int, default=8192,
-                   help="scoring batch size in tokens (rows x padded length per forward)")
+    s.add_argument(
+        "--token-budget", type=int, default=8192, help="scoring batch size in tokens (rows x padded length per forward)"
+    )
     s.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     h = p.add_argument_group("history")
-    h.add_argument("--history-paths", nargs="+", metavar="JSONL",
-                   help="print the checkpoint-by-metric table of these eval_history.jsonl files")
+    h.add_argument(
+        "--history-paths",
+        nargs="+",
+        metavar="JSONL",
+        help="print the checkpoint-by-metric table of these eval_history.jsonl files",
+    )
     h.add_argument("--plot", metavar="PNG", help="with --history-paths: draw the metric curves to this file")
 
 
@@ -111,11 +141,10 @@ def run(args) -> int:
 
     from dlm.device import get_device, get_dtype
     from dlm.eval.runner import run_eval
+    from dlm.eval.tasks import load_task, parse_task_list
     from dlm.model.convert import load_any
     from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
     from dlm.progress import wanted
-
-    from dlm.eval.tasks import load_task, parse_task_list
 
     paths = {t: getattr(args, f"{t}_path") for t in ("hellaswag", "winogrande", "piqa", "siqa", "lambada")}
     paths["poem_reverse"] = args.poem_path
@@ -137,19 +166,46 @@ def run(args) -> int:
     else:
         model = load_model(folder, dtype=dtype, device=device)
         tokenizer = load_tokenizer(folder)
-    results = run_eval(model, args.eval_tasks, tokenizer=tokenizer, data_dir=args.data_dir, paths=paths,
-                       limit=args.limit, scoring=args.scoring, diffusion_steps=args.diffusion_steps, seed=args.seed,
-                       decode=args.decode, gen_steps=args.gen_steps, poem_direction=args.poem_direction,
-                       poem_gen_length=args.gen_length, batch_size=args.batch_size, token_budget=args.token_budget,
-                       keep_predictions=args.predictions, stride=args.stride, candidates=args.isd_candidates,
-                       log=lambda s: print(s, flush=True),
-                       progress=wanted(args.quiet))
+    results = run_eval(
+        model,
+        args.eval_tasks,
+        tokenizer=tokenizer,
+        data_dir=args.data_dir,
+        paths=paths,
+        limit=args.limit,
+        scoring=args.scoring,
+        diffusion_steps=args.diffusion_steps,
+        seed=args.seed,
+        decode=args.decode,
+        gen_steps=args.gen_steps,
+        poem_direction=args.poem_direction,
+        poem_gen_length=args.gen_length,
+        batch_size=args.batch_size,
+        token_budget=args.token_budget,
+        keep_predictions=args.predictions,
+        stride=args.stride,
+        candidates=args.isd_candidates,
+        log=lambda s: print(s, flush=True),
+        progress=wanted(args.quiet),
+    )
     print()
     _print_results(results)
     if args.output:
-        _write_json(args.output, {"model": str(args.model), "settings": {
-            "scoring": args.scoring, "diffusion_steps": args.diffusion_steps, "seed": args.seed,
-            "decode": args.decode, "limit": args.limit, "stride": args.stride,
-            "isd_candidates": args.isd_candidates}, "results": results})
+        _write_json(
+            args.output,
+            {
+                "model": str(args.model),
+                "settings": {
+                    "scoring": args.scoring,
+                    "diffusion_steps": args.diffusion_steps,
+                    "seed": args.seed,
+                    "decode": args.decode,
+                    "limit": args.limit,
+                    "stride": args.stride,
+                    "isd_candidates": args.isd_candidates,
+                },
+                "results": results,
+            },
+        )
         print(f"wrote {args.output}")
     return 0

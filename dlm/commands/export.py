@@ -28,35 +28,41 @@ FORMATS = {
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="a dlm model folder (or a published checkpoint folder)")
-    p.add_argument("--format", choices=sorted(FORMATS),
-                   help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
-    p.add_argument("--drafter", action="store_true",
-                   help="export an I-DLM as a vLLM parallel drafter (instead of --format)")
-    p.add_argument("--target", help="--drafter: the model it drafts for (its vocabulary is matched; default: the "
-                                    "I-DLM's own clean path)")
+    p.add_argument("--format", choices=sorted(FORMATS), help="; ".join(f"{k}: {v}" for k, v in FORMATS.items()))
+    p.add_argument(
+        "--drafter", action="store_true", help="export an I-DLM as a vLLM parallel drafter (instead of --format)"
+    )
+    p.add_argument(
+        "--target",
+        help="--drafter: the model it drafts for (its vocabulary is matched; default: the I-DLM's own clean path)",
+    )
     p.add_argument("--output", required=True, help="output folder (written under a temporary name, then renamed)")
     p.add_argument("--force", action="store_true", help="replace an existing --output folder")
 
 
 def export_layout(args) -> None:
+    from dlm.errors import DLMError
     from dlm.model.convert import load_any
     from dlm.model.export import export_model
     from dlm.model.families import read_fields
     from dlm.model.hub import resolve_model_path
-    from dlm.errors import DLMError
 
     folder = resolve_model_path(args.model)
     fields = read_fields(folder)
     from dlm.model.families import family_of
 
     if "dlm_objective" not in fields and family_of(fields) is None:
-        raise DLMError(f"--model '{args.model}' is a plain causal LM, not a DLM; convert it first (dlm convert "
-                       f"--objective mdm|block|idlm) and export that folder")
+        raise DLMError(
+            f"--model '{args.model}' is a plain causal LM, not a DLM; convert it first (dlm convert "
+            f"--objective mdm|block|idlm) and export that folder"
+        )
     dlm = load_any(folder)
     export_model(dlm, args.output, args.format)
     spec = dlm.spec
-    print(f"wrote {args.output}: {args.format} layout, objective={spec.objective} block_size={spec.block_size} "
-          f"shift={spec.shift} mask_token_id={spec.mask_token_id}")
+    print(
+        f"wrote {args.output}: {args.format} layout, objective={spec.objective} block_size={spec.block_size} "
+        f"shift={spec.shift} mask_token_id={spec.mask_token_id}"
+    )
 
 
 def export_vllm(args) -> None:
@@ -69,9 +75,11 @@ def export_drafter(args) -> None:
     from dlm.model.drafter import export_drafter as write
 
     info = write(args.model, args.output, target=args.target, force=args.force)
-    print(f"wrote {args.output}: vLLM parallel drafter, num_speculative_tokens={info['num_speculative_tokens']} "
-          f"mask_token_id={info['mask_token_id']} vocab={info['target_vocab_size']}"
-          + (" (gated adapters merged)" if info["gated_adapters_merged"] else ""))
+    print(
+        f"wrote {args.output}: vLLM parallel drafter, num_speculative_tokens={info['num_speculative_tokens']} "
+        f"mask_token_id={info['mask_token_id']} vocab={info['target_vocab_size']}"
+        + (" (gated adapters merged)" if info["gated_adapters_merged"] else "")
+    )
 
 
 # --format -> writer; every format of dlm.model.export goes through export_layout

@@ -25,13 +25,20 @@ def add_arguments(p) -> None:
     src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
     p.add_argument("--decode", default="ar", choices=["ar", "mdm", "block", "isd"])
     p.add_argument("--stride", type=int, default=None, help="ISD stride N (default: the model's block_size + 1)")
-    p.add_argument("--draft", default="sample", choices=["sample", "argmax"],
-                   help="ISD drafts: sampled from q (exact) or argmax (approximate, biased when sampling)")
-    p.add_argument("--isd-token-budget", default=None,
-                   help="ISD: draft only while batch rows x (2N-1) <= this many tokens per step, or 'auto': measure "
-                        "per batch size whether drafting is faster than plain AR steps and run the faster "
-                        "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
-                        "default 'always': draft at every step")
+    p.add_argument(
+        "--draft",
+        default="sample",
+        choices=["sample", "argmax"],
+        help="ISD drafts: sampled from q (exact) or argmax (approximate, biased when sampling)",
+    )
+    p.add_argument(
+        "--isd-token-budget",
+        default=None,
+        help="ISD: draft only while batch rows x (2N-1) <= this many tokens per step, or 'auto': measure "
+        "per batch size whether drafting is faster than plain AR steps and run the faster "
+        "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
+        "default 'always': draft at every step",
+    )
     from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
 
     p.add_argument("--isd-fallback", choices=FALLBACK_MODES, default=None, help=FALLBACK_HELP)
@@ -45,23 +52,47 @@ def add_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--sampler", default=None, choices=["confidence", "random", "threshold", "llada", "dream"],
-                   help="mdm sampler (default: the model family's, llada or dream, else confidence)")
+    p.add_argument(
+        "--sampler",
+        default=None,
+        choices=["confidence", "random", "threshold", "llada", "dream"],
+        help="mdm sampler (default: the model family's, llada or dream, else confidence)",
+    )
     p.add_argument("--cfg-scale", type=float, default=0.0, help="llada sampler: classifier-free guidance scale")
-    p.add_argument("--remasking", default=None, help="llada sampler: low_confidence (default) | random; block: "
-                   "SDAR's sequential | low_confidence_static | low_confidence_dynamic (default for SDAR)")
-    p.add_argument("--alg", default=None, choices=["origin", "maskgit_plus", "topk_margin", "entropy"],
-                   help="dream sampler: which masks a pass reveals (default origin)")
-    p.add_argument("--alg-temp", type=float, default=None, help="dream sampler: > 0 draws the revealed masks "
-                   "from softmax(confidence / alg_temp) instead of taking the top ones")
+    p.add_argument(
+        "--remasking",
+        default=None,
+        help="llada sampler: low_confidence (default) | random; block: "
+        "SDAR's sequential | low_confidence_static | low_confidence_dynamic (default for SDAR)",
+    )
+    p.add_argument(
+        "--alg",
+        default=None,
+        choices=["origin", "maskgit_plus", "topk_margin", "entropy"],
+        help="dream sampler: which masks a pass reveals (default origin)",
+    )
+    p.add_argument(
+        "--alg-temp",
+        type=float,
+        default=None,
+        help="dream sampler: > 0 draws the revealed masks "
+        "from softmax(confidence / alg_temp) instead of taking the top ones",
+    )
     p.add_argument("--steps", type=int, default=None, help="mdm: passes (default max-new-tokens); block: per block")
-    p.add_argument("--threshold", type=float, default=0.9, help="mdm threshold / block commit threshold "
-                                                                  "(block: <= 0 means top-k commits)")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=0.9,
+        help="mdm threshold / block commit threshold (block: <= 0 means top-k commits)",
+    )
     p.add_argument("--block-length", type=int, default=32, help="mdm threshold sampler: semi-AR block length")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
-    p.add_argument("--quiet", action="store_true", help="no progress bar over the prompts (shown for more than "
-                   "one prompt, only when stderr is a terminal)")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress bar over the prompts (shown for more than one prompt, only when stderr is a terminal)",
+    )
 
 
 def read_prompts(args) -> list[str]:
@@ -94,7 +125,7 @@ def read_prompts(args) -> list[str]:
 def run(args) -> int:
     import warnings
 
-    from dlm.decode import generate
+    from dlm.decode import check_isd_flags, generate
     from dlm.decode.sampling import SamplingParams
     from dlm.device import get_device, get_dtype
     from dlm.errors import DLMError
@@ -102,18 +133,29 @@ def run(args) -> int:
     from dlm.model.hub import resolve_model_path
     from dlm.progress import wanted
 
-    from dlm.decode import check_isd_flags
-
-    check_isd_flags(args.decode, {"isd-token-budget": args.isd_token_budget, "isd-fallback": args.isd_fallback,
-                                  "isd-candidates": args.isd_candidates}, stride=args.stride)
+    check_isd_flags(
+        args.decode,
+        {
+            "isd-token-budget": args.isd_token_budget,
+            "isd-fallback": args.isd_fallback,
+            "isd-candidates": args.isd_candidates,
+        },
+        stride=args.stride,
+    )
     parse_threads(args.threads)  # a bad value fails before the model loads
     if args.isd_token_budget is not None:
         from dlm.decode.schedule import make_policy
 
         make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
     prompts = read_prompts(args)
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                            top_p=args.top_p, seed=args.seed, stop_strings=tuple(args.stop))
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        stop_strings=tuple(args.stop),
+    )
     device = get_device()
     folder = resolve_model_path(args.model)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
@@ -124,13 +166,15 @@ def run(args) -> int:
         fields = dict(fields, dlm_objective=None)
     if "dlm_objective" in fields or args.decode != "ar":
         if "dlm_objective" not in fields and args.decode in ("mdm", "block"):
-            print(f"dlm generate: note: '{args.model}' is a plain AR model; converting to an untrained "
-                  f"'{objective}' DLM on the fly (expect noise)", file=sys.stderr)
+            print(
+                f"dlm generate: note: '{args.model}' is a plain AR model; converting to an untrained "
+                f"'{objective}' DLM on the fly (expect noise)",
+                file=sys.stderr,
+            )
         convert_kw = {}
         if "dlm_objective" not in fields and args.decode == "isd" and args.stride:
             convert_kw["block_size"] = args.stride - 1  # untrained anyway: no stride warning on the fly
-        model = load_any(folder, convert_to=objective, dtype=get_dtype(args.dtype, device), device=device,
-                         **convert_kw)
+        model = load_any(folder, convert_to=objective, dtype=get_dtype(args.dtype, device), device=device, **convert_kw)
     else:
         from dlm.model.hub import load_model, load_tokenizer
 
@@ -144,8 +188,11 @@ def run(args) -> int:
         if args.chat:
             if not getattr(tok, "chat_template", None):
                 raise DLMError(f"--chat: the tokenizer of '{args.model}' has no chat template; drop --chat")
-            ids.append(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                               tokenize=True, return_dict=False))
+            ids.append(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         else:
             ids.append(tok(text)["input_ids"])
         if hasattr(ids[-1], "tolist"):
@@ -154,28 +201,52 @@ def run(args) -> int:
             ids[-1] = ids[-1]["input_ids"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        results = generate(model, ids, args.decode, params, tokenizer=tok, batch_size=args.batch_size,
-                           stride=args.stride, draft=args.draft, token_budget=args.isd_token_budget,
-                           fallback=args.isd_fallback, candidates=args.isd_candidates,
-                           method=args.sampler, steps=args.steps,
-                           threshold=args.threshold,
-                           block_length=args.block_length, threads=parse_threads(args.threads),
-                           progress=len(ids) > 1 and wanted(args.quiet), cfg_scale=args.cfg_scale,
-                           remasking=args.remasking, alg=args.alg, alg_temp=args.alg_temp)
+        results = generate(
+            model,
+            ids,
+            args.decode,
+            params,
+            tokenizer=tok,
+            batch_size=args.batch_size,
+            stride=args.stride,
+            draft=args.draft,
+            token_budget=args.isd_token_budget,
+            fallback=args.isd_fallback,
+            candidates=args.isd_candidates,
+            method=args.sampler,
+            steps=args.steps,
+            threshold=args.threshold,
+            block_length=args.block_length,
+            threads=parse_threads(args.threads),
+            progress=len(ids) > 1 and wanted(args.quiet),
+            cfg_scale=args.cfg_scale,
+            remasking=args.remasking,
+            alg=args.alg,
+            alg_temp=args.alg_temp,
+        )
     for w in caught:
         if issubclass(w.category, UserWarning):
             print(f"dlm generate: warning: {w.message}", file=sys.stderr)
     for prompt, r in zip(prompts, results):
         s = r.stats
         if args.json:
-            rec = {"prompt": prompt, "text": r.text, "token_ids": r.token_ids, "forwards": s.forwards,
-                   "tpf": round(s.tpf, 4), "acceptance": [round(a, 4) for a in s.acceptance],
-                   "tokens_per_s": round(s.tokens_per_s, 2), "finish_reason": r.finish_reason,
-                   "decode": args.decode}
+            rec = {
+                "prompt": prompt,
+                "text": r.text,
+                "token_ids": r.token_ids,
+                "forwards": s.forwards,
+                "tpf": round(s.tpf, 4),
+                "acceptance": [round(a, 4) for a in s.acceptance],
+                "tokens_per_s": round(s.tokens_per_s, 2),
+                "finish_reason": r.finish_reason,
+                "decode": args.decode,
+            }
             print(json.dumps(rec, ensure_ascii=False))
         else:
             acc = " ".join(f"{a:.2f}" for a in s.acceptance) or "-"
             print(f"=== {prompt!r}\n{r.text}")
-            print(f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, acceptance per draft "
-                  f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason})")
+            print(
+                f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, acceptance per draft "
+                f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason})"
+            )
     return 0

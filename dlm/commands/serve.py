@@ -34,36 +34,59 @@ def isd_token_budget(args) -> str | None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="DLM folder, AR folder or alias (default smollm2-135m)")
-    p.add_argument("--engine", default="dlm", choices=("dlm", "vllm"),
-                   help="dlm (default): dlm's engine, every decoder; vllm: vLLM's OpenAI server (AR, or exact "
-                        "speculative decoding with --drafter); needs vLLM (scripts/install_vllm.sh)")
-    p.add_argument("--decode", choices=("isd", "ar", "mdm", "block"),
-                   help="decoder (default isd); every decoder runs on the continuous-batching engine")
+    p.add_argument(
+        "--engine",
+        default="dlm",
+        choices=("dlm", "vllm"),
+        help="dlm (default): dlm's engine, every decoder; vllm: vLLM's OpenAI server (AR, or exact "
+        "speculative decoding with --drafter); needs vLLM (scripts/install_vllm.sh)",
+    )
+    p.add_argument(
+        "--decode",
+        choices=("isd", "ar", "mdm", "block"),
+        help="decoder (default isd); every decoder runs on the continuous-batching engine",
+    )
     p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
-    p.add_argument("--draft", default="sample", choices=("sample", "argmax"),
-                   help="ISD drafts: sample (exact) or argmax (approximate when sampling)")
-    p.add_argument("--isd-token-budget",
-                   help="when ISD drafts: 'auto' (default) measures per batch size whether drafting or plain AR "
-                        "steps commit more tokens per second and runs the faster; an integer T drafts only while "
-                        "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
-                        "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
-                        "in every case")
+    p.add_argument(
+        "--draft",
+        default="sample",
+        choices=("sample", "argmax"),
+        help="ISD drafts: sample (exact) or argmax (approximate when sampling)",
+    )
+    p.add_argument(
+        "--isd-token-budget",
+        help="when ISD drafts: 'auto' (default) measures per batch size whether drafting or plain AR "
+        "steps commit more tokens per second and runs the faster; an integer T drafts only while "
+        "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
+        "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
+        "in every case",
+    )
     from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
 
     p.add_argument("--isd-fallback", choices=FALLBACK_MODES, help=FALLBACK_HELP)
     p.add_argument("--isd-candidates", type=int, metavar="K", help=CANDIDATES_HELP)
-    p.add_argument("--sampler", choices=("confidence", "random", "threshold"),
-                   help="mdm sampler (default confidence)")
-    p.add_argument("--steps", type=int, help="mdm: passes per request (default max_tokens); block: passes per block "
-                                             "(default the block size)")
-    p.add_argument("--threshold", type=float, help="mdm threshold sampler / block: commit tokens above this "
-                                                   "probability (default 0.9; block: <= 0 means top-k commits)")
+    p.add_argument("--sampler", choices=("confidence", "random", "threshold"), help="mdm sampler (default confidence)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        help="mdm: passes per request (default max_tokens); block: passes per block (default the block size)",
+    )
+    p.add_argument(
+        "--threshold",
+        type=float,
+        help="mdm threshold sampler / block: commit tokens above this "
+        "probability (default 0.9; block: <= 0 means top-k commits)",
+    )
     p.add_argument("--block-length", type=int, help="mdm threshold sampler: semi-AR block length (default 32)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
-    p.add_argument("--max-tokens-limit", type=int, default=1024,
-                   help="largest max_tokens a request may ask for; also the chat default (default 1024)")
+    p.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        default=1024,
+        help="largest max_tokens a request may ask for; also the chat default (default 1024)",
+    )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key; also $DLM_API_KEY)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
@@ -72,20 +95,41 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     v = p.add_argument_group("--engine vllm")
-    v.add_argument("--drafter", help="dlm I-DLM folder (or `dlm export --drafter` output) to draft for vLLM's exact "
-                                     "speculative decoding; exported on the fly when needed")
-    v.add_argument("--num-speculative-tokens", type=int, metavar="K",
-                   help="drafts per step (default: the drafter's block size + 1, as it was trained)")
-    v.add_argument("--vllm-python", help="the Python that has vLLM (default: $DLM_VLLM_PYTHON, this one if it has "
-                                         "vLLM, else scripts/install_vllm.sh's venv)")
-    v.add_argument("--compile", action="store_true",
-                   help="let vLLM compile the model (CUDA graphs / torch.compile; start-up takes minutes) instead "
-                        "of --enforce-eager")
+    v.add_argument(
+        "--drafter",
+        help="dlm I-DLM folder (or `dlm export --drafter` output) to draft for vLLM's exact "
+        "speculative decoding; exported on the fly when needed",
+    )
+    v.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        metavar="K",
+        help="drafts per step (default: the drafter's block size + 1, as it was trained)",
+    )
+    v.add_argument(
+        "--vllm-python",
+        help="the Python that has vLLM (default: $DLM_VLLM_PYTHON, this one if it has "
+        "vLLM, else scripts/install_vllm.sh's venv)",
+    )
+    v.add_argument(
+        "--compile",
+        action="store_true",
+        help="let vLLM compile the model (CUDA graphs / torch.compile; start-up takes minutes) instead "
+        "of --enforce-eager",
+    )
     v.add_argument("--max-model-len", type=int, help="vLLM's context limit (default: the model's)")
-    v.add_argument("--vllm-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for vLLM's server, repeatable (e.g. --vllm-arg=--seed=0)")
-    v.add_argument("--print-command", action="store_true",
-                   help="print the vLLM command lines (python -m ... and vllm serve) and exit")
+    v.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for vLLM's server, repeatable (e.g. --vllm-arg=--seed=0)",
+    )
+    v.add_argument(
+        "--print-command",
+        action="store_true",
+        help="print the vLLM command lines (python -m ... and vllm serve) and exit",
+    )
 
 
 def run_vllm(args) -> int:
@@ -97,13 +141,24 @@ def run_vllm(args) -> int:
     from dlm.serve import vllm
 
     if args.decode not in (None, "ar"):
-        raise DLMError(f"--decode {args.decode} runs on dlm's engine only: --engine vllm decodes AR, exactly "
-                       f"sped up with --drafter DIR (a dlm I-DLM); drop --decode or use --engine dlm")
-    dlm_only = [flag for flag, val in (("--stride", args.stride), ("--isd-token-budget", args.isd_token_budget),
-                                       ("--isd-fallback", args.isd_fallback), ("--isd-candidates", args.isd_candidates),
-                                       ("--sampler", args.sampler), ("--steps", args.steps),
-                                       ("--threshold", args.threshold), ("--block-length", args.block_length))
-                if val is not None]
+        raise DLMError(
+            f"--decode {args.decode} runs on dlm's engine only: --engine vllm decodes AR, exactly "
+            f"sped up with --drafter DIR (a dlm I-DLM); drop --decode or use --engine dlm"
+        )
+    dlm_only = [
+        flag
+        for flag, val in (
+            ("--stride", args.stride),
+            ("--isd-token-budget", args.isd_token_budget),
+            ("--isd-fallback", args.isd_fallback),
+            ("--isd-candidates", args.isd_candidates),
+            ("--sampler", args.sampler),
+            ("--steps", args.steps),
+            ("--threshold", args.threshold),
+            ("--block-length", args.block_length),
+        )
+        if val is not None
+    ]
     if dlm_only:
         raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
     if not 0 < args.port < 65536:
@@ -113,22 +168,37 @@ def run_vllm(args) -> int:
     python = vllm.vllm_python(args.vllm_python)
     version = vllm.check_vllm(python)
     folder = vllm.vllm_model_folder(args.model)
-    spec = vllm.speculative_config(args.drafter, target=folder, num_speculative_tokens=args.num_speculative_tokens) \
-        if args.drafter else None
+    spec = (
+        vllm.speculative_config(args.drafter, target=folder, num_speculative_tokens=args.num_speculative_tokens)
+        if args.drafter
+        else None
+    )
     api_key = args.api_key or os.environ.get("DLM_API_KEY") or None
     # the dtype dlm's engine would run on this machine (vLLM's own "auto" turns a float32 checkpoint into bfloat16 on
     # a CPU, whose greedy output then drifts from the float32 model's)
     from dlm.device import get_device, get_dtype
 
     dtype = str(get_dtype(args.dtype, get_device(args.device))).replace("torch.", "")
-    server = vllm.server_args(folder, host=args.host, port=args.port,
-                              served_model_name=args.served_model_name or args.model, api_key=api_key, spec=spec,
-                              enforce_eager=not args.compile, max_model_len=args.max_model_len,
-                              max_num_seqs=args.max_batch_size, dtype=dtype, extra=args.vllm_arg)
+    server = vllm.server_args(
+        folder,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name or args.model,
+        api_key=api_key,
+        spec=spec,
+        enforce_eager=not args.compile,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_batch_size,
+        dtype=dtype,
+        extra=args.vllm_arg,
+    )
     cmd = vllm.server_command(python, server)
-    print(f"dlm serve: vLLM {version} serving '{args.served_model_name or args.model}' ({folder})"
-          + (f" with drafter {spec['model']} (K={spec['num_speculative_tokens']})" if spec else "")
-          + f" on http://{args.host}:{args.port}/v1", flush=True)
+    print(
+        f"dlm serve: vLLM {version} serving '{args.served_model_name or args.model}' ({folder})"
+        + (f" with drafter {spec['model']} (K={spec['num_speculative_tokens']})" if spec else "")
+        + f" on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     print("dlm serve: runs  " + " ".join(vllm.redact(cmd)), flush=True)
     print("dlm serve: same as  " + vllm.vllm_serve_command(server), flush=True)
     if args.print_command:
@@ -153,12 +223,17 @@ def run(args) -> int:
 
     if args.engine == "vllm":
         return run_vllm(args)
-    for flag, val in (("--drafter", args.drafter), ("--num-speculative-tokens", args.num_speculative_tokens),
-                      ("--vllm-python", args.vllm_python), ("--max-model-len", args.max_model_len),
-                      ("--vllm-arg", args.vllm_arg or None)):
+    for flag, val in (
+        ("--drafter", args.drafter),
+        ("--num-speculative-tokens", args.num_speculative_tokens),
+        ("--vllm-python", args.vllm_python),
+        ("--max-model-len", args.max_model_len),
+        ("--vllm-arg", args.vllm_arg or None),
+    ):
         if val is not None:
-            raise DLMError(f"{flag} goes with --engine vllm (dlm's own engine drafts with the model itself: "
-                           f"--decode isd)")
+            raise DLMError(
+                f"{flag} goes with --engine vllm (dlm's own engine drafts with the model itself: --decode isd)"
+            )
     if args.decode is None:
         args.decode = "isd"
 
@@ -170,24 +245,42 @@ def run(args) -> int:
     threads = parse_threads(args.threads)
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
-    settings = ServeSettings(model_name=args.served_model_name or args.model, max_tokens_limit=args.max_tokens_limit,
-                             api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
-                             max_body_bytes=args.max_body_bytes)
+    settings = ServeSettings(
+        model_name=args.served_model_name or args.model,
+        max_tokens_limit=args.max_tokens_limit,
+        api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+    )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = load_engine(args.model, decode=args.decode, stride=args.stride, max_batch_size=args.max_batch_size,
-                         device=args.device, dtype=args.dtype, draft=args.draft,
-                         isd_token_budget=isd_token_budget(args), fallback=args.isd_fallback,
-                         candidates=args.isd_candidates,
-                         method=args.sampler, steps=args.steps,
-                         threshold=args.threshold, block_length=args.block_length, threads=threads)
+    engine = load_engine(
+        args.model,
+        decode=args.decode,
+        stride=args.stride,
+        max_batch_size=args.max_batch_size,
+        device=args.device,
+        dtype=args.dtype,
+        draft=args.draft,
+        isd_token_budget=isd_token_budget(args),
+        fallback=args.isd_fallback,
+        candidates=args.isd_candidates,
+        method=args.sampler,
+        steps=args.steps,
+        threshold=args.threshold,
+        block_length=args.block_length,
+        threads=threads,
+    )
     app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)
     stride = getattr(engine.decoder, "stride", None)
     policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
-    print(f"dlm serve: '{settings.model_name}' with {args.decode}" + (f" (stride {stride}, drafting: {policy})"
-                                                                      if stride else "")
-          + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1", flush=True)
+    print(
+        f"dlm serve: '{settings.model_name}' with {args.decode}"
+        + (f" (stride {stride}, drafting: {policy})" if stride else "")
+        + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        logging.getLogger("dlm.serve").warning("binding %s without --api-key: anyone who can reach this port can "
-                                               "use the model", args.host)
+        logging.getLogger("dlm.serve").warning(
+            "binding %s without --api-key: anyone who can reach this port can use the model", args.host
+        )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

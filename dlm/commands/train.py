@@ -19,14 +19,40 @@ import argparse
 # the common flags (ALIASES in dlm.config: the original trainers' names and dlm's shortcuts) -> how each parses;
 # their help is the field's own
 FLAGS = {
-    "model": "value", "objective": "value", "block-size": "value", "packed-data-dir": "value",
-    "packed-prefixes": "list", "packed-weights": "list", "data": "value", "eval-data": "value", "seq-length": "value",
-    "batch-size": "value", "gradient-accumulate-every": "value", "max-train-steps": "value", "max-minutes": "value",
-    "learning-rate": "value", "output-dir": "value", "checkpoint-dir": "value", "save-every": "value",
-    "keep-last": "value", "eval-every": "value", "eval-tasks": "list", "eval-history-path": "value",
-    "eval-data-dir": "value", "attn-impl": "value", "mixed-precision": "value", "seed": "value", "lora-r": "value",
-    "lora-alpha": "value", "gated-lora": "flag", "gradient-checkpointing": "flag", "resume": "optional",
-    "overwrite": "flag", "wandb-project": "value", "wandb-entity": "value", "wandb-run-name": "value",
+    "model": "value",
+    "objective": "value",
+    "block-size": "value",
+    "packed-data-dir": "value",
+    "packed-prefixes": "list",
+    "packed-weights": "list",
+    "data": "value",
+    "eval-data": "value",
+    "seq-length": "value",
+    "batch-size": "value",
+    "gradient-accumulate-every": "value",
+    "max-train-steps": "value",
+    "max-minutes": "value",
+    "learning-rate": "value",
+    "output-dir": "value",
+    "checkpoint-dir": "value",
+    "save-every": "value",
+    "keep-last": "value",
+    "eval-every": "value",
+    "eval-tasks": "list",
+    "eval-history-path": "value",
+    "eval-data-dir": "value",
+    "attn-impl": "value",
+    "mixed-precision": "value",
+    "seed": "value",
+    "lora-r": "value",
+    "lora-alpha": "value",
+    "gated-lora": "flag",
+    "gradient-checkpointing": "flag",
+    "resume": "optional",
+    "overwrite": "flag",
+    "wandb-project": "value",
+    "wandb-entity": "value",
+    "wandb-run-name": "value",
     "wandb-dir": "value",
 }
 
@@ -35,8 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from dlm.config import ALIASES, field_help, is_list_field, presets, section_keys
 
     parser.usage = "dlm train [--config YAML] [--flag VALUE ...] [--section.key VALUE ...]"
-    parser.add_argument("--config", metavar="YAML|PRESET", help="a YAML file, or a preset shipped with dlm by "
-                        f"name (dlm/configs/): {', '.join(presets())}")
+    parser.add_argument(
+        "--config",
+        metavar="YAML|PRESET",
+        help=f"a YAML file, or a preset shipped with dlm by name (dlm/configs/): {', '.join(presets())}",
+    )
     parser.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     g = parser.add_argument_group("common flags (the original trainers' names and dlm's shortcuts)")
     for flag, kind in FLAGS.items():
@@ -45,20 +74,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = f"{field_help(dotted)}; = --{dotted} ({origin})"
         dest = f"flat__{key}"
         if kind == "flag":
-            g.add_argument(f"--{flag}", dest=dest, action="store_const", const=True, default=argparse.SUPPRESS,
-                           help=help_text)
+            g.add_argument(
+                f"--{flag}", dest=dest, action="store_const", const=True, default=argparse.SUPPRESS, help=help_text
+            )
         elif kind == "optional":
-            g.add_argument(f"--{flag}", dest=dest, nargs="?", const="auto", default=argparse.SUPPRESS,
-                           metavar="auto|PATH", help=help_text)
+            g.add_argument(
+                f"--{flag}",
+                dest=dest,
+                nargs="?",
+                const="auto",
+                default=argparse.SUPPRESS,
+                metavar="auto|PATH",
+                help=help_text,
+            )
         elif kind == "list":
-            g.add_argument(f"--{flag}", dest=dest, nargs="+", default=argparse.SUPPRESS, metavar="V",
-                           help=help_text)
+            g.add_argument(f"--{flag}", dest=dest, nargs="+", default=argparse.SUPPRESS, metavar="V", help=help_text)
         else:
             g.add_argument(f"--{flag}", dest=dest, default=argparse.SUPPRESS, metavar="V", help=help_text)
     s = parser.add_argument_group("every configuration field (--section.key VALUE)")
     for dotted in section_keys():
-        s.add_argument(f"--{dotted}", dest=f"cfg__{dotted}", default=argparse.SUPPRESS, metavar="V",
-                       nargs="+" if is_list_field(dotted) else None, help=field_help(dotted))
+        s.add_argument(
+            f"--{dotted}",
+            dest=f"cfg__{dotted}",
+            default=argparse.SUPPRESS,
+            metavar="V",
+            nargs="+" if is_list_field(dotted) else None,
+            help=field_help(dotted),
+        )
     _suggest_on_unknown(parser)
 
 
@@ -89,14 +131,14 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
         if isinstance(value, list):
             value = ",".join(str(v) for v in value)
         if dest.startswith("flat__"):
-            flat[dest[len("flat__"):]] = value
+            flat[dest[len("flat__") :]] = value
         elif dest.startswith("cfg__"):
-            dotted[dest[len("cfg__"):]] = value
+            dotted[dest[len("cfg__") :]] = value
     return {**flat, **dotted}
 
 
 def build_config(args: argparse.Namespace):
-    from dlm.config import apply_mapping, load_yaml, TrainingConfig
+    from dlm.config import TrainingConfig, apply_mapping, load_yaml
 
     cfg = TrainingConfig()
     if args.config:
@@ -119,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
 
     if PartialState().is_main_process:
         last = result.losses[-1] if result.losses else float("nan")
-        print(f"dlm train: {result.step} steps ({result.stopped}), last loss {last:.4f}, {result.tokens} tokens in "
-              f"{result.seconds:.0f}s; model in {result.output_dir}")
+        print(
+            f"dlm train: {result.step} steps ({result.stopped}), last loss {last:.4f}, {result.tokens} tokens in "
+            f"{result.seconds:.0f}s; model in {result.output_dir}"
+        )
     return 0

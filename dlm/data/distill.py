@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable
 
 TEMPLATES = [
     "Explain {t} to a ten-year-old.",
@@ -38,25 +38,124 @@ TEMPLATES = [
 ]
 
 TRAIN_TOPICS = [
-    "photosynthesis", "the water cycle", "volcanoes", "black holes", "the moon", "electricity", "magnets",
-    "rainbows", "honey bees", "dinosaurs", "the human heart", "vaccines", "sleep", "drinking water",
-    "healthy breakfast", "running", "yoga", "chess", "learning a new language", "reading books", "gardening",
-    "baking bread", "making coffee", "saving money", "budgeting", "recycling", "climate change", "solar panels",
-    "wind energy", "electric cars", "bicycles", "trains", "airplanes", "the internet", "email", "passwords",
-    "computer programming", "Python", "databases", "spreadsheets", "artificial intelligence", "robots",
-    "smartphones", "video games", "music lessons", "the piano", "painting", "photography", "museums",
-    "the Roman Empire", "ancient Egypt", "the printing press", "maps", "the ocean", "coral reefs", "whales",
-    "penguins", "cats", "dogs", "forests", "deserts", "mountains", "rivers", "weather forecasts", "clouds",
-    "snow", "time management", "job interviews", "public speaking", "teamwork", "friendship", "kindness",
-    "writing a resume", "cooking pasta", "vegetables", "fruit", "tea", "chocolate", "soccer", "basketball",
-    "swimming", "camping", "traveling abroad", "libraries", "mathematics", "fractions", "geometry",
-    "the solar system", "stars", "gravity", "sound", "light", "atoms", "chemistry", "microscopes",
+    "photosynthesis",
+    "the water cycle",
+    "volcanoes",
+    "black holes",
+    "the moon",
+    "electricity",
+    "magnets",
+    "rainbows",
+    "honey bees",
+    "dinosaurs",
+    "the human heart",
+    "vaccines",
+    "sleep",
+    "drinking water",
+    "healthy breakfast",
+    "running",
+    "yoga",
+    "chess",
+    "learning a new language",
+    "reading books",
+    "gardening",
+    "baking bread",
+    "making coffee",
+    "saving money",
+    "budgeting",
+    "recycling",
+    "climate change",
+    "solar panels",
+    "wind energy",
+    "electric cars",
+    "bicycles",
+    "trains",
+    "airplanes",
+    "the internet",
+    "email",
+    "passwords",
+    "computer programming",
+    "Python",
+    "databases",
+    "spreadsheets",
+    "artificial intelligence",
+    "robots",
+    "smartphones",
+    "video games",
+    "music lessons",
+    "the piano",
+    "painting",
+    "photography",
+    "museums",
+    "the Roman Empire",
+    "ancient Egypt",
+    "the printing press",
+    "maps",
+    "the ocean",
+    "coral reefs",
+    "whales",
+    "penguins",
+    "cats",
+    "dogs",
+    "forests",
+    "deserts",
+    "mountains",
+    "rivers",
+    "weather forecasts",
+    "clouds",
+    "snow",
+    "time management",
+    "job interviews",
+    "public speaking",
+    "teamwork",
+    "friendship",
+    "kindness",
+    "writing a resume",
+    "cooking pasta",
+    "vegetables",
+    "fruit",
+    "tea",
+    "chocolate",
+    "soccer",
+    "basketball",
+    "swimming",
+    "camping",
+    "traveling abroad",
+    "libraries",
+    "mathematics",
+    "fractions",
+    "geometry",
+    "the solar system",
+    "stars",
+    "gravity",
+    "sound",
+    "light",
+    "atoms",
+    "chemistry",
+    "microscopes",
 ]
 
 HELDOUT_TOPICS = [
-    "earthquakes", "tides", "butterflies", "the brain", "bread yeast", "hiking", "knitting", "origami",
-    "the Great Wall of China", "submarines", "thunderstorms", "owls", "tomatoes", "the guitar", "poetry",
-    "calendars", "bridges", "lighthouses", "the Olympics", "fireworks",
+    "earthquakes",
+    "tides",
+    "butterflies",
+    "the brain",
+    "bread yeast",
+    "hiking",
+    "knitting",
+    "origami",
+    "the Great Wall of China",
+    "submarines",
+    "thunderstorms",
+    "owls",
+    "tomatoes",
+    "the guitar",
+    "poetry",
+    "calendars",
+    "bridges",
+    "lighthouses",
+    "the Olympics",
+    "fireworks",
 ]
 
 UNCONDITIONAL_PROMPTS = ["Once upon a time", "The", "In the", "Here is", "Today", "My favorite"]
@@ -77,13 +176,19 @@ def chat_record(instruction: str, answer: str) -> dict:
 def chat_prompt_ids(tokenizer, instruction: str) -> list[int]:
     """The token ids of ``instruction`` as one user turn in the tokenizer's chat template, ready for the
     assistant's answer (how self-distillation and the quickstart's measurements prompt the model)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": instruction}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": instruction}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def self_distill(generate_fn: Callable[[list[str]], list[str]], instructions: Iterable[str], out_path: str | os.PathLike,
-                 batch_size: int = 16, progress: bool = True) -> Path:
+def self_distill(
+    generate_fn: Callable[[list[str]], list[str]],
+    instructions: Iterable[str],
+    out_path: str | os.PathLike,
+    batch_size: int = 16,
+    progress: bool = True,
+) -> Path:
     """Write ``out_path`` (chat JSONL) with ``generate_fn``'s answers to ``instructions``, in batches.
 
     Resumable: finished records are appended to ``out_path + '.partial'`` as they come; a rerun skips them, and
@@ -109,11 +214,16 @@ def self_distill(generate_fn: Callable[[list[str]], list[str]], instructions: It
         for ins in instructions:
             if ins in done:
                 fh.write(json.dumps(chat_record(ins, done[ins])) + "\n")
-    bar = tqdm(total=len(instructions), initial=len(instructions) - len(todo), desc="self-distill",
-               unit="answer", disable=not progress)
+    bar = tqdm(
+        total=len(instructions),
+        initial=len(instructions) - len(todo),
+        desc="self-distill",
+        unit="answer",
+        disable=not progress,
+    )
     with open(partial, "a") as fh:
         for i in range(0, len(todo), batch_size):
-            chunk = todo[i:i + batch_size]
+            chunk = todo[i : i + batch_size]
             answers = generate_fn(chunk)
             for ins, ans in zip(chunk, answers):
                 done[ins] = ans

@@ -38,8 +38,8 @@ from __future__ import annotations
 import glob
 import hashlib
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -70,9 +70,18 @@ def default_rank_world(rank: int | None = None, world_size: int | None = None) -
 class PackedDataset(IterableDataset):
     """Blocks of ``block_size`` tokens (int64 tensors) from LITPKDS shard files; see the module docstring."""
 
-    def __init__(self, filenames: Sequence[str | os.PathLike], block_size: int, n_chunks: int = 8, seed: int = 12345,
-                 shuffle: bool = True, wrap: bool = False, rank: int | None = None, world_size: int | None = None,
-                 verify: bool = True):
+    def __init__(
+        self,
+        filenames: Sequence[str | os.PathLike],
+        block_size: int,
+        n_chunks: int = 8,
+        seed: int = 12345,
+        shuffle: bool = True,
+        wrap: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        verify: bool = True,
+    ):
         super().__init__()
         self.files = sorted(str(f) for f in filenames)
         if not self.files:
@@ -85,9 +94,11 @@ class PackedDataset(IterableDataset):
         self.headers = [read_header(f) for f in self.files]
         for h in self.headers:
             if h.chunk_size < self.block_size:
-                raise DLMError(f"shard '{h.path}' holds {h.chunk_size} tokens, fewer than block_size "
-                               f"{self.block_size}; re-run dlm prepare with a larger --chunk-size or use a smaller "
-                               f"block size")
+                raise DLMError(
+                    f"shard '{h.path}' holds {h.chunk_size} tokens, fewer than block_size "
+                    f"{self.block_size}; re-run dlm prepare with a larger --chunk-size or use a smaller "
+                    f"block size"
+                )
         self.n_blocks = np.array([h.chunk_size // self.block_size for h in self.headers], dtype=np.int64)
         self.verify = verify
         self._expected_sha = _manifest_hashes(self.files) if verify else {}
@@ -111,7 +122,7 @@ class PackedDataset(IterableDataset):
         """Indices (into ``self.files``) that consumer ``cid`` reads in ``epoch``, in reading order."""
         n = len(self.files)
         perm = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-        return perm[(cid + epoch) % n_consumers:: n_consumers]
+        return perm[(cid + epoch) % n_consumers :: n_consumers]
 
     def _window_order(self, epoch: int, cid: int, w: int, window: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         counts = self.n_blocks[window]
@@ -126,12 +137,16 @@ class PackedDataset(IterableDataset):
     def __iter__(self):
         cid, n_consumers = self.consumer()
         if len(self.files) < n_consumers:
-            raise DLMError(f"{len(self.files)} shard file(s) for {n_consumers} consumers (world size x dataloader "
-                           f"workers): every consumer needs at least one file; use fewer workers or re-run dlm "
-                           f"prepare with a smaller --chunk-size")
+            raise DLMError(
+                f"{len(self.files)} shard file(s) for {n_consumers} consumers (world size x dataloader "
+                f"workers): every consumer needs at least one file; use fewer workers or re-run dlm "
+                f"prepare with a smaller --chunk-size"
+            )
         if self._num_consumers is not None and self._num_consumers != n_consumers and self._start:
-            raise DLMError(f"the loaded state was saved with {self._num_consumers} consumers (world size x workers) "
-                           f"but now there are {n_consumers}; resume with the same world size and num_workers")
+            raise DLMError(
+                f"the loaded state was saved with {self._num_consumers} consumers (world size x workers) "
+                f"but now there are {n_consumers}; resume with the same world size and num_workers"
+            )
         self._num_consumers = n_consumers
         skip = self._start.get(cid, 0)
         self._consumed[cid] = skip
@@ -143,7 +158,7 @@ class PackedDataset(IterableDataset):
         while True:
             files = self.epoch_files(epoch, cid, n_consumers)
             for w, start in enumerate(range(0, len(files), self.n_chunks)):
-                window = files[start: start + self.n_chunks]
+                window = files[start : start + self.n_chunks]
                 total = int(self.n_blocks[window].sum())
                 if skip >= total:
                     skip -= total
@@ -151,10 +166,18 @@ class PackedDataset(IterableDataset):
                 for f in window.tolist():
                     self._check_hash(f)
                 fidx, bidx = self._window_order(epoch, cid, w, window)
-                maps = {int(f): np.memmap(self.files[f], dtype=self.headers[f].dtype, mode="r", offset=HDR_SIZE,
-                                          shape=(self.headers[f].chunk_size,)) for f in window}
+                maps = {
+                    int(f): np.memmap(
+                        self.files[f],
+                        dtype=self.headers[f].dtype,
+                        mode="r",
+                        offset=HDR_SIZE,
+                        shape=(self.headers[f].chunk_size,),
+                    )
+                    for f in window
+                }
                 for f, b in zip(fidx[skip:].tolist(), bidx[skip:].tolist()):
-                    block = maps[f][b * bs: (b + 1) * bs].astype(np.int64)
+                    block = maps[f][b * bs : (b + 1) * bs].astype(np.int64)
                     self._consumed[cid] += 1
                     yield torch.from_numpy(block)
                 skip = 0
@@ -171,9 +194,11 @@ class PackedDataset(IterableDataset):
 
         expected, manifest = self._expected_sha[f]
         if sha256_file(self.files[f]) != expected:
-            raise DLMError(f"shard '{self.files[f]}' is corrupt: its sha256 differs from the one in '{manifest}' "
-                           f"(changed or damaged on disk since dlm prepare wrote it); re-run dlm prepare "
-                           f"--overwrite for its prefix, or restore the file")
+            raise DLMError(
+                f"shard '{self.files[f]}' is corrupt: its sha256 differs from the one in '{manifest}' "
+                f"(changed or damaged on disk since dlm prepare wrote it); re-run dlm prepare "
+                f"--overwrite for its prefix, or restore the file"
+            )
         self._verified.add(f)
 
     # ---------------------------------------------------------------------------------------- state
@@ -185,9 +210,17 @@ class PackedDataset(IterableDataset):
 
     def state_dict(self) -> dict:
         """Blocks yielded so far per consumer (exact for iteration in this process, e.g. num_workers=0)."""
-        return {"kind": "packed", "seed": self.seed, "block_size": self.block_size, "n_chunks": self.n_chunks,
-                "shuffle": self.shuffle, "files": self._fingerprint(), "num_consumers": self._num_consumers,
-                "consumed": {str(k): int(v) for k, v in self._consumed.items()}, "worker_shift": self._worker_shift}
+        return {
+            "kind": "packed",
+            "seed": self.seed,
+            "block_size": self.block_size,
+            "n_chunks": self.n_chunks,
+            "shuffle": self.shuffle,
+            "files": self._fingerprint(),
+            "num_consumers": self._num_consumers,
+            "consumed": {str(k): int(v) for k, v in self._consumed.items()},
+            "worker_shift": self._worker_shift,
+        }
 
     def state_dict_for_dataloader(self, num_batches: int, batch_size: int, num_workers: int) -> dict:
         """The state after a ``DataLoader(batch_size, num_workers>0)`` on this rank delivered ``num_batches``.
@@ -210,8 +243,10 @@ class PackedDataset(IterableDataset):
         mine = self.state_dict()
         for key in ("seed", "block_size", "n_chunks", "shuffle", "files"):
             if state.get(key) != mine[key]:
-                raise DLMError(f"cannot resume the packed dataset: '{key}' differs (saved {state.get(key)!r}, now "
-                               f"{mine[key]!r}); resume with the same data files and loader settings")
+                raise DLMError(
+                    f"cannot resume the packed dataset: '{key}' differs (saved {state.get(key)!r}, now "
+                    f"{mine[key]!r}); resume with the same data files and loader settings"
+                )
         self._start = {int(k): int(v) for k, v in state.get("consumed", {}).items()}
         self._consumed = dict(self._start)
         self._num_consumers = state.get("num_consumers")
@@ -264,16 +299,22 @@ class CombinedDataset(IterableDataset):
             yield item
 
     def state_dict(self) -> dict:
-        return {"kind": "combined", "seed": self.seed, "weights": self.weights.tolist(),
-                "draws": {str(k): int(v) for k, v in self._draws.items()},
-                "datasets": [d.state_dict() for d in self.datasets]}
+        return {
+            "kind": "combined",
+            "seed": self.seed,
+            "weights": self.weights.tolist(),
+            "draws": {str(k): int(v) for k, v in self._draws.items()},
+            "datasets": [d.state_dict() for d in self.datasets],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "combined" or len(state.get("datasets", [])) != len(self.datasets):
             raise DLMError("cannot resume: the saved data state is not a mixture of the same number of prefixes")
         if state["seed"] != self.seed or not np.allclose(state["weights"], self.weights):
-            raise DLMError(f"cannot resume: seed/weights differ (saved {state['seed']}, {state['weights']}; now "
-                           f"{self.seed}, {self.weights.tolist()})")
+            raise DLMError(
+                f"cannot resume: seed/weights differ (saved {state['seed']}, {state['weights']}; now "
+                f"{self.seed}, {self.weights.tolist()})"
+            )
         self._start = {int(k): int(v) for k, v in state["draws"].items()}
         self._draws = dict(self._start)
         for d, s in zip(self.datasets, state["datasets"]):
@@ -311,14 +352,26 @@ def find_shards(data_dir: str | os.PathLike, prefix: str) -> list[str]:
     files = sorted(glob.glob(str(data_dir / f"{glob.escape(prefix)}*.bin")))
     if not files:
         have = sorted({p.name.rsplit("_", 1)[0] for p in data_dir.glob("*.bin")})[:10]
-        raise DLMError(f"no shard matches prefix '{prefix}' in '{data_dir}' (prefixes there: "
-                       f"{', '.join(have) or 'none'}); check --packed-prefixes or run dlm prepare")
+        raise DLMError(
+            f"no shard matches prefix '{prefix}' in '{data_dir}' (prefixes there: "
+            f"{', '.join(have) or 'none'}); check --packed-prefixes or run dlm prepare"
+        )
     return files
 
 
-def build_packed_dataset(data_dir: str | os.PathLike, prefixes: Sequence[str] | str, weights=None, *,
-                         block_size: int, seed: int = 12345, rank: int | None = None, world_size: int | None = None,
-                         n_chunks: int = 8, shuffle: bool = True, wrap: bool = True):
+def build_packed_dataset(
+    data_dir: str | os.PathLike,
+    prefixes: Sequence[str] | str,
+    weights=None,
+    *,
+    block_size: int,
+    seed: int = 12345,
+    rank: int | None = None,
+    world_size: int | None = None,
+    n_chunks: int = 8,
+    shuffle: bool = True,
+    wrap: bool = True,
+):
     """The trainer's data: one :class:`PackedDataset` per prefix, mixed by :class:`CombinedDataset` when several.
 
     ``block_size`` is free (e.g. seq_length + 1 for next-token targets); every shard must hold at least that many
@@ -331,8 +384,19 @@ def build_packed_dataset(data_dir: str | os.PathLike, prefixes: Sequence[str] | 
         raise DLMError("no packed prefixes given")
     if weights is not None and len(weights) != len(prefixes):
         raise DLMError(f"{len(weights)} weights for {len(prefixes)} prefixes; give one weight per prefix")
-    sets = [PackedDataset(find_shards(data_dir, p), block_size, n_chunks=n_chunks, seed=seed + i, shuffle=shuffle,
-                          wrap=wrap, rank=rank, world_size=world_size) for i, p in enumerate(prefixes)]
+    sets = [
+        PackedDataset(
+            find_shards(data_dir, p),
+            block_size,
+            n_chunks=n_chunks,
+            seed=seed + i,
+            shuffle=shuffle,
+            wrap=wrap,
+            rank=rank,
+            world_size=world_size,
+        )
+        for i, p in enumerate(prefixes)
+    ]
     if len(sets) == 1:
         return sets[0]
     return CombinedDataset(sets, weights, seed=seed)

@@ -42,7 +42,13 @@ from pathlib import Path
 import numpy as np
 
 from dlm.data.shards import (
-    MANIFEST_NAME, RESUME_FIX, ShardWriter, atomic_write_text, choose_dtype, read_manifest, update_manifest,
+    MANIFEST_NAME,
+    RESUME_FIX,
+    ShardWriter,
+    atomic_write_text,
+    choose_dtype,
+    read_manifest,
+    update_manifest,
 )
 from dlm.errors import DLMError
 from dlm.fsutil import DiskFullError, disk_full_as_error
@@ -99,6 +105,7 @@ class FileStats:
 
 # --------------------------------------------------------------------------------------------- discovery
 
+
 def _classify(path: Path) -> tuple[str | None, str | None]:
     suffixes = [s.lower() for s in path.suffixes]
     compression = None
@@ -116,8 +123,9 @@ def _classify(path: Path) -> tuple[str | None, str | None]:
 def discover_files(source: str, pattern: str | None, percentage: float) -> list[SourceFile]:
     src = Path(source).expanduser()
     if not src.exists():
-        raise DLMError(f"--source-path '{source}' does not exist; pass a folder of parquet/jsonl/txt files or one "
-                       f"such file")
+        raise DLMError(
+            f"--source-path '{source}' does not exist; pass a folder of parquet/jsonl/txt files or one such file"
+        )
     if src.is_file():
         candidates, base = [src], src.parent
     else:
@@ -128,15 +136,19 @@ def discover_files(source: str, pattern: str | None, percentage: float) -> list[
         if not globbed:
             what = f"--pattern '{pattern}'" if pattern else "the supported types (.parquet, .jsonl[.gz|.zst], .txt)"
             present = sorted(p.name for p in src.iterdir())[:8]
-            raise DLMError(f"no file in '{src}' matches {what} (the folder holds: {', '.join(present) or 'nothing'});"
-                           f" fix --pattern or --source-path")
+            raise DLMError(
+                f"no file in '{src}' matches {what} (the folder holds: {', '.join(present) or 'nothing'});"
+                f" fix --pattern or --source-path"
+            )
         candidates = globbed
     files = []
     for p in candidates:
         kind, comp = _classify(p)
         if kind is None:
-            raise DLMError(f"'{p}' is not a supported input (.parquet, .jsonl/.json[.gz|.zst], .txt); narrow "
-                           f"--pattern to exclude it")
+            raise DLMError(
+                f"'{p}' is not a supported input (.parquet, .jsonl/.json[.gz|.zst], .txt); narrow "
+                f"--pattern to exclude it"
+            )
         files.append(SourceFile(str(p.resolve()), str(p.relative_to(base)), kind, comp, p.stat().st_size))
     if not 0.0 < percentage <= 1.0:
         raise DLMError(f"--percentage must be in (0, 1], got {percentage}")
@@ -187,13 +199,16 @@ def _zst_lines(path: str):
 def _is_string_type(t) -> bool:
     import pyarrow as pa
 
-    return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view",
-                                                                         lambda _: False)(t)
+    return (
+        pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
+    )
 
 
 def _corrupt(sf: SourceFile, e: Exception) -> DLMError:
-    return DLMError(f"{sf.kind} file '{sf.path}' is corrupt or truncated ({type(e).__name__}: {e}); "
-                    f"re-download it or remove it from --source-path")
+    return DLMError(
+        f"{sf.kind} file '{sf.path}' is corrupt or truncated ({type(e).__name__}: {e}); "
+        f"re-download it or remove it from --source-path"
+    )
 
 
 def inspect_file(sf: SourceFile, text_column: str) -> None:
@@ -211,11 +226,14 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
         listing = ", ".join(f"{n} ({t})" for n, t in found) or "none"
         if text_column != "auto":
             if text_column not in schema.names:
-                raise DLMError(f"--text-column '{text_column}' is not a column of '{sf.path}'; columns found: "
-                               f"{listing}")
+                raise DLMError(
+                    f"--text-column '{text_column}' is not a column of '{sf.path}'; columns found: {listing}"
+                )
             if not _is_string_type(schema.field(text_column).type):
-                raise DLMError(f"--text-column '{text_column}' of '{sf.path}' holds {schema.field(text_column).type},"
-                               f" not text; columns found: {listing}")
+                raise DLMError(
+                    f"--text-column '{text_column}' of '{sf.path}' holds {schema.field(text_column).type},"
+                    f" not text; columns found: {listing}"
+                )
             sf.column = text_column
             return
         strings = [f.name for f in schema if _is_string_type(f.type)]
@@ -223,13 +241,15 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
             if name in strings:
                 sf.column = name
                 return
-        raise DLMError(f"no usable text column in '{sf.path}': columns found: {listing}; pass --text-column NAME "
-                       f"of a string column")
+        raise DLMError(
+            f"no usable text column in '{sf.path}': columns found: {listing}; pass --text-column NAME "
+            f"of a string column"
+        )
     # jsonl: the first non-blank line decides
     try:
         with contextlib.closing(_open_text(sf)) as lines:
             first = None
-            for lineno, line in enumerate(lines, 1):
+            for lineno, line in enumerate(lines, 1):  # noqa: B007 - lineno is read after the loop
                 if line.strip():
                     first = line
                     break
@@ -244,13 +264,15 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
     except ValueError as e:
         raise DLMError(f"JSONL file '{sf.path}' line {lineno} is not valid JSON ({e}); fix or remove the file") from e
     if not isinstance(obj, dict):
-        raise DLMError(f"JSONL file '{sf.path}' line {lineno} is a {type(obj).__name__}, not an object with a text "
-                       f"field")
+        raise DLMError(
+            f"JSONL file '{sf.path}' line {lineno} is a {type(obj).__name__}, not an object with a text field"
+        )
     listing = ", ".join(f"{k} ({type(v).__name__})" for k, v in obj.items()) or "none"
     if text_column != "auto":
         if text_column not in obj:
-            raise DLMError(f"--text-column '{text_column}' is not a field of '{sf.path}' (first record); fields "
-                           f"found: {listing}")
+            raise DLMError(
+                f"--text-column '{text_column}' is not a field of '{sf.path}' (first record); fields found: {listing}"
+            )
         sf.column = text_column
         return
     strings = [k for k, v in obj.items() if isinstance(v, str)]
@@ -258,11 +280,13 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
         if name in strings:
             sf.column = name
             return
-    raise DLMError(f"no usable text column in '{sf.path}': fields found in the first record: {listing}; pass "
-                   f"--text-column NAME")
+    raise DLMError(
+        f"no usable text column in '{sf.path}': fields found in the first record: {listing}; pass --text-column NAME"
+    )
 
 
 # --------------------------------------------------------------------------------------------- reading
+
 
 def _skip_reason(value) -> str | None:
     if value is None:
@@ -315,8 +339,10 @@ def _iter_rows(sf: SourceFile, skip_rp: bool):
                 try:
                     obj = json.loads(line)
                 except ValueError as e:
-                    raise DLMError(f"JSONL file '{sf.path}' line {lineno} is not valid JSON ({e}); the file is "
-                                   f"corrupt or truncated: fix or remove it") from e
+                    raise DLMError(
+                        f"JSONL file '{sf.path}' line {lineno} is not valid JSON ({e}); the file is "
+                        f"corrupt or truncated: fix or remove it"
+                    ) from e
                 rows += 1
                 if not isinstance(obj, dict):
                     skipped["not_an_object"] += 1
@@ -365,6 +391,7 @@ def _redpajama_sets(meta) -> list:
 
 # --------------------------------------------------------------------------------------------- worker
 
+
 def _shard_prefix(prefix: str, proc: int, num_processes: int) -> str:
     return prefix if num_processes == 1 else f"{prefix}_{proc}"
 
@@ -401,15 +428,16 @@ def _load_state(path: Path, dtype) -> tuple[dict, np.ndarray] | None:
     raw = path.read_bytes()
     try:
         (n,) = struct.unpack("<Q", raw[:8])
-        state = json.loads(raw[8: 8 + n])
-        pending = np.frombuffer(raw[8 + n:], dtype=dtype).copy()
+        state = json.loads(raw[8 : 8 + n])
+        pending = np.frombuffer(raw[8 + n :], dtype=dtype).copy()
         if not isinstance(state, dict) or not {"files_done", "counter", "shards", "sources"} <= set(state):
             raise ValueError("not a prepare checkpoint")
     except (struct.error, ValueError, UnicodeDecodeError) as e:
-        raise DLMError(f"the resume checkpoint '{path}' of an interrupted dlm prepare is damaged ({e}); delete "
-                       f"the folder '{path.parent}' and its prefix's shards, or rerun with --overwrite") from e
+        raise DLMError(
+            f"the resume checkpoint '{path}' of an interrupted dlm prepare is damaged ({e}); delete "
+            f"the folder '{path.parent}' and its prefix's shards, or rerun with --overwrite"
+        ) from e
     return state, pending
-
 
 
 @dataclass
@@ -439,7 +467,7 @@ def _encode_batch(tok, texts: list[str], eos_id, dtype, add_special_tokens: bool
     pos = 0
     for doc in ids:
         n = len(doc)
-        flat[pos: pos + n] = doc
+        flat[pos : pos + n] = doc
         pos += n
         if extra:
             flat[pos] = eos_id
@@ -495,7 +523,9 @@ def _pack_file(sf: SourceFile, job: _Job, tok, writer: ShardWriter, dtype, stats
             stats.documents_written += len(texts)
             stats.tokens += int(flat.shape[0])
             report("batch", len(texts), int(flat.shape[0]))
-        if job.parent_pid is not None and os.getppid() != job.parent_pid:  # orphaned (the parent was killed): stop; a rerun resumes
+        if (
+            job.parent_pid is not None and os.getppid() != job.parent_pid
+        ):  # orphaned (the parent was killed): stop; a rerun resumes
             os._exit(1)
     return skipped
 
@@ -511,8 +541,18 @@ def _run_job(job: _Job, report) -> dict:
     if loaded is not None and loaded[0].get("config_hash") == job.config_hash:
         state, pending = loaded
     else:
-        state, pending = {"config_hash": job.config_hash, "files_done": 0, "counter": 0, "shards": [],
-                          "sources": [], "done": False, "dropped": 0}, None
+        state, pending = (
+            {
+                "config_hash": job.config_hash,
+                "files_done": 0,
+                "counter": 0,
+                "shards": [],
+                "sources": [],
+                "done": False,
+                "dropped": 0,
+            },
+            None,
+        )
     if state["done"]:
         report("file", len(job.files))
         return state
@@ -523,8 +563,9 @@ def _run_job(job: _Job, report) -> dict:
         if m and (m.group(1) or m.group(3) or int(m.group(2)) >= state["counter"]):
             p.unlink()
     tok = Tokenizer.from_str(job.tokenizer_json)
-    writer = ShardWriter(dest, job.shard_prefix, job.chunk_size, job.sep_id, dtype, counter=state["counter"],
-                         pending=pending)
+    writer = ShardWriter(
+        dest, job.shard_prefix, job.chunk_size, job.sep_id, dtype, counter=state["counter"], pending=pending
+    )
     writer.shards = list(state["shards"])
     delay = float(os.environ.get("DLM_PREPARE_TEST_DELAY_S", "0") or 0)
     if state["files_done"]:
@@ -534,8 +575,9 @@ def _run_job(job: _Job, report) -> dict:
         stats = FileStats(sf.rel, job.proc)
         skipped = _pack_file(sf, job, tok, writer, dtype, stats, report)
         stats.rows_skipped = dict(sorted(skipped.items()))
-        state.update(files_done=k + 1, counter=writer.counter, shards=writer.shards,
-                     sources=state["sources"] + [asdict(stats)])
+        state.update(
+            files_done=k + 1, counter=writer.counter, shards=writer.shards, sources=state["sources"] + [asdict(stats)]
+        )
         _save_state(state_path, state, writer.pending())
         report("file", 1)
         if delay:
@@ -562,6 +604,7 @@ def _worker_main(job: _Job, queue) -> None:
 
 
 # --------------------------------------------------------------------------------------------- orchestration
+
 
 class _Progress:
     def __init__(self, n_files: int, enabled: bool):
@@ -608,8 +651,10 @@ def _load_tokenizer(name: str):
     except DLMError as e:
         raise DLMError(f"--tokenizer: {e}") from e
     if getattr(tok, "backend_tokenizer", None) is None:
-        raise DLMError(f"--tokenizer '{name}' has no fast (Rust) tokenizer; save a tokenizer.json with "
-                       f"PreTrainedTokenizerFast.save_pretrained and pass its folder")
+        raise DLMError(
+            f"--tokenizer '{name}' has no fast (Rust) tokenizer; save a tokenizer.json with "
+            f"PreTrainedTokenizerFast.save_pretrained and pass its folder"
+        )
     return tok
 
 
@@ -624,8 +669,9 @@ def _check_destination(dest: Path) -> bool:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise DLMError(f"--destination-path '{dest}' is not writable ({e.strerror or e}); pass a folder you can "
-                       f"write to") from e
+        raise DLMError(
+            f"--destination-path '{dest}' is not writable ({e.strerror or e}); pass a folder you can write to"
+        ) from e
     return created
 
 
@@ -653,8 +699,9 @@ def _prefix_lock(dest: Path, prefix: str):
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
         fh.close()
-        raise DLMError(f"another dlm prepare is writing prefix '{prefix}' into '{dest}'; wait for it or choose "
-                       f"another --prefix") from e
+        raise DLMError(
+            f"another dlm prepare is writing prefix '{prefix}' into '{dest}'; wait for it or choose another --prefix"
+        ) from e
     try:
         yield
     finally:
@@ -677,8 +724,9 @@ def prepare(cfg: PrepareConfig) -> dict:
     vocab_size = len(tok)
     eos_id = tok.eos_token_id if cfg.eos else None
     if cfg.eos and eos_id is None:
-        raise DLMError(f"--tokenizer '{cfg.tokenizer}' defines no EOS token; pass --no-eos or use a tokenizer "
-                       f"with an eos_token")
+        raise DLMError(
+            f"--tokenizer '{cfg.tokenizer}' defines no EOS token; pass --no-eos or use a tokenizer with an eos_token"
+        )
     sep_id = next(i for i in (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, 0) if i is not None)
     dtype = choose_dtype(vocab_size, cfg.dtype)
     for sf in files:
@@ -691,10 +739,18 @@ def prepare(cfg: PrepareConfig) -> dict:
         "files": [[sf.rel, sf.size, sf.column] for sf in files],
         "tokenizer": cfg.tokenizer,
         "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
-        "vocab_size": vocab_size, "dtype": dtype.name, "chunk_size": cfg.chunk_size,
-        "eos": cfg.eos, "eos_token_id": eos_id, "sep_token_id": sep_id, "prefix": cfg.prefix,
-        "num_processes": num_processes, "text_column": cfg.text_column, "percentage": cfg.percentage,
-        "skip_redpajama_github": cfg.skip_redpajama_github, "write_remainder": cfg.write_remainder,
+        "vocab_size": vocab_size,
+        "dtype": dtype.name,
+        "chunk_size": cfg.chunk_size,
+        "eos": cfg.eos,
+        "eos_token_id": eos_id,
+        "sep_token_id": sep_id,
+        "prefix": cfg.prefix,
+        "num_processes": num_processes,
+        "text_column": cfg.text_column,
+        "percentage": cfg.percentage,
+        "skip_redpajama_github": cfg.skip_redpajama_github,
+        "write_remainder": cfg.write_remainder,
     }
     chash = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     sdir = _state_dir(dest, cfg.prefix)
@@ -707,8 +763,7 @@ def prepare(cfg: PrepareConfig) -> dict:
             try:
                 sdir.mkdir(exist_ok=True)
                 atomic_write_text(sdir / "config.json", json.dumps({"config": config, "config_hash": chash}))
-                states = _run_all(cfg, files, num_processes, dest, sdir, tokenizer_json, eos_id, sep_id, dtype,
-                                  chash)
+                states = _run_all(cfg, files, num_processes, dest, sdir, tokenizer_json, eos_id, sep_id, dtype, chash)
                 summary = _finish(cfg, dest, config, chash, states, files, time.perf_counter() - t0)
             except DiskFullError:
                 raise  # keep the finished shards and the checkpoints: the same command resumes
@@ -735,42 +790,62 @@ def _check_existing(dest: Path, cfg: PrepareConfig, config: dict, chash: str, sd
         return None
     existing = sorted(p.name for p in dest.iterdir() if rx.match(p.name))
     entry = read_manifest(dest)["prefixes"].get(cfg.prefix)
-    refuse = (f"; choose another --destination-path or --prefix, or pass --overwrite to replace prefix "
-              f"'{cfg.prefix}' there")
+    refuse = (
+        f"; choose another --destination-path or --prefix, or pass --overwrite to replace prefix '{cfg.prefix}' there"
+    )
     if entry is not None:
         if entry.get("config_hash") != chash:
-            raise DLMError(f"'{dest}' already holds shards of prefix '{cfg.prefix}' written with a different "
-                           f"configuration ({_config_diff(entry.get('config', {}), config)})" + refuse)
+            raise DLMError(
+                f"'{dest}' already holds shards of prefix '{cfg.prefix}' written with a different "
+                f"configuration ({_config_diff(entry.get('config', {}), config)})" + refuse
+            )
         listed = sorted(s["file"] for s in entry["shards"])
         if listed == existing:
             shutil.rmtree(sdir, ignore_errors=True)  # a crash between the manifest write and the clean-up
             return dict(entry["totals"], destination=str(dest))
-        raise DLMError(f"'{dest}': the shards of prefix '{cfg.prefix}' do not match its manifest.json (missing or "
-                       f"extra files)" + refuse)
+        raise DLMError(
+            f"'{dest}': the shards of prefix '{cfg.prefix}' do not match its manifest.json (missing or "
+            f"extra files)" + refuse
+        )
     if (sdir / "config.json").is_file():
         try:
             old = json.loads((sdir / "config.json").read_text())
         except ValueError:
             old = {}
         if old.get("config_hash") != chash:
-            raise DLMError(f"'{dest}' holds an unfinished dlm prepare of prefix '{cfg.prefix}' with a different "
-                           f"configuration ({_config_diff(old.get('config', {}), config)}); rerun it with its own "
-                           f"arguments to finish it" + refuse)
+            raise DLMError(
+                f"'{dest}' holds an unfinished dlm prepare of prefix '{cfg.prefix}' with a different "
+                f"configuration ({_config_diff(old.get('config', {}), config)}); rerun it with its own "
+                f"arguments to finish it" + refuse
+            )
         return None  # resume
     if existing:
-        raise DLMError(f"'{dest}' already holds {len(existing)} shard(s) of prefix '{cfg.prefix}' (e.g. "
-                       f"{existing[0]}) of an unknown configuration (no manifest entry)" + refuse)
+        raise DLMError(
+            f"'{dest}' already holds {len(existing)} shard(s) of prefix '{cfg.prefix}' (e.g. "
+            f"{existing[0]}) of an unknown configuration (no manifest entry)" + refuse
+        )
     return None
 
 
 def _run_all(cfg, files, num_processes, dest, sdir, tokenizer_json, eos_id, sep_id, dtype, chash) -> list[dict]:
     groups = assign_files(files, num_processes)
     jobs = [
-        _Job(proc=p, files=[asdict(sf) for sf in group], dest=str(dest), state_dir=str(sdir),
-             shard_prefix=_shard_prefix(cfg.prefix, p, num_processes), tokenizer_json=tokenizer_json,
-             eos_id=eos_id, sep_id=sep_id, dtype=dtype.name, chunk_size=cfg.chunk_size,
-             write_remainder=cfg.write_remainder, skip_rp=cfg.skip_redpajama_github, config_hash=chash,
-             parent_pid=os.getpid() if num_processes > 1 else None)
+        _Job(
+            proc=p,
+            files=[asdict(sf) for sf in group],
+            dest=str(dest),
+            state_dir=str(sdir),
+            shard_prefix=_shard_prefix(cfg.prefix, p, num_processes),
+            tokenizer_json=tokenizer_json,
+            eos_id=eos_id,
+            sep_id=sep_id,
+            dtype=dtype.name,
+            chunk_size=cfg.chunk_size,
+            write_remainder=cfg.write_remainder,
+            skip_rp=cfg.skip_redpajama_github,
+            config_hash=chash,
+            parent_pid=os.getpid() if num_processes > 1 else None,
+        )
         for p, group in enumerate(groups)
     ]
     progress = _Progress(len(files), cfg.progress)
@@ -810,8 +885,10 @@ def _run_spawned(jobs: list[_Job], progress) -> list[dict]:
                 for i, p in enumerate(procs):
                     if i not in finished and not p.is_alive():
                         if now - dead_since.setdefault(i, now) > 3.0:
-                            raise RuntimeError(f"dlm prepare worker {i} died (exit code {p.exitcode}) without "
-                                               f"reporting; rerun the same command to resume")
+                            raise RuntimeError(
+                                f"dlm prepare worker {i} died (exit code {p.exitcode}) without "
+                                f"reporting; rerun the same command to resume"
+                            ) from None
                 continue
             if kind == "done":
                 finished.add(proc)
@@ -851,25 +928,46 @@ def _finish(cfg: PrepareConfig, dest: Path, config: dict, chash: str, states: li
     for s in sources:
         skipped.update(s["rows_skipped"])
     if docs == 0:
-        raise DLMError(f"no documents in {len(files)} file(s) under '{cfg.source_path}': every row was skipped "
-                       f"({dict(skipped) or 'no rows'}); check --text-column and the inputs")
+        raise DLMError(
+            f"no documents in {len(files)} file(s) under '{cfg.source_path}': every row was skipped "
+            f"({dict(skipped) or 'no rows'}); check --text-column and the inputs"
+        )
     if not shards:
-        raise DLMError(f"too little data: {tokens:,} tokens is less than one chunk of --chunk-size "
-                       f"{cfg.chunk_size:,}, so no shard would be written; pass --write-remainder to write the "
-                       f"partial chunk (sep-padded) or lower --chunk-size")
+        raise DLMError(
+            f"too little data: {tokens:,} tokens is less than one chunk of --chunk-size "
+            f"{cfg.chunk_size:,}, so no shard would be written; pass --write-remainder to write the "
+            f"partial chunk (sep-padded) or lower --chunk-size"
+        )
     totals = {
-        "files": len(files), "rows_read": sum(s["rows_read"] for s in sources), "documents": docs,
-        "tokens": tokens, "tokens_in_shards": sum(s["tokens"] for s in shards), "tokens_dropped": dropped,
-        "rows_skipped": dict(sorted(skipped.items())), "shards": len(shards), "seconds": round(seconds, 3),
+        "files": len(files),
+        "rows_read": sum(s["rows_read"] for s in sources),
+        "documents": docs,
+        "tokens": tokens,
+        "tokens_in_shards": sum(s["tokens"] for s in shards),
+        "tokens_dropped": dropped,
+        "rows_skipped": dict(sorted(skipped.items())),
+        "shards": len(shards),
+        "seconds": round(seconds, 3),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
     }
     entry = {
-        "format": "LITPKDS", "format_version": 1, "status": "complete", "config_hash": chash, "config": config,
-        "tokenizer": config["tokenizer"], "tokenizer_sha256": config["tokenizer_sha256"],
-        "vocab_size": config["vocab_size"], "dtype": config["dtype"], "chunk_size": cfg.chunk_size,
-        "eos": {"append": cfg.eos, "token_id": config["eos_token_id"]}, "sep_token_id": config["sep_token_id"],
-        "write_remainder": cfg.write_remainder, "num_processes": config["num_processes"],
-        "shards": shards, "sources": sources, "totals": totals,
+        "format": "LITPKDS",
+        "format_version": 1,
+        "status": "complete",
+        "config_hash": chash,
+        "config": config,
+        "tokenizer": config["tokenizer"],
+        "tokenizer_sha256": config["tokenizer_sha256"],
+        "vocab_size": config["vocab_size"],
+        "dtype": config["dtype"],
+        "chunk_size": cfg.chunk_size,
+        "eos": {"append": cfg.eos, "token_id": config["eos_token_id"]},
+        "sep_token_id": config["sep_token_id"],
+        "write_remainder": cfg.write_remainder,
+        "num_processes": config["num_processes"],
+        "shards": shards,
+        "sources": sources,
+        "totals": totals,
     }
     update_manifest(dest, cfg.prefix, entry)
     return dict(totals, destination=str(dest))

@@ -17,22 +17,35 @@ Labels are aligned with ``input_ids`` (not shifted); the objectives do any shift
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from dlm.errors import DLMError
 
 IGNORE_INDEX = -100
 
-_ROLE = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "model": "assistant",
-         "bot": "assistant", "chatgpt": "assistant", "system": "system", "tool": "tool", "function": "tool",
-         "observation": "tool"}
+_ROLE = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "bot": "assistant",
+    "chatgpt": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "function": "tool",
+    "observation": "tool",
+}
 _PROMPT_KEYS = ("prompt", "instruction", "question", "query")
 _RESPONSE_KEYS = ("response", "output", "completion", "answer", "chosen")
 
-EXPECTED = ("'messages' (list of {role, content}), 'conversations' (list of {from, value}), or a prompt field "
-            f"({'/'.join(_PROMPT_KEYS)}) with a response field ({'/'.join(_RESPONSE_KEYS)})")
+EXPECTED = (
+    "'messages' (list of {role, content}), 'conversations' (list of {from, value}), or a prompt field "
+    f"({'/'.join(_PROMPT_KEYS)}) with a response field ({'/'.join(_RESPONSE_KEYS)})"
+)
 
 # Used when a tokenizer has no chat template (base models): a plain, documented layout.
 FALLBACK_TEMPLATE = (
@@ -68,21 +81,20 @@ def record_to_messages(rec: dict, where: str = "record") -> list[dict[str, str]]
     """Normalize one record of any accepted layout to OpenAI-style messages."""
     if "messages" in rec:
         msgs = rec["messages"]
-        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
-                                                 for m in msgs):
+        if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
             raise DLMError(f"{where}: 'messages' must be a list of {{role, content}} objects")
         out = [{"role": str(m["role"]), "content": _text(m["content"], where)} for m in msgs]
     elif "conversations" in rec:
         conv = rec["conversations"]
-        if not isinstance(conv, list) or not all(isinstance(m, dict) and "from" in m and "value" in m
-                                                 for m in conv):
+        if not isinstance(conv, list) or not all(isinstance(m, dict) and "from" in m and "value" in m for m in conv):
             raise DLMError(f"{where}: 'conversations' must be a list of {{from, value}} objects (ShareGPT)")
         out = []
         for m in conv:
             role = _ROLE.get(str(m["from"]).lower())
             if role is None:
-                raise DLMError(f"{where}: unknown ShareGPT speaker '{m['from']}'; use one of "
-                               f"{', '.join(sorted(_ROLE))}")
+                raise DLMError(
+                    f"{where}: unknown ShareGPT speaker '{m['from']}'; use one of {', '.join(sorted(_ROLE))}"
+                )
             out.append({"role": role, "content": _text(m["value"], where)})
     else:
         pk = next((k for k in _PROMPT_KEYS if k in rec), None)
@@ -113,8 +125,9 @@ def _render(tokenizer, messages, add_generation_prompt: bool) -> str:
     template = getattr(tokenizer, "chat_template", None) or FALLBACK_TEMPLATE
     if not messages:
         return ""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=template)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=template
+    )
 
 
 def tokenize_messages(messages: list[dict], tokenizer, max_length: int | None = None) -> dict[str, list[int]]:
@@ -133,10 +146,12 @@ def tokenize_messages(messages: list[dict], tokenizer, max_length: int | None = 
         prompt_text = _render(tokenizer, messages[:k], add_generation_prompt=True)
         full_text = _render(tokenizer, messages[: k + 1], add_generation_prompt=False)
         if not prompt_text.startswith(done) or not full_text.startswith(prompt_text):
-            raise DLMError("the tokenizer's chat template does not render conversations as growing prefixes, so "
-                           "prompt masking cannot find the assistant turns; use a ChatML-style template")
-        seg_prompt = tokenizer(prompt_text[len(done):], add_special_tokens=False)["input_ids"]
-        seg_answer = tokenizer(full_text[len(prompt_text):], add_special_tokens=False)["input_ids"]
+            raise DLMError(
+                "the tokenizer's chat template does not render conversations as growing prefixes, so "
+                "prompt masking cannot find the assistant turns; use a ChatML-style template"
+            )
+        seg_prompt = tokenizer(prompt_text[len(done) :], add_special_tokens=False)["input_ids"]
+        seg_answer = tokenizer(full_text[len(prompt_text) :], add_special_tokens=False)["input_ids"]
         ids += seg_prompt + seg_answer
         labels += [IGNORE_INDEX] * len(seg_prompt) + list(seg_answer)
         done = full_text
@@ -145,13 +160,14 @@ def tokenize_messages(messages: list[dict], tokenizer, max_length: int | None = 
     return {"input_ids": ids, "labels": labels}
 
 
-def load_sft_examples(path: str | Path, tokenizer, max_length: int,
-                      records: Iterable[tuple[int, dict]] | None = None) -> list[dict[str, Any]]:
+def load_sft_examples(
+    path: str | Path, tokenizer, max_length: int, records: Iterable[tuple[int, dict]] | None = None
+) -> list[dict[str, Any]]:
     """Tokenized examples of a JSONL file; records whose answer is cut away entirely by ``max_length`` are
     dropped (they would train nothing). Each example keeps its line number as ``index``."""
     examples = []
     dropped = 0
-    for lineno, rec in (records if records is not None else read_jsonl(path)):
+    for lineno, rec in records if records is not None else read_jsonl(path):
         msgs = record_to_messages(rec, where=f"{path}:{lineno}")
         ex = tokenize_messages(msgs, tokenizer, max_length)
         if not any(x != IGNORE_INDEX for x in ex["labels"]):
@@ -160,8 +176,10 @@ def load_sft_examples(path: str | Path, tokenizer, max_length: int,
         ex["index"] = lineno
         examples.append(ex)
     if not examples:
-        raise DLMError(f"no record of '{path}' keeps an answer token within {max_length} tokens "
-                       f"({dropped} dropped); raise --seq-length / cutoff_len")
+        raise DLMError(
+            f"no record of '{path}' keeps an answer token within {max_length} tokens "
+            f"({dropped} dropped); raise --seq-length / cutoff_len"
+        )
     return examples
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dlm.errors import DLMError
-from dlm.fsutil import disk_full_as_error
+from dlm.fsutil import disk_full_as_error, sha256_file  # noqa: F401 - sha256_file: part of this module's API
 
 RESUME_FIX = "free some space (or use another --destination-path) and rerun the same command: finished shards are kept and it resumes after them"
 
@@ -44,7 +44,14 @@ HDR_SIZE = 24  # 7 magic + 8 version + 1 dtype code + 8 chunk size
 MANIFEST_NAME = "manifest.json"
 
 DTYPE_CODES: dict[int, type] = {
-    1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float32, 7: np.float64, 8: np.uint16,
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float32,
+    7: np.float64,
+    8: np.uint16,
 }
 CODE_OF_DTYPE = {np.dtype(v): k for k, v in DTYPE_CODES.items()}
 TOKEN_DTYPES = {"uint16": np.uint16, "int32": np.int32}
@@ -93,8 +100,10 @@ def read_header(path: str | os.PathLike, check_size: bool = True) -> ShardHeader
     except OSError as e:
         raise DLMError(f"cannot read shard '{path}': {e.strerror or e}") from e
     if len(raw) < HDR_SIZE:
-        raise DLMError(f"shard '{path}' is truncated: {len(raw)} bytes, shorter than the {HDR_SIZE}-byte LITPKDS "
-                       f"header; delete it and re-run dlm prepare")
+        raise DLMError(
+            f"shard '{path}' is truncated: {len(raw)} bytes, shorter than the {HDR_SIZE}-byte LITPKDS "
+            f"header; delete it and re-run dlm prepare"
+        )
     if raw[:7] != HDR_MAGIC:
         raise DLMError(f"'{path}' is not a LITPKDS shard (magic {raw[:7]!r}, expected {HDR_MAGIC!r})")
     (version,) = struct.unpack("<Q", raw[7:15])
@@ -109,9 +118,11 @@ def read_header(path: str | os.PathLike, check_size: bool = True) -> ShardHeader
         raise DLMError(f"shard '{path}' declares an empty payload (chunk_size 0)")
     if check_size and size != header.nbytes:
         what = "truncated" if size < header.nbytes else "longer than its header says"
-        raise DLMError(f"shard '{path}' is {what}: {size} bytes, expected {header.nbytes} "
-                       f"(24-byte header + {chunk_size} x {header.dtype.itemsize}-byte tokens); delete it and "
-                       f"re-run dlm prepare")
+        raise DLMError(
+            f"shard '{path}' is {what}: {size} bytes, expected {header.nbytes} "
+            f"(24-byte header + {chunk_size} x {header.dtype.itemsize}-byte tokens); delete it and "
+            f"re-run dlm prepare"
+        )
     return header
 
 
@@ -146,14 +157,6 @@ def write_shard(path: str | os.PathLike, tokens: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 class ShardWriter:
     """Pack a token stream into LITPKDS shards ``{prefix}_{counter:010d}.bin`` in ``out_dir``.
 
@@ -163,8 +166,16 @@ class ShardWriter:
     constructor's ``counter``/``pending`` arguments let a caller checkpoint and resume the builder exactly.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, prefix: str, chunk_size: int, sep_token: int, dtype=np.uint16,
-                 counter: int = 0, pending: np.ndarray | None = None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        prefix: str,
+        chunk_size: int,
+        sep_token: int,
+        dtype=np.uint16,
+        counter: int = 0,
+        pending: np.ndarray | None = None,
+    ):
         if chunk_size <= 0:
             raise DLMError(f"--chunk-size must be positive, got {chunk_size}")
         self.out_dir = Path(out_dir)
@@ -194,7 +205,7 @@ class ShardWriter:
         n, pos = arr.shape[0], 0
         while pos < n:
             take = min(self.chunk_size - self._idx, n - pos)
-            self._buf[self._idx: self._idx + take] = arr[pos: pos + take]
+            self._buf[self._idx : self._idx + take] = arr[pos : pos + take]
             self._idx += take
             pos += take
             if self._idx == self.chunk_size:
@@ -221,6 +232,7 @@ class ShardWriter:
 
 
 # ---------------------------------------------------------------------------------------------- manifest
+
 
 @contextlib.contextmanager
 def _locked(path: Path):

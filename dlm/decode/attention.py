@@ -31,32 +31,49 @@ CPU_ENABLE_GQA = True  # False: the packed-query form on CPU too (tests exercise
 _registered = False
 
 
-def gqa_sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     is_causal=None, **kwargs):
+def gqa_sdpa_forward(
+    module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs
+):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if dropout == 0.0 and kwargs.get("position_bias") is None and kwargs.get("softcap") is None \
-            and kwargs.get("s_aux") is None and getattr(module, "sinks", None) is None:
+    if (
+        dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and kwargs.get("s_aux") is None
+        and getattr(module, "sinks", None) is None
+    ):
         out = cpu_kernels.attend(query, key, value, attention_mask, scaling)  # CPU fp32 decode chunks
         if out is not None:
             return out, None
     n_rep = getattr(module, "num_key_value_groups", 1)
     B, H, T, D = query.shape
-    if (n_rep > 1 and T <= MAX_CHUNK and dropout == 0.0 and attention_mask is not None
-            and attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1] == 1
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
-            and key.shape[-1] == value.shape[-1] and not torch.compiler.is_compiling()):
+    if (
+        n_rep > 1
+        and T <= MAX_CHUNK
+        and dropout == 0.0
+        and attention_mask is not None
+        and attention_mask.dtype == torch.bool
+        and attention_mask.dim() == 4
+        and attention_mask.shape[1] == 1
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and key.shape[-1] == value.shape[-1]
+        and not torch.compiler.is_compiling()
+    ):
         if query.device.type == "cpu" and CPU_ENABLE_GQA:
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                                 enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+            )
         else:
             q = query.reshape(B, H // n_rep, n_rep * T, D)
             mask = attention_mask.repeat(1, 1, n_rep, 1) if T > 1 else attention_mask
             out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
             out = out.reshape(B, H, T, value.shape[-1])
         return out.transpose(1, 2).contiguous(), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  is_causal=is_causal, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+    )
 
 
 def register() -> str:

@@ -47,12 +47,10 @@ class BlockDecoder(DiffusionDecoder):
     def __init__(self, steps: int | None = None, threshold: float | None = 0.9, remasking: str | None = None):
         check_steps(steps)
         if remasking is not None and remasking not in REMASKING:
-            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for --decode block, got "
-                           f"'{remasking}'")
+            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for --decode block, got '{remasking}'")
         self.remasking = remasking
         if remasking == "low_confidence_dynamic" and (threshold is None or float(threshold) <= 0.0):
-            raise DLMError("--remasking low_confidence_dynamic commits the masks above --threshold: give one in "
-                           "(0, 1)")
+            raise DLMError("--remasking low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
         if threshold is not None and not float(threshold) < 1.0:
@@ -65,8 +63,10 @@ class BlockDecoder(DiffusionDecoder):
         if spec is None or spec.objective != "block" or not spec.block_size:
             what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
             other = "ar" if spec is None else ("isd" if spec.objective == "idlm" else "mdm")
-            raise DLMError(f"--decode block needs a block-diffusion DLM (objective 'block' with a block_size); "
-                           f"this is {what}: use --decode {other}")
+            raise DLMError(
+                f"--decode block needs a block-diffusion DLM (objective 'block' with a block_size); "
+                f"this is {what}: use --decode {other}"
+            )
         self.block_size, self.shift = spec.block_size, bool(spec.shift)
         if self.remasking is None and getattr(engine.config, "dlm_family", None) == "sdar":
             self.remasking = "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
@@ -90,17 +90,24 @@ class BlockDecoder(DiffusionDecoder):
         lo = max(bs, st["p"])
         n0 = int((st["x"][lo:be] == engine.mask_token_id).sum())
         steps = self.steps or self.block_size
-        st.update(bs=bs, be=be, lo=lo, pass_=0, per_step=math.ceil(n0 / steps), block_steps=steps,
-                  quotas=even_split(n0, steps))
+        st.update(
+            bs=bs,
+            be=be,
+            lo=lo,
+            pass_=0,
+            per_step=math.ceil(n0 / steps),
+            block_steps=steps,
+            quotas=even_split(n0, steps),
+        )
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         x = self._layout(engine, row)
         p = len(row.prompt_ids)
         self._start_block(engine, row, (p // self.block_size) * self.block_size)
-        return x[p: row.state["be"]].tolist()
+        return x[p : row.state["be"]].tolist()
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
-        return row.state["x"][row.pos: row.state["be"]].tolist()
+        return row.state["x"][row.pos : row.state["be"]].tolist()
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st = row.state
@@ -111,8 +118,9 @@ class BlockDecoder(DiffusionDecoder):
         tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
         st["pass_"] += 1
         if self.remasking is not None:
-            commit = self._sdar_commit(conf, st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"])
-                                       else conf.numel())
+            commit = self._sdar_commit(
+                conf, st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"]) else conf.numel()
+            )
         elif st["pass_"] >= st["block_steps"]:
             commit = torch.ones_like(conf, dtype=torch.bool)
         elif self.threshold is not None:

@@ -38,14 +38,14 @@ from __future__ import annotations
 import itertools
 import time
 import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from dlm.decode import cpu as cpu_kernels
-from dlm.decode.threads import ThreadPolicy
 from dlm.decode.sampling import RequestStats, SamplingParams
+from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
 TokenCallback = Callable[[object, list, bool], None]
@@ -109,9 +109,15 @@ def _growing_layer_class():
             b, h, t, d = key_states.shape
             n = k.shape[-2] if k.dim() == 4 else 0
             buf = getattr(self, "_buf", None)
-            fits = (buf is not None and k.dim() == 4 and k.data_ptr() == buf[0].data_ptr()
-                    and v.data_ptr() == buf[1].data_ptr() and k.stride() == buf[0].stride()
-                    and buf[0].shape[:2] == (b, h) and n + t <= buf[0].shape[2])
+            fits = (
+                buf is not None
+                and k.dim() == 4
+                and k.data_ptr() == buf[0].data_ptr()
+                and v.data_ptr() == buf[1].data_ptr()
+                and k.stride() == buf[0].stride()
+                and buf[0].shape[:2] == (b, h)
+                and n + t <= buf[0].shape[2]
+            )
             if not fits:
                 cap = max(2 * (n + t), 64)
                 kb = key_states.new_empty(b, h, cap, d)
@@ -121,8 +127,8 @@ def _growing_layer_class():
                     vb[:, :, :n].copy_(v)
                 self._buf = buf = (kb, vb)
             kb, vb = buf
-            kb[:, :, n: n + t].copy_(key_states)
-            vb[:, :, n: n + t].copy_(value_states)
+            kb[:, :, n : n + t].copy_(key_states)
+            vb[:, :, n : n + t].copy_(value_states)
             self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
             return self.keys, self.values
 
@@ -152,8 +158,13 @@ class KVBatch:
     def _layers(self):
         # initialized layers (a row set that keeps no KV still has [B, H, 0, D] tensors; an unused layer has
         # transformers' 1-D placeholder)
-        return [layer for layer in self.cache.layers if getattr(layer, "is_initialized", True)
-                and getattr(layer, "keys", None) is not None and layer.keys.dim() == 4]
+        return [
+            layer
+            for layer in self.cache.layers
+            if getattr(layer, "is_initialized", True)
+            and getattr(layer, "keys", None) is not None
+            and layer.keys.dim() == 4
+        ]
 
     def _apply(self, fn) -> None:
         for layer in self._layers():
@@ -192,7 +203,7 @@ class KVBatch:
         self._apply(lambda t: t.index_select(0, rows))
         self._trim()
 
-    def merge(self, other: "KVBatch") -> None:
+    def merge(self, other: KVBatch) -> None:
         """Append ``other``'s rows; the shorter side is left-padded with holes so the columns line up."""
         if other.valid is None:
             return
@@ -228,7 +239,7 @@ class KVBatch:
         b, s = self.valid.shape
         n = int(self.valid.sum(1).max())
         # a stable sort puts holes (0) first and live slots (1) after, each in their original order
-        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, s - n:]  # [B, n]
+        order = torch.sort(self.valid.to(torch.int8), dim=1, stable=True).indices[:, s - n :]  # [B, n]
         self.valid = self.valid.gather(1, order)
 
         def gather(t):
@@ -258,8 +269,12 @@ class GenerationResult:
     stats: RequestStats
 
     def to_dict(self) -> dict:
-        d = {"request_id": self.request_id, "text": self.text, "token_ids": self.token_ids,
-             "finish_reason": self.finish_reason}
+        d = {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+        }
         d.update(self.stats.to_dict())
         return d
 
@@ -275,8 +290,8 @@ class Row:
     stop_ids: frozenset
     on_tokens: TokenCallback | None
     stats: RequestStats
-    last: int = -1            # pending token: committed, its KV not in the cache yet
-    pos: int = 0              # position id of the pending token
+    last: int = -1  # pending token: committed, its KV not in the cache yet
+    pos: int = 0  # position id of the pending token
     out: list[int] = field(default_factory=list)
     state: dict = field(default_factory=dict)
     finished: bool = False
@@ -310,43 +325,43 @@ class Decoder:
     name = "base"
     causal = True
 
-    def check_model(self, engine: "Engine") -> None:
+    def check_model(self, engine: Engine) -> None:
         pass
 
-    def check_request(self, engine: "Engine", row: "Row") -> None:
+    def check_request(self, engine: Engine, row: Row) -> None:
         pass
 
-    def chunk_attention(self, engine: "Engine", row: "Row", positions: torch.Tensor) -> torch.Tensor:
+    def chunk_attention(self, engine: Engine, row: Row, positions: torch.Tensor) -> torch.Tensor:
         """[n, n] boolean attention among a chunk's tokens at absolute ``positions`` [n] (True = may attend)."""
         n = positions.numel()
         return torch.ones(n, n, dtype=torch.bool).tril_()
 
-    def chunk_layout(self, engine: "Engine", row: "Row", n: int) -> tuple[list[int], torch.Tensor] | None:
+    def chunk_layout(self, engine: Engine, row: Row, n: int) -> tuple[list[int], torch.Tensor] | None:
         """For causal decoders whose chunk is a small tree rather than a sequence (ISD's fallback drafts): the
         position offsets of its ``n`` tokens from ``row.pos`` and their [n, n] attention among themselves. None
         (the default): offsets 0..n-1, causal. Only the tokens ``consume`` keeps stay in the cache (the first
         ``keep``, or the listed indices)."""
         return None
 
-    def chunk_positions(self, engine: "Engine", row: Row, n: int) -> list[int] | None:
+    def chunk_positions(self, engine: Engine, row: Row, n: int) -> list[int] | None:
         """For non-causal decoders whose chunk holds more than one copy of a sequence (classifier-free guidance:
         the conditional and the unconditional one): the position offset of each of its ``n`` tokens from
         ``row.pos`` (in the prefill: from 0). None (the default): 0..n-1."""
         return None
 
-    def prefill_suffix(self, engine: "Engine", row: Row) -> list[int]:
+    def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         return []
 
-    def plan_step(self, engine: "Engine", rows: list[Row]) -> None:
+    def plan_step(self, engine: Engine, rows: list[Row]) -> None:
         """Called once before each decode step's ``chunk`` calls (e.g. ISD decides whether this step drafts)."""
 
-    def step_done(self, engine: "Engine", rows: list[Row], seconds: float, tokens: int) -> None:
+    def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
         """Called after each decode step with its wall time (chunks, forward, consume) and committed tokens."""
 
-    def chunk(self, engine: "Engine", row: Row) -> list[int]:
+    def chunk(self, engine: Engine, row: Row) -> list[int]:
         raise NotImplementedError
 
-    def consume(self, engine: "Engine", row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         raise NotImplementedError
 
 
@@ -379,15 +394,25 @@ def make_decoder(name: str | Decoder, **kw) -> Decoder:
         return BlockDecoder(**kw)
     from dlm.errors import closest
 
-    raise DLMError(f"unknown decoder '{name}' (--decode): use ar, mdm, block or isd (did you mean "
-                   f"{closest(name, ('ar', 'mdm', 'block', 'isd'))}?)")
+    raise DLMError(
+        f"unknown decoder '{name}' (--decode): use ar, mdm, block or isd (did you mean "
+        f"{closest(name, ('ar', 'mdm', 'block', 'isd'))}?)"
+    )
 
 
 class Engine:
     """Continuous-batching token-id engine. See the module docstring for the design and the API."""
 
-    def __init__(self, model, tokenizer=None, decoder: str | Decoder = "ar", max_batch_size: int = 8,
-                 compact_threshold: float = 0.5, threads=None, **decoder_kw):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        decoder: str | Decoder = "ar",
+        max_batch_size: int = 8,
+        compact_threshold: float = 0.5,
+        threads=None,
+        **decoder_kw,
+    ):
         from dlm.decode.attention import use_for_decoding
         from dlm.model.convert import cache_kw, max_positions
 
@@ -399,9 +424,11 @@ class Engine:
         self.device = next(model.parameters()).device
         self._cache_kw = cache_kw(model)
         if getattr(self.config, "_attn_implementation", None) == "flex_attention":
-            raise DLMError("the decoding engine builds dense attention masks, which transformers' flex_attention "
-                           "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
-                           "dlm.model.convert.dense_mask_attention(model))")
+            raise DLMError(
+                "the decoding engine builds dense attention masks, which transformers' flex_attention "
+                "would not apply; load the model with attn_implementation='sdpa' (or wrap the calls in "
+                "dlm.model.convert.dense_mask_attention(model))"
+            )
         # grouped-query models: masked chunks attend to the cache without copying it (undone by close())
         self._attn = use_for_decoding(model)
         # fp32 on CPU: linear layers, norms, MLPs, attention through the CPU kernels where they are faster here
@@ -452,25 +479,38 @@ class Engine:
         self.close()
 
     # -- requests in --------------------------------------------------------------------------------------
-    def add(self, prompt_ids: Sequence[int], params: SamplingParams | None = None, request_id=None,
-            on_tokens: TokenCallback | None = None):
+    def add(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams | None = None,
+        request_id=None,
+        on_tokens: TokenCallback | None = None,
+    ):
         """Queue a request; it is prefilled and joins the running batch at the next :meth:`step`."""
         params = params or SamplingParams()
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise DLMError("empty prompt: give at least one token (e.g. the BOS token or some text)")
         if len(prompt_ids) >= self.max_positions:
-            raise DLMError(f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
-                           f"{self.max_positions} positions (max_position_embeddings); shorten the prompt to at "
-                           f"most {self.max_positions - 1} tokens")
+            raise DLMError(
+                f"prompt of {len(prompt_ids)} tokens does not fit the model's context of "
+                f"{self.max_positions} positions (max_position_embeddings); shorten the prompt to at "
+                f"most {self.max_positions - 1} tokens"
+            )
         if self.mask_token_id is not None and self.mask_token_id in prompt_ids:
             raise DLMError(f"the prompt contains the mask token (id {self.mask_token_id}); remove it")
         request_id = next(self._ids) if request_id is None else request_id
         stop = params.stop_token_ids
         stop_ids = frozenset(stop) if stop is not None else (frozenset() if params.ignore_eos else self.default_stop)
-        row = Row(request_id=request_id, prompt_ids=prompt_ids, params=params,
-                  generator=params.make_generator(), stop_ids=stop_ids, on_tokens=on_tokens,
-                  stats=RequestStats(prompt_tokens=len(prompt_ids)))
+        row = Row(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            generator=params.make_generator(),
+            stop_ids=stop_ids,
+            on_tokens=on_tokens,
+            stats=RequestStats(prompt_tokens=len(prompt_ids)),
+        )
         self.decoder.check_request(self, row)
         row.stats.start_time = time.perf_counter()
         self.waiting.append(row)
@@ -521,8 +561,14 @@ class Engine:
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
         with cpu_kernels.active(self._cpu_kernel):
-            out = self.model(input_ids=ids, position_ids=pos, attention_mask=mask, use_cache=True,
-                             logits_to_keep=logits_to_keep, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=ids,
+                position_ids=pos,
+                attention_mask=mask,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kw: cache},
+            )
         return out.logits
 
     def _prefill(self, rows: list[Row]) -> list[StepEvent]:
@@ -602,7 +648,7 @@ class Engine:
                     k = self.kv.seq_len
                     for i, (_, attn) in trees.items():
                         n = len(chunks[i])
-                        mask[i, 0, :n, k: k + n] = attn.to(mask.device)
+                        mask[i, 0, :n, k : k + n] = attn.to(mask.device)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)
         logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
@@ -641,9 +687,9 @@ class Engine:
         for i, (row, c) in enumerate(zip(rows, chunks)):
             n = len(c)
             mask[i, 0, :n, :k] = valid[i]
-            mask[i, 0, :n, k: k + n] = self.decoder.chunk_attention(self, row, pos[i, :n])
+            mask[i, 0, :n, k : k + n] = self.decoder.chunk_attention(self, row, pos[i, :n])
             if n < q:
-                mask[i, 0, n:, k + n:] = torch.eye(q - n, dtype=torch.bool)
+                mask[i, 0, n:, k + n :] = torch.eye(q - n, dtype=torch.bool)
         return mask.to(self.device)
 
     # -- bookkeeping --------------------------------------------------------------------------------------
@@ -682,8 +728,9 @@ class Engine:
             text = self.tokenizer.decode(row.out, skip_special_tokens=True)
             if row.text_cut is not None:
                 text = text[: row.text_cut]
-        self.results[row.request_id] = GenerationResult(row.request_id, row.prompt_ids, list(row.out), text,
-                                                        row.finish_reason, row.stats)
+        self.results[row.request_id] = GenerationResult(
+            row.request_id, row.prompt_ids, list(row.out), text, row.finish_reason, row.stats
+        )
 
     def _drop_finished(self) -> None:
         keep = [i for i, r in enumerate(self.rows) if not r.finished]
@@ -693,8 +740,13 @@ class Engine:
         self.rows = [self.rows[i] for i in keep]
 
     # -- convenience --------------------------------------------------------------------------------------
-    def generate(self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, on_tokens: TokenCallback | None = None, progress=None) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int] | str],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        on_tokens: TokenCallback | None = None,
+        progress=None,
+    ) -> list[GenerationResult]:
         """Run prompts (token ids, or strings when the engine has a tokenizer) to completion, ``max_batch_size``
         at a time with continuous batching; results in prompt order. ``progress``: an object with
         ``update(n)`` (a tqdm bar) told of each finished request."""

@@ -77,8 +77,15 @@ def default_stride(block_size: int | None, candidates: int = 1) -> int:
 class ISDDecoder(Decoder):
     name = "isd"
 
-    def __init__(self, stride: int | None = None, draft: str = "sample", token_budget: int | str | None = None,
-                 fallback: str = "predict", candidates: int = 1, candidate_min_prob: float = CANDIDATE_MIN_PROB):
+    def __init__(
+        self,
+        stride: int | None = None,
+        draft: str = "sample",
+        token_budget: int | str | None = None,
+        fallback: str = "predict",
+        candidates: int = 1,
+        candidate_min_prob: float = CANDIDATE_MIN_PROB,
+    ):
         if draft not in DRAFT_MODES:
             raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
         if stride is not None and (not isinstance(stride, int) or stride < 2):
@@ -90,8 +97,11 @@ class ISDDecoder(Decoder):
         self.fallback = fallback
         check_candidates(candidates, stride)
         self.candidates = candidates
-        if isinstance(candidate_min_prob, bool) or not isinstance(candidate_min_prob, (int, float)) \
-                or not 0.0 <= candidate_min_prob <= 1.0:
+        if (
+            isinstance(candidate_min_prob, bool)
+            or not isinstance(candidate_min_prob, (int, float))
+            or not 0.0 <= candidate_min_prob <= 1.0
+        ):
             raise DLMError(f"candidate_min_prob must be a probability in [0, 1], got {candidate_min_prob!r}")
         self.candidate_min_prob = float(candidate_min_prob)
         self._layouts: dict[tuple, tuple[list[int], torch.Tensor]] = {}
@@ -106,23 +116,31 @@ class ISDDecoder(Decoder):
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
         if spec is None or engine.mask_token_id is None:
-            raise DLMError("--decode isd needs an I-DLM (a model with a mask token and dlm_objective 'idlm'); "
-                           "convert it first (dlm convert --objective idlm) or let `dlm generate` convert a plain "
-                           "AR model on the fly")
+            raise DLMError(
+                "--decode isd needs an I-DLM (a model with a mask token and dlm_objective 'idlm'); "
+                "convert it first (dlm convert --objective idlm) or let `dlm generate` convert a plain "
+                "AR model on the fly"
+            )
         if spec.objective != "idlm":
-            raise DLMError(f"--decode isd needs a causal I-DLM (objective 'idlm'), but this is a "
-                           f"'{spec.objective}' model with {'bidirectional' if spec.objective == 'mdm' else 'block'}"
-                           f" attention; use --decode {'mdm' if spec.objective == 'mdm' else 'block'}")
+            raise DLMError(
+                f"--decode isd needs a causal I-DLM (objective 'idlm'), but this is a "
+                f"'{spec.objective}' model with {'bidirectional' if spec.objective == 'mdm' else 'block'}"
+                f" attention; use --decode {'mdm' if spec.objective == 'mdm' else 'block'}"
+            )
         if not spec.shift:
-            raise DLMError("--decode isd needs the I-DLM shift (shift=true in config.json): a mask predicts the "
-                           "token after its position")
+            raise DLMError(
+                "--decode isd needs the I-DLM shift (shift=true in config.json): a mask predicts the "
+                "token after its position"
+            )
         if self.stride is None:
             self.stride = default_stride(spec.block_size, self.candidates)
         ok = supported_strides(spec.block_size)
         if self.stride not in ok:
-            warn(f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
-                 f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
-                 f"the trained block are poor")
+            warn(
+                f"--stride {self.stride}: this model was trained with block_size={spec.block_size}, i.e. for "
+                f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
+                f"the trained block are poor"
+            )
         self.policy = make_policy(self.token_budget, self.stride, self.verify_len)
 
     # -- when to draft (dlm.decode.schedule) -------------------------------------------------------------------
@@ -167,8 +185,9 @@ class ISDDecoder(Decoder):
             return None
         key = (self.stride, branches)
         if key not in self._layouts:
-            self._layouts[key] = candidate_layout(*branches[1:]) if branches[0] == "cands" else \
-                branch_layout(self.stride, branches)
+            self._layouts[key] = (
+                candidate_layout(*branches[1:]) if branches[0] == "cands" else branch_layout(self.stride, branches)
+            )
         return self._layouts[key]
 
     def _room(self, engine: Engine, row: Row) -> bool:
@@ -222,8 +241,11 @@ class ISDDecoder(Decoder):
                 # how many: from q alone, before any draw (a count that depended on the draws would bias them)
                 top = q[0].topk(min(k, q.shape[-1]))
                 k = self._candidate_count(top.values)
-                row.state["cands"] = top.indices[:k].tolist() if self.draft == "argmax" else \
-                    draws_without_replacement(q[0], int(d[0]), k, row.generator)
+                row.state["cands"] = (
+                    top.indices[:k].tolist()
+                    if self.draft == "argmax"
+                    else draws_without_replacement(q[0], int(d[0]), k, row.generator)
+                )
         row.state["drafts"] = d.tolist()
         row.state["q"] = q
         if self.fallback == "predict" and k == 1:  # each draft's probability under its own distribution
@@ -263,7 +285,7 @@ class ISDDecoder(Decoder):
             self.branch_steps["predicted"] += 1
             first = n + branches.index(outcome) * (n - 1)
             first_pos = row.pos + (outcome + 1 if outcome else n + 1)  # where the next d_1 will sit
-            self._draft(engine, row, logits[first: first + n - 1], first_pos)
+            self._draft(engine, row, logits[first : first + n - 1], first_pos)
             row.state["mode"] = "verify"
         else:
             row.state.update(mode="cold", drafts=None, q=None)
@@ -275,8 +297,11 @@ class ISDDecoder(Decoder):
         mode = row.state["mode"]
         if mode == "ar" or row.state.pop("no_room", False) or logits.shape[0] == 1:
             probs_or_logits = logits[0]
-            tok = int(suppress(probs_or_logits, engine.mask_token_id).argmax()) if p.greedy else \
-                int(sample(probs_from_logits(probs_or_logits, p, engine.mask_token_id), row.generator))
+            tok = (
+                int(suppress(probs_or_logits, engine.mask_token_id).argmax())
+                if p.greedy
+                else int(sample(probs_from_logits(probs_or_logits, p, engine.mask_token_id), row.generator))
+            )
             row.last = tok
             row.state.update(mode="cold", drafts=None, q=None)
             return [tok], 1
@@ -284,8 +309,11 @@ class ISDDecoder(Decoder):
         if mode == "cold":
             # logits[0] at t0 -> c; logits[1 .. N-1] at masks p+1..p+N-1 -> drafts for p+2..p+N
             first = logits[0]
-            c = int(suppress(first, engine.mask_token_id).argmax()) if p.greedy else \
-                int(sample(probs_from_logits(first, p, engine.mask_token_id), row.generator))
+            c = (
+                int(suppress(first, engine.mask_token_id).argmax())
+                if p.greedy
+                else int(sample(probs_from_logits(first, p, engine.mask_token_id), row.generator))
+            )
             self._draft(engine, row, logits[1:n], row.pos + 2)
             row.last = c
             row.state["mode"] = "verify"
@@ -346,16 +374,20 @@ class ISDDecoder(Decoder):
             hit = cands.index(target) if target in cands else None
             token = target
         else:
-            hit, token = recursive_rejection(probs_from_logits(logits[0], p, m), row.state["q"][0], cands,
-                                             row.generator)
+            hit, token = recursive_rejection(
+                probs_from_logits(logits[0], p, m), row.state["q"][0], cands, row.generator
+            )
         self.branch_steps["verify"] += 1
         if hit is not None:
             self._verified(row, 1, 1)
             after = logits[1 + hit]
-            free = int(suppress(after, m).argmax()) if p.greedy else \
-                int(sample(probs_from_logits(after, p, m), row.generator))
+            free = (
+                int(suppress(after, m).argmax())
+                if p.greedy
+                else int(sample(probs_from_logits(after, p, m), row.generator))
+            )
             self.branch_steps["predicted"] += 1
-            self._draft(engine, row, logits[1 + k + hit: 2 + k + hit], row.pos + 3)
+            self._draft(engine, row, logits[1 + k + hit : 2 + k + hit], row.pos + 3)
             row.state["mode"] = "verify"
             row.last = free
             return [token, free], [0, 1 + hit]
@@ -363,7 +395,7 @@ class ISDDecoder(Decoder):
         row.last = token
         if logits.shape[0] > 1 + 2 * k:  # F: the masks of the rejection branch
             self.branch_steps["predicted"] += 1
-            self._draft(engine, row, logits[1 + 2 * k: 2 + 2 * k], row.pos + 2)
+            self._draft(engine, row, logits[1 + 2 * k : 2 + 2 * k], row.pos + 2)
             row.state["mode"] = "verify"
         else:
             row.state.update(mode="cold", drafts=None, q=None)
@@ -491,6 +523,6 @@ def branch_layout(n: int, branches: tuple[int, ...]) -> tuple[list[int], torch.T
         lo = n + k * (n - 1)
         start = b if b else n
         offsets += list(range(start, start + n - 1))
-        attn[lo: lo + n - 1, : (b if b else n)] = True  # c, d_1 .. d_{b-1} (all of them for branch 0)
-        attn[lo: lo + n - 1, lo: lo + n - 1] = own
+        attn[lo : lo + n - 1, : (b if b else n)] = True  # c, d_1 .. d_{b-1} (all of them for branch 0)
+        attn[lo : lo + n - 1, lo : lo + n - 1] = own
     return offsets, attn

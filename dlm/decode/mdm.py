@@ -34,14 +34,12 @@ The first pass is the request's prefill forward.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
-from dataclasses import replace
-
-from dlm.decode.sampling import (SamplingParams, check_fits_context, next_token, probs_from_logits, sample,
-                                 suppress)
+from dlm.decode.sampling import SamplingParams, check_fits_context, next_token, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
 
 METHODS = ("confidence", "random", "threshold", "llada", "dream")
@@ -72,8 +70,10 @@ def llada_quotas(gen_length: int, block_length: int, steps: int) -> list[list[in
     evenly over the blocks, each block's masks evenly over its passes; the last block may be shorter)."""
     blocks = math.ceil(gen_length / block_length)
     if steps < blocks:
-        raise DLMError(f"--steps {steps} is fewer than the {blocks} blocks of --block-length {block_length} in "
-                       f"{gen_length} tokens; give at least one pass per block")
+        raise DLMError(
+            f"--steps {steps} is fewer than the {blocks} blocks of --block-length {block_length} in "
+            f"{gen_length} tokens; give at least one pass per block"
+        )
     sizes = [min(block_length, gen_length - b * block_length) for b in range(blocks)]
     return [even_split(size, s) for size, s in zip(sizes, even_split(steps, blocks))]
 
@@ -114,25 +114,39 @@ class DiffusionDecoder(Decoder):
 class MDMDecoder(DiffusionDecoder):
     name = "mdm"
 
-    def __init__(self, method: str | None = None, steps: int | None = None, threshold: float | None = 0.9,
-                 block_length: int = 32, cfg_scale: float = 0.0, remasking: str | None = None,
-                 alg: str | None = None, alg_temp: float | None = None, eps: float = 1e-3):
+    def __init__(
+        self,
+        method: str | None = None,
+        steps: int | None = None,
+        threshold: float | None = 0.9,
+        block_length: int = 32,
+        cfg_scale: float = 0.0,
+        remasking: str | None = None,
+        alg: str | None = None,
+        alg_temp: float | None = None,
+        eps: float = 1e-3,
+    ):
         # method None: the sampler of the model's family (llada / dream), else confidence (chosen in check_model)
         if method is not None and method not in METHODS:
             raise DLMError(f"unknown mdm sampler '{method}' (--sampler): use one of {', '.join(METHODS)}")
         if not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
             raise DLMError(f"--cfg-scale must be >= 0 (0 = no guidance), got {cfg_scale}")
         if remasking is not None and remasking not in REMASKING:
-            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for the llada sampler, got "
-                           f"'{remasking}'")
+            raise DLMError(
+                f"--remasking must be one of {', '.join(REMASKING)} for the llada sampler, got '{remasking}'"
+            )
         if alg is not None and alg not in DREAM_ALGS:
             raise DLMError(f"--alg must be one of {', '.join(DREAM_ALGS)} for the dream sampler, got '{alg}'")
         if alg_temp is not None and alg_temp < 0:
             raise DLMError(f"--alg-temp must be >= 0, got {alg_temp}")
         if not 0.0 <= eps < 1.0:
             raise DLMError(f"the dream sampler's eps must be in [0, 1), got {eps}")
-        for flag, value, owner in (("--cfg-scale", cfg_scale or None, "llada"), ("--remasking", remasking, "llada"),
-                                   ("--alg", alg, "dream"), ("--alg-temp", alg_temp, "dream")):
+        for flag, value, owner in (
+            ("--cfg-scale", cfg_scale or None, "llada"),
+            ("--remasking", remasking, "llada"),
+            ("--alg", alg, "dream"),
+            ("--alg-temp", alg_temp, "dream"),
+        ):
             if value is not None and method is not None and method != owner:
                 raise DLMError(f"{flag} is a setting of --sampler {owner}; drop it or use --sampler {owner}")
         self.cfg_scale, self.remasking = float(cfg_scale), remasking or "low_confidence"
@@ -149,11 +163,14 @@ class MDMDecoder(DiffusionDecoder):
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
         if spec is None or engine.mask_token_id is None:
-            raise DLMError("--decode mdm needs a DLM with a mask token; convert the model first "
-                           "(dlm convert --objective mdm)")
+            raise DLMError(
+                "--decode mdm needs a DLM with a mask token; convert the model first (dlm convert --objective mdm)"
+            )
         if spec.objective != "mdm":
-            raise DLMError(f"--decode mdm needs a bidirectional masked-diffusion model (objective 'mdm'); this is "
-                           f"a '{spec.objective}' model: use --decode {'isd' if spec.objective == 'idlm' else 'block'}")
+            raise DLMError(
+                f"--decode mdm needs a bidirectional masked-diffusion model (objective 'mdm'); this is "
+                f"a '{spec.objective}' model: use --decode {'isd' if spec.objective == 'idlm' else 'block'}"
+            )
         self.shift = bool(spec.shift)
         if self.method is None:
             family = getattr(engine.config, "dlm_family", None)
@@ -249,8 +266,9 @@ class MDMDecoder(DiffusionDecoder):
         if self.method == "threshold":
             row.state.update(start=p, c=p - shift, refresh=False)
         if self.method == "llada":
-            row.state.update(quotas=llada_quotas(row.params.max_new_tokens, self.block_length,
-                                                 row.state["steps"]), block=0, pass_=0)
+            row.state.update(
+                quotas=llada_quotas(row.params.max_new_tokens, self.block_length, row.state["steps"]), block=0, pass_=0
+            )
         if self.method == "dream":
             row.state.update(t=torch.linspace(1, self.eps, row.state["steps"] + 1), i=0)
         self._plan(engine, row)
@@ -275,7 +293,7 @@ class MDMDecoder(DiffusionDecoder):
             row.state["fresh"] = True  # a full forward at the start of a block: recompute the prefix KV
             row.pos = 0
             return x.tolist()
-        return x[row.pos:].tolist()
+        return x[row.pos :].tolist()
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st, p = row.state, row.params
@@ -307,7 +325,7 @@ class MDMDecoder(DiffusionDecoder):
         x, masked = st["x"], st["masked"]
         if self._cfg(row):
             n = x.numel() - row.pos
-            cond, uncond = logits[:n], logits[n: 2 * n]
+            cond, uncond = logits[:n], logits[n : 2 * n]
             logits = uncond + (self.cfg_scale + 1.0) * (cond - uncond)
         scores = self._scores(row, logits, masked)
         if self.method == "llada":

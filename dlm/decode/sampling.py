@@ -106,8 +106,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return ids.reshape(probs.shape[:-1])
 
 
-def next_token(logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None,
-               generator: torch.Generator) -> torch.Tensor:
+def next_token(
+    logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None, generator: torch.Generator
+) -> torch.Tensor:
     """[..., V] logits -> [...] tokens: argmax when greedy, else a draw from :func:`probs_from_logits`."""
     if params.greedy:
         return suppress(logits, mask_token_id).argmax(-1)
@@ -147,9 +148,15 @@ class RequestStats:
         return self.new_tokens / self.elapsed if self.elapsed > 0 else 0.0
 
     def to_dict(self) -> dict:
-        return {"forwards": self.forwards, "new_tokens": self.new_tokens, "tpf": round(self.tpf, 4),
-                "acceptance": [round(a, 4) for a in self.acceptance], "tokens_per_s": round(self.tokens_per_s, 2),
-                "elapsed_s": round(self.elapsed, 4), "prompt_tokens": self.prompt_tokens}
+        return {
+            "forwards": self.forwards,
+            "new_tokens": self.new_tokens,
+            "tpf": round(self.tpf, 4),
+            "acceptance": [round(a, 4) for a in self.acceptance],
+            "tokens_per_s": round(self.tokens_per_s, 2),
+            "elapsed_s": round(self.elapsed, 4),
+            "prompt_tokens": self.prompt_tokens,
+        }
 
 
 def draft_totals(stats) -> tuple[list[int], list[int]]:
@@ -172,5 +179,7 @@ def draft_totals(stats) -> tuple[list[int], list[int]]:
 def check_fits_context(prompt_len: int, max_new: int, limit: int) -> None:
     """The whole-sequence samplers (mdm, block) lay out prompt + max_new positions at once: refuse what cannot fit."""
     if prompt_len + max_new > limit:
-        raise DLMError(f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new} exceed the model's context "
-                       f"of {limit} positions; shorten the prompt or generate fewer tokens")
+        raise DLMError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new} exceed the model's context "
+            f"of {limit} positions; shorten the prompt or generate fewer tokens"
+        )

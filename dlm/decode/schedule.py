@@ -107,8 +107,15 @@ class MeasuredDraft(AlwaysDraft):
 
     name = "auto"
 
-    def __init__(self, window: int = 96, draft_burst: int = 16, ar_burst: int = 4, period: int = 24,
-                 max_period: int = 96, margin: float = 0.02):
+    def __init__(
+        self,
+        window: int = 96,
+        draft_burst: int = 16,
+        ar_burst: int = 4,
+        period: int = 24,
+        max_period: int = 96,
+        margin: float = 0.02,
+    ):
         if draft_burst < 1 or ar_burst < 1 or window < 1:
             raise DLMError("MeasuredDraft: need draft_burst, ar_burst and window >= 1")
         self.window, self.draft_burst, self.ar_burst = window, draft_burst, ar_burst
@@ -215,7 +222,7 @@ def make_policy(token_budget, stride: int, per_row: int | None = None):
         try:
             token_budget = int(token_budget)
         except ValueError:
-            raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got "
-                           f"{token_budget!r}") \
-                from None
+            raise DLMError(
+                f"--isd-token-budget must be a positive integer, 'auto' or 'always', got {token_budget!r}"
+            ) from None
     return TokenBudget(token_budget, stride, per_row)

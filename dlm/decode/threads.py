@@ -89,9 +89,11 @@ def parse(value) -> int | str | None:
     return n
 
 
-THREADS_HELP = ("CPU threads while decoding: auto (default: the cores other processes leave idle, looked at again "
-                "every few seconds; on a busy 2-core machine 1 thread is ~3x faster than 2), a number, or torch "
-                "(torch's own setting)")
+THREADS_HELP = (
+    "CPU threads while decoding: auto (default: the cores other processes leave idle, looked at again "
+    "every few seconds; on a busy 2-core machine 1 thread is ~3x faster than 2), a number, or torch "
+    "(torch's own setting)"
+)
 
 
 class ThreadPolicy:

@@ -20,8 +20,13 @@ class TaskEvaluation:
         dlm.eval()
         try:
             with torch.no_grad():
-                result = run_eval(dlm, tasks=list(cfg.eval.eval_tasks), data_dir=cfg.eval.eval_data_dir,
-                                  limit=cfg.eval.eval_limit, batch_size=cfg.eval.eval_batch_size)
+                result = run_eval(
+                    dlm,
+                    tasks=list(cfg.eval.eval_tasks),
+                    data_dir=cfg.eval.eval_data_dir,
+                    limit=cfg.eval.eval_limit,
+                    batch_size=cfg.eval.eval_batch_size,
+                )
         finally:
             dlm.train(was)
         return dict(result) if isinstance(result, dict) else {"tasks": result}

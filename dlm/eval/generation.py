@@ -12,7 +12,7 @@ those objectives. Any function with the same signature can be passed as ``genera
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
@@ -28,12 +28,22 @@ def resolve_decoder(em: EvalModel, decode: str = "auto") -> str:
     if decode == "auto":
         return {None: "ar", "idlm": "isd", "mdm": "mdm", "block": "block"}.get(em.objective, "ar")
     if decode in ("mdm", "block", "isd") and em.mask_token_id is None:
-        raise DLMError(f"--decode {decode} needs a diffusion LM (mask token); this is a plain AR model: use --decode ar")
+        raise DLMError(
+            f"--decode {decode} needs a diffusion LM (mask token); this is a plain AR model: use --decode ar"
+        )
     return decode
 
 
-def generate_tokens(em: EvalModel, prompts: Sequence[list[int]], max_new_tokens: Sequence[int], decode: str = "auto",
-                    steps: int | None = None, seed: int = 0, batch_size: int = 8, progress=None) -> list[list[int]]:
+def generate_tokens(
+    em: EvalModel,
+    prompts: Sequence[list[int]],
+    max_new_tokens: Sequence[int],
+    decode: str = "auto",
+    steps: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    progress=None,
+) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids) through :func:`dlm.decode.generate`; ``max_new_tokens[i]``
     tokens for prompt i (fewer if the model stops at EOS). ``steps``: denoising steps of the diffusion decoders
     (the engine's default when None). One engine run: requests of different lengths share the batch.
@@ -44,24 +54,41 @@ def generate_tokens(em: EvalModel, prompts: Sequence[list[int]], max_new_tokens:
     decoder = resolve_decoder(em, decode)
     model = em.dlm if em.dlm is not None else em.model
     params = [SamplingParams(max_new_tokens=int(n), temperature=0.0, seed=seed) for n in max_new_tokens]
-    results = generate(model, [list(p) for p in prompts], decoder, params, tokenizer=em.tokenizer,
-                       batch_size=batch_size, steps=steps, progress=progress)
+    results = generate(
+        model,
+        [list(p) for p in prompts],
+        decoder,
+        params,
+        tokenizer=em.tokenizer,
+        batch_size=batch_size,
+        steps=steps,
+        progress=progress,
+    )
     return [list(r.token_ids) for r in results]
 
 
 def _prompt_ids(em: EvalModel, ex: GenExample) -> list[int]:
     if ex.chat and getattr(em.tokenizer, "chat_template", None):
-        text = em.tokenizer.apply_chat_template([{"role": "user", "content": ex.prompt}], tokenize=False,
-                                                add_generation_prompt=True)
+        text = em.tokenizer.apply_chat_template(
+            [{"role": "user", "content": ex.prompt}], tokenize=False, add_generation_prompt=True
+        )
         return encode(em.tokenizer, text)
     ids = encode(em.tokenizer, ex.prompt)
     return ids or [em.prefix_token_id]
 
 
-def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str, decode: str = "auto",
-                        steps: int | None = None, seed: int = 0, batch_size: int = 8,
-                        generate_fn: GenerateFn | None = None, keep_predictions: bool = False,
-                        progress: bool = False) -> dict:
+def evaluate_generation(
+    em: EvalModel,
+    examples: Sequence[GenExample],
+    task: str,
+    decode: str = "auto",
+    steps: int | None = None,
+    seed: int = 0,
+    batch_size: int = 8,
+    generate_fn: GenerateFn | None = None,
+    keep_predictions: bool = False,
+    progress: bool = False,
+) -> dict:
     """Accuracy of a generation task. ``progress``: a bar on stderr over the prompts (default ``generate_fn``).
 
     ``max_new_tokens is None`` (LAMBADA): generate exactly as many tokens as the target has (the target encoded
@@ -97,16 +124,28 @@ def evaluate_generation(em: EvalModel, examples: Sequence[GenExample], task: str
         hit = text.strip() == ex.target.strip() if is_exact else ex.target in text
         hits.append(float(hit))
         preds.append({"id": ex.id, "target": ex.target, "output": text, "hit": bool(hit)})
-    result = {"acc": sum(hits) / len(hits), "acc_stderr": stderr_of_mean(hits), "n": len(hits),
-              "decode": resolve_decoder(em, decode), "seconds": time.perf_counter() - t0}
+    result = {
+        "acc": sum(hits) / len(hits),
+        "acc_stderr": stderr_of_mean(hits),
+        "n": len(hits),
+        "decode": resolve_decoder(em, decode),
+        "seconds": time.perf_counter() - t0,
+    }
     if keep_predictions:
         result["predictions"] = preds
     return result
 
 
-def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, stride: int | None = None,
-                      batch_size: int = 8, keep_predictions: bool = False, candidates: int | None = None,
-                      progress: bool = False) -> dict:
+def evaluate_drafting(
+    em: EvalModel,
+    examples: Sequence[GenExample],
+    task: str,
+    stride: int | None = None,
+    batch_size: int = 8,
+    keep_predictions: bool = False,
+    candidates: int | None = None,
+    progress: bool = False,
+) -> dict:
     """Greedy ISD on the examples' prompts: acceptance per draft position, TPF, and the share of prompts whose ISD
     output equals the model's own greedy ``ar`` output (1.0 for a correct decoder; with gated LoRA that output is
     the base model's). ``acc`` = first-position acceptance; ``acc_stderr`` its binomial standard error over the
@@ -119,8 +158,10 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
 
     if em.dlm is None or em.objective != "idlm":
         what = "a plain AR model" if em.dlm is None else f"a '{em.objective}' model"
-        raise DLMError(f"{task} measures the drafts of an I-DLM (objective 'idlm'); this is {what}. Convert it "
-                       f"with dlm convert --objective idlm, or drop {task} from --eval-tasks")
+        raise DLMError(
+            f"{task} measures the drafts of an I-DLM (objective 'idlm'); this is {what}. Convert it "
+            f"with dlm convert --objective idlm, or drop {task} from --eval-tasks"
+        )
     t0 = time.perf_counter()
     prompts = [_prompt_ids(em, ex) for ex in examples]
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
@@ -130,8 +171,17 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
 
         bar = progress_bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
     try:
-        isd = generate(em.dlm, prompts, "isd", params, tokenizer=em.tokenizer, batch_size=batch_size,
-                       stride=stride, candidates=candidates, progress=bar)
+        isd = generate(
+            em.dlm,
+            prompts,
+            "isd",
+            params,
+            tokenizer=em.tokenizer,
+            batch_size=batch_size,
+            stride=stride,
+            candidates=candidates,
+            progress=bar,
+        )
         ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size, progress=bar)
     finally:
         if bar is not None:
@@ -144,17 +194,31 @@ def evaluate_drafting(em: EvalModel, examples: Sequence[GenExample], task: str, 
         forwards += r.stats.forwards
         equal = list(r.token_ids) == list(a.token_ids)
         same += equal
-        preds.append({"id": ex.id, "output": em.tokenizer.decode(r.token_ids, skip_special_tokens=True),
-                      "identical_to_ar": equal, "forwards": r.stats.forwards, "tokens": len(r.token_ids)})
+        preds.append(
+            {
+                "id": ex.id,
+                "output": em.tokenizer.decode(r.token_ids, skip_special_tokens=True),
+                "identical_to_ar": equal,
+                "forwards": r.stats.forwards,
+                "tokens": len(r.token_ids),
+            }
+        )
     rates = [a / p if p else 0.0 for a, p in zip(accepted, proposed)]
     first = rates[0] if rates else 0.0
     n0 = proposed[0] if proposed else 0
-    result = {"acc": first, "acc_stderr": (first * (1 - first) / n0) ** 0.5 if n0 else 0.0,
-              "acceptance": rates, "drafts": proposed, "tpf": tokens / max(forwards, 1),
-              "identical": same / len(examples), "n": len(examples), "decode": "isd",
-              "stride": stride if stride is not None else default_stride(em.dlm.block_size, candidates or 1),
-              "candidates": candidates or 1,
-              "seconds": time.perf_counter() - t0}
+    result = {
+        "acc": first,
+        "acc_stderr": (first * (1 - first) / n0) ** 0.5 if n0 else 0.0,
+        "acceptance": rates,
+        "drafts": proposed,
+        "tpf": tokens / max(forwards, 1),
+        "identical": same / len(examples),
+        "n": len(examples),
+        "decode": "isd",
+        "stride": stride if stride is not None else default_stride(em.dlm.block_size, candidates or 1),
+        "candidates": candidates or 1,
+        "seconds": time.perf_counter() - t0,
+    }
     for i, rate in enumerate(rates[1:], 2):  # flat numbers, so eval histories keep every position
         result[f"acc_pos{i}"] = rate
     if keep_predictions:

@@ -15,8 +15,8 @@ import datetime as _dt
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dlm.errors import DLMError
 
@@ -45,9 +45,12 @@ def append_history(path: str | os.PathLike, step: int, checkpoint: str, metrics:
     written with one ``write`` call on a file opened for appending, so a crash never leaves half a line before
     the next record.
     """
-    record = {"step": int(step), "checkpoint": str(checkpoint),
-              "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-              "metrics": flatten_metrics(metrics)}
+    record = {
+        "step": int(step),
+        "checkpoint": str(checkpoint),
+        "time": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "metrics": flatten_metrics(metrics),
+    }
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as fh:
@@ -70,11 +73,15 @@ def read_history(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> list
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
-                raise DLMError(f"'{p}' line {n} is not JSON; each line must be one record "
-                               f'{{"step", "checkpoint", "time", "metrics"}}') from None
+                raise DLMError(
+                    f"'{p}' line {n} is not JSON; each line must be one record "
+                    f'{{"step", "checkpoint", "time", "metrics"}}'
+                ) from None
             if not isinstance(rec, dict) or not isinstance(rec.get("metrics"), dict):
-                raise DLMError(f"'{p}' line {n} has no 'metrics' object; expected "
-                               f'{{"step": int, "checkpoint": str, "time": iso, "metrics": {{...}}}}')
+                raise DLMError(
+                    f"'{p}' line {n} has no 'metrics' object; expected "
+                    f'{{"step": int, "checkpoint": str, "time": iso, "metrics": {{...}}}}'
+                )
             rec.setdefault("checkpoint", f"step_{rec.get('step', n)}")
             rec["_source"] = str(p)
             records.append(rec)
@@ -138,8 +145,11 @@ def plot_history(records: list[dict], path: str | os.PathLike, metrics: Sequence
     sources = list(dict.fromkeys(r["_source"] for r in records))
     for ax, name in zip(axes.flat, names):
         for src in sources:
-            pts = [(r.get("step", i), r["metrics"][name]) for i, r in enumerate(records)
-                   if r["_source"] == src and name in r["metrics"]]
+            pts = [
+                (r.get("step", i), r["metrics"][name])
+                for i, r in enumerate(records)
+                if r["_source"] == src and name in r["metrics"]
+            ]
             if pts:
                 xs, ys = zip(*pts)
                 label = Path(src).parent.name or Path(src).name

@@ -35,7 +35,12 @@ from lm_eval.api.registry import register_model  # noqa: E402
 
 from dlm.eval.generation import generate_tokens  # noqa: E402
 from dlm.eval.scoring import (  # noqa: E402
-    DEFAULT_TOKEN_BUDGET, as_eval_model, denoising_scores, encode, encode_pair, loglikelihoods,
+    DEFAULT_TOKEN_BUDGET,
+    as_eval_model,
+    denoising_scores,
+    encode,
+    encode_pair,
+    loglikelihoods,
 )
 
 
@@ -49,10 +54,24 @@ def _bool_or_int(value, default):
 class DLMHarnessModel(LM):
     """lm-evaluation-harness model over a :class:`~dlm.model.convert.DiffusionLM` or a plain HF causal LM."""
 
-    def __init__(self, pretrained=None, objective: str | None = None, scoring: str = "auto",
-                 diffusion_steps: int = 32, seed: int = 0, decode: str = "auto", gen_steps: int | None = None,
-                 token_budget: int = DEFAULT_TOKEN_BUDGET, batch_size=8, device: str | None = None,
-                 dtype: str = "auto", diffusion_ll: str = "mean", tokenizer=None, max_batch_size=None, **unused):
+    def __init__(
+        self,
+        pretrained=None,
+        objective: str | None = None,
+        scoring: str = "auto",
+        diffusion_steps: int = 32,
+        seed: int = 0,
+        decode: str = "auto",
+        gen_steps: int | None = None,
+        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        batch_size=8,
+        device: str | None = None,
+        dtype: str = "auto",
+        diffusion_ll: str = "mean",
+        tokenizer=None,
+        max_batch_size=None,
+        **unused,
+    ):
         super().__init__()
         if pretrained is None:
             raise DLMError("lm_eval --model dlm needs --model_args pretrained=PATH_OR_ALIAS")
@@ -61,17 +80,19 @@ class DLMHarnessModel(LM):
         if isinstance(pretrained, str):
             import json
 
+            import torch
+
             from dlm.device import get_device, get_dtype
             from dlm.model.convert import load_any
             from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
-
-            import torch
 
             if device and str(device).startswith("cuda") and not torch.cuda.is_available():
                 # lm_eval's command line defaults to --device cuda; on a machine without CUDA run where we can.
                 import warnings
 
-                warnings.warn(f"--device {device} requested but CUDA is not available; using {get_device()}")
+                warnings.warn(
+                    f"--device {device} requested but CUDA is not available; using {get_device()}", stacklevel=2
+                )
                 device = None
             dev = get_device(device)
             dt = get_dtype(dtype, dev)
@@ -98,8 +119,9 @@ class DLMHarnessModel(LM):
         return str(getattr(self.em.tokenizer, "name_or_path", "dlm")).replace("/", "__")
 
     def apply_chat_template(self, chat_history, add_generation_prompt=True) -> str:
-        return self.em.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                     add_generation_prompt=add_generation_prompt)
+        return self.em.tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
     def chat_template(self, chat_template=False):
         return getattr(self.em.tokenizer, "chat_template", None)
@@ -107,8 +129,9 @@ class DLMHarnessModel(LM):
     def _score(self, pairs, keys) -> list[tuple[float, bool]]:
         if self.em.kind == "causal":
             return loglikelihoods(self.em, pairs, self.token_budget)
-        scores = denoising_scores(self.em, pairs, keys, steps=self.steps, seed=self.seed,
-                                  token_budget=self.token_budget)
+        scores = denoising_scores(
+            self.em, pairs, keys, steps=self.steps, seed=self.seed, token_budget=self.token_budget
+        )
         if self.diffusion_ll == "sum":
             return [(-s * len(cont), False) for s, (_, cont) in zip(scores, pairs)]
         return [(-s, False) for s in scores]
@@ -128,15 +151,22 @@ class DLMHarnessModel(LM):
         for req in requests:
             text = req.args[0]
             tokens = encode(self.em.tokenizer, text)
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=tokens, prefix_token=self.em.prefix_token_id, max_seq_len=self.em.max_length,
-                context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=tokens,
+                    prefix_token=self.em.prefix_token_id,
+                    max_seq_len=self.em.max_length,
+                    context_len=1,
+                )
+            ]
             keys = [zlib.crc32(f"{text}:{i}".encode()) for i in range(len(windows))]
             if self.em.kind == "causal":
                 out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.token_budget)))
             else:  # an estimate of the total log-likelihood: minus (mean denoising CE x tokens)
-                scores = denoising_scores(self.em, windows, keys, steps=self.steps, seed=self.seed,
-                                          token_budget=self.token_budget)
+                scores = denoising_scores(
+                    self.em, windows, keys, steps=self.steps, seed=self.seed, token_budget=self.token_budget
+                )
                 out.append(-sum(s * len(c) for s, (_, c) in zip(scores, windows)))
         return out
 
@@ -153,8 +183,15 @@ class DLMHarnessModel(LM):
             prompts.append(ids[-room:] if room > 0 else ids[-1:])
             lengths.append(max_new)
             stops.append(until)
-        outs = generate_tokens(self.em, prompts, lengths, decode=self.decode, steps=self.gen_steps, seed=self.seed,
-                               batch_size=self.batch_size)
+        outs = generate_tokens(
+            self.em,
+            prompts,
+            lengths,
+            decode=self.decode,
+            steps=self.gen_steps,
+            seed=self.seed,
+            batch_size=self.batch_size,
+        )
         texts = []
         for out, until in zip(outs, stops):
             text = self.em.tokenizer.decode(out, skip_special_tokens=True)

@@ -8,10 +8,16 @@ choice with the lowest denoising score (``acc``); see :mod:`dlm.eval.scoring`.
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
-from dlm.eval.scoring import DEFAULT_TOKEN_BUDGET, EvalModel, denoising_scores, encode_pair, loglikelihoods, \
-    stderr_of_mean
+from dlm.eval.scoring import (
+    DEFAULT_TOKEN_BUDGET,
+    EvalModel,
+    denoising_scores,
+    encode_pair,
+    loglikelihoods,
+    stderr_of_mean,
+)
 from dlm.eval.tasks.base import MCExample
 
 
@@ -19,8 +25,15 @@ def _argmax(values: Sequence[float]) -> int:
     return max(range(len(values)), key=lambda i: values[i])
 
 
-def score_examples(em: EvalModel, examples: Sequence[MCExample], task: str = "task", steps: int = 32,
-                   seed: int = 0, token_budget: int = DEFAULT_TOKEN_BUDGET, progress=None) -> list[list[float]]:
+def score_examples(
+    em: EvalModel,
+    examples: Sequence[MCExample],
+    task: str = "task",
+    steps: int = 32,
+    seed: int = 0,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    progress=None,
+) -> list[list[float]]:
     """Per example, one score per choice, oriented so that higher = preferred.
 
     Causal: the log-likelihood. Diffusion: minus the denoising score (seeded by (seed, task, example index)).
@@ -34,27 +47,39 @@ def score_examples(em: EvalModel, examples: Sequence[MCExample], task: str = "ta
     if em.kind == "causal":
         flat = [ll for ll, _ in loglikelihoods(em, pairs, token_budget, progress=progress)]
     else:
-        flat = [-s for s in denoising_scores(em, pairs, keys, steps=steps, seed=seed, token_budget=token_budget,
-                                             progress=progress)]
+        flat = [
+            -s
+            for s in denoising_scores(
+                em, pairs, keys, steps=steps, seed=seed, token_budget=token_budget, progress=progress
+            )
+        ]
     out: list[list[float]] = [[] for _ in examples]
     for i, v in zip(owner, flat):
         out[i].append(v)
     return out
 
 
-def evaluate_multiple_choice(em: EvalModel, examples: Sequence[MCExample], task: str = "task", steps: int = 32,
-                             seed: int = 0, token_budget: int = DEFAULT_TOKEN_BUDGET, progress=None,
-                             keep_predictions: bool = False) -> dict:
+def evaluate_multiple_choice(
+    em: EvalModel,
+    examples: Sequence[MCExample],
+    task: str = "task",
+    steps: int = 32,
+    seed: int = 0,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    progress=None,
+    keep_predictions: bool = False,
+) -> dict:
     """Accuracy of ``em`` on ``examples``: ``{"acc", "acc_stderr", ["acc_norm", "acc_norm_stderr"], "n",
     "seconds", "scoring", ["predictions"]}``."""
     t0 = time.perf_counter()
     scores = score_examples(em, examples, task, steps, seed, token_budget, progress)
     hits = [float(_argmax(s) == ex.label) for s, ex in zip(scores, examples)]
-    result = {"acc": sum(hits) / len(hits), "acc_stderr": stderr_of_mean(hits), "n": len(hits),
-              "scoring": em.kind}
+    result = {"acc": sum(hits) / len(hits), "acc_stderr": stderr_of_mean(hits), "n": len(hits), "scoring": em.kind}
     if em.kind == "causal":
-        norm = [float(_argmax([v / max(1, len(c)) for v, c in zip(s, ex.choices)]) == ex.label)
-                for s, ex in zip(scores, examples)]
+        norm = [
+            float(_argmax([v / max(1, len(c)) for v, c in zip(s, ex.choices)]) == ex.label)
+            for s, ex in zip(scores, examples)
+        ]
         result["acc_norm"] = sum(norm) / len(norm)
         result["acc_norm_stderr"] = stderr_of_mean(norm)
     else:
@@ -62,6 +87,7 @@ def evaluate_multiple_choice(em: EvalModel, examples: Sequence[MCExample], task:
         result["seed"] = seed
     result["seconds"] = time.perf_counter() - t0
     if keep_predictions:
-        result["predictions"] = [{"id": ex.id, "label": ex.label, "scores": s, "pred": _argmax(s)}
-                                 for s, ex in zip(scores, examples)]
+        result["predictions"] = [
+            {"id": ex.id, "label": ex.label, "scores": s, "pred": _argmax(s)} for s, ex in zip(scores, examples)
+        ]
     return result

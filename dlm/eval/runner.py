@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from dlm.errors import DLMError
 from dlm.eval.generation import GenerateFn, evaluate_drafting, evaluate_generation
@@ -24,12 +24,30 @@ def _bar(name: str, examples, em, steps: int):
     return bar(total, f"dlm eval {name}", "row")
 
 
-def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=None, data_dir=None,
-             paths: dict | None = None, limit: int | None = None, scoring: str = "auto", diffusion_steps: int = 32,
-             seed: int = 0, decode: str = "auto", gen_steps: int | None = None, poem_direction: str = "ftb",
-             poem_gen_length: int = 28, batch_size: int = 8, token_budget: int = DEFAULT_TOKEN_BUDGET,
-             keep_predictions: bool = False, generate_fn: GenerateFn | None = None, stride: int | None = None,
-             candidates: int | None = None, log=None, progress: bool = False) -> dict:
+def run_eval(
+    model,
+    tasks: str | Sequence[str] = DEFAULT_TASKS,
+    *,
+    tokenizer=None,
+    data_dir=None,
+    paths: dict | None = None,
+    limit: int | None = None,
+    scoring: str = "auto",
+    diffusion_steps: int = 32,
+    seed: int = 0,
+    decode: str = "auto",
+    gen_steps: int | None = None,
+    poem_direction: str = "ftb",
+    poem_gen_length: int = 28,
+    batch_size: int = 8,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    keep_predictions: bool = False,
+    generate_fn: GenerateFn | None = None,
+    stride: int | None = None,
+    candidates: int | None = None,
+    log=None,
+    progress: bool = False,
+) -> dict:
     """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
     "seconds", ...}}``.
 
@@ -68,32 +86,59 @@ def run_eval(model, tasks: str | Sequence[str] = DEFAULT_TASKS, *, tokenizer=Non
                 if not examples:
                     raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
                 if module.KIND == "isd":
-                    res = evaluate_drafting(em, examples, name, stride=stride, batch_size=batch_size,
-                                            keep_predictions=keep_predictions, candidates=candidates,
-                                            progress=progress)
+                    res = evaluate_drafting(
+                        em,
+                        examples,
+                        name,
+                        stride=stride,
+                        batch_size=batch_size,
+                        keep_predictions=keep_predictions,
+                        candidates=candidates,
+                        progress=progress,
+                    )
                 elif module.KIND == "mc":
                     bar = _bar(name, examples, em, diffusion_steps) if progress else None
                     try:
-                        res = evaluate_multiple_choice(em, examples, name, steps=diffusion_steps, seed=seed,
-                                                       token_budget=token_budget, keep_predictions=keep_predictions,
-                                                       progress=bar)
+                        res = evaluate_multiple_choice(
+                            em,
+                            examples,
+                            name,
+                            steps=diffusion_steps,
+                            seed=seed,
+                            token_budget=token_budget,
+                            keep_predictions=keep_predictions,
+                            progress=bar,
+                        )
                     finally:
                         if bar is not None:
                             bar.close()
                 else:
-                    res = evaluate_generation(em, examples, name, decode=decode, steps=gen_steps, seed=seed,
-                                              batch_size=batch_size, generate_fn=generate_fn,
-                                              keep_predictions=keep_predictions, progress=progress)
+                    res = evaluate_generation(
+                        em,
+                        examples,
+                        name,
+                        decode=decode,
+                        steps=gen_steps,
+                        seed=seed,
+                        batch_size=batch_size,
+                        generate_fn=generate_fn,
+                        keep_predictions=keep_predictions,
+                        progress=progress,
+                    )
                 res["seconds"] = time.perf_counter() - t0
                 results[name] = res
                 if log is not None and module.KIND == "isd":
                     k = f" K={res['candidates']}" if res["candidates"] > 1 else ""
-                    log(f"{name}: N={res['stride']}{k} acceptance {', '.join(f'{a:.3f}' for a in res['acceptance'])}, "
+                    log(
+                        f"{name}: N={res['stride']}{k} acceptance {', '.join(f'{a:.3f}' for a in res['acceptance'])}, "
                         f"TPF {res['tpf']:.3f}, identical to AR {res['identical']:.0%} on {res['n']} prompts "
-                        f"({res['seconds']:.1f} s)")
+                        f"({res['seconds']:.1f} s)"
+                    )
                 elif log is not None:
-                    log(f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
-                        f"({res['seconds']:.1f} s)")
+                    log(
+                        f"{name}: acc {res['acc']:.4f} +- {res['acc_stderr']:.4f} on {res['n']} examples "
+                        f"({res['seconds']:.1f} s)"
+                    )
         finally:
             if was_training:
                 model.train()

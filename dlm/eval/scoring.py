@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -90,13 +90,22 @@ def as_eval_model(model, tokenizer=None, scoring: str = "auto") -> EvalModel:
         if scoring != "auto":
             kind = scoring
         hf = model.base_model_hf
-        em = EvalModel(model=hf, tokenizer=tok, kind=kind, mask_token_id=model.mask_token_id,
-                       shift=True if kind == "causal" else model.shift, objective=model.objective, dlm=model)
+        em = EvalModel(
+            model=hf,
+            tokenizer=tok,
+            kind=kind,
+            mask_token_id=model.mask_token_id,
+            shift=True if kind == "causal" else model.shift,
+            objective=model.objective,
+            dlm=model,
+        )
     else:
         tok = tokenizer
         if scoring == "diffusion":
-            raise DLMError("--scoring diffusion needs a diffusion LM (with a mask token); this is a plain AR "
-                           "model: convert it (dlm convert --objective mdm) or use --scoring causal")
+            raise DLMError(
+                "--scoring diffusion needs a diffusion LM (with a mask token); this is a plain AR "
+                "model: convert it (dlm convert --objective mdm) or use --scoring causal"
+            )
         em = EvalModel(model=model, tokenizer=tok, kind="causal", shift=True)
     if em.tokenizer is None:
         raise DLMError("scoring needs the model's tokenizer: pass tokenizer=... (a DiffusionLM carries its own)")
@@ -123,7 +132,7 @@ def encode_pair(em: EvalModel, context: str, continuation: str) -> tuple[list[in
         return [em.prefix_token_id], encode(em.tokenizer, continuation)
     whole = encode(em.tokenizer, context + continuation)
     ctx = encode(em.tokenizer, context)
-    cont = whole[len(ctx):]
+    cont = whole[len(ctx) :]
     if not cont:  # the continuation merged into the context's last token: score it on its own
         cont = encode(em.tokenizer, continuation)
     return ctx, cont
@@ -235,8 +244,9 @@ def _pad_id(em: EvalModel) -> int:
 
 
 # -- causal log-likelihood --------------------------------------------------------------------------------------
-def loglikelihoods(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]],
-                   token_budget: int = DEFAULT_TOKEN_BUDGET, progress=None) -> list[tuple[float, bool]]:
+def loglikelihoods(
+    em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]], token_budget: int = DEFAULT_TOKEN_BUDGET, progress=None
+) -> list[tuple[float, bool]]:
     """Exact ``(sum log p(continuation | context), is_greedy)`` for each (context ids, continuation ids)."""
     max_len = em.max_length
     items = []
@@ -258,8 +268,9 @@ def loglikelihoods(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]],
                 cols += list(range(start, len(inp)))
                 targets += tgt
             rows_t = torch.tensor(rows, device=em.device)
-            logits = _suppress_mask(em, proj(ids, attention_mask(valid, causal=True), rows_t,
-                                             torch.tensor(cols, device=em.device)))
+            logits = _suppress_mask(
+                em, proj(ids, attention_mask(valid, causal=True), rows_t, torch.tensor(cols, device=em.device))
+            )
             logp = torch.log_softmax(logits, dim=-1)
             tgt_t = torch.tensor(targets, device=em.device)
             tok_lp = logp.gather(1, tgt_t[:, None])[:, 0]
@@ -291,9 +302,15 @@ def draw_masks(n_tokens: int, steps: int, seed: int, key) -> torch.Tensor:
     return u < k / steps
 
 
-def denoising_scores(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]], keys: Sequence,
-                     steps: int = 32, seed: int = 0, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                     progress=None) -> list[float]:
+def denoising_scores(
+    em: EvalModel,
+    pairs: Sequence[tuple[list[int], list[int]]],
+    keys: Sequence,
+    steps: int = 32,
+    seed: int = 0,
+    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    progress=None,
+) -> list[float]:
     """The denoising score (lower = more likely) of each (context ids, continuation ids); ``keys[i]`` seeds its
     masks (give the choices of one example the same key)."""
     if em.mask_token_id is None:
@@ -309,7 +326,7 @@ def denoising_scores(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]]
     for i, (ctx, cont) in enumerate(pairs):
         full, n_cont = _fit(list(ctx), list(cont), max_len)
         fulls.append(full)
-        masks = draw_masks(len(cont), steps, seed, keys[i])[:, len(cont) - n_cont:]  # [T, n_cont]
+        masks = draw_masks(len(cont), steps, seed, keys[i])[:, len(cont) - n_cont :]  # [T, n_cont]
         base = len(full) - n_cont
         for k in range(steps):
             where = masks[k].nonzero()[:, 0].tolist()
@@ -338,13 +355,20 @@ def denoising_scores(em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]]
                     cols.append(p - offset)
                     targets.append(full[p])
                 owner.append(len(row_pos[r]))
-            logits = _suppress_mask(em, proj(ids, attention_mask(valid, causal=False),
-                                             torch.tensor(rows, device=em.device), torch.tensor(cols, device=em.device)))
+            logits = _suppress_mask(
+                em,
+                proj(
+                    ids,
+                    attention_mask(valid, causal=False),
+                    torch.tensor(rows, device=em.device),
+                    torch.tensor(cols, device=em.device),
+                ),
+            )
             ce = F.cross_entropy(logits, torch.tensor(targets, device=em.device), reduction="none").double().cpu()
             start = 0
             for b, r in enumerate(idx):
                 n = owner[b]
-                sums[row_pair[r]] += ce[start:start + n].mean()
+                sums[row_pair[r]] += ce[start : start + n].mean()
                 counts[row_pair[r]] += 1
                 start += n
             if progress is not None:

@@ -18,7 +18,6 @@ merged into the base weights) are stored beside the weights in ``dlm_adapter.saf
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,16 +81,24 @@ class DLMSpec:
     block_size: int | None = None
 
     def to_config(self) -> dict[str, Any]:
-        return {"dlm_objective": self.objective, "mask_token_id": self.mask_token_id, "shift": self.shift,
-                "block_size": self.block_size}
+        return {
+            "dlm_objective": self.objective,
+            "mask_token_id": self.mask_token_id,
+            "shift": self.shift,
+            "block_size": self.block_size,
+        }
 
     @classmethod
-    def from_config(cls, config) -> "DLMSpec | None":
+    def from_config(cls, config) -> DLMSpec | None:
         objective = getattr(config, "dlm_objective", None)
         if objective is None:
             return None
-        return cls(objective=objective, mask_token_id=int(config.mask_token_id), shift=bool(config.shift),
-                   block_size=getattr(config, "block_size", None))
+        return cls(
+            objective=objective,
+            mask_token_id=int(config.mask_token_id),
+            shift=bool(config.shift),
+            block_size=getattr(config, "block_size", None),
+        )
 
 
 def default_shift(objective: str) -> bool:
@@ -133,8 +140,10 @@ class DiffusionLM(nn.Module):
             for key, value in spec.to_config().items():
                 setattr(self.hf_config, key, value)
         if DLMSpec.from_config(self.hf_config) is None:
-            raise DLMError("this model has no DLM fields (dlm_objective, mask_token_id); convert it first with "
-                           "dlm.convert_ar_to_dlm or `dlm convert`")
+            raise DLMError(
+                "this model has no DLM fields (dlm_objective, mask_token_id); convert it first with "
+                "dlm.convert_ar_to_dlm or `dlm convert`"
+            )
 
     # -- fields -------------------------------------------------------------------------------------------
     @property
@@ -197,9 +206,8 @@ class DiffusionLM(nn.Module):
         Plain LoRA adapters are merged into the weights (``merge_lora``); gated-LoRA adapters cannot be (they act
         on mask positions only) and go to ``dlm_adapter.safetensors`` beside the untouched base weights.
         """
-        from dlm.model import lora as lora_mod
-
         from dlm.fsutil import atomic_folder
+        from dlm.model import lora as lora_mod
 
         path = Path(path)
         with atomic_folder(path) as tmp:
@@ -213,8 +221,9 @@ class AutoDLMForCausalLM:
     """Load a DLM folder written by :meth:`DiffusionLM.save_pretrained` (or `dlm convert` / `dlm train`)."""
 
     @staticmethod
-    def from_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device=None,
-                        attn_implementation: str = "sdpa") -> DiffusionLM:
+    def from_pretrained(
+        path: str | os.PathLike, dtype: torch.dtype | None = None, device=None, attn_implementation: str = "sdpa"
+    ) -> DiffusionLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from dlm.fsutil import check_model_folder, read_json_file
@@ -232,15 +241,20 @@ class AutoDLMForCausalLM:
         if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder
             return load_published(folder, dtype=dtype, device=device)
         if "dlm_objective" not in fields:
-            raise DLMError(f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "
-                           f"convert it with: dlm convert --model {path} --objective idlm --output DIR")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32,
-                                                     attn_implementation=attn_implementation)
+            raise DLMError(
+                f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "
+                f"convert it with: dlm convert --model {path} --objective idlm --output DIR"
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, dtype=dtype or torch.float32, attn_implementation=attn_implementation
+        )
         try:
             tokenizer = AutoTokenizer.from_pretrained(folder)
         except Exception as e:  # noqa: BLE001 - transformers raises many types for a damaged tokenizer file
-            raise DLMError(f"could not load the tokenizer of '{folder}' ({type(e).__name__}: {e}); its "
-                           f"tokenizer.json / tokenizer_config.json is damaged: restore the folder") from e
+            raise DLMError(
+                f"could not load the tokenizer of '{folder}' ({type(e).__name__}: {e}); its "
+                f"tokenizer.json / tokenizer_config.json is damaged: restore the folder"
+            ) from e
         dlm = DiffusionLM(model, tokenizer)
         lora_mod.load_adapters_if_any(dlm, folder)
         if device is not None:
@@ -249,8 +263,14 @@ class AutoDLMForCausalLM:
         return dlm
 
 
-def load_any(name_or_path: str | os.PathLike, objective: str | None = None, dtype=None, device=None,
-             convert_to: str | None = None, **convert_kw) -> DiffusionLM:
+def load_any(
+    name_or_path: str | os.PathLike,
+    objective: str | None = None,
+    dtype=None,
+    device=None,
+    convert_to: str | None = None,
+    **convert_kw,
+) -> DiffusionLM:
     """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias. ``objective``: the
     objective a DLM folder must have and the one an AR model is converted to; ``convert_to``: only the latter (a
     DLM folder loads whatever its objective). Conversion defaults to idlm."""
@@ -291,9 +311,11 @@ def _add_mask_token(model: nn.Module, tokenizer, mask_token: str | None) -> int:
             special_ids = set(getattr(tokenizer, "all_special_ids", []))
             added = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
             if token_id not in special_ids and name not in added:
-                raise DLMError(f"mask token '{name}' is an ordinary token of this tokenizer (id {token_id}); "
-                               f"reusing it would also score it wherever it occurs naturally. Pass a new name "
-                               f"(e.g. --mask-token '{DEFAULT_MASK_TOKEN}') or an existing *special* token")
+                raise DLMError(
+                    f"mask token '{name}' is an ordinary token of this tokenizer (id {token_id}); "
+                    f"reusing it would also score it wherever it occurs naturally. Pass a new name "
+                    f"(e.g. --mask-token '{DEFAULT_MASK_TOKEN}') or an existing *special* token"
+                )
             tokenizer.mask_token = name
             token_id = int(token_id)
         else:
@@ -324,9 +346,16 @@ def _cover_token(model: nn.Module, token_id: int, tokenizer_len: int) -> None:
                 out.bias[old_in:] = out.bias[:old_in].mean()
 
 
-def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | None = None,
-                      shift: bool | None = None, mask_token: str | None = None, lora=None, tokenizer=None,
-                      dtype: torch.dtype | None = None) -> DiffusionLM:
+def convert_ar_to_dlm(
+    model_or_path,
+    objective: str = "idlm",
+    block_size: int | None = None,
+    shift: bool | None = None,
+    mask_token: str | None = None,
+    lora=None,
+    tokenizer=None,
+    dtype: torch.dtype | None = None,
+) -> DiffusionLM:
     """Turn a Hugging Face causal LM (object, local folder or alias) into a :class:`DiffusionLM`.
 
     - ``objective``: ``mdm`` | ``block`` | ``idlm``; ``block_size`` defaults to 4 for block and 1 for idlm.
@@ -349,12 +378,15 @@ def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | 
         family = family_of(read_fields(folder))
         if family is not None:  # a published DLM: loaded as it is (block_size where its config lacks one)
             if objective != OBJECTIVE[family]:
-                raise DLMError(f"'{model_or_path}' is a published '{family}' checkpoint, a "
-                               f"'{OBJECTIVE[family]}' DLM already: use --objective {OBJECTIVE[family]}")
+                raise DLMError(
+                    f"'{model_or_path}' is a published '{family}' checkpoint, a "
+                    f"'{OBJECTIVE[family]}' DLM already: use --objective {OBJECTIVE[family]}"
+                )
             dlm = load_published(folder, dtype=dtype, block_size=block_size)
             if shift is not None and bool(shift) != dlm.shift:
-                raise DLMError(f"'{model_or_path}' ({family}) has shift={dlm.shift} by construction; drop "
-                               f"--shift/--no-shift")
+                raise DLMError(
+                    f"'{model_or_path}' ({family}) has shift={dlm.shift} by construction; drop --shift/--no-shift"
+                )
             return dlm
         if tokenizer is None:
             try:
@@ -362,8 +394,9 @@ def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | 
             except Exception as e:
                 raise DLMError(f"could not load the tokenizer of '{folder}': {e}") from e
         try:
-            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32,
-                                                         attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype or torch.float32, attn_implementation="sdpa"
+            )
         except Exception as e:
             raise DLMError(f"could not load a causal LM from '{folder}': {e}") from e
     else:
@@ -377,8 +410,10 @@ def convert_ar_to_dlm(model_or_path, objective: str = "idlm", block_size: int | 
 
     attn = getattr(model.config, "_attn_implementation", None)
     if attn not in MASKABLE_ATTN:
-        raise DLMError(f"attention implementation '{attn}' of {type(model).__name__} cannot take the custom "
-                       f"attention masks DLM objectives need; load the model with attn_implementation='sdpa'")
+        raise DLMError(
+            f"attention implementation '{attn}' of {type(model).__name__} cannot take the custom "
+            f"attention masks DLM objectives need; load the model with attn_implementation='sdpa'"
+        )
 
     if block_size is None:
         block_size = default_block_size(objective)

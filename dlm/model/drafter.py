@@ -36,8 +36,7 @@ from dlm.errors import DLMError
 
 DRAFTER_KEY = "dlm_drafter"
 # special tokens a chat never produces, tried in order as the drafter's in-vocabulary mask token
-SPARE_MASK_TOKENS = ("<empty_output>", "<jupyter_script>", "<issue_closed>", "<|reserved_special_token_0|>",
-                     "<mask>")
+SPARE_MASK_TOKENS = ("<empty_output>", "<jupyter_script>", "<issue_closed>", "<|reserved_special_token_0|>", "<mask>")
 
 
 def num_speculative_tokens(block_size: int | None) -> int:
@@ -56,9 +55,11 @@ def spare_mask_token(tokenizer, vocab_size: int) -> int:
         tid = vocab.get(name)
         if tid is not None and tid < vocab_size and name in special and tid not in used:
             return int(tid)
-    raise DLMError(f"the target's tokenizer has none of the spare special tokens {', '.join(SPARE_MASK_TOKENS)} "
-                   f"to carry the drafter's mask: convert the drafter with `dlm convert --mask-token TOKEN` naming "
-                   f"a special token of the target that chat text never contains")
+    raise DLMError(
+        f"the target's tokenizer has none of the spare special tokens {', '.join(SPARE_MASK_TOKENS)} "
+        f"to carry the drafter's mask: convert the drafter with `dlm convert --mask-token TOKEN` naming "
+        f"a special token of the target that chat text never contains"
+    )
 
 
 def target_vocab_size(target) -> int:
@@ -80,11 +81,15 @@ def merged_drafter(src, target_vocab: int | None = None):
 
     dlm = AutoDLMForCausalLM.from_pretrained(src)
     if dlm.objective != "idlm":
-        raise DLMError(f"'{src}' is a '{dlm.objective}' DLM; a parallel drafter must be a causal I-DLM "
-                       f"(dlm convert/train --objective idlm)")
+        raise DLMError(
+            f"'{src}' is a '{dlm.objective}' DLM; a parallel drafter must be a causal I-DLM "
+            f"(dlm convert/train --objective idlm)"
+        )
     if not dlm.shift:
-        raise DLMError(f"'{src}' has shift=false; vLLM's parallel drafting reads the next token at each position "
-                       f"(shift=true, the I-DLM default)")
+        raise DLMError(
+            f"'{src}' has shift=false; vLLM's parallel drafting reads the next token at each position "
+            f"(shift=true, the I-DLM default)"
+        )
     k = num_speculative_tokens(dlm.block_size)
     model, tok, mask_id = dlm.base_model_hf, dlm.tokenizer, dlm.mask_token_id
     gated = get_gated(dlm)
@@ -111,14 +116,18 @@ def merged_drafter(src, target_vocab: int | None = None):
         if mask_id >= target_vocab:
             extra = vocab - target_vocab
             if extra > 1 or mask_id != target_vocab:
-                raise DLMError(f"the drafter has {extra} rows past the target's {target_vocab}-token vocabulary "
-                               f"(only the mask row can be moved): drafter and target must share the tokenizer")
+                raise DLMError(
+                    f"the drafter has {extra} rows past the target's {target_vocab}-token vocabulary "
+                    f"(only the mask row can be moved): drafter and target must share the tokenizer"
+                )
             mask_id = spare_mask_token(tok, target_vocab)
             model.resize_token_embeddings(target_vocab, mean_resizing=False)
             tok.mask_token = tok.convert_ids_to_tokens(mask_id)
         elif vocab > target_vocab:
-            raise DLMError(f"the drafter's vocabulary ({vocab}) is larger than the target's ({target_vocab}) beyond "
-                           f"its mask row; drafter and target must share the tokenizer")
+            raise DLMError(
+                f"the drafter's vocabulary ({vocab}) is larger than the target's ({target_vocab}) beyond "
+                f"its mask row; drafter and target must share the tokenizer"
+            )
         emb, head = model.get_input_embeddings(), model.get_output_embeddings()
         if head is not None and head.weight.data_ptr() == emb.weight.data_ptr():
             # tied: the mask's trained input vector must not become the head row of its token (the drafter would
@@ -145,8 +154,10 @@ def export_drafter(src, out, target=None, force: bool = False) -> dict:
     src_folder = resolve_model_path(src)
     fields = json.loads((src_folder / "config.json").read_text())
     if "dlm_objective" not in fields:
-        raise DLMError(f"'{src_folder}' is a plain causal LM (no dlm_objective in config.json): a drafter is an "
-                       f"I-DLM; convert and train one (dlm convert --objective idlm, dlm train)")
+        raise DLMError(
+            f"'{src_folder}' is a plain causal LM (no dlm_objective in config.json): a drafter is an "
+            f"I-DLM; convert and train one (dlm convert --objective idlm, dlm train)"
+        )
     out = Path(out)
     if out.exists() and not force:
         raise DLMError(f"--output '{out}' already exists; choose another folder or pass --force")
@@ -159,16 +170,24 @@ def export_drafter(src, out, target=None, force: bool = False) -> dict:
         # the ids both tokenizers have must mean the same text (a mask token one of them added past the shared
         # vocabulary is fine: the other never produces that id)
         common = min(len(theirs), len(ours))
-        differ = [t for t, i in theirs.items() if i < common and ours.get(t) != i] + \
-            [t for t, i in ours.items() if i < common and theirs.get(t) != i]
+        differ = [t for t, i in theirs.items() if i < common and ours.get(t) != i] + [
+            t for t, i in ours.items() if i < common and theirs.get(t) != i
+        ]
         if differ:
-            raise DLMError(f"--target '{target}' and the drafter '{src_folder}' do not share the tokenizer "
-                           f"({len(differ)} tokens differ, e.g. {differ[0]!r}): a drafter proposes the target's "
-                           f"token ids, so it must be trained from the same tokenizer")
+            raise DLMError(
+                f"--target '{target}' and the drafter '{src_folder}' do not share the tokenizer "
+                f"({len(differ)} tokens differ, e.g. {differ[0]!r}): a drafter proposes the target's "
+                f"token ids, so it must be trained from the same tokenizer"
+            )
     model, tok, mask_id, k = merged_drafter(src_folder, tv)
-    info = {"num_speculative_tokens": k, "block_size": fields.get("block_size"), "mask_token_id": mask_id,
-            "source": str(src_folder), "target_vocab_size": int(model.config.vocab_size),
-            "gated_adapters_merged": "dlm_gated_lora" in fields}
+    info = {
+        "num_speculative_tokens": k,
+        "block_size": fields.get("block_size"),
+        "mask_token_id": mask_id,
+        "source": str(src_folder),
+        "target_vocab_size": int(model.config.vocab_size),
+        "gated_adapters_merged": "dlm_gated_lora" in fields,
+    }
     setattr(model.config, DRAFTER_KEY, info)
     with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
@@ -215,9 +234,19 @@ def truncate_layers(model, layers: int) -> None:
         model.config.layer_types = model.config.layer_types[:layers]
 
 
-def train_small_drafter(target, data, out, layers: int = 4, block_size: int = 2, minutes: float = 10.0,
-                        learning_rate: float = 1e-3, batch_size: int = 4, seq_length: int = 192, seed: int = 0,
-                        freeze_embeddings: bool = True):
+def train_small_drafter(
+    target,
+    data,
+    out,
+    layers: int = 4,
+    block_size: int = 2,
+    minutes: float = 10.0,
+    learning_rate: float = 1e-3,
+    batch_size: int = 4,
+    seq_length: int = 192,
+    seed: int = 0,
+    freeze_embeddings: bool = True,
+):
     """Cut ``target`` to ``layers`` layers and train it as an I-DLM on ``data`` (chat JSONL of the target's own
     greedy answers) for ``minutes``; return the trained folder (``out``). The layers and norms train (no
     adapters; the embedding and head too unless ``freeze_embeddings``, the default, which keeps the target's
@@ -237,10 +266,23 @@ def train_small_drafter(target, data, out, layers: int = 4, block_size: int = 2,
         "model": {"objective": "idlm", "block_size": block_size},
         "data": {"data": str(data), "seq_length": seq_length, "eval_fraction": 0.02, "seed": seed},
         "idlm": {"idlm_loss_type": "ar", "ce_alpha": 1.0, "loss_auto_balance": False},
-        "optim": {"learning_rate": learning_rate, "schedule": "wsd", "warmup_steps": 10, "decay_ratio": 0.25,
-                  "weight_decay": 0.0},
-        "train": {"batch_size": batch_size, "max_train_steps": 1_000_000, "max_minutes": minutes,
-                  "output_dir": str(out), "save_every": 100, "keep_last": 1, "seed": seed, "overwrite": True},
+        "optim": {
+            "learning_rate": learning_rate,
+            "schedule": "wsd",
+            "warmup_steps": 10,
+            "decay_ratio": 0.25,
+            "weight_decay": 0.0,
+        },
+        "train": {
+            "batch_size": batch_size,
+            "max_train_steps": 1_000_000,
+            "max_minutes": minutes,
+            "output_dir": str(out),
+            "save_every": 100,
+            "keep_last": 1,
+            "seed": seed,
+            "overwrite": True,
+        },
         "eval": {"eval_every": 0},
     }
     train(load_config(None, overrides), dlm=dlm)
@@ -257,8 +299,9 @@ def export_for_serving(src, cache_root: Path | None = None, target=None) -> Path
     folder = resolve_model_path(src)
     if drafter_info(folder) is not None:
         return folder
-    stamp = "|".join(f"{p.name}:{p.stat().st_mtime_ns}:{p.stat().st_size}" for p in sorted(folder.iterdir())
-                     if p.is_file())
+    stamp = "|".join(
+        f"{p.name}:{p.stat().st_mtime_ns}:{p.stat().st_size}" for p in sorted(folder.iterdir()) if p.is_file()
+    )
     key = hashlib.sha256(f"{folder.resolve()}|{target}|{stamp}".encode()).hexdigest()[:16]
     out = (cache_root or dlm_home() / "vllm" / "drafters") / f"{folder.name}-{key}"
     if (out / "config.json").is_file():
@@ -268,5 +311,14 @@ def export_for_serving(src, cache_root: Path | None = None, target=None) -> Path
     return out
 
 
-__all__ = ["export_drafter", "export_for_serving", "drafter_info", "truncated_drafter", "train_small_drafter",
-           "num_speculative_tokens", "truncate_layers", "spare_mask_token", "DRAFTER_KEY"]
+__all__ = [
+    "export_drafter",
+    "export_for_serving",
+    "drafter_info",
+    "truncated_drafter",
+    "train_small_drafter",
+    "num_speculative_tokens",
+    "truncate_layers",
+    "spare_mask_token",
+    "DRAFTER_KEY",
+]

@@ -18,8 +18,8 @@ release. The folder is written under a temporary name and renamed when complete.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -40,8 +40,10 @@ def _kind(dlm) -> str:
 
 def _refuse_adapters(dlm, fmt: str) -> None:
     if getattr(dlm, "gated_lora", None) is not None:
-        raise DLMError(f"this model has gated-LoRA adapters (dlm_adapter.safetensors), which the {fmt} layout has "
-                       f"no place for; export the base model, or serve the dlm folder itself")
+        raise DLMError(
+            f"this model has gated-LoRA adapters (dlm_adapter.safetensors), which the {fmt} layout has "
+            f"no place for; export the base model, or serve the dlm folder itself"
+        )
 
 
 def _common(config, fields: dict) -> dict:
@@ -55,9 +57,22 @@ def _common(config, fields: dict) -> dict:
 def _hf_fields(config) -> dict:
     """The transformers config fields (without dlm's and the class's own names)."""
     fields = config.to_dict()
-    for key in ("architectures", "model_type", "dlm_objective", "shift", "block_size", "mask_token_id",
-                "dlm_family", "dlm_attention", "dlm_gated_lora", "_name_or_path", "transformers_version",
-                "auto_map", "dtype", "torch_dtype"):
+    for key in (
+        "architectures",
+        "model_type",
+        "dlm_objective",
+        "shift",
+        "block_size",
+        "mask_token_id",
+        "dlm_family",
+        "dlm_attention",
+        "dlm_gated_lora",
+        "_name_or_path",
+        "transformers_version",
+        "auto_map",
+        "dtype",
+        "torch_dtype",
+    ):
         fields.pop(key, None)
     rope = fields.get("rope_parameters")
     if isinstance(rope, dict) and "rope_theta" in rope:
@@ -71,19 +86,30 @@ def _hf_fields(config) -> dict:
 def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     spec = dlm.spec
     if _kind(dlm) != "qwen3":
-        raise DLMError(f"--format sdar needs a Qwen3 model (SDAR's weights are Qwen3's, with per-head q/k norms); "
-                       f"this is '{_kind(dlm)}': use --format llada (Llama) or dream (Qwen2)")
+        raise DLMError(
+            f"--format sdar needs a Qwen3 model (SDAR's weights are Qwen3's, with per-head q/k norms); "
+            f"this is '{_kind(dlm)}': use --format llada (Llama) or dream (Qwen2)"
+        )
     if spec.objective == "block" and spec.shift:
-        raise DLMError("--format sdar: SDAR block diffusion has no logit shift and this block model has "
-                       "shift=True; convert with --no-shift, or export an I-DLM (objective idlm)")
+        raise DLMError(
+            "--format sdar: SDAR block diffusion has no logit shift and this block model has "
+            "shift=True; convert with --no-shift, or export an I-DLM (objective idlm)"
+        )
     if spec.objective not in ("block", "idlm"):
-        raise DLMError(f"--format sdar holds block-diffusion (objective block) and I-DLM (objective idlm) models; "
-                       f"this is '{spec.objective}': use --format llada or dream")
+        raise DLMError(
+            f"--format sdar holds block-diffusion (objective block) and I-DLM (objective idlm) models; "
+            f"this is '{spec.objective}': use --format llada or dream"
+        )
     if spec.objective == "idlm" and not spec.shift:
         raise DLMError("--format sdar: an I-DLM in the SDAR format has the logit shift; this one has shift=False")
     fields = _hf_fields(dlm.hf_config)
-    fields.update(architectures=["SDARForCausalLM"], model_type="sdar", block_size=spec.block_size,
-                  mask_token_id=spec.mask_token_id, use_regular_causal=spec.objective == "idlm")
+    fields.update(
+        architectures=["SDARForCausalLM"],
+        model_type="sdar",
+        block_size=spec.block_size,
+        mask_token_id=spec.mask_token_id,
+        use_regular_causal=spec.objective == "idlm",
+    )
     return fields, _state(dlm), None
 
 
@@ -92,35 +118,70 @@ def to_llada(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 
     spec, c = dlm.spec, dlm.hf_config
     if _kind(dlm) != "llama" or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-        raise DLMError(f"--format llada needs a Llama model without biases (LLaDA's blocks are Llama's); this is "
-                       f"'{_kind(dlm)}': use --format dream (Qwen2) or sdar (Qwen3)")
+        raise DLMError(
+            f"--format llada needs a Llama model without biases (LLaDA's blocks are Llama's); this is "
+            f"'{_kind(dlm)}': use --format dream (Qwen2) or sdar (Qwen3)"
+        )
     if spec.objective != "mdm" or spec.shift:
-        raise DLMError(f"--format llada holds masked-diffusion models without logit shift (objective mdm, "
-                       f"--no-shift); this is objective '{spec.objective}' with shift={spec.shift}: convert with "
-                       f"dlm convert --objective mdm --no-shift, or use --format dream (mdm with shift)")
+        raise DLMError(
+            f"--format llada holds masked-diffusion models without logit shift (objective mdm, "
+            f"--no-shift); this is objective '{spec.objective}' with shift={spec.shift}: convert with "
+            f"dlm convert --objective mdm --no-shift, or use --format dream (mdm with shift)"
+        )
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if head_dim * c.num_attention_heads != c.hidden_size:
-        raise DLMError(f"--format llada: LLaDA's head size is d_model / n_heads; this model's head_dim {head_dim} "
-                       f"x {c.num_attention_heads} heads != hidden size {c.hidden_size}")
+        raise DLMError(
+            f"--format llada: LLaDA's head size is d_model / n_heads; this model's head_dim {head_dim} "
+            f"x {c.num_attention_heads} heads != hidden size {c.hidden_size}"
+        )
     rope = getattr(c, "rope_parameters", None) or {}
     if (rope.get("rope_type") or "default") != "default":
-        raise DLMError(f"--format llada: LLaDA's rotary embedding is the plain one; this model uses "
-                       f"'{rope.get('rope_type')}' scaling")
+        raise DLMError(
+            f"--format llada: LLaDA's rotary embedding is the plain one; this model uses "
+            f"'{rope.get('rope_type')}' scaling"
+        )
     theta = rope.get("rope_theta", getattr(c, "rope_theta", 10000.0))
     if getattr(c, "hidden_act", "silu") != "silu":
         raise DLMError(f"--format llada: LLaDA's MLP is SiLU-gated; this model's activation is {c.hidden_act}")
-    fields = _common(c, {
-        "architectures": ["LLaDAModelLM"], "model_type": "llada", "activation_type": "silu", "alibi": False,
-        "attention_dropout": 0.0, "attention_layer_norm": False, "bias_for_layer_norm": False,
-        "block_group_size": 1, "block_type": "llama", "d_model": c.hidden_size, "embedding_dropout": 0.0,
-        "embedding_size": c.vocab_size, "flash_attention": False, "include_bias": False,
-        "include_qkv_bias": False, "input_emb_norm": False, "layer_norm_type": "rms",
-        "layer_norm_with_affine": True, "mask_token_id": spec.mask_token_id,
-        "max_sequence_length": c.max_position_embeddings, "mlp_hidden_size": c.intermediate_size,
-        "multi_query_attention": None, "n_heads": c.num_attention_heads, "n_kv_heads": c.num_key_value_heads,
-        "n_layers": c.num_hidden_layers, "residual_dropout": 0.0, "rms_norm_eps": c.rms_norm_eps, "rope": True,
-        "rope_full_precision": True, "rope_theta": float(theta), "scale_logits": False, "use_cache": False,
-        "vocab_size": c.vocab_size, "weight_tying": bool(getattr(c, "tie_word_embeddings", False))})
+    fields = _common(
+        c,
+        {
+            "architectures": ["LLaDAModelLM"],
+            "model_type": "llada",
+            "activation_type": "silu",
+            "alibi": False,
+            "attention_dropout": 0.0,
+            "attention_layer_norm": False,
+            "bias_for_layer_norm": False,
+            "block_group_size": 1,
+            "block_type": "llama",
+            "d_model": c.hidden_size,
+            "embedding_dropout": 0.0,
+            "embedding_size": c.vocab_size,
+            "flash_attention": False,
+            "include_bias": False,
+            "include_qkv_bias": False,
+            "input_emb_norm": False,
+            "layer_norm_type": "rms",
+            "layer_norm_with_affine": True,
+            "mask_token_id": spec.mask_token_id,
+            "max_sequence_length": c.max_position_embeddings,
+            "mlp_hidden_size": c.intermediate_size,
+            "multi_query_attention": None,
+            "n_heads": c.num_attention_heads,
+            "n_kv_heads": c.num_key_value_heads,
+            "n_layers": c.num_hidden_layers,
+            "residual_dropout": 0.0,
+            "rms_norm_eps": c.rms_norm_eps,
+            "rope": True,
+            "rope_full_precision": True,
+            "rope_theta": float(theta),
+            "scale_logits": False,
+            "use_cache": False,
+            "vocab_size": c.vocab_size,
+            "weight_tying": bool(getattr(c, "tie_word_embeddings", False)),
+        },
+    )
     state = {llama_to_llada(k): v for k, v in _state(dlm).items()}
     return fields, state, None
 
@@ -129,31 +190,53 @@ def to_dream(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     spec, c = dlm.spec, dlm.hf_config
     kind = _kind(dlm)
     if kind not in ("qwen2", "llama"):
-        raise DLMError(f"--format dream needs a Qwen2 (or bias-free Llama) model, Dream's layout; this is "
-                       f"'{kind}': use --format sdar (Qwen3)")
+        raise DLMError(
+            f"--format dream needs a Qwen2 (or bias-free Llama) model, Dream's layout; this is "
+            f"'{kind}': use --format sdar (Qwen3)"
+        )
     if spec.objective != "mdm" or not spec.shift:
-        raise DLMError(f"--format dream holds masked-diffusion models with the logit shift (objective mdm, "
-                       f"shift); this is objective '{spec.objective}' with shift={spec.shift}: use --format "
-                       f"llada for mdm without shift, sdar for block/idlm")
+        raise DLMError(
+            f"--format dream holds masked-diffusion models with the logit shift (objective mdm, "
+            f"shift); this is objective '{spec.objective}' with shift={spec.shift}: use --format "
+            f"llada for mdm without shift, sdar for block/idlm"
+        )
     state = _state(dlm)
     fields = _hf_fields(c)
     if kind == "llama":
         if getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
-            raise DLMError("--format dream: this Llama model has attention/MLP biases, which Dream's layout "
-                           "(q/k/v biases only) cannot hold")
+            raise DLMError(
+                "--format dream: this Llama model has attention/MLP biases, which Dream's layout "
+                "(q/k/v biases only) cannot hold"
+            )
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         if head_dim * c.num_attention_heads != c.hidden_size:
-            raise DLMError(f"--format dream: Dream's head size is hidden_size / heads; this model's head_dim "
-                           f"{head_dim} does not fit")
+            raise DLMError(
+                f"--format dream: Dream's head size is hidden_size / heads; this model's head_dim "
+                f"{head_dim} does not fit"
+            )
         # Qwen2 attention = Llama's with q/k/v biases: zero biases keep the computation
-        for key in [k for k in state if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight",
-                                                    "self_attn.v_proj.weight"))]:
+        for key in [
+            k
+            for k in state
+            if k.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
+        ]:
             state[key[: -len("weight")] + "bias"] = torch.zeros(state[key].shape[0], dtype=state[key].dtype)
         for key in ("attention_bias", "mlp_bias", "pretraining_tp", "head_dim"):
             fields.pop(key, None)
     fields.update(architectures=["DreamModel"], model_type="Dream", mask_token_id=spec.mask_token_id)
-    generation = _common(c, {"alg": "origin", "alg_temp": None, "eps": 0.001, "mask_token_id": spec.mask_token_id,
-                             "steps": 512, "temperature": 0.0, "top_k": None, "top_p": None})
+    generation = _common(
+        c,
+        {
+            "alg": "origin",
+            "alg_temp": None,
+            "eps": 0.001,
+            "mask_token_id": spec.mask_token_id,
+            "steps": 512,
+            "temperature": 0.0,
+            "top_k": None,
+            "top_p": None,
+        },
+    )
     return fields, state, generation
 
 
@@ -170,8 +253,10 @@ def export_model(dlm, output: str | Path, fmt: str) -> Path:
     if fmt not in FORMATS:
         from dlm.errors import closest
 
-        raise DLMError(f"unknown export format '{fmt}' (--format): use one of {', '.join(FORMATS)} (did you mean "
-                       f"{closest(fmt, FORMATS)}?)")
+        raise DLMError(
+            f"unknown export format '{fmt}' (--format): use one of {', '.join(FORMATS)} (did you mean "
+            f"{closest(fmt, FORMATS)}?)"
+        )
     _refuse_adapters(dlm, fmt)
     fields, state, generation = FORMATS[fmt](dlm)
     out = Path(output)

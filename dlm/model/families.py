@@ -36,10 +36,20 @@ FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2")
 MASK_IDS = {"llada": 126336, "dream": 151666, "sdar": 151669, "idlm": 151669, "fast_dllm_v2": 151665}
 OBJECTIVE = {"llada": "mdm", "dream": "mdm", "sdar": "block", "idlm": "idlm", "fast_dllm_v2": "block"}
 SHIFT = {"llada": False, "dream": True, "sdar": False, "idlm": True, "fast_dllm_v2": True}
-ATTENTION = {"llada": "bidirectional", "dream": "bidirectional", "sdar": "block", "idlm": "causal",
-             "fast_dllm_v2": "block"}
-TITLE = {"llada": "LLaDA", "dream": "Dream", "sdar": "SDAR", "idlm": "I-DLM (SDAR format)",
-         "fast_dllm_v2": "Fast-dLLM v2"}
+ATTENTION = {
+    "llada": "bidirectional",
+    "dream": "bidirectional",
+    "sdar": "block",
+    "idlm": "causal",
+    "fast_dllm_v2": "block",
+}
+TITLE = {
+    "llada": "LLaDA",
+    "dream": "Dream",
+    "sdar": "SDAR",
+    "idlm": "I-DLM (SDAR format)",
+    "fast_dllm_v2": "Fast-dLLM v2",
+}
 IDLM_BLOCK_SIZES = (1, 2, 3)  # the I-DLM release's training block sizes (stride N = b + 1)
 
 # model_type / architecture names that are recognised but not supported, with the reason
@@ -54,10 +64,31 @@ UNSUPPORTED = {
 }
 
 # config.json keys of the published files that are remote-code settings with no meaning here
-_DROP = {"architectures", "auto_map", "model_type", "attn_implementation", "_attn_implementation",
-         "_name_or_path", "transformers_version", "torch_dtype", "dtype", "block_size", "bd_size", "mask_token_id",
-         "use_regular_causal", "fuse_cross_entropy", "debug", "ep_size", "micro_forward", "skip_checkpoint",
-         "use_deepep", "conplemenrary_mask", "complementary_mask", "dlm_family", "dlm_attention"}
+_DROP = {
+    "architectures",
+    "auto_map",
+    "model_type",
+    "attn_implementation",
+    "_attn_implementation",
+    "_name_or_path",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "block_size",
+    "bd_size",
+    "mask_token_id",
+    "use_regular_causal",
+    "fuse_cross_entropy",
+    "debug",
+    "ep_size",
+    "micro_forward",
+    "skip_checkpoint",
+    "use_deepep",
+    "conplemenrary_mask",
+    "complementary_mask",
+    "dlm_family",
+    "dlm_attention",
+}
 
 
 def family_of(fields: dict) -> str | None:
@@ -72,8 +103,10 @@ def family_of(fields: dict) -> str | None:
     names = [n for n in [mtype, *archs] if isinstance(n, str)]
     for n in names:
         if n in UNSUPPORTED:
-            raise DLMError(f"config.json names {n}: {UNSUPPORTED[n]} is not supported by dlm (docs/models.md "
-                           f"lists the families that are)")
+            raise DLMError(
+                f"config.json names {n}: {UNSUPPORTED[n]} is not supported by dlm (docs/models.md "
+                f"lists the families that are)"
+            )
     if mtype == "llada" or "LLaDAModelLM" in archs:
         return "llada"
     if mtype == "Dream" or "DreamModel" in archs:
@@ -121,8 +154,10 @@ def _need(fields: dict, key: str, path: Path, what: str, kind=int):
 def _expect(fields: dict, key: str, want, path: Path, default=None) -> None:
     value = fields.get(key, default)
     if value != want:
-        raise DLMError(f"'{path}': '{key}' is {value!r}; dlm loads the LLaDA layout with {key}={want!r} only "
-                       f"(the published checkpoints' value); set it or convert the checkpoint")
+        raise DLMError(
+            f"'{path}': '{key}' is {value!r}; dlm loads the LLaDA layout with {key}={want!r} only "
+            f"(the published checkpoints' value); set it or convert the checkpoint"
+        )
 
 
 def _llada_config(fields: dict, path: Path):
@@ -131,11 +166,19 @@ def _llada_config(fields: dict, path: Path):
     d = _need(fields, "d_model", path, "the hidden size")
     layers = _need(fields, "n_layers", path, "the number of blocks")
     heads = _need(fields, "n_heads", path, "the number of attention heads")
-    for key, want, default in (("block_type", "llama", None), ("rope", True, None), ("alibi", False, False),
-                               ("layer_norm_type", "rms", None), ("activation_type", "silu", None),
-                               ("include_bias", False, None), ("include_qkv_bias", False, False),
-                               ("block_group_size", 1, 1), ("scale_logits", False, False),
-                               ("attention_layer_norm", False, False), ("input_emb_norm", False, False)):
+    for key, want, default in (
+        ("block_type", "llama", None),
+        ("rope", True, None),
+        ("alibi", False, False),
+        ("layer_norm_type", "rms", None),
+        ("activation_type", "silu", None),
+        ("include_bias", False, None),
+        ("include_qkv_bias", False, False),
+        ("block_group_size", 1, 1),
+        ("scale_logits", False, False),
+        ("attention_layer_norm", False, False),
+        ("input_emb_norm", False, False),
+    ):
         _expect(fields, key, want, path, default)
     if fields.get("bias_for_layer_norm"):
         raise DLMError(f"'{path}': 'bias_for_layer_norm' is true; dlm loads the LLaDA layout without norm biases")
@@ -145,13 +188,24 @@ def _llada_config(fields: dict, path: Path):
     mlp = fields.get("mlp_hidden_size") or int(fields.get("mlp_ratio", 4)) * d
     vocab = fields.get("embedding_size") or _need(fields, "vocab_size", path, "the vocabulary size")
     return LlamaConfig(
-        hidden_size=d, intermediate_size=mlp, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=kv, head_dim=d // heads, vocab_size=vocab, hidden_act="silu",
-        rms_norm_eps=float(fields.get("rms_norm_eps", 1e-5)), rope_theta=float(fields.get("rope_theta", 10000.0)),
+        hidden_size=d,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=d // heads,
+        vocab_size=vocab,
+        hidden_act="silu",
+        rms_norm_eps=float(fields.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(fields.get("rope_theta", 10000.0)),
         max_position_embeddings=int(fields.get("max_sequence_length") or 4096),
-        tie_word_embeddings=bool(fields.get("weight_tying", False)), attention_bias=False, mlp_bias=False,
-        bos_token_id=fields.get("bos_token_id"), eos_token_id=fields.get("eos_token_id"),
-        pad_token_id=fields.get("pad_token_id"))
+        tie_word_embeddings=bool(fields.get("weight_tying", False)),
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=fields.get("bos_token_id"),
+        eos_token_id=fields.get("eos_token_id"),
+        pad_token_id=fields.get("pad_token_id"),
+    )
 
 
 def _qwen_config(fields: dict, path: Path, cls):
@@ -181,14 +235,18 @@ def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -
         return None
     key = "bd_size" if family == "fast_dllm_v2" and "bd_size" in fields else "block_size"
     if block_size is not None and fields.get(key) is not None and block_size != fields[key]:
-        raise DLMError(f"'{path}' says '{key}' {fields[key]}, but block size {block_size} was asked (--block-size); "
-                       f"drop --block-size (a published model decodes with the block size it was trained with)")
+        raise DLMError(
+            f"'{path}' says '{key}' {fields[key]}, but block size {block_size} was asked (--block-size); "
+            f"drop --block-size (a published model decodes with the block size it was trained with)"
+        )
     value = block_size if block_size is not None else fields.get(key)
     if value is None:
-        raise DLMError(f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "
-                       f"\"block_size\": 4 (the model's block length) to it, or "
-                       f"write a dlm folder with: dlm convert --model {path.parent} --objective "
-                       f"{OBJECTIVE[family]} --block-size 4 --output DIR")
+        raise DLMError(
+            f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "
+            f'"block_size": 4 (the model\'s block length) to it, or '
+            f"write a dlm folder with: dlm convert --model {path.parent} --objective "
+            f"{OBJECTIVE[family]} --block-size 4 --output DIR"
+        )
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise DLMError(f"'{path}': '{key}' must be a positive integer, got {value!r}")
     return value
@@ -202,18 +260,30 @@ def _mask_id(family: str, fields: dict, path: Path, vocab: int) -> int:
     else:
         where = f"'mask_token_id' {value}"
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab:
-        raise DLMError(f"'{path}': {where} is not a row of the {vocab}-token embedding; set \"mask_token_id\" in "
-                       f"config.json to the id of the tokenizer's mask token")
+        raise DLMError(
+            f"'{path}': {where} is not a row of the {vocab}-token embedding; set \"mask_token_id\" in "
+            f"config.json to the id of the tokenizer's mask token"
+        )
     return value
 
 
 # -- weights -------------------------------------------------------------------------------------------------
-_LLADA_BLOCK = {"attn_norm": "input_layernorm", "q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj",
-                "v_proj": "self_attn.v_proj", "attn_out": "self_attn.o_proj", "ff_norm": "post_attention_layernorm",
-                "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "ff_out": "mlp.down_proj"}
-_LLADA_TOP = {"model.transformer.wte.weight": "model.embed_tokens.weight",
-              "model.transformer.ln_f.weight": "model.norm.weight",
-              "model.transformer.ff_out.weight": "lm_head.weight"}
+_LLADA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "q_proj": "self_attn.q_proj",
+    "k_proj": "self_attn.k_proj",
+    "v_proj": "self_attn.v_proj",
+    "attn_out": "self_attn.o_proj",
+    "ff_norm": "post_attention_layernorm",
+    "ff_proj": "mlp.gate_proj",
+    "up_proj": "mlp.up_proj",
+    "ff_out": "mlp.down_proj",
+}
+_LLADA_TOP = {
+    "model.transformer.wte.weight": "model.embed_tokens.weight",
+    "model.transformer.ln_f.weight": "model.norm.weight",
+    "model.transformer.ff_out.weight": "lm_head.weight",
+}
 _LLADA_RE = re.compile(r"^model\.transformer\.blocks\.(\d+)\.(\w+)\.weight$")
 
 
@@ -236,8 +306,10 @@ def llama_to_llada(name: str) -> str:
     inverse = {v: k for k, v in _LLADA_BLOCK.items()}
     if m and m.group(2) in inverse:
         return f"model.transformer.blocks.{m.group(1)}.{inverse[m.group(2)]}.weight"
-    raise DLMError(f"weight '{name}' has no place in the LLaDA layout (biases and extra modules are not part of "
-                   f"it); export to another --format")
+    raise DLMError(
+        f"weight '{name}' has no place in the LLaDA layout (biases and extra modules are not part of "
+        f"it); export to another --format"
+    )
 
 
 def read_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -253,8 +325,10 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     elif (folder / "model.safetensors").is_file():
         files = ["model.safetensors"]
     else:
-        raise DLMError(f"'{folder}' has no model.safetensors (or model.safetensors.index.json); dlm reads "
-                       f"safetensors weights only: convert .bin files with safetensors first")
+        raise DLMError(
+            f"'{folder}' has no model.safetensors (or model.safetensors.index.json); dlm reads "
+            f"safetensors weights only: convert .bin files with safetensors first"
+        )
     state: dict[str, torch.Tensor] = {}
     for name in files:
         if not (folder / name).is_file():
@@ -270,9 +344,11 @@ def _rename(family: str, state: dict[str, torch.Tensor], folder: Path) -> dict[s
     for name, t in state.items():
         new = llada_to_llama(name)
         if new is None:
-            raise DLMError(f"'{folder}': weight '{name}' is not part of the LLaDA layout dlm loads (block_type "
-                           f"'llama': model.transformer.{{wte, blocks.N.{{attn_norm, q_proj, k_proj, v_proj, "
-                           f"attn_out, ff_norm, ff_proj, up_proj, ff_out}}, ln_f, ff_out}})")
+            raise DLMError(
+                f"'{folder}': weight '{name}' is not part of the LLaDA layout dlm loads (block_type "
+                f"'llama': model.transformer.{{wte, blocks.N.{{attn_norm, q_proj, k_proj, v_proj, "
+                f"attn_out, ff_norm, ff_proj, up_proj, ff_out}}, ln_f, ff_out}})"
+            )
         out[new] = t
     return out
 
@@ -288,14 +364,20 @@ def _build(config, state: dict[str, torch.Tensor], dtype, folder: Path, family: 
     missing = [k for k in want if k not in state and not (tied and k == "lm_head.weight")]
     unexpected = [k for k in state if k not in want]
     if missing or unexpected:
-        what = (f"lacks {len(missing)} weight(s), e.g. '{missing[0]}'" if missing
-                else f"has {len(unexpected)} weight(s) the {TITLE[family]} layout does not, e.g. '{unexpected[0]}'")
-        raise DLMError(f"'{folder}' {what}; the weights do not match its config.json (a different layout or "
-                       f"a truncated download)")
+        what = (
+            f"lacks {len(missing)} weight(s), e.g. '{missing[0]}'"
+            if missing
+            else f"has {len(unexpected)} weight(s) the {TITLE[family]} layout does not, e.g. '{unexpected[0]}'"
+        )
+        raise DLMError(
+            f"'{folder}' {what}; the weights do not match its config.json (a different layout or a truncated download)"
+        )
     for k, t in want.items():
         if k in state and tuple(state[k].shape) != tuple(t.shape):
-            raise DLMError(f"'{folder}': weight '{k}' has shape {tuple(state[k].shape)}, config.json says "
-                           f"{tuple(t.shape)}; fix the sizes in config.json")
+            raise DLMError(
+                f"'{folder}': weight '{k}' has shape {tuple(state[k].shape)}, config.json says "
+                f"{tuple(t.shape)}; fix the sizes in config.json"
+            )
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
     if tied:
         model.tie_weights()
@@ -322,8 +404,10 @@ def _tokenizer(folder: Path):
             warnings.simplefilter("ignore")
             return AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - transformers raises many types; name the folder
-        raise DLMError(f"could not load the tokenizer of '{folder}' without remote code: {e}; a tokenizer.json "
-                       f"(or a tokenizer_class transformers knows in tokenizer_config.json) is needed") from e
+        raise DLMError(
+            f"could not load the tokenizer of '{folder}' without remote code: {e}; a tokenizer.json "
+            f"(or a tokenizer_class transformers knows in tokenizer_config.json) is needed"
+        ) from e
     finally:
         hf_logging.set_verbosity(level)
 
@@ -337,8 +421,9 @@ def load_published(folder: str | Path, dtype=None, device=None, block_size: int 
     fields = read_fields(folder)
     family = family_of(fields)
     if family is None:
-        raise DLMError(f"'{path}' is not a checkpoint of {', '.join(TITLE.values())} (model_type "
-                       f"{fields.get('model_type')!r})")
+        raise DLMError(
+            f"'{path}' is not a checkpoint of {', '.join(TITLE.values())} (model_type {fields.get('model_type')!r})"
+        )
     dtype = dtype or torch.float32
     config = _hf_config(family, fields, path)
     b = _block_size(family, fields, path, block_size)
@@ -388,10 +473,22 @@ def default_attention(config, kwargs: dict[str, Any], input_ids: torch.Tensor | 
 ADAPTER_CONFIG = "adapter_config.json"
 # adapter_config.json settings that change what a LoRA computes; dlm's gated adapters are plain LoRA (B A x,
 # scaled by alpha / r), so any of these set to something else is refused by name
-_PLAIN_LORA = {"use_rslora": False, "use_dora": False, "bias": "none", "lora_bias": False, "fan_in_fan_out": False,
-               "modules_to_save": None, "layers_to_transform": None, "layer_replication": None,
-               "trainable_token_indices": None, "target_parameters": None, "alpha_pattern": {}, "rank_pattern": {},
-               "use_qalora": False, "alora_invocation_tokens": None}
+_PLAIN_LORA = {
+    "use_rslora": False,
+    "use_dora": False,
+    "bias": "none",
+    "lora_bias": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "layers_to_transform": None,
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "target_parameters": None,
+    "alpha_pattern": {},
+    "rank_pattern": {},
+    "use_qalora": False,
+    "alora_invocation_tokens": None,
+}
 
 
 def adapter_folder_error(folder: Path) -> DLMError:
@@ -400,10 +497,12 @@ def adapter_folder_error(folder: Path) -> DLMError:
         base = json.loads((folder / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path")
     except (json.JSONDecodeError, AttributeError, OSError):
         pass
-    return DLMError(f"'{folder}' is a LoRA adapter ({ADAPTER_CONFIG}), not a model (its base: {base or 'not named'}); "
-                    f"attach it to the I-DLM it was trained on with dlm.model.families.attach_gated_adapter("
-                    f"dlm.load_model(BASE), '{folder}') and save_pretrained() the result: a dlm folder every "
-                    f"command loads")
+    return DLMError(
+        f"'{folder}' is a LoRA adapter ({ADAPTER_CONFIG}), not a model (its base: {base or 'not named'}); "
+        f"attach it to the I-DLM it was trained on with dlm.model.families.attach_gated_adapter("
+        f"dlm.load_model(BASE), '{folder}') and save_pretrained() the result: a dlm folder every "
+        f"command loads"
+    )
 
 
 def attach_gated_adapter(dlm, folder: str | Path):
@@ -420,8 +519,10 @@ def attach_gated_adapter(dlm, folder: str | Path):
     if not cfg_path.is_file():
         raise DLMError(f"'{folder}' has no {ADAPTER_CONFIG}; give the folder of a PEFT LoRA adapter")
     if dlm.objective != "idlm":
-        raise DLMError(f"gated LoRA adapters act at mask positions of an I-DLM; this is a '{dlm.objective}' model: "
-                       f"load the I-DLM base")
+        raise DLMError(
+            f"gated LoRA adapters act at mask positions of an I-DLM; this is a '{dlm.objective}' model: "
+            f"load the I-DLM base"
+        )
     if get_gated(dlm) is not None:
         raise DLMError("this model has gated-LoRA adapters already")
     try:
@@ -433,8 +534,9 @@ def attach_gated_adapter(dlm, folder: str | Path):
     for key, plain in _PLAIN_LORA.items():
         value = cfg.get(key)
         if value not in (None, False, {}, [], "none") and value != plain:
-            raise DLMError(f"'{cfg_path}': '{key}' is {value!r}; dlm attaches plain LoRA adapters only "
-                           f"({key}={plain!r})")
+            raise DLMError(
+                f"'{cfg_path}': '{key}' is {value!r}; dlm attaches plain LoRA adapters only ({key}={plain!r})"
+            )
     r, alpha = cfg.get("r"), cfg.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
         raise DLMError(f"'{cfg_path}' needs an integer 'r' and a number 'lora_alpha' (got {r!r}, {alpha!r})")
@@ -448,12 +550,16 @@ def attach_gated_adapter(dlm, folder: str | Path):
     for key, t in state.items():
         m = re.match(r"^base_model\.model\.(.+)\.lora_([AB])(?:\.default)?\.weight$", key)
         if m is None:
-            raise DLMError(f"'{weights}': tensor '{key}' is not a LoRA A/B weight (embeddings, biases or other "
-                           f"trained modules are not part of a plain LoRA adapter)")
+            raise DLMError(
+                f"'{weights}': tensor '{key}' is not a LoRA A/B weight (embeddings, biases or other "
+                f"trained modules are not part of a plain LoRA adapter)"
+            )
         name = m.group(1)
         if name not in modules or not isinstance(modules[name], torch.nn.Linear):
-            raise DLMError(f"'{weights}': '{name}' is not a linear layer of {type(hf).__name__}; the adapter is for "
-                           f"another base model")
+            raise DLMError(
+                f"'{weights}': '{name}' is not a linear layer of {type(hf).__name__}; the adapter is for "
+                f"another base model"
+            )
         pairs.setdefault(name, {})[m.group(2)] = t
     names = sorted(pairs)
     for name in names:
@@ -462,8 +568,10 @@ def attach_gated_adapter(dlm, folder: str | Path):
         lin = modules[name]
         a, b = pairs[name]["A"], pairs[name]["B"]
         if tuple(a.shape) != (r, lin.in_features) or tuple(b.shape) != (lin.out_features, r):
-            raise DLMError(f"'{weights}': '{name}' has LoRA shapes {tuple(a.shape)}, {tuple(b.shape)}; the base "
-                           f"layer needs ({r}, {lin.in_features}) and ({lin.out_features}, {r})")
+            raise DLMError(
+                f"'{weights}': '{name}' has LoRA shapes {tuple(a.shape)}, {tuple(b.shape)}; the base "
+                f"layer needs ({r}, {lin.in_features}) and ({lin.out_features}, {r})"
+            )
     settings = LoraSettings(r=r, alpha=alpha, dropout=0.0, target_modules=names, gated=True)
     _attach_gated(dlm, settings, names)
     with torch.no_grad():

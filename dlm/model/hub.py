@@ -99,10 +99,14 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
 
         raise adapter_folder_error(path)
     if path.is_dir():
-        if not (path / "config.json").is_file() and not (path / "tokenizer.json").is_file() \
-                and not (path / "tokenizer_config.json").is_file():
-            raise DLMError(f"'{path}' is a folder but holds no config.json or tokenizer files of a "
-                           f"Hugging Face model/tokenizer")
+        if (
+            not (path / "config.json").is_file()
+            and not (path / "tokenizer.json").is_file()
+            and not (path / "tokenizer_config.json").is_file()
+        ):
+            raise DLMError(
+                f"'{path}' is a folder but holds no config.json or tokenizer files of a Hugging Face model/tokenizer"
+            )
         if (path / "config.json").is_file():  # a damaged config is an error naming it, wherever it is read
             from dlm.fsutil import read_json_file
 

@@ -88,8 +88,10 @@ def _target_names(model: nn.Module, target_modules) -> list[str]:
         elif any(name == t or name.endswith("." + t) for t in target_modules):
             names.append(name)
     if not names:
-        raise DLMError(f"LoRA target_modules {target_modules!r} matched no linear layer of "
-                       f"{type(model).__name__}; use 'all-linear' or names such as q_proj, v_proj")
+        raise DLMError(
+            f"LoRA target_modules {target_modules!r} matched no linear layer of "
+            f"{type(model).__name__}; use 'all-linear' or names such as q_proj, v_proj"
+        )
     return names
 
 
@@ -104,8 +106,9 @@ class _Adapter(nn.Module):
 class GatedLoRA(nn.Module):
     """Adapters + mask embedding of a gated-LoRA DiffusionLM; attach with :func:`prepare_model_for_lora`."""
 
-    def __init__(self, hf_model: nn.Module, mask_token_id: int, settings: LoraSettings,
-                 module_names: list[str] | None = None):
+    def __init__(
+        self, hf_model: nn.Module, mask_token_id: int, settings: LoraSettings, module_names: list[str] | None = None
+    ):
         super().__init__()
         self.settings = settings
         self.mask_token_id = int(mask_token_id)
@@ -116,8 +119,7 @@ class GatedLoRA(nn.Module):
         emb = hf_model.get_input_embeddings()
         for name in self.module_names:
             if name not in modules:
-                raise DLMError(f"gated LoRA adapter for '{name}' does not match a module of "
-                               f"{type(hf_model).__name__}")
+                raise DLMError(f"gated LoRA adapter for '{name}' does not match a module of {type(hf_model).__name__}")
             in_f, out_f = _linear_shape(modules[name])
             w = modules[name].weight
             self.adapters[name.replace(".", "__")] = _Adapter(in_f, out_f, settings.r, w.device, w.dtype)
@@ -143,8 +145,10 @@ class GatedLoRA(nn.Module):
         if input_ids is None and args:
             input_ids = args[0]
         if input_ids is None:
-            raise DLMError("a gated-LoRA model needs input_ids in every forward (the gate is input_ids == "
-                           "mask_token_id); inputs_embeds cannot be gated")
+            raise DLMError(
+                "a gated-LoRA model needs input_ids in every forward (the gate is input_ids == "
+                "mask_token_id); inputs_embeds cannot be gated"
+            )
         gate = input_ids == self.mask_token_id
         self._gate = gate
         # Per-forward facts every linear hook needs, computed once here instead of in each of the ~200 hooks
@@ -159,8 +163,7 @@ class GatedLoRA(nn.Module):
         # masks close the forward). Then each hook is one mm + one in-place addmm on a view of those rows
         # instead of gather / 2 mm / index_add: at batch 1 the per-hook op count is the cost (~200 hooks).
         self._span = None
-        if self._idx is not None and not torch.is_grad_enabled() and \
-                not (self.training and self.settings.dropout > 0):
+        if self._idx is not None and not torch.is_grad_enabled() and not (self.training and self.settings.dropout > 0):
             lo, hi = int(self._idx[0]), int(self._idx[-1]) + 1
             if hi - lo == n:
                 self._span = (lo, hi)
@@ -170,8 +173,10 @@ class GatedLoRA(nn.Module):
         if gate is None:
             return None
         if gate.shape != x.shape[:2]:
-            raise DLMError(f"gated LoRA: gate shape {tuple(gate.shape)} does not match activations "
-                           f"{tuple(x.shape[:2])}; call the model with input_ids")
+            raise DLMError(
+                f"gated LoRA: gate shape {tuple(gate.shape)} does not match activations "
+                f"{tuple(x.shape[:2])}; call the model with input_ids"
+            )
         return gate
 
     def _embed_hook(self, module, args, out):
@@ -191,8 +196,9 @@ class GatedLoRA(nn.Module):
                 # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
                 delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
                 return torch.where(gate[..., None], out + delta.to(out.dtype), out)
-            if out.is_contiguous() and self.span_delta(adapter, x.reshape(-1, x.shape[-1]),
-                                                       out.view(-1, out.shape[-1])):
+            if out.is_contiguous() and self.span_delta(
+                adapter, x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
+            ):
                 return out
             # Few masks (decoding): compute the delta on the gated rows only.
             idx = self._idx
@@ -264,8 +270,9 @@ def prepare_model_for_lora(dlm, config):
     if not s.gated:
         from peft import LoraConfig, get_peft_model
 
-        peft_config = LoraConfig(r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout,
-                                 target_modules=s.target_modules, task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=s.target_modules, task_type="CAUSAL_LM"
+        )
         dlm.model = get_peft_model(dlm.model, peft_config)
         return dlm
     return _attach_gated(dlm, s)
@@ -302,8 +309,11 @@ def save_model_folder(dlm, path: Path, merge_lora: bool = True) -> None:
         finally:
             if hasattr(model.config, CONFIG_KEY):
                 delattr(model.config, CONFIG_KEY)
-        save_file({k: v.cpu() for k, v in gated.adapter_state().items()}, str(path / ADAPTER_FILE),
-                  metadata={"format": "dlm-gated-lora"})
+        save_file(
+            {k: v.cpu() for k, v in gated.adapter_state().items()},
+            str(path / ADAPTER_FILE),
+            metadata={"format": "dlm-gated-lora"},
+        )
     else:
         model.save_pretrained(path)
 
@@ -314,8 +324,10 @@ def load_adapters_if_any(dlm, folder: Path) -> None:
     entry = getattr(dlm.hf_config, CONFIG_KEY, None)
     if not file.is_file():
         if entry is not None:
-            raise DLMError(f"'{folder}/config.json' declares gated-LoRA adapters ({CONFIG_KEY}) but "
-                           f"{ADAPTER_FILE} is missing; copy the whole checkpoint folder")
+            raise DLMError(
+                f"'{folder}/config.json' declares gated-LoRA adapters ({CONFIG_KEY}) but "
+                f"{ADAPTER_FILE} is missing; copy the whole checkpoint folder"
+            )
         return
     if entry is None:
         raise DLMError(f"'{file}' exists but config.json has no '{CONFIG_KEY}' entry; the folder is incomplete")

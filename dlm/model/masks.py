@@ -22,15 +22,28 @@ Common options:
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 __all__ = [
-    "MaskMod", "causal", "full", "annealed", "block_diffusion", "introspective", "introspective_cached",
-    "dense", "block_mask", "build", "rows_from", "decode_mask", "doc_positions", "draw_anneal", "render",
+    "MaskMod",
+    "causal",
+    "full",
+    "annealed",
+    "block_diffusion",
+    "introspective",
+    "introspective_cached",
+    "dense",
+    "block_mask",
+    "build",
+    "rows_from",
+    "decode_mask",
+    "doc_positions",
+    "draw_anneal",
+    "render",
 ]
 
 
@@ -76,11 +89,11 @@ def _blocks(L: int, block_size: int, doc_ids: torch.Tensor | None, device=None) 
 def causal(doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None) -> MaskMod:
     """Ordinary causal attention, ``kv <= q``. L = 4::
 
-        q\\k 0 1 2 3
-        0    x . . .
-        1    x x . .
-        2    x x x .
-        3    x x x x
+    q\\k 0 1 2 3
+    0    x . . .
+    1    x x . .
+    2    x x x .
+    3    x x x x
     """
 
     def base(b, h, q_idx, kv_idx):
@@ -92,10 +105,10 @@ def causal(doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None =
 def full(doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None) -> MaskMod:
     """Full bidirectional attention (MDM sampling/evaluation, annealing finished). L = 3::
 
-        q\\k 0 1 2
-        0    x x x
-        1    x x x
-        2    x x x
+    q\\k 0 1 2
+    0    x x x
+    1    x x x
+    2    x x x
     """
 
     def base(b, h, q_idx, kv_idx):
@@ -115,8 +128,15 @@ def draw_anneal(L: int, p: float, generator: torch.Generator | None = None, devi
     return draw.to(device) if device is not None else draw
 
 
-def annealed(L: int, p: float, generator: torch.Generator | None = None, doc_ids: torch.Tensor | None = None,
-             key_valid: torch.Tensor | None = None, draw: torch.Tensor | None = None, device=None) -> MaskMod:
+def annealed(
+    L: int,
+    p: float,
+    generator: torch.Generator | None = None,
+    doc_ids: torch.Tensor | None = None,
+    key_valid: torch.Tensor | None = None,
+    draw: torch.Tensor | None = None,
+    device=None,
+) -> MaskMod:
     """DiffuLLaMA annealed attention: ``allowed(i, j) = (j <= i) OR Bernoulli(p)`` (docs/algorithms.md#annealed-attention).
 
     One ``[L, L]`` Bernoulli draw per call from ``generator`` (or pass ``draw``), shared by batch, heads and
@@ -137,19 +157,20 @@ def annealed(L: int, p: float, generator: torch.Generator | None = None, doc_ids
     return _wrap(base, None, doc_ids, key_valid)
 
 
-def block_diffusion(L: int, block_size: int, doc_ids: torch.Tensor | None = None,
-                    key_valid: torch.Tensor | None = None, device=None) -> MaskMod:
+def block_diffusion(
+    L: int, block_size: int, doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None, device=None
+) -> MaskMod:
     """BD3-LM / SDAR training mask over ``[x_t | x0]`` (length 2L, docs/algorithms.md#block-diffusion). L = 4, b = 2 (n = noisy, c = clean)::
 
-               n0 n1 n2 n3 | c0 c1 c2 c3
-        n0      x  x  .  . |  .  .  .  .     noisy -> noisy: same block, bidirectional
-        n1      x  x  .  . |  .  .  .  .
-        n2      .  .  x  x |  x  x  .  .     noisy -> clean: blocks strictly before
-        n3      .  .  x  x |  x  x  .  .
-        c0      .  .  .  . |  x  x  .  .     clean -> clean: block-causal
-        c1      .  .  .  . |  x  x  .  .
-        c2      .  .  .  . |  x  x  x  x
-        c3      .  .  .  . |  x  x  x  x
+           n0 n1 n2 n3 | c0 c1 c2 c3
+    n0      x  x  .  . |  .  .  .  .     noisy -> noisy: same block, bidirectional
+    n1      x  x  .  . |  .  .  .  .
+    n2      .  .  x  x |  x  x  .  .     noisy -> clean: blocks strictly before
+    n3      .  .  x  x |  x  x  .  .
+    c0      .  .  .  . |  x  x  .  .     clean -> clean: block-causal
+    c1      .  .  .  . |  x  x  .  .
+    c2      .  .  .  . |  x  x  x  x
+    c3      .  .  .  . |  x  x  x  x
     """
     blk = _blocks(L, block_size, doc_ids, device)
 
@@ -165,8 +186,9 @@ def block_diffusion(L: int, block_size: int, doc_ids: torch.Tensor | None = None
     return _wrap(base, L, doc_ids, key_valid)
 
 
-def introspective(L: int, block_size: int = 1, doc_ids: torch.Tensor | None = None,
-                  key_valid: torch.Tensor | None = None, device=None) -> MaskMod:
+def introspective(
+    L: int, block_size: int = 1, doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None, device=None
+) -> MaskMod:
     """I-DLM training mask over ``[x_t | x0]`` (length 2L, docs/algorithms.md#idlm item 4). L = 4, b = 2::
 
                n0 n1 n2 n3 | c0 c1 c2 c3
@@ -195,8 +217,9 @@ def introspective(L: int, block_size: int = 1, doc_ids: torch.Tensor | None = No
     return _wrap(base, L, doc_ids, key_valid)
 
 
-def introspective_cached(L: int, block_size: int = 1, doc_ids: torch.Tensor | None = None,
-                         key_valid: torch.Tensor | None = None, device=None) -> MaskMod:
+def introspective_cached(
+    L: int, block_size: int = 1, doc_ids: torch.Tensor | None = None, key_valid: torch.Tensor | None = None, device=None
+) -> MaskMod:
     """The noisy rows of :func:`introspective` with the clean half already in a KV cache: ``L x 2L``.
 
     Keys are ``[clean cache (L) | noisy (L)]`` (cache first, as transformers appends new keys after the cache);
@@ -249,8 +272,9 @@ def block_mask(mask_mod: MaskMod, B: int, Q: int, K: int | None = None, device=N
     from torch.nn.attention.flex_attention import create_block_mask
 
     K = Q if K is None else K
-    return create_block_mask(mask_mod, B, None, Q, K, device=device if device is not None else "cpu",
-                             BLOCK_SIZE=block_size)
+    return create_block_mask(
+        mask_mod, B, None, Q, K, device=device if device is not None else "cpu", BLOCK_SIZE=block_size
+    )
 
 
 def build(mask_mod: MaskMod, B: int, Q: int, K: int | None = None, device=None, attn_impl: str | None = None):

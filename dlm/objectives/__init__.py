@@ -15,9 +15,13 @@ if TYPE_CHECKING:  # the objectives import torch: loaded on first use, so the co
     from dlm.objectives.base import Objective, ObjectiveOutput
 
 OBJECTIVE_NAMES = tuple(CONFIGS)  # ("mdm", "block", "idlm")
-_LAZY = {"Objective": "dlm.objectives.base", "ObjectiveOutput": "dlm.objectives.base",
-         "MDMObjective": "dlm.objectives.mdm", "BlockObjective": "dlm.objectives.block",
-         "IDLMObjective": "dlm.objectives.idlm"}
+_LAZY = {
+    "Objective": "dlm.objectives.base",
+    "ObjectiveOutput": "dlm.objectives.base",
+    "MDMObjective": "dlm.objectives.mdm",
+    "BlockObjective": "dlm.objectives.block",
+    "IDLMObjective": "dlm.objectives.idlm",
+}
 
 
 def _objectives() -> dict[str, type]:
@@ -55,5 +59,14 @@ def config_class(name: str) -> type:
     return CONFIGS[name]
 
 
-__all__ = ["OBJECTIVES", "OBJECTIVE_NAMES", "Objective", "ObjectiveOutput", "get_objective", "config_class",
-           "MDMConfig", "BlockConfig", "IDLMConfig"]
+__all__ = [
+    "OBJECTIVES",
+    "OBJECTIVE_NAMES",
+    "Objective",
+    "ObjectiveOutput",
+    "get_objective",
+    "config_class",
+    "MDMConfig",
+    "BlockConfig",
+    "IDLMConfig",
+]

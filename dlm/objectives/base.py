@@ -78,15 +78,15 @@ class Objective:
         fields = {f.name for f in dataclasses.fields(self.Config)}
         unknown = sorted(set(config) - fields)
         if unknown:
-            raise DLMError(f"unknown setting(s) {unknown} for objective '{self.name}': valid ones are "
-                           f"{sorted(fields)}")
+            raise DLMError(f"unknown setting(s) {unknown} for objective '{self.name}': valid ones are {sorted(fields)}")
         self.config = self.Config(**config)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.config})"
 
-    def __call__(self, model, batch: dict, step: int = 0,
-                 generator: torch.Generator | None = None) -> ObjectiveOutput:  # pragma: no cover
+    def __call__(
+        self, model, batch: dict, step: int = 0, generator: torch.Generator | None = None
+    ) -> ObjectiveOutput:  # pragma: no cover
         raise NotImplementedError
 
     # -- checks shared by the objectives ----------------------------------------------------------------------
@@ -103,47 +103,60 @@ class Objective:
         caller can run without one, i.e. full attention through ``is_causal=False``)."""
         objective = model.objective
         if objective != self.name:
-            raise DLMError(f"the model was converted for objective '{objective}' but training uses "
-                           f"'{self.name}'; convert it with `dlm convert --objective {self.name}` or train with "
-                           f"objective: {objective}")
+            raise DLMError(
+                f"the model was converted for objective '{objective}' but training uses "
+                f"'{self.name}'; convert it with `dlm convert --objective {self.name}` or train with "
+                f"objective: {objective}"
+            )
         attn = getattr(model.hf_config, "_attn_implementation", None)
         maskable = attn in masks_ok()
         if not maskable and not unmasked_ok:
-            raise DLMError(f"attention implementation '{attn}' of {type(model.base_model_hf).__name__} cannot take "
-                           f"the custom attention masks objective '{self.name}' needs; load the model with "
-                           f"attn_implementation='sdpa' (or 'eager' / 'flex_attention')")
+            raise DLMError(
+                f"attention implementation '{attn}' of {type(model.base_model_hf).__name__} cannot take "
+                f"the custom attention masks objective '{self.name}' needs; load the model with "
+                f"attn_implementation='sdpa' (or 'eager' / 'flex_attention')"
+            )
         limit = model.max_positions
         if limit is not None and L > limit:
-            raise DLMError(f"sequence length {L} is longer than the model's {limit} positions "
-                           f"(max_position_embeddings); use a block/sequence length of at most {limit}")
+            raise DLMError(
+                f"sequence length {L} is longer than the model's {limit} positions "
+                f"(max_position_embeddings); use a block/sequence length of at most {limit}"
+            )
         return maskable
 
     @staticmethod
     def attn_mask(model, mask_mod, B: int, Q: int, K: int | None = None):
         """``mask_mod`` in the form the model's attention implementation takes (dense for SDPA/eager, a
         ``BlockMask`` for flex attention)."""
-        return masks.build(mask_mod, B, Q, K, device=model.device,
-                           attn_impl=getattr(model.hf_config, "_attn_implementation", None))
+        return masks.build(
+            mask_mod, B, Q, K, device=model.device, attn_impl=getattr(model.hf_config, "_attn_implementation", None)
+        )
 
     def resolve_block_size(self, model, block_size: int | None) -> int:
         ckpt = model.block_size
         if block_size is None:
             if ckpt is None:
-                raise DLMError(f"objective '{self.name}' needs block_size and the checkpoint has none; "
-                               f"convert with `dlm convert --objective {self.name} --block-size B`")
+                raise DLMError(
+                    f"objective '{self.name}' needs block_size and the checkpoint has none; "
+                    f"convert with `dlm convert --objective {self.name} --block-size B`"
+                )
             return int(ckpt)
         if not isinstance(block_size, int) or block_size < 1:
             raise DLMError(f"block_size must be a positive integer, got {block_size!r}")
         if ckpt is not None and int(ckpt) != block_size:
-            raise DLMError(f"block_size {block_size} does not match the checkpoint's block_size {ckpt} "
-                           f"(config.json); set block_size: {ckpt} or re-convert with --block-size {block_size}")
+            raise DLMError(
+                f"block_size {block_size} does not match the checkpoint's block_size {ckpt} "
+                f"(config.json); set block_size: {ckpt} or re-convert with --block-size {block_size}"
+            )
         return block_size
 
     @staticmethod
     def resolve_shift(model, shift: bool | None) -> bool:
         if shift is not None and bool(shift) != model.shift:
-            raise DLMError(f"shift={shift} does not match the checkpoint's shift={model.shift} (config.json); "
-                           f"drop the setting or re-convert with --{'no-' if not shift else ''}shift")
+            raise DLMError(
+                f"shift={shift} does not match the checkpoint's shift={model.shift} (config.json); "
+                f"drop the setting or re-convert with --{'no-' if not shift else ''}shift"
+            )
         return model.shift
 
 
@@ -161,8 +174,10 @@ def prepare_batch(batch: dict, device) -> Batch:
     input_ids = batch["input_ids"].to(device)
     labels = batch["labels"].to(device)
     if input_ids.dim() != 2 or labels.shape != input_ids.shape:
-        raise DLMError(f"batch input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be "
-                       f"[B, L] (labels aligned with input_ids, not shifted)")
+        raise DLMError(
+            f"batch input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be "
+            f"[B, L] (labels aligned with input_ids, not shifted)"
+        )
     doc_ids = batch.get("doc_ids")
     doc_ids = doc_ids.to(device).long() if doc_ids is not None else None
     key_valid = batch.get("attention_mask")

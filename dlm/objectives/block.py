@@ -13,10 +13,10 @@ import time
 
 import torch
 
-from dlm.objectives.configs import BlockConfig
 from dlm.model import masks
 from dlm.objectives import schedules
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, token_ce, zero_loss
+from dlm.objectives.configs import BlockConfig
 from dlm.objectives.mdm import score_positions, weighted_loss
 
 
@@ -49,8 +49,9 @@ class BlockObjective(Objective):
             t_blocks = schedules.sample_t((B, L), c.eps, c.antithetic, generator, model.device)
             t_tok = t_blocks.gather(1, block_run_ids(b.positions, bs))
         x_t, masked = schedules.mask_tokens(b.input_ids, trainable, t_tok, model.mask_token_id, generator)
-        attn = self.attn_mask(model, masks.block_diffusion(L, bs, b.doc_ids, b.key_valid, device=model.device), B,
-                              2 * L)
+        attn = self.attn_mask(
+            model, masks.block_diffusion(L, bs, b.doc_ids, b.key_valid, device=model.device), B, 2 * L
+        )
         where, targets = score_positions(masked, b.labels, shift, next_ok)
         if shift:  # the weight of a scored pair is the t of the masked token it predicts
             w_tok = torch.ones_like(t_tok)
@@ -59,13 +60,13 @@ class BlockObjective(Objective):
             w_tok = t_tok
         build_s = time.perf_counter() - t_build
 
-        logits = model(input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn,
-                       position_ids=b.positions.repeat(1, 2)).logits
+        logits = model(
+            input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn, position_ids=b.positions.repeat(1, 2)
+        ).logits
         noisy = logits[:, :L]
         ce = token_ce(noisy, targets, where)
         n_masked, n_all = int(where.sum()), int(trainable.sum())
-        loss = weighted_loss(ce, 1.0 / w_tok[where], n_masked, n_all, c.normalize) if n_masked \
-            else zero_loss(logits)
+        loss = weighted_loss(ce, 1.0 / w_tok[where], n_masked, n_all, c.normalize) if n_masked else zero_loss(logits)
         parts = {
             "ce": float(ce.detach().mean()) if n_masked else 0.0,
             "t_mean": float(t_tok[trainable].mean()) if n_all else 0.0,

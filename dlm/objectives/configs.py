@@ -23,11 +23,15 @@ class MDMConfig:
 
     eps: float = opt(1e-3, "smallest masking ratio t (t ~ U(eps, 1))")
     antithetic: bool = opt(False, "stratified t across the batch (lower-variance loss)")
-    normalize: str = opt("masked", "loss divisor: masked tokens (DiffuLLaMA) or all tokens (MDLM)",
-                         choices=("masked", "all"))
+    normalize: str = opt(
+        "masked", "loss divisor: masked tokens (DiffuLLaMA) or all tokens (MDLM)", choices=("masked", "all")
+    )
     shift: bool | None = opt(None, "logit i-1 scores position i (DiffuLLaMA); None: the checkpoint's")
-    attention: str = opt("annealed", "attention during training: annealed causal-to-full, or full from step 0",
-                         choices=("annealed", "full"))
+    attention: str = opt(
+        "annealed",
+        "attention during training: annealed causal-to-full, or full from step 0",
+        choices=("annealed", "full"),
+    )
     anneal_steps: int = opt(1000, "steps over which annealed attention opens to full", unit="optimizer steps")
 
     def __post_init__(self):
@@ -60,11 +64,14 @@ class IDLMConfig:
     block_size: int | None = opt(None, BLOCK_SIZE_HELP)
     ce_alpha: float = opt(0.2, "weight of the clean pass's causal CE next to the masks' CE")
     loss_auto_balance: bool = opt(False, "scale the clean CE to the noisy CE's magnitude each step (I-DLM b3)")
-    idlm_loss_type: str = opt("ar", "masks learn hard labels (ar) or the clean pass's soft distribution (distill)",
-                              choices=("ar", "distill"))
+    idlm_loss_type: str = opt(
+        "ar", "masks learn hard labels (ar) or the clean pass's soft distribution (distill)", choices=("ar", "distill")
+    )
     distill_temperature: float = opt(1.0, "temperature of the soft targets (distill)")
-    fast_path: bool | None = opt(None, "None/True: the clean pass once, then the noisy pass on its cache (faster); "
-                                       "False: one forward over [x_t | x0]")
+    fast_path: bool | None = opt(
+        None,
+        "None/True: the clean pass once, then the noisy pass on its cache (faster); False: one forward over [x_t | x0]",
+    )
 
     def __post_init__(self):
         check_choices(self, "idlm")

@@ -37,11 +37,11 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from dlm.errors import DLMError
-from dlm.objectives.configs import IDLMConfig
 from dlm.model import masks
 from dlm.model.convert import cache_kw
 from dlm.model.lora import get_gated
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, upcast, zero_loss
+from dlm.objectives.configs import IDLMConfig
 
 
 def build_noisy(input_ids: torch.Tensor, targets: torch.Tensor, mask_token_id: int):
@@ -66,8 +66,10 @@ class IDLMObjective(Objective):
         b, t_build, _ = self.start(model, batch)
         B, L = b.shape
         if not model.shift:
-            raise DLMError("objective 'idlm' needs a shifted checkpoint (config.json shift: true); re-convert "
-                           "with `dlm convert --objective idlm`")
+            raise DLMError(
+                "objective 'idlm' needs a shifted checkpoint (config.json shift: true); re-convert "
+                "with `dlm convert --objective idlm`"
+            )
         bs = self.resolve_block_size(model, c.block_size)
         targets = b.shifted_targets()  # [B, L]
         x_t, noisy = build_noisy(b.input_ids, targets, model.mask_token_id)
@@ -103,20 +105,21 @@ class IDLMObjective(Objective):
             with torch.no_grad() if gated else contextlib.nullcontext():
                 out = model(input_ids=b.input_ids, attention_mask=clean_attn, position_ids=pos, use_cache=True, **kv)
             clean_logits = out.logits
-            sub = model(input_ids=x_t[:, start:], attention_mask=noisy_attn, position_ids=pos[:, start:],
-                        use_cache=False, **kv).logits
+            sub = model(
+                input_ids=x_t[:, start:], attention_mask=noisy_attn, position_ids=pos[:, start:], use_cache=False, **kv
+            ).logits
             noisy_logits, noisy_sel = sub, noisy[:, start:]  # all masks are at >= start
         else:
             attn = self.attn_mask(model, masks.introspective(L, bs, b.doc_ids, b.key_valid, device=dev), B, 2 * L)
             build_s = time.perf_counter() - t_build
-            logits = model(input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn,
-                           position_ids=pos.repeat(1, 2)).logits
+            logits = model(
+                input_ids=torch.cat([x_t, b.input_ids], 1), attention_mask=attn, position_ids=pos.repeat(1, 2)
+            ).logits
             noisy_logits, clean_logits = logits[:, :L], logits[:, L:]
             noisy_sel = noisy
         if n == 0:
             z = zero_loss(noisy_logits)
-            return ObjectiveOutput(loss=z, parts={"ce_noisy": 0.0, "ce_clean": 0.0, "build_s": build_s},
-                                   num_tokens=0)
+            return ObjectiveOutput(loss=z, parts={"ce_noisy": 0.0, "ce_clean": 0.0, "build_s": build_s}, num_tokens=0)
 
         sel_clean = _select(clean_logits, noisy)  # [n, V]: every trained target
         sel_noisy = upcast(_select(noisy_logits, noisy_sel))  # [n, V], same order as sel_clean
@@ -143,13 +146,15 @@ class IDLMObjective(Objective):
             guess = sel_noisy.argmax(-1)
             agree = (guess == sel_clean.argmax(-1)).float().mean()
             acc = (guess == tgt).float().mean()
-        parts.update({
-            "ce_noisy": float(ce_noisy.detach()),
-            "ce_noisy_hard": float(ce_noisy_hard.detach()),
-            "ce_clean": float(ce_clean.detach()),
-            "scale": float(scale),
-            "mask_greedy_agree": float(agree),
-            "mask_acc": float(acc),
-            "build_s": build_s,
-        })
+        parts.update(
+            {
+                "ce_noisy": float(ce_noisy.detach()),
+                "ce_noisy_hard": float(ce_noisy_hard.detach()),
+                "ce_clean": float(ce_clean.detach()),
+                "scale": float(scale),
+                "mask_greedy_agree": float(agree),
+                "mask_acc": float(acc),
+                "build_s": build_s,
+            }
+        )
         return ObjectiveOutput(loss=loss, parts=parts, num_tokens=n)

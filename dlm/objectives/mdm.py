@@ -18,10 +18,10 @@ import time
 import torch
 
 from dlm.errors import DLMError
-from dlm.objectives.configs import MDMConfig
 from dlm.model import masks
 from dlm.objectives import schedules
 from dlm.objectives.base import IGNORE, Objective, ObjectiveOutput, token_ce, zero_loss
+from dlm.objectives.configs import MDMConfig
 
 
 def weighted_loss(ce: torch.Tensor, weight: torch.Tensor, n_masked: int, n_all: int, normalize: str):
@@ -51,9 +51,11 @@ class MDMObjective(Objective):
         B, L = b.shape
         if not maskable and (b.doc_ids is not None or b.key_valid is not None):
             attn_impl = getattr(model.hf_config, "_attn_implementation", None)
-            raise DLMError(f"attention implementation '{attn_impl}' cannot take a custom mask, so packed rows "
-                           f"(doc_ids) and padding cannot be kept apart; use attn_implementation='sdpa' or "
-                           f"unpadded, unpacked rows")
+            raise DLMError(
+                f"attention implementation '{attn_impl}' cannot take a custom mask, so packed rows "
+                f"(doc_ids) and padding cannot be kept apart; use attn_implementation='sdpa' or "
+                f"unpadded, unpacked rows"
+            )
         shift = self.resolve_shift(model, c.shift)
         trainable = b.labels != IGNORE
         next_ok = b.same_doc_next()

@@ -11,8 +11,9 @@ def _rand(shape, generator: torch.Generator | None, device) -> torch.Tensor:
     return torch.rand(shape, generator=generator, device=gen_device).to(device)
 
 
-def sample_t(shape, eps: float = 1e-3, antithetic: bool = False, generator: torch.Generator | None = None,
-             device=None) -> torch.Tensor:
+def sample_t(
+    shape, eps: float = 1e-3, antithetic: bool = False, generator: torch.Generator | None = None, device=None
+) -> torch.Tensor:
     """Noise levels ``t = (1 - eps) * u + eps`` with ``u ~ U(0, 1)`` (linear schedule alpha_t = 1 - t).
 
     ``antithetic``: stratified draws over the first dimension, ``u_i = (u_0 + i / n) mod 1`` (one uniform
@@ -36,8 +37,13 @@ def anneal_p(step: int, anneal_steps: int) -> float:
     return min(1.0, (step + 1) / anneal_steps)
 
 
-def mask_tokens(input_ids: torch.Tensor, maskable: torch.Tensor, t: torch.Tensor, mask_token_id: int,
-                generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mask_tokens(
+    input_ids: torch.Tensor,
+    maskable: torch.Tensor,
+    t: torch.Tensor,
+    mask_token_id: int,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Replace each maskable token by the mask id independently with probability ``t`` (broadcast to [B, L]).
 
     Returns ``(x_t, masked)``.

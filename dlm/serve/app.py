@@ -12,7 +12,6 @@ Typical use::
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or: with ServerThread(app) as srv: srv.url
 """
 
-
 import asyncio
 import hmac
 import json
@@ -25,12 +24,22 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from dlm.errors import DLMError, require
-from dlm.serve.schemas import (APIError, ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest,
-                               ErrorResponse, Health, ModelCard, ModelList, error_body)
+from dlm.serve.schemas import (
+    APIError,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    error_body,
+)
 
 log = logging.getLogger("dlm.serve")
 
-KEEPALIVE_S = 5.0        # an SSE comment this often while a stream waits (also notices dead clients)
+KEEPALIVE_S = 5.0  # an SSE comment this often while a stream waits (also notices dead clients)
 DISCONNECT_POLL_S = 0.5  # non-streaming requests check for a gone client this often
 
 
@@ -40,7 +49,7 @@ class ServeSettings:
 
     model_name: str = "dlm"
     max_tokens_limit: int = 1024
-    completion_default_max_tokens: int = 16   # OpenAI's default for /v1/completions
+    completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
 
@@ -54,10 +63,20 @@ class ServeSettings:
 
 
 # -- model + engine -------------------------------------------------------------------------------------------
-def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_batch_size: int = 16,
-                device: str | None = None, dtype: str | None = None, draft: str = "sample",
-                isd_token_budget: int | str | None = None, fallback: str | None = None,
-                candidates: int | None = None, threads=None, **diffusion_kw):
+def load_engine(
+    model: str,
+    decode: str = "isd",
+    stride: int | None = None,
+    max_batch_size: int = 16,
+    device: str | None = None,
+    dtype: str | None = None,
+    draft: str = "sample",
+    isd_token_budget: int | str | None = None,
+    fallback: str | None = None,
+    candidates: int | None = None,
+    threads=None,
+    **diffusion_kw,
+):
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` for ``decode``. ``isd_token_budget``: ISD drafts only while running rows x
@@ -75,22 +94,40 @@ def load_engine(model: str, decode: str = "isd", stride: int | None = None, max_
     if not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise DLMError(f"--max-batch-size must be a positive integer, got {max_batch_size}")
     # bad values fail before the model loads
-    check_isd_flags(decode, {"stride": stride, "isd-token-budget": isd_token_budget, "isd-fallback": fallback,
-                             "isd-candidates": candidates}, stride=stride)
+    check_isd_flags(
+        decode,
+        {
+            "stride": stride,
+            "isd-token-budget": isd_token_budget,
+            "isd-fallback": fallback,
+            "isd-candidates": candidates,
+        },
+        stride=stride,
+    )
     extra = {k for k, v in diffusion_kw.items() if v is not None} - set(decoder_options(decode))
     if extra:
         flags = ", ".join("--" + ("sampler" if k == "method" else k.replace("_", "-")) for k in sorted(extra))
-        raise DLMError(f"{flags}: not a setting of --decode {decode} (mdm takes --sampler, --steps, --threshold, "
-                       f"--block-length; block takes --steps, --threshold)")
+        raise DLMError(
+            f"{flags}: not a setting of --decode {decode} (mdm takes --sampler, --steps, --threshold, "
+            f"--block-length; block takes --steps, --threshold)"
+        )
     if isd_token_budget is not None:
         from dlm.decode.schedule import make_policy
 
         make_policy(isd_token_budget, stride or 2)  # a bad value fails before the model loads
     dev = get_device(device)
-    dlm = load_any(model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"),
-                   dtype=get_dtype(dtype, dev), device=dev)
-    kw = decoder_options(decode, stride=stride, draft=draft, token_budget=isd_token_budget, fallback=fallback,
-                         candidates=candidates, **{k: v for k, v in diffusion_kw.items() if v is not None})
+    dlm = load_any(
+        model, convert_to={"mdm": "mdm", "block": "block"}.get(decode, "idlm"), dtype=get_dtype(dtype, dev), device=dev
+    )
+    kw = decoder_options(
+        decode,
+        stride=stride,
+        draft=draft,
+        token_budget=isd_token_budget,
+        fallback=fallback,
+        candidates=candidates,
+        **{k: v for k, v in diffusion_kw.items() if v is not None},
+    )
     return Engine(dlm, dlm.tokenizer, decoder=decode, max_batch_size=max_batch_size, threads=threads, **kw)
 
 
@@ -129,12 +166,12 @@ class TextStream:
         safe -= self._hold(text[:safe])
         if safe <= self.sent:
             return ""
-        delta, self.sent = text[self.sent:safe], safe
+        delta, self.sent = text[self.sent : safe], safe
         return delta
 
     def finish(self, final_text: str | None) -> str:
         final_text = final_text or ""
-        tail = final_text[self.sent:] if len(final_text) > self.sent else ""
+        tail = final_text[self.sent :] if len(final_text) > self.sent else ""
         self.sent = max(self.sent, len(final_text))
         return tail
 
@@ -184,12 +221,10 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         first = errs[0] if errs else {}
         if first.get("type") == "json_invalid":
             ctx = first.get("ctx", {}).get("error", "")
-            return error(400, f"the request body is not valid JSON ({ctx}); send a JSON object",
-                         code="invalid_json")
+            return error(400, f"the request body is not valid JSON ({ctx}); send a JSON object", code="invalid_json")
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         # drop pydantic's union-member tags (e.g. 'str', 'list[int]') from the field path
-        path = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float",
-                                                                                           "bool"))
+        path = ".".join(p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int", "float", "bool"))
         msg = first.get("msg", "invalid value")
         if not loc:
             message = f"the request body must be a JSON object with the API's fields ({msg})"
@@ -204,8 +239,10 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         status = exc.status_code
         msg = str(exc.detail) if exc.detail else "error"
         if status == 404:
-            msg = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
-                  f"/v1/chat/completions, /health, /metrics"
+            msg = (
+                f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, "
+                f"/v1/chat/completions, /health, /metrics"
+            )
         return error(status, msg)
 
     @app.exception_handler(Exception)
@@ -221,24 +258,38 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         waiting, running = scheduler.load()
         return {"status": "ok", "model": settings.model_name, "waiting": waiting, "running": running}
 
-    @app.get("/metrics", response_model=None, response_class=PlainTextResponse,
-             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
-                              "description": "Prometheus text format"}})
+    @app.get(
+        "/metrics",
+        response_model=None,
+        response_class=PlainTextResponse,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"}
+        },
+    )
     async def get_metrics():
         waiting, running = scheduler.load()
         metrics.set_load(waiting, running)
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
 
     def model_card():
-        return {"id": settings.model_name, "object": "model", "created": created, "owned_by": "dlm",
-                "max_model_len": engine.max_positions, "decoder": engine.decoder.name}
+        return {
+            "id": settings.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "dlm",
+            "max_model_len": engine.max_positions,
+            "decoder": engine.decoder.name,
+        }
 
     @app.get("/v1/models", response_model=None, responses={200: {"model": ModelList}})
     async def list_models():
         return {"object": "list", "data": [model_card()]}
 
-    @app.get("/v1/models/{model_id:path}", response_model=None,
-             responses={200: {"model": ModelCard}, 404: {"model": ErrorResponse}})
+    @app.get(
+        "/v1/models/{model_id:path}",
+        response_model=None,
+        responses={200: {"model": ModelCard}, 404: {"model": ErrorResponse}},
+    )
     async def get_model(model_id: str):
         check_model(model_id)
         return model_card()
@@ -246,8 +297,12 @@ def create_app(scheduler, settings: ServeSettings | None = None):
     # -- request -> engine requests -------------------------------------------------------------------------
     def check_model(name: str) -> None:
         if name != settings.model_name:
-            raise APIError(404, f"the model '{name}' does not exist here; this server serves "
-                                f"'{settings.model_name}' (see /v1/models)", param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist here; this server serves '{settings.model_name}' (see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
 
     def check_common(body, max_tokens: int | None, default_max: int) -> int:
         check_model(body.model)
@@ -257,24 +312,33 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         if max_tokens is None:
             return default_max
         if max_tokens > settings.max_tokens_limit:
-            raise APIError(400, f"max_tokens={max_tokens} is over this server's limit of "
-                                f"{settings.max_tokens_limit} (--max-tokens-limit); ask for fewer tokens",
-                           param="max_tokens", code="invalid_value")
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} is over this server's limit of "
+                f"{settings.max_tokens_limit} (--max-tokens-limit); ask for fewer tokens",
+                param="max_tokens",
+                code="invalid_value",
+            )
         return max_tokens
 
     def check_prompt(ids: list[int], param: str = "prompt") -> list[int]:
         if not ids:
             raise APIError(400, "the prompt is empty (0 tokens); send some text", param=param)
         if len(ids) >= engine.max_positions:
-            raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context is "
-                                f"{engine.max_positions}; shorten it to at most {engine.max_positions - 1} tokens",
-                           param=param, code="context_length_exceeded")
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens but the model's context is "
+                f"{engine.max_positions}; shorten it to at most {engine.max_positions - 1} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{vocab - 1})", param=param)
         if engine.mask_token_id is not None and engine.mask_token_id in ids:
-            raise APIError(400, f"the prompt contains the model's mask token (id {engine.mask_token_id}); "
-                                f"remove it", param=param)
+            raise APIError(
+                400, f"the prompt contains the model's mask token (id {engine.mask_token_id}); remove it", param=param
+            )
         return ids
 
     def encode(text: str) -> list[int]:
@@ -284,11 +348,15 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         from dlm.decode.sampling import SamplingParams
 
         seed = None if body.seed is None else body.seed + choice
-        return SamplingParams(max_new_tokens=max_tokens,
-                              temperature=1.0 if body.temperature is None else float(body.temperature),
-                              top_p=1.0 if body.top_p is None else float(body.top_p),
-                              top_k=max(body.top_k or 0, 0), seed=seed, stop_strings=tuple(body.stop_list()),
-                              ignore_eos=body.ignore_eos)
+        return SamplingParams(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if body.temperature is None else float(body.temperature),
+            top_p=1.0 if body.top_p is None else float(body.top_p),
+            top_k=max(body.top_k or 0, 0),
+            seed=seed,
+            stop_strings=tuple(body.stop_list()),
+            ignore_eos=body.ignore_eos,
+        )
 
     async def run(request: Request, body, prompts: list[list[int]], max_tokens: int, chat: bool):
         n = body.n
@@ -297,15 +365,15 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         handles = []
         for pi, ids in enumerate(prompts):
             for j in range(n):
-                handles.append(scheduler.submit(ids, sampling(body, max_tokens, j), tag=pi * n + j, out=out,
-                                                loop=loop))
+                handles.append(scheduler.submit(ids, sampling(body, max_tokens, j), tag=pi * n + j, out=out, loop=loop))
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         prompt_tokens = sum(len(p) for p in prompts)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = stream(request, handles, out, rid, chat, prompt_tokens, include_usage, body.stop_list())
-            return StreamingResponse(gen, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(
+                gen, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            )
         return await collect(request, handles, out, rid, chat, prompt_tokens)
 
     def abort_all(handles) -> None:
@@ -334,16 +402,30 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         for i in range(len(handles)):
             r = results[i]
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": r.text or ""},
-                                "finish_reason": r.finish_reason, "logprobs": None})
+                choices.append(
+                    {
+                        "index": i,
+                        "message": {"role": "assistant", "content": r.text or ""},
+                        "finish_reason": r.finish_reason,
+                        "logprobs": None,
+                    }
+                )
             else:
-                choices.append({"index": i, "text": r.text or "", "finish_reason": r.finish_reason,
-                                "logprobs": None})
+                choices.append({"index": i, "text": r.text or "", "finish_reason": r.finish_reason, "logprobs": None})
         completion_tokens = sum(len(r.token_ids) for r in results.values())
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-                "model": settings.model_name, "choices": choices, "system_fingerprint": None,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+        return {
+            "id": rid,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": settings.model_name,
+            "choices": choices,
+            "system_fingerprint": None,
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+        }
 
     async def stream(request, handles, out, rid, chat, prompt_tokens, include_usage, stop):
         created_at = int(time.time())
@@ -362,8 +444,9 @@ def create_app(scheduler, settings: ServeSettings | None = None):
                 choice = {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
             else:
                 choice = {"index": index, "text": text or "", "finish_reason": finish_reason, "logprobs": None}
-            return sse({"id": rid, "object": obj, "created": created_at, "model": settings.model_name,
-                        "choices": [choice]})
+            return sse(
+                {"id": rid, "object": obj, "created": created_at, "model": settings.model_name, "choices": [choice]}
+            )
 
         try:
             if chat:
@@ -391,20 +474,38 @@ def create_app(scheduler, settings: ServeSettings | None = None):
                     yield sse(error_body(payload[0], payload[1]))
                     return
             if include_usage:
-                yield sse({"id": rid, "object": obj, "created": created_at, "model": settings.model_name,
-                           "choices": [], "usage": {"prompt_tokens": prompt_tokens,
-                                                    "completion_tokens": completion_tokens,
-                                                    "total_tokens": prompt_tokens + completion_tokens}})
+                yield sse(
+                    {
+                        "id": rid,
+                        "object": obj,
+                        "created": created_at,
+                        "model": settings.model_name,
+                        "choices": [],
+                        "usage": {
+                            "prompt_tokens": prompt_tokens,
+                            "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens,
+                        },
+                    }
+                )
             yield "data: [DONE]\n\n"
         finally:
             # normal end: all handles are done and this is a no-op; client gone / cancelled: free the batch slots
             abort_all(handles)
 
     # -- endpoints ------------------------------------------------------------------------------------------
-    @app.post("/v1/completions", response_model=None,
-              responses={200: {"model": Completion, "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                               "description": "a completion, or with stream=true server-sent events"},
-                         404: {"model": ErrorResponse}})
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": Completion,
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "description": "a completion, or with stream=true server-sent events",
+            },
+            404: {"model": ErrorResponse},
+        },
+    )
     async def completions(request: Request, body: CompletionRequest):
         max_tokens = check_common(body, body.max_tokens, settings.completion_default_max_tokens)
         p = body.prompt
@@ -417,29 +518,39 @@ def create_app(scheduler, settings: ServeSettings | None = None):
         elif p and all(isinstance(x, int) for x in p):
             prompts = [list(p)]
         else:
-            raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids",
-                           param="prompt")
+            raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids", param="prompt")
         prompts = [check_prompt(x) for x in prompts]
         return await run(request, body, prompts, max_tokens, chat=False)
 
-    @app.post("/v1/chat/completions", response_model=None,
-              responses={200: {"model": ChatCompletion,
-                               "content": {"text/event-stream": {"schema": {"type": "string"}}},
-                               "description": "a chat completion, or with stream=true server-sent events"},
-                         404: {"model": ErrorResponse}})
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses={
+            200: {
+                "model": ChatCompletion,
+                "content": {"text/event-stream": {"schema": {"type": "string"}}},
+                "description": "a chat completion, or with stream=true server-sent events",
+            },
+            404: {"model": ErrorResponse},
+        },
+    )
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = check_common(body, limit, settings.max_tokens_limit)
         if not body.messages:
             raise APIError(400, "'messages' is empty; send at least one message", param="messages")
         if not getattr(tokenizer, "chat_template", None):
-            raise APIError(400, f"the model '{settings.model_name}' has no chat template in its tokenizer; use "
-                                f"/v1/completions with a plain prompt", param="messages")
+            raise APIError(
+                400,
+                f"the model '{settings.model_name}' has no chat template in its tokenizer; use "
+                f"/v1/completions with a plain prompt",
+                param="messages",
+            )
         msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
             text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
-            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages")
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
         prompt = check_prompt(encode(text), param="messages")
         return await run(request, body, [prompt], max_tokens, chat=True)
 
@@ -454,8 +565,12 @@ def openapi_schema(app, settings: ServeSettings) -> dict:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
 
-    doc = get_openapi(title="dlm serve", version="1", routes=app.routes,
-                      description="OpenAI-compatible completions and chat completions of one diffusion LM")
+    doc = get_openapi(
+        title="dlm serve",
+        version="1",
+        routes=app.routes,
+        description="OpenAI-compatible completions and chat completions of one diffusion LM",
+    )
     comps = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
@@ -505,8 +620,10 @@ def openapi_schema(app, settings: ServeSettings) -> dict:
                 branch["minLength"] = 1
         for field in ("presence_penalty", "frequency_penalty"):  # accepted only at their neutral value
             if field in props:
-                props[field] = {"anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}],
-                                "title": props[field].get("title", field)}
+                props[field] = {
+                    "anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}],
+                    "title": props[field].get("title", field),
+                }
         if "logit_bias" in props:
             props["logit_bias"] = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
     completion = comps.get("CompletionRequest", {}).get("properties", {})
@@ -533,8 +650,11 @@ def openapi_schema(app, settings: ServeSettings) -> dict:
     chat = comps.get("ChatCompletionRequest", {}).get("properties", {})
     for field in ("logprobs", "tools"):
         if field in chat:
-            chat[field] = {"anyOf": [{"const": False}, {"type": "null"}]} if field == "logprobs" else \
-                {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+            chat[field] = (
+                {"anyOf": [{"const": False}, {"type": "null"}]}
+                if field == "logprobs"
+                else {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}
+            )
     app.openapi_schema = doc
     return doc
 
@@ -570,9 +690,13 @@ class LimitAndAuth:
             auth = headers.get("authorization", "")
             given = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
             if not hmac.compare_digest(given.encode(), key.encode()):
-                return await self._reject(send, 401, "missing or wrong API key: send the header "
-                                                     "'Authorization: Bearer <key>' with the server's --api-key",
-                                          code="invalid_api_key")
+                return await self._reject(
+                    send,
+                    401,
+                    "missing or wrong API key: send the header "
+                    "'Authorization: Bearer <key>' with the server's --api-key",
+                    code="invalid_api_key",
+                )
         limit = self.settings.max_body_bytes
         length = headers.get("content-length")
         if length is not None:
@@ -581,8 +705,12 @@ class LimitAndAuth:
             except ValueError:
                 return await self._reject(send, 400, f"bad Content-Length header '{length}'")
             if n > limit:
-                return await self._reject(send, 413, f"the request body has {n} bytes, over this server's limit "
-                                                     f"of {limit} (--max-body-bytes)", code="body_too_large")
+                return await self._reject(
+                    send,
+                    413,
+                    f"the request body has {n} bytes, over this server's limit of {limit} (--max-body-bytes)",
+                    code="body_too_large",
+                )
         if scope.get("method") not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         chunks, total = [], 0
@@ -593,8 +721,12 @@ class LimitAndAuth:
             data = message.get("body", b"")
             total += len(data)
             if total > limit:
-                return await self._reject(send, 413, f"the request body is over this server's limit of {limit} "
-                                                     f"bytes (--max-body-bytes)", code="body_too_large")
+                return await self._reject(
+                    send,
+                    413,
+                    f"the request body is over this server's limit of {limit} bytes (--max-body-bytes)",
+                    code="body_too_large",
+                )
             chunks.append(data)
             if not message.get("more_body", False):
                 break
@@ -615,8 +747,8 @@ class LimitAndAuth:
 class ServerThread:
     """Run an app with uvicorn in a background thread on a loopback port (tests, benchmarks)::
 
-        with ServerThread(app) as server:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x")
     """
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 60.0):
@@ -636,8 +768,9 @@ class ServerThread:
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="dlm-serve",
-                                       daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [sock]}, name="dlm-serve", daemon=True
+        )
         self.thread.start()
         deadline = time.monotonic() + self.startup_timeout
         while not self.server.started:

@@ -53,8 +53,8 @@ class Histogram:
 class Metrics:
     def __init__(self):
         self.lock = threading.Lock()
-        self.requests = defaultdict(int)     # finish_reason -> count
-        self.errors = defaultdict(int)       # http status -> count
+        self.requests = defaultdict(int)  # finish_reason -> count
+        self.errors = defaultdict(int)  # http status -> count
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.forwards = 0
@@ -70,8 +70,9 @@ class Metrics:
         self.latency = Histogram(LATENCY_BUCKETS)
 
     # -- updates --------------------------------------------------------------------------------------------
-    def on_step(self, queue_length: int, running: int, isd_steps: dict | None = None,
-                isd_branches: dict | None = None) -> None:
+    def on_step(
+        self, queue_length: int, running: int, isd_steps: dict | None = None, isd_branches: dict | None = None
+    ) -> None:
         with self.lock:
             self.steps += 1
             self.queue_length, self.running = queue_length, running
@@ -115,34 +116,58 @@ class Metrics:
                     lines.append(f"dlm_{name}{labels} {value}")
 
             reqs = sorted(self.requests.items()) or [("stop", 0)]
-            metric("requests_total", "counter", "Finished generation requests (one per choice).",
-                   [(f'{{finish_reason="{k}"}}', v) for k, v in reqs])
+            metric(
+                "requests_total",
+                "counter",
+                "Finished generation requests (one per choice).",
+                [(f'{{finish_reason="{k}"}}', v) for k, v in reqs],
+            )
             errs = sorted(self.errors.items())
-            metric("request_errors_total", "counter", "HTTP requests answered with an error status.",
-                   [(f'{{status="{k}"}}', v) for k, v in errs] or [("", 0)])
+            metric(
+                "request_errors_total",
+                "counter",
+                "HTTP requests answered with an error status.",
+                [(f'{{status="{k}"}}', v) for k, v in errs] or [("", 0)],
+            )
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
-            metric("forwards_total", "counter", "Model forwards that advanced a request (per request).",
-                   [("", self.forwards)])
+            metric(
+                "forwards_total",
+                "counter",
+                "Model forwards that advanced a request (per request).",
+                [("", self.forwards)],
+            )
             metric("engine_steps_total", "counter", "Engine steps (one batched forward each).", [("", self.steps)])
             tpf = self.generation_tokens / self.forwards if self.forwards else 0.0
-            metric("tokens_per_forward", "gauge", "Generated tokens per request-forward since start (TPF).",
-                   [("", round(tpf, 6))])
+            metric(
+                "tokens_per_forward",
+                "gauge",
+                "Generated tokens per request-forward since start (TPF).",
+                [("", round(tpf, 6))],
+            )
             metric("draft_proposed_total", "counter", "ISD drafts proposed.", [("", self.proposed)])
             metric("draft_accepted_total", "counter", "ISD drafts accepted.", [("", self.accepted)])
             acc = self.accepted / self.proposed if self.proposed else 0.0
             metric("draft_acceptance", "gauge", "ISD draft acceptance rate since start.", [("", round(acc, 6))])
             if self.isd_steps:
-                metric("isd_steps_total", "counter", "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR "
-                       "steps chosen by --isd-token-budget).",
-                       [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())])
+                metric(
+                    "isd_steps_total",
+                    "counter",
+                    "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR steps chosen by --isd-token-budget).",
+                    [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())],
+                )
             if self.isd_branches:
                 hit = self.isd_branches.get("predicted", 0)
-                metric("isd_verify_rows_total", "counter", "ISD verify row-steps by what follows: verify (the "
-                       "outcome's masks were in the chunk, --isd-fallback) or cold (a cold-start step).",
-                       [('{next="verify"}', hit), ('{next="cold"}', self.isd_branches.get("verify", 0) - hit)])
-            metric("queue_length", "gauge", "Requests waiting for a slot in the running batch.",
-                   [("", self.queue_length)])
+                metric(
+                    "isd_verify_rows_total",
+                    "counter",
+                    "ISD verify row-steps by what follows: verify (the "
+                    "outcome's masks were in the chunk, --isd-fallback) or cold (a cold-start step).",
+                    [('{next="verify"}', hit), ('{next="cold"}', self.isd_branches.get("verify", 0) - hit)],
+                )
+            metric(
+                "queue_length", "gauge", "Requests waiting for a slot in the running batch.", [("", self.queue_length)]
+            )
             metric("running_requests", "gauge", "Requests in the running batch.", [("", self.running)])
             for name, hist, help_text in (
                 ("time_to_first_token_seconds", self.ttft, "Time from arrival to the first generated token."),

@@ -68,8 +68,14 @@ class Scheduler:
         self.failures = 0
 
     # -- called from the event loop (any thread) ------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params, tag=None, out: asyncio.Queue | None = None,
-               loop: asyncio.AbstractEventLoop | None = None) -> Handle:
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params,
+        tag=None,
+        out: asyncio.Queue | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> Handle:
         """Queue a request; its items arrive on ``out`` (created if not given)."""
         loop = loop or asyncio.get_running_loop()
         handle = Handle(f"req-{next(self._ids)}", tag, out if out is not None else asyncio.Queue(), loop)
@@ -125,8 +131,10 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - never let one bad step kill the server
                     log.exception("engine step failed")
                     try:
-                        self._fail_all(f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
-                                       f"the request was dropped, the server keeps serving")
+                        self._fail_all(
+                            f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
+                            f"the request was dropped, the server keeps serving"
+                        )
                     except Exception:  # noqa: BLE001 - keep the thread; the next request gets the next try
                         log.exception("could not restart the engine")
                         time.sleep(self.idle_wait)
@@ -141,8 +149,12 @@ class Scheduler:
         events = self.engine.step()
         self._deliver(events)
         waiting, running = self.load()
-        self.metrics.on_step(waiting, running, getattr(self.engine.decoder, "mode_steps", None),
-                             getattr(self.engine.decoder, "branch_steps", None))
+        self.metrics.on_step(
+            waiting,
+            running,
+            getattr(self.engine.decoder, "mode_steps", None),
+            getattr(self.engine.decoder, "branch_steps", None),
+        )
 
     def _drain(self) -> None:
         while True:
@@ -161,8 +173,14 @@ class Scheduler:
                 except Exception as e:  # noqa: BLE001 - a bug in add() fails this request, not the engine thread
                     log.exception("engine.add failed")
                     handle.done = True
-                    handle.push("error", (500, f"the engine could not take this request ({type(e).__name__}: "
-                                               f"{e}); the server keeps serving"))
+                    handle.push(
+                        "error",
+                        (
+                            500,
+                            f"the engine could not take this request ({type(e).__name__}: "
+                            f"{e}); the server keeps serving",
+                        ),
+                    )
                     continue
                 self._handles[handle.request_id] = handle
             else:
@@ -178,8 +196,12 @@ class Scheduler:
                 handle.done = True
                 del self._handles[handle.request_id]
                 ttft = None if handle.first_token is None else handle.first_token - handle.arrival
-                self.metrics.on_finished("abort", result.stats if result is not None else _EmptyStats(), ttft,
-                                         time.perf_counter() - handle.arrival)
+                self.metrics.on_finished(
+                    "abort",
+                    result.stats if result is not None else _EmptyStats(),
+                    ttft,
+                    time.perf_counter() - handle.arrival,
+                )
 
     def _deliver(self, events) -> None:
         now = time.perf_counter()
@@ -214,8 +236,14 @@ class Scheduler:
             old.close()
         except Exception:  # noqa: BLE001 - a broken engine may fail to close; the new one replaces it anyway
             log.exception("closing the failed engine")
-        self.engine = Engine(old.model, old.tokenizer, decoder=old.decoder, max_batch_size=old.max_batch_size,
-                             compact_threshold=old.compact_threshold, threads=threads)
+        self.engine = Engine(
+            old.model,
+            old.tokenizer,
+            decoder=old.decoder,
+            max_batch_size=old.max_batch_size,
+            compact_threshold=old.compact_threshold,
+            threads=threads,
+        )
 
 
 class _EmptyStats:

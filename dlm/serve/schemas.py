@@ -8,13 +8,13 @@ the served model name, the context length) are checked by the app, not here.
 
 from __future__ import annotations
 
-from typing import Literal, Union
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-MAX_N = 16          # choices per request
-MAX_STOP = 8        # stop strings per request
-MAX_PROMPTS = 64    # prompts in one /v1/completions batch
+MAX_N = 16  # choices per request
+MAX_STOP = 8  # stop strings per request
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 
 
 class _Body(BaseModel):
@@ -67,7 +67,7 @@ class _Sampling(_Body):
 
 class CompletionRequest(_Sampling):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI's four forms)
-    prompt: Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+    prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
@@ -121,15 +121,28 @@ class ChatCompletionRequest(_Sampling):
 
 
 # -- errors ---------------------------------------------------------------------------------------------------
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "server_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code,
+        }
+    }
 
 
 class APIError(Exception):

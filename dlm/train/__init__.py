@@ -1,8 +1,8 @@
 """Training: ``train(cfg)`` runs one loop for every objective on accelerate (see :mod:`dlm.train.loop`).
 
-    from dlm.config import load_config
-    from dlm.train import train
-    result = train(load_config("idlm_b2_cpu", {"data": "chat.jsonl", "max_minutes": 10}))
+from dlm.config import load_config
+from dlm.train import train
+result = train(load_config("idlm_b2_cpu", {"data": "chat.jsonl", "max_minutes": 10}))
 """
 
 from __future__ import annotations

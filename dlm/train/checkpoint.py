@@ -56,13 +56,16 @@ def read_state(path: str | os.PathLike) -> dict:
     path = Path(path)
     f = path / STATE_FILE
     if not f.is_file():
-        raise DLMError(f"'{path}' is not a complete dlm checkpoint (no {STATE_FILE}); pass a folder like "
-                       f"<output_dir>/checkpoints/step_00000500 or --resume auto")
+        raise DLMError(
+            f"'{path}' is not a complete dlm checkpoint (no {STATE_FILE}); pass a folder like "
+            f"<output_dir>/checkpoints/step_00000500 or --resume auto"
+        )
     try:
         state = json.loads(f.read_text())
     except (OSError, ValueError) as e:
-        raise DLMError(f"'{f}' is damaged ({e}); resume from an earlier checkpoint with --resume PATH or restore "
-                       f"the folder") from e
+        raise DLMError(
+            f"'{f}' is damaged ({e}); resume from an earlier checkpoint with --resume PATH or restore the folder"
+        ) from e
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise DLMError(f"'{f}' is damaged (no integer 'step'); resume from an earlier checkpoint with --resume PATH")
     return state
@@ -86,16 +89,26 @@ def resolve_resume(resume: str | None, checkpoint_dir: Path) -> Path | None:
     return path
 
 
-def save_checkpoint(accelerator, dlm, wrapped, root: Path, step: int, state: dict[str, Any],
-                    rank_state: dict[str, Any], keep_last: int = 0) -> Path:
+def save_checkpoint(
+    accelerator,
+    dlm,
+    wrapped,
+    root: Path,
+    step: int,
+    state: dict[str, Any],
+    rank_state: dict[str, Any],
+    keep_last: int = 0,
+) -> Path:
     """Write checkpoint ``root/step_XXXXXXXX`` atomically; every process must call this."""
     import torch
 
     root = Path(root)
     final = root / checkpoint_name(step)
     tmp = root / f".{checkpoint_name(step)}.tmp"
-    fix = (f"the checkpoints before it are intact: free some space (or pass another --output-dir / "
-           f"--checkpoint-dir) and rerun the same command with --resume auto")
+    fix = (
+        "the checkpoints before it are intact: free some space (or pass another --output-dir / "
+        "--checkpoint-dir) and rerun the same command with --resume auto"
+    )
     try:
         with disk_full_as_error(tmp, fix):
             if accelerator.is_main_process:
@@ -133,22 +146,27 @@ def load_checkpoint(accelerator, path: Path) -> tuple[dict, dict]:
     verify_checksums(path, what="checkpoint")  # a damaged file is an error naming it, never a garbled resume
     world = accelerator.num_processes
     if state.get("world_size", world) != world:
-        raise DLMError(f"checkpoint '{path}' was written by {state.get('world_size')} processes but this run has "
-                       f"{world}; resume with the same number of processes (the data position is per process)")
+        raise DLMError(
+            f"checkpoint '{path}' was written by {state.get('world_size')} processes but this run has "
+            f"{world}; resume with the same number of processes (the data position is per process)"
+        )
     try:
         accelerator.load_state(str(Path(path) / "training_state"))
     except Exception as e:  # noqa: BLE001 - torch/pickle raise many types for a damaged file; name the folder
-        raise DLMError(f"cannot load the training state of checkpoint '{path}' ({type(e).__name__}: "
-                       f"{str(e).splitlines()[0] if str(e) else ''}); resume from an earlier checkpoint with "
-                       f"--resume PATH") from e
+        raise DLMError(
+            f"cannot load the training state of checkpoint '{path}' ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}); resume from an earlier checkpoint with "
+            f"--resume PATH"
+        ) from e
     rank_file = Path(path) / "training_state" / f"dlm_rank{accelerator.process_index}.pt"
     if not rank_file.is_file():
         raise DLMError(f"checkpoint '{path}' has no state for process {accelerator.process_index} ({rank_file.name})")
     try:
         rank_state = torch.load(rank_file, weights_only=False)
     except Exception as e:  # noqa: BLE001
-        raise DLMError(f"'{rank_file}' is damaged ({type(e).__name__}); resume from an earlier checkpoint with "
-                       f"--resume PATH") from e
+        raise DLMError(
+            f"'{rank_file}' is damaged ({type(e).__name__}); resume from an earlier checkpoint with --resume PATH"
+        ) from e
     return state, rank_state
 
 
@@ -160,15 +178,18 @@ def export_model(accelerator, dlm, wrapped, path: Path) -> None:
     """
     from accelerate.utils import DistributedType
 
-    with disk_full_as_error(path, "free some space and rerun the same command with --resume auto (the checkpoints "
-                                  "written so far are intact)"):
+    with disk_full_as_error(
+        path,
+        "free some space and rerun the same command with --resume auto (the checkpoints written so far are intact)",
+    ):
         _export(accelerator, dlm, wrapped, path, DistributedType)
 
 
 def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
     sharded = accelerator.distributed_type == DistributedType.FSDP or (
         accelerator.distributed_type == DistributedType.DEEPSPEED
-        and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3)
+        and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3
+    )
     if sharded:
         full = accelerator.get_state_dict(wrapped)  # collective; full weights on the main process
         if accelerator.is_main_process:
@@ -181,7 +202,7 @@ def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
 def _save_from_state_dict(dlm, full: dict, path: Path) -> None:  # pragma: no cover - needs FSDP/ZeRO-3 hardware
     if hasattr(dlm.model, "merge_and_unload"):
         raise DLMError("exporting LoRA models trained with FSDP/ZeRO-3 is not supported; use DDP or ZeRO-2")
-    inner = {k[len("model."):]: v for k, v in full.items() if k.startswith("model.")} or full
+    inner = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")} or full
     from dlm.fsutil import atomic_folder
 
     with atomic_folder(path) as tmp:

@@ -60,8 +60,9 @@ class PackedBatches:
 class SFTBatches:
     """Endless batches of tokenized examples, an independent seeded shuffle per epoch."""
 
-    def __init__(self, examples: list[dict], batch_size: int, collator, rank: int = 0, world_size: int = 1,
-                 seed: int = 0):
+    def __init__(
+        self, examples: list[dict], batch_size: int, collator, rank: int = 0, world_size: int = 1, seed: int = 0
+    ):
         self.examples = examples
         self.batch_size = batch_size
         self.collator = collator
@@ -69,8 +70,10 @@ class SFTBatches:
         self.per_rank = len(examples) // world_size
         self.batches_per_epoch = self.per_rank // batch_size
         if self.batches_per_epoch < 1:
-            raise DLMError(f"{len(examples)} training examples cannot fill one batch of {batch_size} on each of "
-                           f"{world_size} process(es); lower --batch-size or add data")
+            raise DLMError(
+                f"{len(examples)} training examples cannot fill one batch of {batch_size} on each of "
+                f"{world_size} process(es); lower --batch-size or add data"
+            )
         self.epoch = 0
         self.batch = 0  # next batch within the epoch
         self._order: list[int] | None = None
@@ -79,7 +82,7 @@ class SFTBatches:
         if self._order is None:
             order = list(range(len(self.examples)))
             random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
-            self._order = order[self.rank:: self.world_size][: self.per_rank]
+            self._order = order[self.rank :: self.world_size][: self.per_rank]
         return self._order
 
     def __iter__(self):
@@ -89,21 +92,30 @@ class SFTBatches:
         if self.batch >= self.batches_per_epoch:
             self.epoch, self.batch, self._order = self.epoch + 1, 0, None
         order = self._epoch_order()
-        idx = order[self.batch * self.batch_size: (self.batch + 1) * self.batch_size]
+        idx = order[self.batch * self.batch_size : (self.batch + 1) * self.batch_size]
         self.batch += 1
         return self.collator([self.examples[i] for i in idx])
 
     def state_dict(self) -> dict:
-        return {"kind": "sft_batches", "epoch": self.epoch, "batch": self.batch, "n": len(self.examples),
-                "rank": self.rank, "world_size": self.world_size, "seed": self.seed}
+        return {
+            "kind": "sft_batches",
+            "epoch": self.epoch,
+            "batch": self.batch,
+            "n": len(self.examples),
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "sft_batches":
             raise DLMError("cannot resume: the checkpoint was trained on packed shards, not chat data (--data)")
         for key, mine in (("n", len(self.examples)), ("world_size", self.world_size), ("seed", self.seed)):
             if state[key] != mine:
-                raise DLMError(f"cannot resume the chat data position: '{key}' differs (saved {state[key]}, now "
-                               f"{mine}); resume with the same --data file, seed and number of processes")
+                raise DLMError(
+                    f"cannot resume the chat data position: '{key}' differs (saved {state[key]}, now "
+                    f"{mine}); resume with the same --data file, seed and number of processes"
+                )
         self.epoch, self.batch, self._order = int(state["epoch"]), int(state["batch"]), None
 
 
@@ -118,8 +130,9 @@ def split_heldout(records: list, fraction: float, seed: int) -> tuple[list, list
     return [r for i, r in enumerate(records) if i not in held], [r for i, r in enumerate(records) if i in held]
 
 
-def heldout_batches(examples: list[dict], batch_size: int, collator, max_batches: int, rank: int,
-                    world_size: int) -> list[dict]:
+def heldout_batches(
+    examples: list[dict], batch_size: int, collator, max_batches: int, rank: int, world_size: int
+) -> list[dict]:
     """This rank's share of the first ``max_batches * world_size`` held-out batches (fixed, in file order)."""
-    batches = [examples[i: i + batch_size] for i in range(0, len(examples), batch_size)][: max_batches * world_size]
-    return [collator(b) for b in batches[rank:: world_size]]
+    batches = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)][: max_batches * world_size]
+    return [collator(b) for b in batches[rank::world_size]]

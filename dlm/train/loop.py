@@ -83,8 +83,15 @@ class RoutedDLM:
 
 
 # ----------------------------------------------------------------------------------------------- pieces
-def lr_factor(step: int, max_steps: int, warmup: int, schedule: str, min_ratio: float,
-              time_fraction: float | None = None, decay_ratio: float = 0.2) -> float:
+def lr_factor(
+    step: int,
+    max_steps: int,
+    warmup: int,
+    schedule: str,
+    min_ratio: float,
+    time_fraction: float | None = None,
+    decay_ratio: float = 0.2,
+) -> float:
     """Multiplier of the peak learning rate for optimizer step ``step`` (0-based): linear warm-up over ``warmup``
     steps, then constant, cosine down to ``min_ratio``, or ``wsd``: constant, then linear down to ``min_ratio`` over
     the last ``decay_ratio`` of the run. The run's progress is the larger of the steps after warm-up over
@@ -121,9 +128,11 @@ def build_optimizer(params: list[nn.Parameter], cfg: TrainingConfig, device: tor
     groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": other, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
     fused = str(o.fused).lower()
-    use_fused = fused == "true" or (fused == "auto" and device.type in ("cuda", "cpu")
-                                    and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16)
-                                            for p in params))
+    use_fused = fused == "true" or (
+        fused == "auto"
+        and device.type in ("cuda", "cpu")
+        and all(p.dtype in (torch.float32, torch.bfloat16, torch.float16) for p in params)
+    )
     kw = dict(lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.adam_eps)
     if use_fused:
         try:
@@ -141,16 +150,21 @@ def check_output_dir(cfg: TrainingConfig, resuming: bool) -> None:
         return
     if not out.is_dir():
         raise DLMError(f"output_dir '{out}' exists and is not a folder; choose another --output-dir")
-    holds_run = any((out / f).exists() for f in RUN_FILES) or bool(ckpt_mod.list_checkpoints(cfg.checkpoint_dir)) \
+    holds_run = (
+        any((out / f).exists() for f in RUN_FILES)
+        or bool(ckpt_mod.list_checkpoints(cfg.checkpoint_dir))
         or (out / "config.json").exists()
+    )
     if not holds_run and not any(out.iterdir()):
         return
     if resuming:
         return
     if not cfg.train.overwrite:
         what = "a training run" if holds_run else "files"
-        raise DLMError(f"output_dir '{out}' already holds {what}; pass --resume auto to continue it, --overwrite "
-                       f"to start over there, or choose another --output-dir")
+        raise DLMError(
+            f"output_dir '{out}' already holds {what}; pass --resume auto to continue it, --overwrite "
+            f"to start over there, or choose another --output-dir"
+        )
 
 
 def clear_run(cfg: TrainingConfig) -> None:
@@ -175,14 +189,18 @@ def load_training_model(cfg: TrainingConfig) -> DiffusionLM:
         convert_kw["mask_token"] = m.mask_token
     dlm = load_any(m.name, objective=m.objective, dtype=torch.float32, **convert_kw)
     if m.block_size is not None and dlm.block_size != m.block_size:
-        raise DLMError(f"model '{m.name}' is an {dlm.objective} DLM with block size {dlm.block_size}, but "
-                       f"--block-size {m.block_size} was asked; drop --block-size or start from the AR model")
+        raise DLMError(
+            f"model '{m.name}' is an {dlm.objective} DLM with block size {dlm.block_size}, but "
+            f"--block-size {m.block_size} was asked; drop --block-size or start from the AR model"
+        )
     if m.attn_impl == "flex_attention":
         from dlm.device import get_device
 
         if get_device().type == "cpu":
-            raise DLMError("--attn-impl flex_attention cannot train on CPU (torch's flex attention has no CPU "
-                           "backward); use --attn-impl sdpa here, flex_attention on CUDA")
+            raise DLMError(
+                "--attn-impl flex_attention cannot train on CPU (torch's flex attention has no CPU "
+                "backward); use --attn-impl sdpa here, flex_attention on CUDA"
+            )
     if m.attn_impl != "sdpa":
         try:
             dlm.base_model_hf.set_attn_implementation(m.attn_impl)
@@ -196,27 +214,37 @@ def check_data_against_model(cfg: TrainingConfig, dlm: DiffusionLM) -> None:
     d = cfg.data
     ctx = dlm.max_positions
     if ctx is not None and d.seq_length > ctx:
-        raise DLMError(f"data.seq_length (--seq-length / cutoff_len) = {d.seq_length} exceeds the model's context "
-                       f"of {ctx} positions; use --seq-length {ctx} or less")
+        raise DLMError(
+            f"data.seq_length (--seq-length / cutoff_len) = {d.seq_length} exceeds the model's context "
+            f"of {ctx} positions; use --seq-length {ctx} or less"
+        )
     if d.block_length is not None:
         if dlm.block_size is None:
-            raise DLMError(f"block_length = {d.block_length} is set but objective '{dlm.objective}' has no blocks; "
-                           f"drop block_length")
+            raise DLMError(
+                f"block_length = {d.block_length} is set but objective '{dlm.objective}' has no blocks; "
+                f"drop block_length"
+            )
         if d.block_length != dlm.block_size:
-            raise DLMError(f"data block_length = {d.block_length} does not match the model's block size "
-                           f"{dlm.block_size} (config.json block_size); set block_length: {dlm.block_size} or train "
-                           f"a model converted with --block-size {d.block_length}")
+            raise DLMError(
+                f"data block_length = {d.block_length} does not match the model's block size "
+                f"{dlm.block_size} (config.json block_size); set block_length: {dlm.block_size} or train "
+                f"a model converted with --block-size {d.block_length}"
+            )
     if dlm.objective == "block" and d.packed_data_dir and d.seq_length % dlm.block_size:
-        raise DLMError(f"--seq-length {d.seq_length} is not a multiple of the block size {dlm.block_size}; block "
-                       f"diffusion needs whole blocks")
+        raise DLMError(
+            f"--seq-length {d.seq_length} is not a multiple of the block size {dlm.block_size}; block "
+            f"diffusion needs whole blocks"
+        )
 
 
 def check_token_ids(batch: dict, dlm: DiffusionLM, source: str) -> None:
     vocab = dlm.base_model_hf.get_input_embeddings().weight.shape[0]
     top = int(batch["input_ids"].max())
     if top >= vocab:
-        raise DLMError(f"{source} holds token id {top} but the model's vocabulary has {vocab} entries: the data was "
-                       f"tokenized with another tokenizer; re-run dlm prepare with --tokenizer {cfg_name(dlm)}")
+        raise DLMError(
+            f"{source} holds token id {top} but the model's vocabulary has {vocab} entries: the data was "
+            f"tokenized with another tokenizer; re-run dlm prepare with --tokenizer {cfg_name(dlm)}"
+        )
 
 
 def cfg_name(dlm) -> str:
@@ -232,13 +260,28 @@ def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
     if d.packed_data_dir:
         from dlm.data.loader import build_packed_dataset
 
-        ds = build_packed_dataset(d.packed_data_dir, d.packed_prefixes, d.packed_weights, block_size=d.seq_length,
-                                  seed=d.seed, rank=rank, world_size=world)
+        ds = build_packed_dataset(
+            d.packed_data_dir,
+            d.packed_prefixes,
+            d.packed_weights,
+            block_size=d.seq_length,
+            seed=d.seed,
+            rank=rank,
+            world_size=world,
+        )
         train = PackedBatches(ds, t.batch_size)
         held: list[dict] = []
         if eval_on and d.eval_packed_prefixes:
-            eds = build_packed_dataset(d.packed_data_dir, d.eval_packed_prefixes, None, block_size=d.seq_length,
-                                       seed=d.seed, rank=rank, world_size=world, shuffle=False)
+            eds = build_packed_dataset(
+                d.packed_data_dir,
+                d.eval_packed_prefixes,
+                None,
+                block_size=d.seq_length,
+                seed=d.seed,
+                rank=rank,
+                world_size=world,
+                shuffle=False,
+            )
             it = PackedBatches(eds, t.batch_size)
             held = [next(it) for _ in range(cfg.eval.eval_batches)]
         return train, held
@@ -305,8 +348,14 @@ class _Log:
             from dlm.errors import require
 
             wandb = require("wandb", "wandb")
-            wandb.init(project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.run_name,
-                       dir=cfg.wandb.dir, config=cfg.to_dict(), resume="allow")
+            wandb.init(
+                project=cfg.wandb.project,
+                entity=cfg.wandb.entity,
+                name=cfg.wandb.run_name,
+                dir=cfg.wandb.dir,
+                config=cfg.to_dict(),
+                resume="allow",
+            )
             self.wandb = wandb
 
     def write(self, record: dict) -> None:
@@ -324,9 +373,16 @@ class _Log:
                 extra["left"] = f"{max(0.0, self.deadline - time.time()) / 60:.1f}min"
             self.bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", **extra)
         if self.wandb is not None:
-            self.wandb.log({"train/loss": record["loss"], "train/lr": record["lr"],
-                            "train/grad_norm": record["grad_norm"], "train/tokens_per_s": record["tokens_per_s"],
-                            **{f"train/{k}": v for k, v in record.get("parts", {}).items()}}, step=record["step"])
+            self.wandb.log(
+                {
+                    "train/loss": record["loss"],
+                    "train/lr": record["lr"],
+                    "train/grad_norm": record["grad_norm"],
+                    "train/tokens_per_s": record["tokens_per_s"],
+                    **{f"train/{k}": v for k, v in record.get("parts", {}).items()},
+                },
+                step=record["step"],
+            )
 
     def eval(self, step: int, metrics: dict) -> None:
         if self.main and self.wandb is not None:
@@ -376,10 +432,10 @@ class Callback:
     ``on_evaluate(trainer, step) -> dict`` at every scheduled evaluation on the main process, whose metrics join the
     held-out loss in ``eval_history.jsonl``."""
 
-    def setup(self, trainer: "Trainer") -> None:
+    def setup(self, trainer: Trainer) -> None:
         pass
 
-    def on_evaluate(self, trainer: "Trainer", step: int) -> dict:
+    def on_evaluate(self, trainer: Trainer, step: int) -> dict:
         return {}
 
 
@@ -397,13 +453,16 @@ def default_callbacks(cfg: TrainingConfig) -> list[Callback]:
     try:
         return [getattr(importlib.import_module(module), name)()]
     except ImportError as e:
-        raise DLMError(f"--eval-tasks needs the task evaluation of dlm.eval, which is not available here ({e}); "
-                       f"drop --eval-tasks to log the held-out loss only") from e
+        raise DLMError(
+            f"--eval-tasks needs the task evaluation of dlm.eval, which is not available here ({e}); "
+            f"drop --eval-tasks to log the held-out loss only"
+        ) from e
 
 
 # ----------------------------------------------------------------------------------------------- the loop
-def train(cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None,
-          callbacks: list[Callback] | None = None) -> TrainResult:
+def train(
+    cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None, callbacks: list[Callback] | None = None
+) -> TrainResult:
     """Run training as configured; see the module docstring. ``objective`` / ``dlm`` may be given directly
     (library use, tests); otherwise they come from ``cfg``. ``callbacks``: default :func:`default_callbacks`."""
     trainer = Trainer(cfg, objective=objective, dlm=dlm, callbacks=callbacks)
@@ -414,8 +473,13 @@ class Trainer:
     """``Trainer(cfg)`` sets up (accelerator, run folder, model, data, optimizer, resume); :meth:`fit` runs the
     optimizer steps, with :meth:`save` and :meth:`validate` on their schedules, and writes the final model."""
 
-    def __init__(self, cfg: TrainingConfig, objective=None, dlm: DiffusionLM | None = None,
-                 callbacks: list[Callback] | None = None):
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        objective=None,
+        dlm: DiffusionLM | None = None,
+        callbacks: list[Callback] | None = None,
+    ):
         cfg.validate()
         self.cfg, self.t0 = cfg, time.time()
         self.callbacks = default_callbacks(cfg) if callbacks is None else list(callbacks)
@@ -428,13 +492,23 @@ class Trainer:
         self._resume()
         self.log = _Log(cfg, self.main, self.step)
         if cfg.eval.eval_every and not self.held and not self.callbacks and self.main:
-            note = ("--eval-every is set but there is nothing to evaluate: give held-out data (--eval-data for chat "
-                    "data, --data.eval_packed_prefixes for shards) or --eval-tasks")
+            note = (
+                "--eval-every is set but there is nothing to evaluate: give held-out data (--eval-data for chat "
+                "data, --data.eval_packed_prefixes for shards) or --eval-tasks"
+            )
             print(f"dlm train: warning: {note}")
             self.log.write({"event": "warning", "message": note})
-        self.log.write({"event": "resume" if self.resume_from else "start", "step": self.step, "time": time.time(),
-                        "checkpoint": str(self.resume_from) if self.resume_from else None, "world_size": self.world,
-                        "mixed_precision": self.mixed_precision, "device": str(self.accelerator.device)})
+        self.log.write(
+            {
+                "event": "resume" if self.resume_from else "start",
+                "step": self.step,
+                "time": time.time(),
+                "checkpoint": str(self.resume_from) if self.resume_from else None,
+                "world_size": self.world,
+                "mixed_precision": self.mixed_precision,
+                "device": str(self.accelerator.device),
+            }
+        )
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _setup_accelerator(self) -> None:
@@ -453,13 +527,17 @@ class Trainer:
         if mp == "auto":
             mp = "bf16" if supports_bf16(device) else "no"
         self.mixed_precision = mp
-        launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or \
-            os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+        launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or os.environ.get(
+            "ACCELERATE_USE_FSDP", ""
+        ).lower() in ("1", "true")
         in_accelerate = mp == "fp16" or launcher_managed
         self.autocast_dtype = torch.bfloat16 if mp == "bf16" and not in_accelerate else None
         try:
-            self.accelerator = Accelerator(gradient_accumulation_steps=cfg.train.gradient_accumulate_every,
-                                           mixed_precision=mp if in_accelerate else "no", cpu=device.type == "cpu")
+            self.accelerator = Accelerator(
+                gradient_accumulation_steps=cfg.train.gradient_accumulate_every,
+                mixed_precision=mp if in_accelerate else "no",
+                cpu=device.type == "cpu",
+            )
         except ValueError as e:  # accelerate's precision is fixed per process once set
             raise DLMError(f"train.mixed_precision={mp}: {e}; run this training in a new process") from e
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
@@ -499,9 +577,16 @@ class Trainer:
             from dlm.model.lora import LoraSettings, prepare_model_for_lora
 
             lo = cfg.lora
-            dlm = prepare_model_for_lora(dlm, LoraSettings(r=lo.r, alpha=lo.alpha, dropout=lo.dropout,
-                                                           target_modules=lo.target_modules or "all-linear",
-                                                           gated=lo.gated))
+            dlm = prepare_model_for_lora(
+                dlm,
+                LoraSettings(
+                    r=lo.r,
+                    alpha=lo.alpha,
+                    dropout=lo.dropout,
+                    target_modules=lo.target_modules or "all-linear",
+                    gated=lo.gated,
+                ),
+            )
         if cfg.model.gradient_checkpointing:
             hf = dlm.base_model_hf
             hf.config.use_cache = False
@@ -521,8 +606,17 @@ class Trainer:
         # stats so every replica gets the same learning rate); None without a budget.
         self.clock: dict[str, float | None] = {"fraction": 0.0 if cfg.train.max_minutes else None}
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: lr_factor(s, cfg.train.max_train_steps, warm, cfg.optim.schedule,
-                                           cfg.optim.min_lr_ratio, self.clock["fraction"], cfg.optim.decay_ratio))
+            optimizer,
+            lambda s: lr_factor(
+                s,
+                cfg.train.max_train_steps,
+                warm,
+                cfg.optim.schedule,
+                cfg.optim.min_lr_ratio,
+                self.clock["fraction"],
+                cfg.optim.decay_ratio,
+            ),
+        )
         ds_plugin = getattr(acc.state, "deepspeed_plugin", None)
         if ds_plugin is not None:  # no prepared DataLoader, so accelerate cannot infer DeepSpeed's "auto" fields
             ds_conf = ds_plugin.deepspeed_config
@@ -549,8 +643,10 @@ class Trainer:
             saved = state.get("config", {}).get("model", {})
             for key in ("objective", "block_size"):
                 if key in saved and saved[key] is not None and saved[key] != getattr(cfg.model, key):
-                    raise DLMError(f"cannot resume '{self.resume_from}': it was trained with model.{key} = "
-                                   f"{saved[key]!r}, this run asks for {getattr(cfg.model, key)!r}")
+                    raise DLMError(
+                        f"cannot resume '{self.resume_from}': it was trained with model.{key} = "
+                        f"{saved[key]!r}, this run asks for {getattr(cfg.model, key)!r}"
+                    )
             self.step, self.tokens_total = int(state["step"]), int(state["tokens"])
             self.prior_s = float(state.get("train_seconds", 0.0))
             self.data.load_state_dict(rank_state["data"])
@@ -577,12 +673,16 @@ class Trainer:
                 stats, parts, fp = self.train_step(budget_s)
                 _, _, bad_loss, over, frac, _, bad_norm = stats.tolist()  # the one host read per step
                 if bad_loss > 0:
-                    raise DLMError(f"non-finite loss at step {self.step + 1} (the weights were not updated); last "
-                                   f"good checkpoint: {self.last_ckpt or 'none'}. Resume from it with a lower "
-                                   f"--learning-rate (or check the data)")
+                    raise DLMError(
+                        f"non-finite loss at step {self.step + 1} (the weights were not updated); last "
+                        f"good checkpoint: {self.last_ckpt or 'none'}. Resume from it with a lower "
+                        f"--learning-rate (or check the data)"
+                    )
                 if bad_norm > 0:
-                    raise DLMError(f"non-finite gradient norm at step {self.step + 1} (the weights were not "
-                                   f"updated); last good checkpoint: {self.last_ckpt or 'none'}")
+                    raise DLMError(
+                        f"non-finite gradient norm at step {self.step + 1} (the weights were not "
+                        f"updated); last good checkpoint: {self.last_ckpt or 'none'}"
+                    )
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 lr = self.scheduler.get_last_lr()[0]
@@ -593,9 +693,14 @@ class Trainer:
                 pending.append((self.step, lr, stats, parts, time.perf_counter() - t_step, fp))
                 stop = over > 0
                 is_last = self.step == cfg.train.max_train_steps or stop
-                if self.step % cfg.train.log_every == 0 or is_last or cfg.train.save_every and (
-                        self.step % cfg.train.save_every == 0) or cfg.eval.eval_every and (
-                        self.step % cfg.eval.eval_every == 0):
+                if (
+                    self.step % cfg.train.log_every == 0
+                    or is_last
+                    or cfg.train.save_every
+                    and (self.step % cfg.train.save_every == 0)
+                    or cfg.eval.eval_every
+                    and (self.step % cfg.eval.eval_every == 0)
+                ):
                     run_tokens = self._flush(pending, losses, run_tokens, run_t0)
                 if cfg.train.save_every and self.step % cfg.train.save_every == 0 or stop:
                     self.last_ckpt = self.save(self.step)  # the budget ran out: a resumable checkpoint anyway
@@ -614,8 +719,15 @@ class Trainer:
             self.log.close()
         acc.wait_for_everyone()
         acc.end_training()
-        return TrainResult(output_dir=cfg.output_dir, step=self.step, stopped=stopped, losses=losses,
-                           tokens=self.tokens_total, seconds=time.time() - self.t0, last_checkpoint=self.last_ckpt)
+        return TrainResult(
+            output_dir=cfg.output_dir,
+            step=self.step,
+            stopped=stopped,
+            losses=losses,
+            tokens=self.tokens_total,
+            seconds=time.time() - self.t0,
+            last_checkpoint=self.last_ckpt,
+        )
 
     def train_step(self, budget_s: float | None):
         """The micro-batches of one optimizer step (forward, backward; clipping at the last). Returns the step's
@@ -654,8 +766,15 @@ class Trainer:
         # A resumed run gets a fresh budget on top of the seconds already trained.
         frac = (self.prior_s + time.time() - self.t0) / (self.prior_s + budget_s) if budget_s and self.main else 0.0
         finite = torch.isfinite(loss_sum)
-        stats = torch.stack([torch.where(finite, loss_sum, zero), ntok, (~finite).to(torch.float64),
-                             zero + (1.0 if over else 0.0), zero + frac])
+        stats = torch.stack(
+            [
+                torch.where(finite, loss_sum, zero),
+                ntok,
+                (~finite).to(torch.float64),
+                zero + (1.0 if over else 0.0),
+                zero + frac,
+            ]
+        )
         stats = acc.reduce(stats, "sum")
         return torch.cat([stats, norm_t.view(1), bad_norm.view(1)]), parts, fp
 
@@ -677,13 +796,21 @@ class Trainer:
             run_tokens += step_tokens
             losses.append(loss)
             if step % cfg.train.log_every == 0 or step == cfg.train.max_train_steps:
-                record = {"step": step, "loss": loss, "lr": lr, "grad_norm": norm, "tokens": self.tokens_total,
-                          "tokens_per_s": step_tokens / max(seconds, 1e-9),
-                          "avg_tokens_per_s": run_tokens / max(time.perf_counter() - run_t0, 1e-9),
-                          "elapsed_s": time.time() - self.t0, "parts": {k: float(v) for k, v in parts.items()}}
+                record = {
+                    "step": step,
+                    "loss": loss,
+                    "lr": lr,
+                    "grad_norm": norm,
+                    "tokens": self.tokens_total,
+                    "tokens_per_s": step_tokens / max(seconds, 1e-9),
+                    "avg_tokens_per_s": run_tokens / max(time.perf_counter() - run_t0, 1e-9),
+                    "elapsed_s": time.time() - self.t0,
+                    "parts": {k: float(v) for k, v in parts.items()},
+                }
                 if self.world > 1:
                     record["data_fingerprint"] = self.accelerator.gather(
-                        torch.tensor([fp], device=self.accelerator.device)).tolist()
+                        torch.tensor([fp], device=self.accelerator.device)
+                    ).tolist()
                 self.log.step(record)
         pending.clear()
         return run_tokens
@@ -691,18 +818,35 @@ class Trainer:
     # -- checkpoints, evaluation, the final model ----------------------------------------------------------------
     def save(self, at_step: int) -> Path:
         """An atomic, resumable checkpoint (:mod:`dlm.train.checkpoint`)."""
-        state = {"step": at_step, "tokens": self.tokens_total, "world_size": self.world, "time": time.time(),
-                 "train_seconds": self.prior_s + time.time() - self.t0, "config": self.cfg.to_dict()}
+        state = {
+            "step": at_step,
+            "tokens": self.tokens_total,
+            "world_size": self.world,
+            "time": time.time(),
+            "train_seconds": self.prior_s + time.time() - self.t0,
+            "config": self.cfg.to_dict(),
+        }
         rank_state = {"data": self.data.state_dict(), "generator": self.gen.get_state()}
-        return ckpt_mod.save_checkpoint(self.accelerator, self.dlm, self.wrapped, self.cfg.checkpoint_dir, at_step,
-                                        state, rank_state, keep_last=self.cfg.train.keep_last)
+        return ckpt_mod.save_checkpoint(
+            self.accelerator,
+            self.dlm,
+            self.wrapped,
+            self.cfg.checkpoint_dir,
+            at_step,
+            state,
+            rank_state,
+            keep_last=self.cfg.train.keep_last,
+        )
 
     def validate(self, step: int) -> dict:
         """The held-out loss (every process), then the callbacks' metrics (main process), into
         ``eval_history.jsonl``, the log and W&B."""
         cfg = self.cfg
-        metrics = heldout_loss(self.accelerator, self.proxy, self.objective, self.held, step,
-                               cfg.data.seed + 7919) if self.held else {}
+        metrics = (
+            heldout_loss(self.accelerator, self.proxy, self.objective, self.held, step, cfg.data.seed + 7919)
+            if self.held
+            else {}
+        )
         if self.main:
             for cb in self.callbacks:
                 metrics.update(cb.on_evaluate(self, step))
@@ -720,8 +864,19 @@ class Trainer:
         acc.wait_for_everyone()
         if self.main:
             ckpt_mod.publish_final(staging, cfg.output_dir)
-        checksum = torch.tensor([sum(float(p.detach().double().sum()) for p in self.dlm.parameters())],
-                                dtype=torch.float64, device=acc.device)
+        checksum = torch.tensor(
+            [sum(float(p.detach().double().sum()) for p in self.dlm.parameters())],
+            dtype=torch.float64,
+            device=acc.device,
+        )
         checksums = acc.gather(checksum).tolist() if self.world > 1 else [float(checksum)]
-        self.log.write({"event": "end", "step": self.step, "stopped": stopped, "time": time.time(),
-                        "tokens": self.tokens_total, "param_checksum": checksums})
+        self.log.write(
+            {
+                "event": "end",
+                "step": self.step,
+                "stopped": stopped,
+                "time": time.time(),
+                "tokens": self.tokens_total,
+                "param_checksum": checksums,
+            }
+        )

@@ -45,8 +45,24 @@ from dlm.decode.cpu.build import ENV, ISA_ENV, cpu_name, extension, isa, mode, s
 from dlm.decode.cpu.fused import ATTEND_MAX_QUERIES, MAX_ROWS, active, adapter_delta, attend
 from dlm.decode.cpu.packing import QUANT_ENV
 
-__all__ = ["ATTEND_MAX_QUERIES", "ENV", "ISA_ENV", "MAX_ROWS", "QUANT_ENV", "Attached", "active", "adapter_delta",
-           "attach", "attend", "cpu_name", "detach", "extension", "isa", "mode", "set_isa"]
+__all__ = [
+    "ATTEND_MAX_QUERIES",
+    "ENV",
+    "ISA_ENV",
+    "MAX_ROWS",
+    "QUANT_ENV",
+    "Attached",
+    "active",
+    "adapter_delta",
+    "attach",
+    "attend",
+    "cpu_name",
+    "detach",
+    "extension",
+    "isa",
+    "mode",
+    "set_isa",
+]
 
 RAM_SHARE = 0.25  # pack only when the packed copy takes at most this share of physical memory
 
@@ -84,8 +100,15 @@ def _linear_layers(model: nn.Module):
 
 def _plain_fp32_cpu(w) -> bool:
     """A whole fp32 CPU weight (not a DTensor / FSDP shard / DeepSpeed ZeRO-3 placeholder)."""
-    return (isinstance(w, torch.Tensor) and w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and w.numel() > 0 and type(w) in (nn.Parameter, torch.Tensor) and not hasattr(w, "ds_id"))
+    return (
+        isinstance(w, torch.Tensor)
+        and w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and w.numel() > 0
+        and type(w) in (nn.Parameter, torch.Tensor)
+        and not hasattr(w, "ds_id")
+    )
 
 
 def _physical_memory() -> int:

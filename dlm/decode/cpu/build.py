@@ -52,8 +52,15 @@ def _load():
 
     name = f"dlm_cpu_{_tag()}"
     if not hasattr(torch.ops.dlm_cpu, "linear"):  # not loaded in this process yet
-        load(name, sources=[str(p) for p in _sources() if p.suffix == ".cpp"], extra_cflags=_FLAGS,
-             extra_ldflags=["-fopenmp"], extra_include_paths=[str(SOURCES)], is_python_module=False, verbose=False)
+        load(
+            name,
+            sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            extra_include_paths=[str(SOURCES)],
+            is_python_module=False,
+            verbose=False,
+        )
     return torch.ops.dlm_cpu
 
 
@@ -71,10 +78,15 @@ def extension():
                 from dlm.errors import DLMError
 
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                raise DLMError(f"{ENV}=1 but the CPU decode kernels could not be built ({type(e).__name__}: "
-                               f"{last}); install a C++ compiler and ninja (pip install ninja) or unset {ENV}") from e
-            warnings.warn(f"dlm: the CPU decode kernels could not be built ({type(e).__name__}); decoding uses "
-                          f"torch's own layers. Set {ENV}=0 to skip the attempt.", stacklevel=2)
+                raise DLMError(
+                    f"{ENV}=1 but the CPU decode kernels could not be built ({type(e).__name__}: "
+                    f"{last}); install a C++ compiler and ninja (pip install ninja) or unset {ENV}"
+                ) from e
+            warnings.warn(
+                f"dlm: the CPU decode kernels could not be built ({type(e).__name__}); decoding uses "
+                f"torch's own layers. Set {ENV}=0 to skip the attempt.",
+                stacklevel=2,
+            )
     if ops is not None:
         set_isa(os.environ.get(ISA_ENV, "auto"), ops)
     _built.append(ops)
@@ -91,8 +103,11 @@ def set_isa(name: str, ops=None) -> str:
         raise DLMError(f"the CPU decode kernels are not built here; {ISA_ENV}={name} has no effect")
     have = ops.isas().split(",")
     if name != "auto" and name not in have:
-        raise DLMError(f"{ISA_ENV}={name}: this CPU runs only {', '.join(have)} kernels (choose one of those, or "
-                       f"auto)" if name in ISAS else f"{ISA_ENV}={name}: choose auto, {', '.join(ISAS)}")
+        raise DLMError(
+            f"{ISA_ENV}={name}: this CPU runs only {', '.join(have)} kernels (choose one of those, or auto)"
+            if name in ISAS
+            else f"{ISA_ENV}={name}: choose auto, {', '.join(ISAS)}"
+        )
     return ops.set_isa(name)
 
 

@@ -41,10 +41,15 @@ class Choice:
     def summary(self) -> str:
         if self.forced:
             return f"kernels on ({self.forced}; {self.isa})"
-        ratio = ", ".join(f"{r} row{'s' if int(r) > 1 else ''} {self.kernel_ms[r] / self.stock_ms[r]:.2f}x"
-                          for r in self.kernel_ms if self.stock_ms.get(r))
-        return (f"{'kernels' if self.use else 'stock layers'} ({self.isa}; linears' time vs stock: {ratio}; "
-                f"{'quantized packing' if self.quant else 'fp32 packing'}{'; cached' if self.cached else ''})")
+        ratio = ", ".join(
+            f"{r} row{'s' if int(r) > 1 else ''} {self.kernel_ms[r] / self.stock_ms[r]:.2f}x"
+            for r in self.kernel_ms
+            if self.stock_ms.get(r)
+        )
+        return (
+            f"{'kernels' if self.use else 'stock layers'} ({self.isa}; linears' time vs stock: {ratio}; "
+            f"{'quantized packing' if self.quant else 'fp32 packing'}{'; cached' if self.cached else ''})"
+        )
 
 
 def cache_dir() -> Path:
@@ -61,7 +66,7 @@ def signature(layers: list[nn.Module]) -> list[tuple]:
 
     seen: dict = {}
     for m in layers:
-        out, inp = (m.weight.shape if isinstance(m, nn.Linear) else m.weight.shape[::-1])
+        out, inp = m.weight.shape if isinstance(m, nn.Linear) else m.weight.shape[::-1]
         key = (int(out), int(inp), m.bias is not None)
         if key not in seen:
             seen[key] = [probe_form(m.weight.detach() if isinstance(m, nn.Linear) else m.weight.detach().t()), 0]
@@ -73,8 +78,9 @@ def cache_key(layers: list[nn.Module], isa: str) -> str:
     from dlm.decode.cpu.build import cpu_name
 
     sig = json.dumps(signature(layers))
-    return "|".join([cpu_name(), isa, torch.__version__, str(torch.get_num_threads()),
-                     hashlib.sha1(sig.encode()).hexdigest()[:12]])
+    return "|".join(
+        [cpu_name(), isa, torch.__version__, str(torch.get_num_threads()), hashlib.sha1(sig.encode()).hexdigest()[:12]]
+    )
 
 
 def _read_cache() -> dict:
@@ -114,8 +120,14 @@ def measure(layers: list[nn.Module], ops, repeats: int = REPEATS) -> Choice:
     """Time the model's distinct linear layers through ``F.linear`` and the kernels (see the module doc)."""
     groups: dict = {}
     for m in layers:
-        key = (m._dlm_out, m.weight.numel() // m._dlm_out, str(m._dlm_packed.dtype), m._dlm_tail is not None,
-               m.bias is not None, isinstance(m, nn.Linear))
+        key = (
+            m._dlm_out,
+            m.weight.numel() // m._dlm_out,
+            str(m._dlm_packed.dtype),
+            m._dlm_tail is not None,
+            m.bias is not None,
+            isinstance(m, nn.Linear),
+        )
         groups.setdefault(key, [m, 0])[1] += 1
     stock, kern, f32 = ({r: 0.0 for r in ROWS} for _ in range(3))
     g = torch.Generator().manual_seed(0)
@@ -125,8 +137,10 @@ def measure(layers: list[nn.Module], ops, repeats: int = REPEATS) -> Choice:
         p32 = ops.pack(w.contiguous(), False) if dtype != str(torch.float32) else None
         for r in ROWS:
             x = torch.randn(r, k, generator=g)
-            fns = {"stock": lambda x: F.linear(x, w, b),
-                   "kernel": lambda x: ops.linear(x, m._dlm_packed, n, b, m._dlm_tail)}
+            fns = {
+                "stock": lambda x: F.linear(x, w, b),
+                "kernel": lambda x: ops.linear(x, m._dlm_packed, n, b, m._dlm_tail),
+            }
             if p32 is not None:
                 fns["f32"] = lambda x: ops.linear(x, p32, n, b, None)
             for fn in fns.values():
@@ -144,8 +158,7 @@ def measure(layers: list[nn.Module], ops, repeats: int = REPEATS) -> Choice:
     best = kern if quant else f32
     use = all(best[r] <= stock[r] for r in ROWS)
     rnd = lambda d: {str(r): round(v, 4) for r, v in d.items()}  # noqa: E731
-    return Choice(use=use, quant=quant, stock_ms=rnd(stock), kernel_ms=rnd(best), fp32_ms=rnd(f32),
-                  isa=ops.isa())
+    return Choice(use=use, quant=quant, stock_ms=rnd(stock), kernel_ms=rnd(best), fp32_ms=rnd(f32), isa=ops.isa())
 
 
 def choose(layers: list[nn.Module], ops) -> Choice:

@@ -67,12 +67,19 @@ def _attach_mlps(model: nn.Module, mod) -> None:
     """Gated SiLU MLPs (Llama, Qwen, Mistral): gate and up projections in one kernel pass with the SiLU product."""
     for m in model.modules():
         gate, up = getattr(m, "gate_proj", None), getattr(m, "up_proj", None)
-        if not type(m).__name__.endswith("MLP") or not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear) \
-                or not isinstance(getattr(m, "down_proj", None), nn.Module) \
-                or type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation") \
-                or gate.bias is not None or up.bias is not None or gate.weight.shape != up.weight.shape \
-                or getattr(gate, "_dlm_packed", None) is None or getattr(up, "_dlm_packed", None) is None \
-                or patched(m):
+        if (
+            not type(m).__name__.endswith("MLP")
+            or not isinstance(gate, nn.Linear)
+            or not isinstance(up, nn.Linear)
+            or not isinstance(getattr(m, "down_proj", None), nn.Module)
+            or type(getattr(m, "act_fn", None)).__name__ not in ("SiLU", "SiLUActivation")
+            or gate.bias is not None
+            or up.bias is not None
+            or gate.weight.shape != up.weight.shape
+            or getattr(gate, "_dlm_packed", None) is None
+            or getattr(up, "_dlm_packed", None) is None
+            or patched(m)
+        ):
             continue
         _patch(m, _make_mlp_forward(m, m.forward))
 
@@ -81,8 +88,16 @@ def _make_mlp_forward(module: nn.Module, stock):
     gate, up, down = module.gate_proj, module.up_proj, module.down_proj
 
     def forward(x):
-        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
-                or gate._forward_hooks or up._forward_hooks or gate._forward_pre_hooks or up._forward_pre_hooks:
+        if (
+            not _active[0]
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or gate._forward_hooks
+            or up._forward_hooks
+            or gate._forward_pre_hooks
+            or up._forward_pre_hooks
+        ):
             return stock(x)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
@@ -116,9 +131,15 @@ def _norm_eps(m: nn.Module):
 def _attach_norms(model: nn.Module, mod) -> None:
     for m in model.modules():
         w = getattr(m, "weight", None)
-        if not type(m).__name__.endswith("RMSNorm") or _norm_eps(m) is None or not isinstance(w, torch.Tensor) \
-                or w.dim() != 1 or w.dtype != torch.float32 or w.device.type != "cpu" \
-                or patched(m):
+        if (
+            not type(m).__name__.endswith("RMSNorm")
+            or _norm_eps(m) is None
+            or not isinstance(w, torch.Tensor)
+            or w.dim() != 1
+            or w.dtype != torch.float32
+            or w.device.type != "cpu"
+            or patched(m)
+        ):
             continue
         if type(m) not in _checked:
             x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0))
@@ -137,8 +158,14 @@ def _make_norm_forward(module: nn.Module, stock):
 
     def forward(x):
         w = module.weight
-        if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() \
-                or w.dtype != torch.float32 or x.shape[-1] != w.numel():
+        if (
+            not _active[0]
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or w.dtype != torch.float32
+            or x.shape[-1] != w.numel()
+        ):
             return stock(x)
         return _OPS[0].rms_norm(x.contiguous(), w, eps)
 
@@ -155,19 +182,30 @@ def attend(query, key, value, mask, scale):
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return None
     b, h, t, d = query.shape
-    if not 0 < t <= ATTEND_MAX_QUERIES or d % 16 or value.shape[-1] != d or h % key.shape[1] \
-            or key.shape[0] != b or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1
-                                        for x in (query, key, value)):
+    if (
+        not 0 < t <= ATTEND_MAX_QUERIES
+        or d % 16
+        or value.shape[-1] != d
+        or h % key.shape[1]
+        or key.shape[0] != b
+        or any(x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(-1) != 1 for x in (query, key, value))
+    ):
         return None
     if mask is None:
         if t != 1:
             return None
-    elif mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != t \
-            or mask.shape[3] != key.shape[2] or mask.shape[0] not in (1, b):
+    elif (
+        mask.dtype != torch.bool
+        or mask.dim() != 4
+        or mask.shape[1] != 1
+        or mask.shape[2] != t
+        or mask.shape[3] != key.shape[2]
+        or mask.shape[0] not in (1, b)
+    ):
         return None
     elif mask.shape[0] != b:
         mask = mask.expand(b, 1, t, key.shape[2])
-    return _OPS[0].attend(query, key, value, mask, float(scale if scale is not None else d ** -0.5))
+    return _OPS[0].attend(query, key, value, mask, float(scale if scale is not None else d**-0.5))
 
 
 # -- whole decoder layers ---------------------------------------------------------------------------------------
@@ -179,17 +217,23 @@ def attend(query, key, value, mask, scale):
 # it is used; a layer of another form (Qwen3's per-head q/k norms, Gemma's sandwich norms, ...) keeps its own.
 
 _NO_BIAS = torch.empty(0)
-_LAYER_KWARGS = frozenset(("attention_mask", "position_ids", "cache", "past_key_values", "use_cache",
-                           "position_embeddings", "cache_position"))
+_LAYER_KWARGS = frozenset(
+    ("attention_mask", "position_ids", "cache", "past_key_values", "use_cache", "position_embeddings", "cache_position")
+)
 
 
 def _layer_parts(layer: nn.Module):
     """The modules a Llama-form decoder layer is made of, or None where it is not one the fast path takes."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     n1, n2 = getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)
-    if attn is None or mlp is None or n1 is None or n2 is None or any(
-            hasattr(layer, a) for a in ("pre_feedforward_layernorm", "post_feedforward_layernorm")) \
-            or any(hasattr(attn, a) for a in ("q_norm", "k_norm", "sinks")):
+    if (
+        attn is None
+        or mlp is None
+        or n1 is None
+        or n2 is None
+        or any(hasattr(layer, a) for a in ("pre_feedforward_layernorm", "post_feedforward_layernorm"))
+        or any(hasattr(attn, a) for a in ("q_norm", "k_norm", "sinks"))
+    ):
         return None
     projs = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
     if not all(isinstance(m, nn.Linear) and getattr(m, "_dlm_packed", None) is not None for m in projs):
@@ -197,8 +241,13 @@ def _layer_parts(layer: nn.Module):
     if not all(patched(m) for m in (n1, n2, mlp)):
         return None  # norms and MLP must be the fused ones (checked against their own code when attached)
     head_dim, groups, layer_idx = (getattr(attn, a, None) for a in ("head_dim", "num_key_value_groups", "layer_idx"))
-    if not isinstance(head_dim, int) or not isinstance(groups, int) or not isinstance(layer_idx, int) \
-            or head_dim % 16 or not isinstance(getattr(attn, "scaling", None), float):
+    if (
+        not isinstance(head_dim, int)
+        or not isinstance(groups, int)
+        or not isinstance(layer_idx, int)
+        or head_dim % 16
+        or not isinstance(getattr(attn, "scaling", None), float)
+    ):
         return None
     impl = getattr(getattr(attn, "config", None), "_attn_implementation", None)
     if impl not in ("sdpa", "dlm_sdpa"):
@@ -258,8 +307,9 @@ def _check_layer(layer: nn.Module, parts) -> bool:
             ref = twin.forward(x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None])
             if not isinstance(ref, torch.Tensor):  # an older layer returning a tuple: keep its own
                 return False
-            got = _make_layer_forward(twin, None, parts_t)(x, attention_mask=mask, position_embeddings=pe,
-                                                           position_ids=torch.arange(3)[None])
+            got = _make_layer_forward(twin, None, parts_t)(
+                x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None]
+            )
         return bool(torch.allclose(ref, got, rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - another layer form or signature: keep its own forward
         return False
@@ -311,33 +361,72 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
     def qkv(h, shape):  # the three projections in one kernel pass, then any adapter hooks on them
         for m in (qp, kp, vp):
             fresh(m)
-        if qp._forward_pre_hooks or kp._forward_pre_hooks or vp._forward_pre_hooks or _global_hooks() \
-                or qp._forward_hooks_with_kwargs or kp._forward_hooks_with_kwargs or vp._forward_hooks_with_kwargs \
-                or qp._dlm_tail is not None or kp._dlm_tail is not None or vp._dlm_tail is not None:
+        if (
+            qp._forward_pre_hooks
+            or kp._forward_pre_hooks
+            or vp._forward_pre_hooks
+            or _global_hooks()
+            or qp._forward_hooks_with_kwargs
+            or kp._forward_hooks_with_kwargs
+            or vp._forward_hooks_with_kwargs
+            or qp._dlm_tail is not None
+            or kp._dlm_tail is not None
+            or vp._dlm_tail is not None
+        ):
             return [lin(m, h, shape) for m in (qp, kp, vp)]
-        outs = _OPS[0].linears(h, [qp._dlm_packed, kp._dlm_packed, vp._dlm_packed],
-                                  [qp._dlm_out, kp._dlm_out, vp._dlm_out],
-                                  [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)])
+        outs = _OPS[0].linears(
+            h,
+            [qp._dlm_packed, kp._dlm_packed, vp._dlm_packed],
+            [qp._dlm_out, kp._dlm_out, vp._dlm_out],
+            [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)],
+        )
         return [hooked(m, h, o, shape) if m._forward_hooks else o for m, o in zip((qp, kp, vp), outs)]
 
     def forward(*args, **kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
-        if not _active[0] or len(args) > 1 or not isinstance(x, torch.Tensor) or x.dim() != 3 \
-                or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled() or layer.training \
-                or attn._forward_hooks or attn._forward_pre_hooks or mlp._forward_hooks or mlp._forward_pre_hooks \
-                or n1._forward_hooks or n2._forward_hooks or n1._forward_pre_hooks or n2._forward_pre_hooks \
-                or gate._forward_hooks or up._forward_hooks or gate._forward_pre_hooks or up._forward_pre_hooks \
-                or not _LAYER_KWARGS.issuperset(kwargs.keys() - {"hidden_states"}):
+        if (
+            not _active[0]
+            or len(args) > 1
+            or not isinstance(x, torch.Tensor)
+            or x.dim() != 3
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or layer.training
+            or attn._forward_hooks
+            or attn._forward_pre_hooks
+            or mlp._forward_hooks
+            or mlp._forward_pre_hooks
+            or n1._forward_hooks
+            or n2._forward_hooks
+            or n1._forward_pre_hooks
+            or n2._forward_pre_hooks
+            or gate._forward_hooks
+            or up._forward_hooks
+            or gate._forward_pre_hooks
+            or up._forward_pre_hooks
+            or not _LAYER_KWARGS.issuperset(kwargs.keys() - {"hidden_states"})
+        ):
             return stock(*args, **kwargs)
         b, t, d = x.shape
         pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
         rows = b * t
-        if pe is None or not 0 < rows <= MAX_ROWS or t > ATTEND_MAX_QUERIES or \
-                (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4)) or (mask is None and t != 1):
+        if (
+            pe is None
+            or not 0 < rows <= MAX_ROWS
+            or t > ATTEND_MAX_QUERIES
+            or (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4))
+            or (mask is None and t != 1)
+        ):
             return stock(*args, **kwargs)
         cos, sin = pe
-        if cos.dim() != 3 or tuple(cos.shape) != (b, t, hd) or cos.dtype != torch.float32 \
-                or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        if (
+            cos.dim() != 3
+            or tuple(cos.shape) != (b, t, hd)
+            or cos.dtype != torch.float32
+            or cos.stride(-1) != 1
+            or sin.stride(-1) != 1
+        ):
             return stock(*args, **kwargs)
         ext = _OPS[0]
         shape = (b, t)
@@ -376,9 +465,15 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
     """``out_rows += scale * B(A(rows))`` for a gated-LoRA adapter through the kernel, in one call; False (nothing
     done) outside :func:`active` or for inputs it does not take. At batch 1 these are two tiny matmuls per adapted
     layer, and BLAS spends more on starting its threads than on the arithmetic."""
-    if not _active[0] or rows.dtype != torch.float32 or rows.device.type != "cpu" or torch.is_grad_enabled() \
-            or _OPS[0] is None or not 0 < rows.shape[0] <= MAX_ROWS \
-            or out_rows.stride(-1) != 1:
+    if (
+        not _active[0]
+        or rows.dtype != torch.float32
+        or rows.device.type != "cpu"
+        or torch.is_grad_enabled()
+        or _OPS[0] is None
+        or not 0 < rows.shape[0] <= MAX_ROWS
+        or out_rows.stride(-1) != 1
+    ):
         return False
     ext = _OPS[0]
     a, b = adapter.A, adapter.B
@@ -392,8 +487,6 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
     return True
 
 
-
-
 def _make_forward(module: nn.Module, stock):
     def forward(x):
         if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
@@ -403,11 +496,10 @@ def _make_forward(module: nn.Module, stock):
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
         fresh(module)
-        out = _OPS[0].linear(x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias,
-                                module._dlm_tail)
+        out = _OPS[0].linear(
+            x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail
+        )
         return out.view(*x.shape[:-1], module._dlm_out)
 
     forward._dlm = True
     return forward
-
-

@@ -54,8 +54,7 @@ def _fit_blocks(b: torch.Tensor, levels: int):
         todo = (~done).nonzero().squeeze(1)
         if todo.numel() == 0:
             break
-    return (d.view(*shape[:-1], 1), q.view(shape), None if m is None else m.view(*shape[:-1], 1),
-            done.view(shape[:-1]))
+    return (d.view(*shape[:-1], 1), q.view(shape), None if m is None else m.view(*shape[:-1], 1), done.view(shape[:-1]))
 
 
 def probe_form(w: torch.Tensor) -> str:
@@ -113,8 +112,9 @@ def pack(module: nn.Module, ops, quant: bool = True) -> None:
     transposed = not isinstance(module, nn.Linear)
     with torch.no_grad():
         packed = quant_pack(w.detach().t() if transposed else w.detach(), ops) if quant else None
-        module._dlm_packed, module._dlm_tail = packed if packed is not None else (ops.pack(w.detach(), transposed),
-                                                                                   None)
+        module._dlm_packed, module._dlm_tail = (
+            packed if packed is not None else (ops.pack(w.detach(), transposed), None)
+        )
     # what the copy was made from (storage, in-place version): a replaced or modified weight is packed again
     module._dlm_ptr, module._dlm_version = w.data_ptr(), w._version
     module._dlm_out = w.shape[1] if transposed else w.shape[0]

@@ -26,8 +26,10 @@ def parse_task_list(tasks) -> list[str]:
         raise DLMError(f"--eval-tasks is empty; choose from {', '.join(TASKS)}")
     for n in names:
         if n not in TASKS:
-            raise DLMError(f"unknown eval task '{n}' in --eval-tasks; did you mean {closest(n, TASKS)}? "
-                           f"(tasks: {', '.join(TASKS)})")
+            raise DLMError(
+                f"unknown eval task '{n}' in --eval-tasks; did you mean {closest(n, TASKS)}? "
+                f"(tasks: {', '.join(TASKS)})"
+            )
     return names
 
 
@@ -43,15 +45,19 @@ def task_path(name: str, data_dir=None, paths: dict | None = None) -> Path:
         raise DLMError(f"--data-dir '{folder}' is not a folder")
     sub = folder / TASKS[name].SUBDIR
     if not sub.exists():
-        raise DLMError(f"no '{TASKS[name].SUBDIR}' folder in --data-dir '{folder}' for task '{name}'; add it or "
-                       f"pass {flag}")
+        raise DLMError(
+            f"no '{TASKS[name].SUBDIR}' folder in --data-dir '{folder}' for task '{name}'; add it or pass {flag}"
+        )
     return sub
 
 
 def load_task(name: str, data_dir=None, paths: dict | None = None, **options) -> list:
     """The examples of task ``name`` (``options`` go to the task's loader, e.g. direction= for poem_reverse)."""
     module = TASKS[name]
-    if getattr(module, "BUILTIN", False) and not (paths and paths.get(name)) and \
-            (data_dir is None or not (Path(data_dir).expanduser() / module.SUBDIR).exists()):
+    if (
+        getattr(module, "BUILTIN", False)
+        and not (paths and paths.get(name))
+        and (data_dir is None or not (Path(data_dir).expanduser() / module.SUBDIR).exists())
+    ):
         return module.load(None, **options)  # a task with built-in data (isd_acceptance) needs no files
     return module.load(task_path(name, data_dir, paths), **options)

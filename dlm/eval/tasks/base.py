@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from dlm.errors import DLMError
 
@@ -96,15 +97,19 @@ def parse_label(value, n_choices: int, where: str, one_based: bool = False) -> i
     try:
         label = int(str(value).strip())
     except (TypeError, ValueError):
-        raise DLMError(f"{where}: label {value!r} is not an integer; labels must be "
-                       f"{'1..' + str(n_choices) if one_based else '0..' + str(n_choices - 1)}") from None
+        raise DLMError(
+            f"{where}: label {value!r} is not an integer; labels must be "
+            f"{'1..' + str(n_choices) if one_based else '0..' + str(n_choices - 1)}"
+        ) from None
     if one_based:
         label -= 1
     if not 0 <= label < n_choices:
         shown = label + 1 if one_based else label
         valid = f"1..{n_choices}" if one_based else f"0..{n_choices - 1}"
-        raise DLMError(f"{where}: label {shown} is out of range for {n_choices} choices (valid: {valid}); "
-                       f"check that the labels file belongs to this data file")
+        raise DLMError(
+            f"{where}: label {shown} is out of range for {n_choices} choices (valid: {valid}); "
+            f"check that the labels file belongs to this data file"
+        )
     return label
 
 
@@ -121,8 +126,14 @@ def _stem_key(path: Path) -> str:
     return re.sub(r"[-_]?labels?$", "", name)
 
 
-def find_task_files(path: str | Path, task: str, fits: Callable[[Path], bool], needs_labels: bool | None,
-                    expected: str, rank: Callable[[Path], int] | None = None) -> tuple[Path, Path | None]:
+def find_task_files(
+    path: str | Path,
+    task: str,
+    fits: Callable[[Path], bool],
+    needs_labels: bool | None,
+    expected: str,
+    rank: Callable[[Path], int] | None = None,
+) -> tuple[Path, Path | None]:
     """Locate (data file, labels file or None) for ``task`` at ``path`` (a file or a folder).
 
     ``fits(file)`` says by content whether a file is a data file of this task. In a folder with several fitting
@@ -133,8 +144,10 @@ def find_task_files(path: str | Path, task: str, fits: Callable[[Path], bool], n
     """
     path = Path(path).expanduser()
     if not path.exists():
-        raise DLMError(f"{task}: '{path}' does not exist; pass the {task} data with --{task.replace('_', '-')}-path "
-                       f"FILE_OR_DIR or a --data-dir holding a '{task}' folder")
+        raise DLMError(
+            f"{task}: '{path}' does not exist; pass the {task} data with --{task.replace('_', '-')}-path "
+            f"FILE_OR_DIR or a --data-dir holding a '{task}' folder"
+        )
     if path.is_file():
         data = path
         if not data.read_bytes().strip():
@@ -155,8 +168,10 @@ def find_task_files(path: str | Path, task: str, fits: Callable[[Path], bool], n
             if len(preferred) == 1:
                 candidates = preferred
             else:
-                raise DLMError(f"{task}: several {task} files in '{path}' ({', '.join(p.name for p in candidates)}); "
-                               f"pass one file with --{task.replace('_', '-')}-path")
+                raise DLMError(
+                    f"{task}: several {task} files in '{path}' ({', '.join(p.name for p in candidates)}); "
+                    f"pass one file with --{task.replace('_', '-')}-path"
+                )
         data = candidates[0]
     if needs_labels is False:
         return data, None
@@ -169,8 +184,10 @@ def find_task_files(path: str | Path, task: str, fits: Callable[[Path], bool], n
         elif len(label_files) == 1:
             labels = label_files[0]
     if labels is None and needs_labels:
-        raise DLMError(f"{task}: '{data}' has no labels and no labels file (one integer per line, e.g. "
-                       f"'{_stem_key(data)}-labels.lst') was found beside it; put the labels file in '{data.parent}'")
+        raise DLMError(
+            f"{task}: '{data}' has no labels and no labels file (one integer per line, e.g. "
+            f"'{_stem_key(data)}-labels.lst') was found beside it; put the labels file in '{data.parent}'"
+        )
     return data, labels
 
 
@@ -195,8 +212,9 @@ def has_fields(records: Iterable[dict] | None, *names: str) -> bool:
     return all(n in first for n in names)
 
 
-def read_labeled(path: str | Path, task: str, fits: Callable[[Path], bool], expected: str,
-                 labels_file_example: str | None = None) -> tuple[Path, Path | None, list[dict], list[str] | None]:
+def read_labeled(
+    path: str | Path, task: str, fits: Callable[[Path], bool], expected: str, labels_file_example: str | None = None
+) -> tuple[Path, Path | None, list[dict], list[str] | None]:
     """``(data file, labels file or None, records, labels or None)`` of a task whose gold answers live in a
     ``label`` field or in a labels file beside the data (one per line, same order).
 
@@ -206,19 +224,31 @@ def read_labeled(path: str | Path, task: str, fits: Callable[[Path], bool], expe
     records = read_records(data)
     labels = read_labels(labels_path) if labels_path else None
     if labels_file_example and labels is None and not all("label" in r for r in records):
-        raise DLMError(f"{task}: '{data}' has no 'label' field and no labels file was found beside it; "
-                       f"put the labels file (e.g. {labels_file_example}) next to it")
+        raise DLMError(
+            f"{task}: '{data}' has no 'label' field and no labels file was found beside it; "
+            f"put the labels file (e.g. {labels_file_example}) next to it"
+        )
     if labels is not None and len(labels) != len(records):
-        raise DLMError(f"{task}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
-                       f"records; use the labels file of the same split")
+        raise DLMError(
+            f"{task}: '{labels_path}' has {len(labels)} labels but '{data}' has {len(records)} "
+            f"records; use the labels file of the same split"
+        )
     return data, labels_path, records, labels
 
 
-def load_labeled_mc(path: str | Path, task: str, fields: tuple[str, ...], expected: str, labels_file: str,
-                    n_choices: int, make: Callable[[dict], tuple[str, list[str]]],
-                    one_based: bool = False) -> list[MCExample]:
+def load_labeled_mc(
+    path: str | Path,
+    task: str,
+    fields: tuple[str, ...],
+    expected: str,
+    labels_file: str,
+    n_choices: int,
+    make: Callable[[dict], tuple[str, list[str]]],
+    one_based: bool = False,
+) -> list[MCExample]:
     """A multiple-choice task of JSONL records with ``fields`` and gold answers in a ``label`` field or a labels
     file (:func:`read_labeled`); ``make(record) -> (context, choices)`` is the task's prompt."""
+
     def fits(p: Path) -> bool:
         return has_fields(read_records(p), *fields)
 
@@ -227,7 +257,12 @@ def load_labeled_mc(path: str | Path, task: str, fields: tuple[str, ...], expect
     for i, r in enumerate(records):
         gold = labels[i] if labels is not None else r["label"]
         context, choices = make(r)
-        out.append(MCExample(context=context, choices=choices, id=str(r.get("id", i)),
-                             label=parse_label(gold, n_choices, f"{task} '{labels_path or data}' item {i + 1}",
-                                               one_based=one_based)))
+        out.append(
+            MCExample(
+                context=context,
+                choices=choices,
+                id=str(r.get("id", i)),
+                label=parse_label(gold, n_choices, f"{task} '{labels_path or data}' item {i + 1}", one_based=one_based),
+            )
+        )
     return check_nonempty(out, task, data)

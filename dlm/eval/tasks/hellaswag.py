@@ -22,8 +22,10 @@ from dlm.eval.tasks.base import MCExample, check_nonempty, find_task_files, has_
 NAME = "hellaswag"
 KIND = "mc"
 SUBDIR = "hellaswag"
-EXPECTED = ("JSONL records with fields ctx (or ctx_a/ctx_b), activity_label, endings, label, or a text file of "
-            "6 lines per item (context, gold index 0-3, four endings)")
+EXPECTED = (
+    "JSONL records with fields ctx (or ctx_a/ctx_b), activity_label, endings, label, or a text file of "
+    "6 lines per item (context, gold index 0-3, four endings)"
+)
 
 
 def preprocess(text: str) -> str:
@@ -42,7 +44,7 @@ def _text_items(path: Path) -> list[list[str]] | None:
         lines.pop()
     if not lines or len(lines) % 6 != 0:
         return None
-    items = [lines[i:i + 6] for i in range(0, len(lines), 6)]
+    items = [lines[i : i + 6] for i in range(0, len(lines), 6)]
     if not all(re.fullmatch(r"\s*\d+\s*", item[1]) for item in items):
         return None
     return items
@@ -71,11 +73,22 @@ def load(path) -> list[MCExample]:
                 raise DLMError(f"{where}: 'endings' must be a list of the candidate endings")
             if r.get("label", "") in ("", None):
                 raise DLMError(f"{where}: no 'label' (test split?); use the validation split")
-            out.append(MCExample(context=preprocess(r.get("activity_label", "") + ": " + ctx),
-                                 choices=[" " + preprocess(e) for e in endings],
-                                 label=parse_label(r["label"], len(endings), where), id=str(r.get("ind", i))))
+            out.append(
+                MCExample(
+                    context=preprocess(r.get("activity_label", "") + ": " + ctx),
+                    choices=[" " + preprocess(e) for e in endings],
+                    label=parse_label(r["label"], len(endings), where),
+                    id=str(r.get("ind", i)),
+                )
+            )
     else:
         for i, item in enumerate(_text_items(data)):
-            out.append(MCExample(context=preprocess(item[0]), choices=[" " + preprocess(e) for e in item[2:6]],
-                                 label=parse_label(item[1], 4, f"{NAME} '{data}' item {i + 1}"), id=str(i)))
+            out.append(
+                MCExample(
+                    context=preprocess(item[0]),
+                    choices=[" " + preprocess(e) for e in item[2:6]],
+                    label=parse_label(item[1], 4, f"{NAME} '{data}' item {i + 1}"),
+                    id=str(i),
+                )
+            )
     return check_nonempty(out, NAME, data)

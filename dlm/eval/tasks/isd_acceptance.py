@@ -30,8 +30,10 @@ NAME = "isd_acceptance"
 KIND = "isd"
 SUBDIR = "isd_acceptance"
 BUILTIN = True  # runs on the built-in held-out instructions when no data is given
-EXPECTED = ("JSONL chat records (field messages with a user turn), JSONL with a string field prompt, or plain text "
-            "with one prompt per line")
+EXPECTED = (
+    "JSONL chat records (field messages with a user turn), JSONL with a string field prompt, or plain text "
+    "with one prompt per line"
+)
 GEN_LENGTH = 64
 
 
@@ -83,5 +85,7 @@ def load(path=None, gen_length: int = GEN_LENGTH) -> list[GenExample]:
         check_nonempty(prompts, NAME, data)
     if gen_length < 1:
         raise DLMError(f"{NAME}: the generation length must be >= 1, got {gen_length}")
-    return [GenExample(prompt=p, target="", id=str(i), chat=True, max_new_tokens=gen_length,
-                       extra={"source": where}) for i, p in enumerate(prompts)]
+    return [
+        GenExample(prompt=p, target="", id=str(i), chat=True, max_new_tokens=gen_length, extra={"source": where})
+        for i, p in enumerate(prompts)
+    ]

@@ -18,8 +18,10 @@ from dlm.eval.tasks.base import GenExample, check_nonempty, find_task_files, has
 NAME = "lambada"
 KIND = "gen"
 SUBDIR = "lambada"
-EXPECTED = ("a plain-text file with one passage per line (target = last word) or JSONL records with fields "
-            "context, continuation (OpenAI layout)")
+EXPECTED = (
+    "a plain-text file with one passage per line (target = last word) or JSONL records with fields "
+    "context, continuation (OpenAI layout)"
+)
 
 
 def _plain_lines(path: Path) -> list[str] | None:

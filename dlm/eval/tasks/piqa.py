@@ -14,5 +14,12 @@ EXPECTED = "JSONL records with fields goal, sol1, sol2 (+ optional 'label') and 
 
 
 def load(path) -> list[MCExample]:
-    return load_labeled_mc(path, NAME, ("goal", "sol1", "sol2"), EXPECTED, "valid-labels.lst", 2,
-                           lambda r: (f"Question: {r['goal']}\nAnswer: ", [" " + r["sol1"], " " + r["sol2"]]))
+    return load_labeled_mc(
+        path,
+        NAME,
+        ("goal", "sol1", "sol2"),
+        EXPECTED,
+        "valid-labels.lst",
+        2,
+        lambda r: (f"Question: {r['goal']}\nAnswer: ", [" " + r["sol1"], " " + r["sol2"]]),
+    )

@@ -27,8 +27,10 @@ def _fits(path: Path) -> bool:
 
 def load(path, direction: str = "ftb", gen_length: int = GEN_LENGTH) -> list[GenExample]:
     if direction not in DIRECTIONS:
-        raise DLMError(f"--poem-direction must be one of {', '.join(DIRECTIONS)} (ftb: next line, btf: previous "
-                       f"line), got '{direction}'")
+        raise DLMError(
+            f"--poem-direction must be one of {', '.join(DIRECTIONS)} (ftb: next line, btf: previous "
+            f"line), got '{direction}'"
+        )
     data, _ = find_task_files(path, NAME, _fits, False, EXPECTED)
     out = []
     for i, r in enumerate(read_records(data)):
@@ -37,6 +39,14 @@ def load(path, direction: str = "ftb", gen_length: int = GEN_LENGTH) -> list[Gen
             prompt, target = f"{first}的下一句是什么？直接输出句子即可。", second
         else:
             prompt, target = f"{second}的上一句是什么？直接输出句子即可。", first
-        out.append(GenExample(prompt=prompt, target=target, id=str(i), chat=True, max_new_tokens=gen_length,
-                              extra={"direction": direction}))
+        out.append(
+            GenExample(
+                prompt=prompt,
+                target=target,
+                id=str(i),
+                chat=True,
+                max_new_tokens=gen_length,
+                extra={"direction": direction},
+            )
+        )
     return check_nonempty(out, NAME, data)

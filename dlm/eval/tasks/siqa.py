@@ -10,12 +10,20 @@ from dlm.eval.tasks.base import MCExample, load_labeled_mc
 NAME = "siqa"
 KIND = "mc"
 SUBDIR = "siqa"
-EXPECTED = ("JSONL records with fields context, question, answerA, answerB, answerC (+ optional 'label') and a "
-            "labels file with 1/2/3 per line")
+EXPECTED = (
+    "JSONL records with fields context, question, answerA, answerB, answerC (+ optional 'label') and a "
+    "labels file with 1/2/3 per line"
+)
 
 
 def load(path) -> list[MCExample]:
-    return load_labeled_mc(path, NAME, ("context", "question", "answerA", "answerB", "answerC"), EXPECTED,
-                           "dev-labels.lst", 3,
-                           lambda r: (f"Question: {r['context']} {r['question']}\nAnswer: ",
-                                      [r["answerA"], r["answerB"], r["answerC"]]), one_based=True)
+    return load_labeled_mc(
+        path,
+        NAME,
+        ("context", "question", "answerA", "answerB", "answerC"),
+        EXPECTED,
+        "dev-labels.lst",
+        3,
+        lambda r: (f"Question: {r['context']} {r['question']}\nAnswer: ", [r["answerA"], r["answerB"], r["answerC"]]),
+        one_based=True,
+    )

@@ -22,8 +22,10 @@ from dlm.eval.tasks.base import MCExample, check_nonempty, has_fields, parse_lab
 NAME = "winogrande"
 KIND = "mc"
 SUBDIR = "winogrande"
-EXPECTED = ("JSONL records with fields sentence, option1, option2, answer (original release, labels in 'answer' or "
-            "a labels file with 1/2 per line) or context_options, continuation, gold (MosaicML layout)")
+EXPECTED = (
+    "JSONL records with fields sentence, option1, option2, answer (original release, labels in 'answer' or "
+    "a labels file with 1/2 per line) or context_options, continuation, gold (MosaicML layout)"
+)
 
 
 def _layout(records) -> str | None:
@@ -56,14 +58,16 @@ def load(path) -> list[MCExample]:
             if "_" not in sentence:
                 raise DLMError(f"{where}: the sentence has no '_' blank to fill: {sentence!r}")
             idx = sentence.index("_")
-            context, rest = sentence[:idx], sentence[idx + 1:]
+            context, rest = sentence[:idx], sentence[idx + 1 :]
             choices = [r["option1"] + rest, r["option2"] + rest]
             gold = r.get("answer", "")
             if labels is not None:
                 gold = labels[i]
             if gold in ("", None):
-                raise DLMError(f"{where}: no answer (test split?) and no labels file beside '{data}'; use the "
-                               f"validation split or add its labels file (1/2 per line)")
+                raise DLMError(
+                    f"{where}: no answer (test split?) and no labels file beside '{data}'; use the "
+                    f"validation split or add its labels file (1/2 per line)"
+                )
             label = parse_label(gold, 2, where, one_based=True)
         else:
             opts = r["context_options"]
@@ -74,9 +78,13 @@ def load(path) -> list[MCExample]:
             sep = "" if cont[:1].isspace() or cont[:1] in ",.;:!?'" else " "
             choices = [a + sep + cont, b + sep + cont]
             label = parse_label(r["gold"], 2, where)
-            if labels is not None and parse_label(labels[i], 2, f"{NAME} '{labels_path}' item {i + 1}",
-                                                  one_based=True) != label:
-                raise DLMError(f"{NAME}: '{labels_path}' line {i + 1} disagrees with 'gold' of '{data}' item "
-                               f"{i + 1}; the labels file belongs to another split - remove or replace it")
+            if (
+                labels is not None
+                and parse_label(labels[i], 2, f"{NAME} '{labels_path}' item {i + 1}", one_based=True) != label
+            ):
+                raise DLMError(
+                    f"{NAME}: '{labels_path}' line {i + 1} disagrees with 'gold' of '{data}' item "
+                    f"{i + 1}; the labels file belongs to another split - remove or replace it"
+                )
         out.append(MCExample(context=context, choices=choices, label=label, id=str(r.get("qID", i))))
     return check_nonempty(out, NAME, data)

@@ -197,3 +197,19 @@ def check_model_folder(folder: str | os.PathLike) -> None:
             raise DLMError(
                 f"'{f}' is truncated or damaged ({type(e).__name__}: {e}); restore the model folder from a copy"
             ) from e
+
+
+@contextlib.contextmanager
+def file_lock(path: str | os.PathLike):
+    """An exclusive advisory lock (``flock``) held on ``path`` (created, with its folder) for the ``with`` block:
+    processes sharing a cache or a manifest take turns."""
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

@@ -211,6 +211,12 @@ def _corrupt(sf: SourceFile, e: Exception) -> DLMError:
     )
 
 
+def _auto_column(strings: list[str]) -> str | None:
+    """``--text-column auto``: the first of TEXT_COLUMNS among a file's string columns, else its first string
+    column, else None."""
+    return next((name for name in (*TEXT_COLUMNS, *strings) if name in strings), None)
+
+
 def inspect_file(sf: SourceFile, text_column: str) -> None:
     """Check a file opens and resolve its text column (sets ``sf.column``); DLMError naming the file otherwise."""
     if sf.kind == "txt":
@@ -236,11 +242,9 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
                 )
             sf.column = text_column
             return
-        strings = [f.name for f in schema if _is_string_type(f.type)]
-        for name in (*TEXT_COLUMNS, *strings):
-            if name in strings:
-                sf.column = name
-                return
+        sf.column = _auto_column([f.name for f in schema if _is_string_type(f.type)])
+        if sf.column is not None:
+            return
         raise DLMError(
             f"no usable text column in '{sf.path}': columns found: {listing}; pass --text-column NAME "
             f"of a string column"
@@ -275,11 +279,9 @@ def inspect_file(sf: SourceFile, text_column: str) -> None:
             )
         sf.column = text_column
         return
-    strings = [k for k, v in obj.items() if isinstance(v, str)]
-    for name in (*TEXT_COLUMNS, *strings):
-        if name in strings:
-            sf.column = name
-            return
+    sf.column = _auto_column([k for k, v in obj.items() if isinstance(v, str)])
+    if sf.column is not None:
+        return
     raise DLMError(
         f"no usable text column in '{sf.path}': fields found in the first record: {listing}; pass --text-column NAME"
     )

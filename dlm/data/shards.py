@@ -23,7 +23,6 @@ happens here. For any stream that does not end exactly on a boundary the files a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from dlm.errors import DLMError
-from dlm.fsutil import disk_full_as_error, sha256_file  # noqa: F401 - sha256_file: part of this module's API
+from dlm.fsutil import disk_full_as_error, file_lock, sha256_file  # noqa: F401 - sha256_file: part of this module's API
 
 RESUME_FIX = "free some space (or use another --destination-path) and rerun the same command: finished shards are kept and it resumes after them"
 
@@ -234,18 +233,6 @@ class ShardWriter:
 # ---------------------------------------------------------------------------------------------- manifest
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    import fcntl
-
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -282,7 +269,7 @@ def update_manifest(folder: str | os.PathLike, prefix: str, entry: dict | None) 
     concurrent ``dlm prepare`` runs for different prefixes do not overwrite each other's entries.
     """
     folder = Path(folder)
-    with _locked(folder / f".{MANIFEST_NAME}.lock"):
+    with file_lock(folder / f".{MANIFEST_NAME}.lock"):
         data = read_manifest(folder)
         if entry is None:
             data["prefixes"].pop(prefix, None)

@@ -10,7 +10,6 @@ that looks whole.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 from pathlib import Path
@@ -31,19 +30,6 @@ ALIASES = {
 
 def dlm_home() -> Path:
     return Path(os.environ.get("DLM_HOME", Path.home() / ".cache" / "dlm")).expanduser()
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path):
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def gguf_location(alias: str) -> tuple[Path, str]:
@@ -67,7 +53,9 @@ def _materialize_alias(alias: str) -> Path:
     if (target / "config.json").is_file():
         return target
     folder, filename = gguf_location(alias)
-    with _file_lock(dlm_home() / "models" / f".{alias}.lock"):
+    from dlm.fsutil import file_lock
+
+    with file_lock(dlm_home() / "models" / f".{alias}.lock"):
         if (target / "config.json").is_file():  # another process finished it while we waited
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -33,40 +33,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for staying focused.",
-    "Explain photosynthesis simply.",
-    "Write a haiku about the sea.",
-    "How do I boil an egg?",
-    "What is 17 times 23?",
-    "Name five fruits.",
-    "Why is the sky blue?",
-    "Summarize the plot of Cinderella.",
-    "What does a CPU do?",
-    "Translate 'good morning' into Spanish.",
-    "List three uses of a paperclip.",
-    "What is a prime number?",
-    "Describe a cat to someone who has never seen one.",
-    "How many days are in a leap year?",
-    "What is machine learning?",
-    "Give a synonym for happy.",
-    "Why do we sleep?",
-    "What is gravity?",
-    "Suggest a name for a pet goldfish.",
-    "How do airplanes fly?",
-    "What is the boiling point of water?",
-    "Tell me a fun fact about octopuses.",
-    "What is the difference between weather and climate?",
-    "Write one sentence about autumn.",
-    "How do vaccines work?",
-    "What is an API?",
-    "Why is exercise healthy?",
-    "What is the largest planet?",
-    "How do I make a cup of tea?",
-    "What is a noun?",
-    "Explain recursion briefly.",
-]
+sys.path.insert(0, str(REPO / "bench"))
+from serve import PROMPTS  # noqa: E402 - the same chat prompts as bench/serve.py, so the two compare
+
 KEY = "bench"
 
 

@@ -27,14 +27,14 @@ def default_of(f: dataclasses.Field):
 def describe(f: dataclasses.Field) -> str:
     """``help (choices; unit; default X)`` for ``--help`` and the docs' tables."""
     meta = f.metadata
-    parts = [meta.get("help") or ""]
+    text = meta.get("help") or ""
     extra = []
     if meta.get("choices"):
         extra.append(" | ".join(map(str, meta["choices"])))
     if meta.get("unit"):
         extra.append(meta["unit"])
     extra.append(f"default {default_of(f)!r}")
-    return f"{parts[0]} ({'; '.join(extra)})" if parts[0] else "; ".join(extra)
+    return f"{text} ({'; '.join(extra)})" if text else "; ".join(extra)
 
 
 def check_choices(obj, section: str) -> None:

@@ -173,15 +173,11 @@ def generate(
     )
     from dlm.progress import bar as progress_bar
 
-    bar = progress_bar(len(prompts), f"generate {decode}", "prompt") if progress is True else None
+    own_bar = progress is True
+    bar = progress_bar(len(prompts), f"generate {decode}", "prompt") if own_bar else progress or None
     try:
         with Engine(model, tokenizer, decoder=decode, max_batch_size=batch_size, threads=threads, **kw) as engine:
-            return engine.generate(
-                [list(p) for p in prompts],
-                params,
-                on_tokens=on_tokens,
-                progress=bar if progress is True else progress or None,
-            )
+            return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)
     finally:
-        if bar is not None:
+        if own_bar:
             bar.close()

@@ -658,12 +658,12 @@ class Trainer:
     # -- the step loop -----------------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         """Optimizer steps until ``max_train_steps`` or the ``max_minutes`` budget; checkpoints, evaluation and
-        log lines on their schedules; then the final model. Losses, token counts and the gradient norm stay on
-        the device and are read at the log interval; each step reads one small tensor (non-finite loss or
-        gradient, budget spent), which every process must agree on before the weights move."""
+        log lines on their schedules; then the final model. Each step makes one host read, of its reduced stats
+        (loss sum, tokens, non-finite loss or gradient, budget spent, grad norm): every process must agree on them
+        before the weights move. The loss parts stay on the device until the log interval."""
         cfg, acc = self.cfg, self.accelerator
         budget_s = cfg.train.max_minutes * 60 if cfg.train.max_minutes else None
-        pending: list[tuple] = []  # (step, lr, stats tensor, parts, seconds, fingerprint) not read yet
+        pending: list[tuple] = []  # (step, lr, stats as read, parts on the device, seconds, fingerprint)
         losses: list[float] = []
         stopped = "max_train_steps"
         run_tokens, run_t0 = 0, time.perf_counter()
@@ -671,7 +671,8 @@ class Trainer:
             while self.step < cfg.train.max_train_steps:
                 t_step = time.perf_counter()
                 stats, parts, fp = self.train_step(budget_s)
-                _, _, bad_loss, over, frac, _, bad_norm = stats.tolist()  # the one host read per step
+                stats = stats.tolist()  # the one host read per step
+                _, _, bad_loss, over, frac, _, bad_norm = stats
                 if bad_loss > 0:
                     raise DLMError(
                         f"non-finite loss at step {self.step + 1} (the weights were not updated); last "
@@ -693,18 +694,14 @@ class Trainer:
                 pending.append((self.step, lr, stats, parts, time.perf_counter() - t_step, fp))
                 stop = over > 0
                 is_last = self.step == cfg.train.max_train_steps or stop
-                if (
-                    self.step % cfg.train.log_every == 0
-                    or is_last
-                    or cfg.train.save_every
-                    and (self.step % cfg.train.save_every == 0)
-                    or cfg.eval.eval_every
-                    and (self.step % cfg.eval.eval_every == 0)
-                ):
-                    run_tokens = self._flush(pending, losses, run_tokens, run_t0)
-                if cfg.train.save_every and self.step % cfg.train.save_every == 0 or stop:
-                    self.last_ckpt = self.save(self.step)  # the budget ran out: a resumable checkpoint anyway
-                if cfg.eval.eval_every and self.step % cfg.eval.eval_every == 0:
+                # the budget ran out: a resumable checkpoint even without save_every
+                saving = bool(cfg.train.save_every and self.step % cfg.train.save_every == 0) or stop
+                evaluating = bool(cfg.eval.eval_every and self.step % cfg.eval.eval_every == 0)
+                if self.step % cfg.train.log_every == 0 or is_last or saving or evaluating:
+                    run_tokens = self._flush(pending, losses, run_tokens, run_t0)  # the token count saves need
+                if saving:
+                    self.last_ckpt = self.save(self.step)
+                if evaluating:
                     self.validate(self.step)
                 if stop:
                     stopped = "max_minutes"
@@ -784,12 +781,12 @@ class Trainer:
         return torch.autocast(self.accelerator.device.type, dtype=self.autocast_dtype)
 
     def _flush(self, pending: list, losses: list[float], run_tokens: int, run_t0: float) -> int:
-        """Read the pending steps' stats (the log interval's one transfer) into the loss list, the token count and
-        the log lines; returns the run's token count."""
+        """The pending steps into the loss list, the token count and the log lines (their loss parts read from the
+        device here); returns the run's token count."""
         cfg = self.cfg
         accum = cfg.train.gradient_accumulate_every
         for step, lr, stats, parts, seconds, fp in pending:
-            loss_sum, ntok, _, _, _, norm, _ = stats.tolist()
+            loss_sum, ntok, _, _, _, norm, _ = stats
             loss = loss_sum / (accum * self.world)
             step_tokens = int(ntok)
             self.tokens_total += step_tokens

@@ -3,7 +3,7 @@
 Known fields are typed strictly (``"5"`` is not an integer, ``"yes"`` is not a boolean) so that a client bug is a
 400 naming the field rather than a silent coercion; unknown fields are ignored, as OpenAI-compatible servers do
 (clients send newer fields freely). Limits that depend on how the server was started (``--max-tokens-limit``,
-the served model name, the context length) are checked by the app, not here.
+the served model name, the context length) are checked by :mod:`dlm.serve.validation`, not here.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-class _Sampling(_Body):
+class SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: StrictStr
@@ -65,7 +65,7 @@ class _Sampling(_Body):
         return None
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingRequest):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI's four forms)
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
     echo: StrictBool = False
@@ -102,7 +102,7 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None

@@ -1,0 +1,176 @@
+"""What completions and chat completions share: a checked request goes to the engine loop as one engine request
+per (prompt, choice), and the answer is either collected into one JSON response or streamed as server-sent
+events. A subclass (:mod:`dlm.serve.serving_completion`, :mod:`dlm.serve.serving_chat`) says how to parse its
+body and how its choices and stream chunks look."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from dlm.serve.error_handlers import error_response
+from dlm.serve.schemas import APIError, SamplingRequest, error_body
+from dlm.serve.settings import ServeSettings
+from dlm.serve.streaming import SSE_DONE, SSE_KEEPALIVE, TextStream, sse
+from dlm.serve.validation import ParsedRequest, RequestValidator, sampling_params
+
+if TYPE_CHECKING:
+    from dlm.decode.engine import GenerationResult
+    from dlm.serve.scheduler import Handle, Scheduler
+
+KEEPALIVE_S = 5.0  # an SSE comment this often while a stream waits (also notices dead clients)
+DISCONNECT_POLL_S = 0.5  # non-streaming requests check for a gone client this often
+
+Item = tuple[int, str, Any]  # (tag, kind, payload) as the scheduler puts them on a request's queue
+
+
+class OpenAIServing:
+    """One endpoint family that generates text; see the module docstring. Subclasses set the class attributes
+    and implement :meth:`choice` and :meth:`chunk_choice`."""
+
+    id_prefix: ClassVar[str]  # of the response id: "cmpl-", "chatcmpl-"
+    object: ClassVar[str]  # of the JSON answer
+    chunk_object: ClassVar[str]  # of each stream chunk
+    final_text: ClassVar[str | None]  # the text of a choice's last chunk (the one with its finish_reason)
+    opens_with_role: ClassVar[bool] = False  # a first chunk per choice with only the role (chat)
+
+    def __init__(self, scheduler: Scheduler, settings: ServeSettings, validator: RequestValidator):
+        self.scheduler = scheduler
+        self.settings = settings
+        self.validator = validator
+        self.metrics = scheduler.metrics
+
+    # -- what a subclass says ---------------------------------------------------------------------------
+    def choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
+        """Choice ``index`` of the JSON answer."""
+        raise NotImplementedError
+
+    def chunk_choice(
+        self, index: int, text: str | None, finish_reason: str | None, role: bool = False
+    ) -> dict[str, Any]:
+        """The choice of one stream chunk: new ``text`` (None: none), the ``finish_reason`` of the last one."""
+        raise NotImplementedError
+
+    # -- the shared path ------------------------------------------------------------------------------------
+    async def generate(self, request: Request, body: SamplingRequest, parsed: ParsedRequest) -> Any:
+        """Submit ``body.n`` engine requests per prompt; the collected answer, or a stream with ``stream=true``."""
+        n = body.n
+        out: asyncio.Queue[Item] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        handles = []
+        for pi, ids in enumerate(parsed.prompts):
+            for j in range(n):
+                params = sampling_params(body, parsed.max_tokens, j)
+                handles.append(self.scheduler.submit(ids, params, tag=pi * n + j, out=out, loop=loop))
+        rid = self.id_prefix + uuid.uuid4().hex[:24]
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            events = self.stream(handles, out, rid, parsed.prompt_tokens, include_usage, body.stop_list())
+            return StreamingResponse(
+                events,
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await self.collect(request, handles, out, rid, parsed.prompt_tokens)
+
+    def abort_all(self, handles: list[Handle]) -> None:
+        for h in handles:
+            self.scheduler.abort(h)
+
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    async def collect(
+        self, request: Request, handles: list[Handle], out: asyncio.Queue[Item], rid: str, prompt_tokens: int
+    ) -> dict[str, Any] | JSONResponse:
+        """Wait for every choice (aborting them if the client goes away) and answer them in one JSON body."""
+        results: dict[int, GenerationResult] = {}
+        try:
+            while len(results) < len(handles):
+                try:
+                    tag, kind, payload = await asyncio.wait_for(out.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        self.abort_all(handles)
+                        return error_response(self.metrics, 400, "the client disconnected before the answer was ready")
+                    continue
+                if kind == "error":
+                    raise APIError(payload[0], payload[1])
+                if kind == "done":
+                    results[tag] = payload
+        finally:
+            if len(results) < len(handles):
+                self.abort_all(handles)
+        completion_tokens = sum(len(r.token_ids) for r in results.values())
+        return {
+            "id": rid,
+            "object": self.object,
+            "created": int(time.time()),
+            "model": self.settings.model_name,
+            "choices": [self.choice(i, results[i]) for i in range(len(handles))],
+            "system_fingerprint": None,
+            "usage": self.usage(prompt_tokens, completion_tokens),
+        }
+
+    async def stream(
+        self,
+        handles: list[Handle],
+        out: asyncio.Queue[Item],
+        rid: str,
+        prompt_tokens: int,
+        include_usage: bool,
+        stop: list[str],
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed answer: text deltas as the engine commits tokens, each choice's
+        finish, the usage (``stream_options.include_usage``) and ``[DONE]``; an engine error ends the stream
+        with an error event. Leaving early (client gone) aborts the engine requests."""
+        created_at = int(time.time())
+        texts = [TextStream(self.validator.tokenizer, stop) for _ in handles]
+        finished = 0
+        completion_tokens = 0
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            head = {"id": rid, "object": self.chunk_object, "created": created_at, "model": self.settings.model_name}
+            return sse({**head, "choices": choices, **extra})
+
+        try:
+            if self.opens_with_role:
+                for i in range(len(handles)):
+                    yield chunk([self.chunk_choice(i, "", None, role=True)])
+            while finished < len(handles):
+                try:
+                    tag, kind, payload = await asyncio.wait_for(out.get(), KEEPALIVE_S)
+                except asyncio.TimeoutError:
+                    yield SSE_KEEPALIVE
+                    continue
+                if kind == "tokens":
+                    delta = texts[tag].feed(payload)
+                    if delta:
+                        yield chunk([self.chunk_choice(tag, delta, None)])
+                elif kind == "done":
+                    finished += 1
+                    completion_tokens += len(payload.token_ids)
+                    tail = texts[tag].finish(payload.text)
+                    if tail:
+                        yield chunk([self.chunk_choice(tag, tail, None)])
+                    yield chunk([self.chunk_choice(tag, self.final_text, payload.finish_reason)])
+                else:  # error: tell the client in the stream (headers are gone already) and stop
+                    self.metrics.on_error(payload[0])
+                    yield sse(error_body(payload[0], payload[1]))
+                    return
+            if include_usage:
+                yield chunk([], usage=self.usage(prompt_tokens, completion_tokens))
+            yield SSE_DONE
+        finally:
+            # normal end: all handles are done and this is a no-op; client gone / cancelled: free the batch slots
+            self.abort_all(handles)

@@ -1,0 +1,30 @@
+"""How the server answers (``dlm serve``'s HTTP flags), shared by the app, the request checks and the middleware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dlm.errors import DLMError
+
+
+@dataclass
+class ServeSettings:
+    """How the app answers; see ``dlm serve --help`` for each field."""
+
+    model_name: str = "dlm"
+    max_tokens_limit: int = 1024
+    completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 1:
+            raise DLMError(f"--max-tokens-limit must be a positive integer, got {self.max_tokens_limit}")
+        if self.max_body_bytes < 1024:
+            raise DLMError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise DLMError("--api-key is empty; give a non-empty key or leave the flag out")
+
+    def needs_key(self, path: str) -> bool:
+        """Whether a request to ``path`` must carry the API key (every route but ``/health``, the probe)."""
+        return self.api_key is not None and path != "/health"

@@ -1,0 +1,174 @@
+"""Request parsing and validation: an API body (:mod:`dlm.serve.schemas`, already type-checked by pydantic) to
+the engine's requests - prompt token ids, a ``max_tokens``, one :class:`~dlm.decode.sampling.SamplingParams` per
+choice - or an :class:`~dlm.serve.schemas.APIError` naming the field. What pydantic cannot know is checked here:
+the served model name, ``--max-tokens-limit``, the context length, the vocabulary, the chat template.
+
+No HTTP here: a :class:`RequestValidator` needs only the settings and the engine's tokenizer and limits::
+
+    v = RequestValidator.for_engine(engine, ServeSettings(model_name="tiny"))
+    parsed = v.completion(CompletionRequest(model="tiny", prompt="Hello", max_tokens=8))
+    parsed.prompts, parsed.max_tokens      # ([[...ids...]], 8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from dlm.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from dlm.serve.settings import ServeSettings
+
+if TYPE_CHECKING:
+    from dlm.decode.sampling import SamplingParams
+
+
+@dataclass
+class ParsedRequest:
+    """A checked request: the prompts (token ids; one per completion prompt, one for a chat) and the new-token
+    limit of each choice."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+def sampling_params(body: SamplingRequest, max_tokens: int, choice: int) -> SamplingParams:
+    """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``)."""
+    from dlm.decode.sampling import SamplingParams
+
+    seed = None if body.seed is None else body.seed + choice
+    return SamplingParams(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else float(body.temperature),
+        top_p=1.0 if body.top_p is None else float(body.top_p),
+        top_k=max(body.top_k or 0, 0),
+        seed=seed,
+        stop_strings=tuple(body.stop_list()),
+        ignore_eos=body.ignore_eos,
+    )
+
+
+class RequestValidator:
+    """Checks request bodies against the server's settings and the model; see the module docstring."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        tokenizer: Any,
+        vocab_size: int,
+        max_positions: int,
+        mask_token_id: int | None = None,
+    ):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_positions = max_positions
+        self.mask_token_id = mask_token_id
+
+    @classmethod
+    def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
+        """The validator of ``engine``'s model (its tokenizer, vocabulary, context length and mask token)."""
+        return cls(
+            settings,
+            engine.tokenizer,
+            int(engine.config.vocab_size),
+            int(engine.max_positions),
+            engine.mask_token_id,
+        )
+
+    # -- the two request kinds -------------------------------------------------------------------------------
+    def completion(self, body: CompletionRequest) -> ParsedRequest:
+        """``/v1/completions``: OpenAI's four prompt forms (a string, strings, token ids, lists of token ids)."""
+        max_tokens = self.common(body, body.max_tokens, self.settings.completion_default_max_tokens)
+        p = body.prompt
+        if isinstance(p, str):
+            prompts = [self.encode(p)]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = [self.encode(x) for x in p]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [list(x) for x in p]  # type: ignore[arg-type]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [list(p)]  # type: ignore[arg-type]
+        else:
+            raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids", param="prompt")
+        return ParsedRequest([self.prompt_ids(x) for x in prompts], max_tokens)
+
+    def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
+        """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
+        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        max_tokens = self.common(body, limit, self.settings.max_tokens_limit)
+        if not body.messages:
+            raise APIError(400, "'messages' is empty; send at least one message", param="messages")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(
+                400,
+                f"the model '{self.settings.model_name}' has no chat template in its tokenizer; use "
+                f"/v1/completions with a plain prompt",
+                param="messages",
+            )
+        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
+            raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
+        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens)
+
+    # -- the checks ---------------------------------------------------------------------------------------
+    def model(self, name: str) -> None:
+        """404 unless ``name`` is the served model."""
+        if name != self.settings.model_name:
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist here; this server serves '{self.settings.model_name}' "
+                f"(see /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def common(self, body: SamplingRequest, max_tokens: int | None, default_max: int) -> int:
+        """The checks of both request kinds (model, fields set to what the server cannot do, --max-tokens-limit);
+        returns the new-token limit (``default_max`` when the body gives none)."""
+        self.model(body.model)
+        bad = body.unsupported()
+        if bad is not None:
+            raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        if max_tokens is None:
+            return default_max
+        if max_tokens > self.settings.max_tokens_limit:
+            raise APIError(
+                400,
+                f"max_tokens={max_tokens} is over this server's limit of "
+                f"{self.settings.max_tokens_limit} (--max-tokens-limit); ask for fewer tokens",
+                param="max_tokens",
+                code="invalid_value",
+            )
+        return max_tokens
+
+    def prompt_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
+        """``ids`` if the model can take them as a prompt: non-empty, shorter than the context, in the vocabulary,
+        without the mask token."""
+        if not ids:
+            raise APIError(400, "the prompt is empty (0 tokens); send some text", param=param)
+        if len(ids) >= self.max_positions:
+            raise APIError(
+                400,
+                f"the prompt has {len(ids)} tokens but the model's context is "
+                f"{self.max_positions}; shorten it to at most {self.max_positions - 1} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        if self.mask_token_id is not None and self.mask_token_id in ids:
+            raise APIError(
+                400, f"the prompt contains the model's mask token (id {self.mask_token_id}); remove it", param=param
+            )
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return ids

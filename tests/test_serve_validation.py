@@ -1,0 +1,70 @@
+"""Request parsing and validation of ``dlm serve`` without HTTP: a body to the engine's prompts, new-token limit and
+sampling parameters, or an APIError with the status and field the server would answer."""
+
+import pytest
+
+pytest.importorskip("pydantic")
+
+from dlm.serve.app import ServeSettings  # noqa: E402
+from dlm.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest  # noqa: E402
+from dlm.serve.validation import RequestValidator, sampling_params  # noqa: E402
+
+MASK = 7
+
+
+@pytest.fixture
+def validator(tiny_tokenizer):
+    settings = ServeSettings(model_name="tiny", max_tokens_limit=32, completion_default_max_tokens=5)
+    return RequestValidator(settings, tiny_tokenizer, vocab_size=320, max_positions=40, mask_token_id=MASK)
+
+
+def refused(call, body, status=400, param=None, code=None):
+    with pytest.raises(APIError) as e:
+        call(body)
+    assert e.value.status == status and e.value.param == param, (e.value.status, e.value.param, e.value.message)
+    if code is not None:
+        assert e.value.code == code
+    return e.value
+
+
+def test_completion_prompt_forms(validator):
+    ids = validator.encode("Hello there")
+    assert validator.completion(CompletionRequest(model="tiny", prompt="Hello there")).prompts == [ids]
+    two = validator.completion(CompletionRequest(model="tiny", prompt=["Hello there", "Hi"], max_tokens=9))
+    assert two.prompts == [ids, validator.encode("Hi")] and two.max_tokens == 9
+    assert two.prompt_tokens == len(ids) + len(validator.encode("Hi"))
+    assert validator.completion(CompletionRequest(model="tiny", prompt=[1, 2, 3])).prompts == [[1, 2, 3]]
+    assert validator.completion(CompletionRequest(model="tiny", prompt=[[1], [2, 3]])).prompts == [[1], [2, 3]]
+    assert validator.completion(CompletionRequest(model="tiny", prompt="x")).max_tokens == 5  # the default
+
+
+def test_completion_refusals(validator):
+    c = validator.completion
+    refused(c, CompletionRequest(model="other", prompt="x"), 404, "model", "model_not_found")
+    refused(c, CompletionRequest(model="tiny", prompt="x", max_tokens=33), 400, "max_tokens", "invalid_value")
+    refused(c, CompletionRequest(model="tiny", prompt="x", echo=True), 400, "echo", "unsupported_parameter")
+    refused(c, CompletionRequest(model="tiny", prompt=[]), 400, "prompt")
+    refused(c, CompletionRequest(model="tiny", prompt=[[]]), 400, "prompt")
+    refused(c, CompletionRequest(model="tiny", prompt=[320]), 400, "prompt")  # outside the vocabulary
+    refused(c, CompletionRequest(model="tiny", prompt=[1, MASK]), 400, "prompt")  # the mask token
+    long = CompletionRequest(model="tiny", prompt=[1] * 40)
+    refused(c, long, 400, "prompt", "context_length_exceeded")
+
+
+def test_chat(validator, tiny_tokenizer):
+    msgs = [{"role": "user", "content": "Hi"}]
+    parsed = validator.chat(ChatCompletionRequest(model="tiny", messages=msgs, max_completion_tokens=4))
+    text = tiny_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert parsed.prompts == [validator.encode(text)] and parsed.max_tokens == 4
+    assert validator.chat(ChatCompletionRequest(model="tiny", messages=msgs)).max_tokens == 32  # the limit
+    refused(validator.chat, ChatCompletionRequest(model="tiny", messages=[]), 400, "messages")
+    refused(validator.chat, ChatCompletionRequest(model="tiny", messages=msgs, max_tokens=99), 400, "max_tokens")
+
+
+def test_sampling_params_per_choice():
+    body = CompletionRequest(model="tiny", prompt="x", seed=10, temperature=0.5, top_k=-1, stop=["\n"])
+    first, third = sampling_params(body, 6, 0), sampling_params(body, 6, 2)
+    assert (first.seed, third.seed) == (10, 12)  # choice j samples with seed + j
+    assert first.max_new_tokens == 6 and first.temperature == 0.5 and first.top_k == 0 and first.top_p == 1.0
+    assert first.stop_strings == ("\n",)
+    assert sampling_params(CompletionRequest(model="tiny", prompt="x"), 1, 3).seed is None

@@ -88,7 +88,7 @@ def main() -> None:
 
     denoising_scores(em, pairs[:2], keys[:2], steps=2, seed=args.seed)  # warm-up
     t0 = time.perf_counter()
-    ours = denoising_scores(em, pairs, keys, steps=args.steps, seed=args.seed, token_budget=args.token_budget)
+    ours = denoising_scores(em, pairs, keys, steps=args.steps, seed=args.seed, batch_tokens=args.token_budget)
     t_ours = time.perf_counter() - t0
     print(f"dlm batched: {t_ours:.1f} s", flush=True)
     t0 = time.perf_counter()

@@ -11,10 +11,10 @@ from typing import Any
 from dlm.errors import DLMError
 
 
-def opt(default: Any, help: str, choices: tuple = (), unit: str | None = None):
-    """A dataclass field with its help text (and choices, and unit) in its metadata; a list default is copied per
-    instance."""
-    meta = {"help": help, "choices": tuple(choices), "unit": unit}
+def opt(default: Any, help: str, choices: tuple = (), unit: str | None = None, **more: Any):
+    """A dataclass field with its help text (and choices, and unit, and ``more``: e.g. the decoders' ``flag``,
+    ``arg``, ``old``) in its metadata; a list default is copied per instance."""
+    meta = {"help": help, "choices": tuple(choices), "unit": unit, **more}
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)

@@ -91,10 +91,10 @@ class QuickstartConfig:
             raise DLMError("--curriculum-split needs one share per --curriculum stage")
         if any(b < 1 for b in self.curriculum):
             raise DLMError("--curriculum block sizes must be >= 1 (e.g. 1,2)")
-        if any(n < 2 for n in self.strides):
-            raise DLMError("--strides must be >= 2 (stride N uses N-1 masks)")
-        from dlm.decode import MAX_CANDIDATES
+        from dlm.decode.configs import MAX_CANDIDATES, ISDConfig
 
+        for n in self.strides:  # the measured ISD rows: the decoder's own checks (stride N uses N-1 masks)
+            ISDConfig(stride=n)
         if any(not 2 <= k <= MAX_CANDIDATES for k in self.candidates):
             raise DLMError(
                 f"--candidates takes K from 2 to {MAX_CANDIDATES} (draft candidates per position at "
@@ -271,6 +271,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     import torch
 
     from dlm.data.distill import builtin_instructions, chat_prompt_ids
+    from dlm.decode.configs import ARConfig, ISDConfig
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.device import get_device
@@ -317,10 +318,8 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         if decoder == "generate":
             fns.append(hf_generate)
             continue
-        kw = {"stride": stride, "candidates": cands} if stride else {}
-        fns.append(
-            engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=decoder, max_batch_size=1, **kw))
-        )
+        config = ISDConfig(stride=stride, candidates=cands) if decoder == "isd" else ARConfig()
+        fns.append(engine_run(Engine(dlm if which == "trained" else base, tokenizer, decoder=config, max_batch_size=1)))
     acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
     bar = None
     if cfg.progress:

@@ -147,7 +147,10 @@ def test_token_budget_drafts_alone_and_steps_ar_when_busy():
 def test_generate_cli_checks_the_budget_flag(tmp_path, capsys):
     from dlm.cli import main
 
+    assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "ar", "--isd-draft-budget", "4"]) != 0
+    assert "--isd-draft-budget is an ISD setting" in capsys.readouterr().err
     assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "ar", "--isd-token-budget", "4"]) != 0
-    assert "--isd-token-budget is an ISD setting" in capsys.readouterr().err
+    err = capsys.readouterr().err  # the old spelling: still read, with a note naming the new one
+    assert "--isd-token-budget is renamed --isd-draft-budget" in err and "--isd-draft-budget is an ISD" in err
     assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "isd", "--isd-token-budget", "soon"]) != 0
     assert "positive integer, 'auto' or 'always'" in capsys.readouterr().err

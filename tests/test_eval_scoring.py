@@ -43,7 +43,7 @@ def test_causal_loglikelihood_matches_naive(arch, tok):
     pairs = [encode_pair(em, c, x) for c, x in PAIRS]
     assert pairs[3][0] == [tok.eos_token_id]  # empty context -> the BOS/EOS token
     for budget in (64, 10_000) if arch == "llama" else (10_000,):  # several batches vs one
-        got = loglikelihoods(em, pairs, token_budget=budget)
+        got = loglikelihoods(em, pairs, batch_tokens=budget)
         for (ctx, cont), (lp, greedy) in zip(pairs, got):
             want, want_greedy = _naive_ll(model, ctx, cont)
             assert lp == pytest.approx(want, abs=1e-4)
@@ -85,12 +85,12 @@ def test_denoising_score_matches_one_forward_per_draw(objective, shift):
     assert em.kind == "diffusion"
     pairs = [encode_pair(em, c, x) for c, x in PAIRS[:3]]
     keys = ["t:0", "t:0", "t:1"]
-    got = denoising_scores(em, pairs, keys, steps=8, seed=3, token_budget=10_000)
+    got = denoising_scores(em, pairs, keys, steps=8, seed=3, batch_tokens=10_000)
     for (ctx, cont), key, g in zip(pairs, keys, got):
         assert g == pytest.approx(_naive_denoise(dlm, ctx, cont, 8, 3, key), abs=1e-4)
     # deterministic per example: independent of batching, reproducible, and the seed matters
-    assert denoising_scores(em, pairs, keys, steps=8, seed=3, token_budget=40) == pytest.approx(got, abs=1e-5)
-    assert denoising_scores(em, pairs, keys, steps=8, seed=3, token_budget=10_000) == got
+    assert denoising_scores(em, pairs, keys, steps=8, seed=3, batch_tokens=40) == pytest.approx(got, abs=1e-5)
+    assert denoising_scores(em, pairs, keys, steps=8, seed=3, batch_tokens=10_000) == got
     assert denoising_scores(em, pairs, keys, steps=8, seed=4) != got
 
 
@@ -174,7 +174,7 @@ def test_generation_task_progress_bar_counts_every_prompt(monkeypatch):
     monkeypatch.setattr(dlm.progress, "bar", lambda *a, **k: bars.append(make(*a, **k)) or bars[-1])
     em = as_eval_model(make_model("llama"), make_tokenizer())
     examples = [GenExample(id=str(i), prompt=f"the {i} cat", target="sat down") for i in range(3)]
-    res = evaluate_generation(em, examples, "lambada", decode="ar", progress=True)
+    res = evaluate_generation(em, examples, "lambada", "ar", progress=True)
     assert res["n"] == 3 and len(bars) == 1 and bars[0].n == bars[0].total == 3
-    evaluate_generation(em, examples, "lambada", decode="ar")
+    evaluate_generation(em, examples, "lambada", "ar")
     assert len(bars) == 1  # progress=False: no bar

@@ -508,9 +508,9 @@ def test_settings_and_engine_errors(tiny_dir):
         load_engine(str(tiny_dir), decode="ar", stride=3)
     with pytest.raises(DLMError, match="--steps: not a setting of --decode ar"):
         load_engine(str(tiny_dir), decode="ar", steps=4)
-    with pytest.raises(DLMError, match="--block-length, --sampler: not a setting of --decode block"):
-        load_engine(str(tiny_dir), decode="block", method="random", block_length=4)
-    with pytest.raises(DLMError, match="--isd-token-budget"):
+    with pytest.raises(DLMError, match="--sampler, --semi-ar-block: not a setting of --decode block"):
+        load_engine(str(tiny_dir), decode="block", method="random", block_length=4)  # the old spellings
+    with pytest.raises(DLMError, match="--isd-draft-budget"):
         load_engine(str(tiny_dir), decode="ar", isd_token_budget=8)
 
 
@@ -534,33 +534,42 @@ def test_cli_registers_serve():
     )
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
-    from dlm.commands.serve import isd_token_budget
+    from dlm.commands.serve import SERVE_DEFAULTS
+    from dlm.decode.configs import ARConfig, config_from_args
 
-    assert isd_token_budget(args) is None  # ar: no drafting policy
-    assert isd_token_budget(build_parser().parse_args(["serve"])) == "auto"  # the server's default for isd
-    assert isd_token_budget(build_parser().parse_args(["serve", "--isd-token-budget", "always"])) == "always"
+    def config(argv):
+        a = build_parser().parse_args(["serve", *argv])
+        return config_from_args(a, a.decode or "isd", command_defaults=SERVE_DEFAULTS)
+
+    assert config(["--decode", "ar"]) == ARConfig()  # ar: no drafting policy
+    assert config([]).draft_budget == "auto"  # the server's default for isd
+    assert config(["--isd-draft-budget", "always"]).draft_budget == "always"
+    assert config(["--isd-token-budget", "always"]).draft_budget == "always"  # the old spelling, deprecated
 
 
-def test_isd_token_budget_flag_reaches_the_decoder(tiny_dir):
-    """--isd-token-budget: an int is a fixed budget, 'auto' the measured policy (dlm.decode.schedule, tested in
+def test_isd_draft_budget_flag_reaches_the_decoder(tiny_dir):
+    """--isd-draft-budget: an int is a fixed budget, 'auto' the measured policy (dlm.decode.schedule, tested in
     tests/test_decode_schedule.py); a bad value is refused before the model loads."""
+    from dlm.decode.configs import ARConfig, ISDConfig
     from dlm.decode.schedule import MeasuredDraft, TokenBudget
 
-    eng = load_engine(str(tiny_dir), decode="isd", isd_token_budget="auto")
+    eng = load_engine(str(tiny_dir), ISDConfig(draft_budget="auto"))
     assert isinstance(eng.decoder.policy, MeasuredDraft)
-    eng = load_engine(str(tiny_dir), decode="isd", isd_token_budget="6")
+    eng = load_engine(str(tiny_dir), ISDConfig(draft_budget="6"))
     assert isinstance(eng.decoder.policy, TokenBudget) and eng.decoder.policy.budget == 6
-    with pytest.raises(DLMError, match="--isd-token-budget"):
-        load_engine("/nonexistent", decode="isd", isd_token_budget="fast")
-    eng = load_engine(str(tiny_dir), decode="isd", fallback="all")
-    assert eng.decoder.fallback == "all" and load_engine(str(tiny_dir), decode="isd").decoder.fallback == "predict"
+    with pytest.raises(DLMError, match="--isd-draft-budget"):
+        load_engine("/nonexistent", ISDConfig(draft_budget="fast"))
+    eng = load_engine(str(tiny_dir), ISDConfig(fallback="all"))
+    assert eng.decoder.fallback == "all" and load_engine(str(tiny_dir), "isd").decoder.fallback == "predict"
     with pytest.raises(DLMError, match="--isd-fallback must be one of"):
-        load_engine("/nonexistent", decode="isd", fallback="sometimes")
+        load_engine("/nonexistent", ISDConfig(fallback="sometimes"))
     with pytest.raises(DLMError, match="--isd-fallback is an ISD setting"):
-        load_engine("/nonexistent", decode="ar", fallback="all")
-    eng = load_engine(str(tiny_dir), decode="isd", candidates=3)
+        load_engine("/nonexistent", "ar", fallback="all")
+    with pytest.raises(DLMError, match="not both"):
+        load_engine("/nonexistent", ARConfig(), fallback="all")
+    eng = load_engine(str(tiny_dir), ISDConfig(candidates=3))
     assert eng.decoder.candidates == 3 and eng.decoder.stride == 2
     with pytest.raises(DLMError, match="--isd-candidates is an ISD setting"):
-        load_engine("/nonexistent", decode="ar", candidates=2)
+        load_engine("/nonexistent", "ar", candidates=2)
     with pytest.raises(DLMError, match="--isd-candidates must be an integer"):
-        load_engine("/nonexistent", decode="isd", candidates=12)
+        load_engine("/nonexistent", ISDConfig(candidates=12))

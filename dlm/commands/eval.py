@@ -60,29 +60,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--quiet", action="store_true", help="no progress bars (they are shown only when stderr is a terminal)"
     )
     s.add_argument(
-        "--decode",
-        default="auto",
-        choices=("auto", "ar", "mdm", "block", "isd"),
-        help="decoder for generation tasks (auto: the model's own)",
-    )
-    s.add_argument("--gen-steps", type=int, help="denoising steps of diffusion decoders (default: one per token)")
-    s.add_argument(
         "--poem-direction",
         default="ftb",
         choices=("ftb", "btf"),
         help="poem_reverse: ftb = give the first line, ask the next; btf = the reverse",
     )
     s.add_argument("--gen-length", type=int, default=28, help="poem_reverse: tokens to generate (default 28)")
-    s.add_argument("--stride", type=int, help="isd_acceptance: the ISD stride N (default: the model's block_size + 1)")
-    s.add_argument(
-        "--isd-candidates",
-        type=int,
-        metavar="K",
-        help="isd_acceptance: K draft candidates per position at stride 2 (see dlm generate)",
-    )
     s.add_argument("--batch-size", type=int, default=8, help="generation batch size")
     s.add_argument(
-        "--token-budget", type=int, default=8192, help="scoring batch size in tokens (rows x padded length per forward)"
+        "--score-batch-tokens",
+        type=int,
+        default=8192,
+        help="scoring batch size in tokens (rows x padded length per forward; default 8192)",
+    )
+    from dlm.decode.configs import add_decoder_arguments, deprecated_flag
+
+    deprecated_flag(s, "--token-budget", "--score-batch-tokens", dest="score_batch_tokens", type=int)
+    add_decoder_arguments(
+        p,
+        default="auto",
+        extra_names=("auto",),
+        implied="auto: the model's own (ar, isd for an I-DLM, mdm, block)",
+        old_flags={"steps": "--gen-steps"},
+        group_title="decoding of the generation tasks and isd_acceptance (docs/decoding.md#settings)",
     )
     s.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     s.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
@@ -149,10 +149,12 @@ def run(args) -> int:
     paths = {t: getattr(args, f"{t}_path") for t in ("hellaswag", "winogrande", "piqa", "siqa", "lambada")}
     paths["poem_reverse"] = args.poem_path
     paths["isd_acceptance"] = args.isd_acceptance_path
-    if args.isd_candidates is not None:
-        from dlm.decode import check_candidates
+    from dlm.decode.configs import config_from_args, given_settings, owning_decoders
 
-        check_candidates(args.isd_candidates, args.stride)  # before the model loads
+    if args.decode != "auto":
+        decoder = config_from_args(args)  # bad values fail before the model loads
+    else:
+        owning_decoders(given_settings(args))  # settings of no one decoder fail before the model loads
     for name in parse_task_list(args.eval_tasks):  # fail on bad data before loading the model
         options = {"direction": args.poem_direction} if name == "poem_reverse" else {}
         load_task(name, args.data_dir, paths, **options)
@@ -166,6 +168,10 @@ def run(args) -> int:
     else:
         model = load_model(folder, dtype=dtype, device=device)
         tokenizer = load_tokenizer(folder)
+    if args.decode == "auto":  # the model's own decoder, with the settings given
+        from dlm.eval.generation import OWN_DECODER
+
+        decoder = config_from_args(args, OWN_DECODER.get(getattr(model, "objective", None), "ar"))
     results = run_eval(
         model,
         args.eval_tasks,
@@ -176,15 +182,12 @@ def run(args) -> int:
         scoring=args.scoring,
         diffusion_steps=args.diffusion_steps,
         seed=args.seed,
-        decode=args.decode,
-        gen_steps=args.gen_steps,
+        decoder=decoder,
         poem_direction=args.poem_direction,
         poem_gen_length=args.gen_length,
         batch_size=args.batch_size,
-        token_budget=args.token_budget,
+        score_batch_tokens=args.score_batch_tokens,
         keep_predictions=args.predictions,
-        stride=args.stride,
-        candidates=args.isd_candidates,
         log=lambda s: print(s, flush=True),
         progress=wanted(args.quiet),
     )
@@ -199,10 +202,9 @@ def run(args) -> int:
                     "scoring": args.scoring,
                     "diffusion_steps": args.diffusion_steps,
                     "seed": args.seed,
-                    "decode": args.decode,
+                    "decode": decoder.name,
+                    "decoder": decoder.changed(),
                     "limit": args.limit,
-                    "stride": args.stride,
-                    "isd_candidates": args.isd_candidates,
                 },
                 "results": results,
             },

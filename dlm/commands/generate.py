@@ -23,26 +23,9 @@ def add_arguments(p) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
-    p.add_argument("--decode", default="ar", choices=["ar", "mdm", "block", "isd"])
-    p.add_argument("--stride", type=int, default=None, help="ISD stride N (default: the model's block_size + 1)")
-    p.add_argument(
-        "--draft",
-        default="sample",
-        choices=["sample", "argmax"],
-        help="ISD drafts: sampled from q (exact) or argmax (approximate, biased when sampling)",
-    )
-    p.add_argument(
-        "--isd-token-budget",
-        default=None,
-        help="ISD: draft only while batch rows x (2N-1) <= this many tokens per step, or 'auto': measure "
-        "per batch size whether drafting is faster than plain AR steps and run the faster "
-        "(greedy output unchanged; seeded sampling keeps the distribution but not the draws); "
-        "default 'always': draft at every step",
-    )
-    from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
+    from dlm.decode.configs import add_decoder_arguments
 
-    p.add_argument("--isd-fallback", choices=FALLBACK_MODES, default=None, help=FALLBACK_HELP)
-    p.add_argument("--isd-candidates", type=int, default=None, metavar="K", help=CANDIDATES_HELP)
+    add_decoder_arguments(p, default="ar")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -52,40 +35,6 @@ def add_arguments(p) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument(
-        "--sampler",
-        default=None,
-        choices=["confidence", "random", "threshold", "llada", "dream"],
-        help="mdm sampler (default: the model family's, llada or dream, else confidence)",
-    )
-    p.add_argument("--cfg-scale", type=float, default=0.0, help="llada sampler: classifier-free guidance scale")
-    p.add_argument(
-        "--remasking",
-        default=None,
-        help="llada sampler: low_confidence (default) | random; block: "
-        "SDAR's sequential | low_confidence_static | low_confidence_dynamic (default for SDAR)",
-    )
-    p.add_argument(
-        "--alg",
-        default=None,
-        choices=["origin", "maskgit_plus", "topk_margin", "entropy"],
-        help="dream sampler: which masks a pass reveals (default origin)",
-    )
-    p.add_argument(
-        "--alg-temp",
-        type=float,
-        default=None,
-        help="dream sampler: > 0 draws the revealed masks "
-        "from softmax(confidence / alg_temp) instead of taking the top ones",
-    )
-    p.add_argument("--steps", type=int, default=None, help="mdm: passes (default max-new-tokens); block: per block")
-    p.add_argument(
-        "--threshold",
-        type=float,
-        default=0.9,
-        help="mdm threshold / block commit threshold (block: <= 0 means top-k commits)",
-    )
-    p.add_argument("--block-length", type=int, default=32, help="mdm threshold sampler: semi-AR block length")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument(
@@ -125,7 +74,8 @@ def read_prompts(args) -> list[str]:
 def run(args) -> int:
     import warnings
 
-    from dlm.decode import check_isd_flags, generate
+    from dlm.decode import generate
+    from dlm.decode.configs import config_from_args
     from dlm.decode.sampling import SamplingParams
     from dlm.device import get_device, get_dtype
     from dlm.errors import DLMError
@@ -133,20 +83,8 @@ def run(args) -> int:
     from dlm.model.hub import resolve_model_path
     from dlm.progress import wanted
 
-    check_isd_flags(
-        args.decode,
-        {
-            "isd-token-budget": args.isd_token_budget,
-            "isd-fallback": args.isd_fallback,
-            "isd-candidates": args.isd_candidates,
-        },
-        stride=args.stride,
-    )
+    decoder = config_from_args(args)  # bad values fail before the model loads
     parse_threads(args.threads)  # a bad value fails before the model loads
-    if args.isd_token_budget is not None:
-        from dlm.decode.schedule import make_policy
-
-        make_policy(args.isd_token_budget, args.stride or 2)  # a bad value fails before the model loads
     prompts = read_prompts(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -172,8 +110,8 @@ def run(args) -> int:
                 file=sys.stderr,
             )
         convert_kw = {}
-        if "dlm_objective" not in fields and args.decode == "isd" and args.stride:
-            convert_kw["block_size"] = args.stride - 1  # untrained anyway: no stride warning on the fly
+        if "dlm_objective" not in fields and args.decode == "isd" and decoder.stride:
+            convert_kw["block_size"] = decoder.stride - 1  # untrained anyway: no stride warning on the fly
         model = load_any(folder, convert_to=objective, dtype=get_dtype(args.dtype, device), device=device, **convert_kw)
     else:
         from dlm.model.hub import load_model, load_tokenizer
@@ -204,25 +142,12 @@ def run(args) -> int:
         results = generate(
             model,
             ids,
-            args.decode,
+            decoder,
             params,
             tokenizer=tok,
             batch_size=args.batch_size,
-            stride=args.stride,
-            draft=args.draft,
-            token_budget=args.isd_token_budget,
-            fallback=args.isd_fallback,
-            candidates=args.isd_candidates,
-            method=args.sampler,
-            steps=args.steps,
-            threshold=args.threshold,
-            block_length=args.block_length,
             threads=parse_threads(args.threads),
             progress=len(ids) > 1 and wanted(args.quiet),
-            cfg_scale=args.cfg_scale,
-            remasking=args.remasking,
-            alg=args.alg,
-            alg_temp=args.alg_temp,
         )
     for w in caught:
         if issubclass(w.category, UserWarning):

@@ -23,13 +23,9 @@ import argparse
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
 
-
-def isd_token_budget(args) -> str | None:
-    """The drafting policy a server runs: the flag, else ``auto`` for ISD (a server's load varies, and drafting in
-    a large batch can cost more than it gains), else none."""
-    if args.isd_token_budget is not None:
-        return args.isd_token_budget
-    return "auto" if args.decode in ("isd", None) else None  # None: the default decoder, isd
+SERVE_DEFAULTS = {
+    "draft_budget": "auto"
+}  # a server's load varies: drafting in a large batch can cost more than it gains
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,43 +37,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="dlm (default): dlm's engine, every decoder; vllm: vLLM's OpenAI server (AR, or exact "
         "speculative decoding with --drafter); needs vLLM (scripts/install_vllm.sh)",
     )
-    p.add_argument(
-        "--decode",
-        choices=("isd", "ar", "mdm", "block"),
-        help="decoder (default isd); every decoder runs on the continuous-batching engine",
-    )
-    p.add_argument("--stride", type=int, help="ISD stride N (default: the model's block size + 1)")
-    p.add_argument(
-        "--draft",
-        default="sample",
-        choices=("sample", "argmax"),
-        help="ISD drafts: sample (exact) or argmax (approximate when sampling)",
-    )
-    p.add_argument(
-        "--isd-token-budget",
-        help="when ISD drafts: 'auto' (default) measures per batch size whether drafting or plain AR "
-        "steps commit more tokens per second and runs the faster; an integer T drafts only while "
-        "running requests x (2N-1) <= T; 'always' drafts at every step (seeded sampling then "
-        "reproduces its draws; with auto it keeps the distribution only). Greedy output is the same "
-        "in every case",
-    )
-    from dlm.decode import CANDIDATES_HELP, FALLBACK_HELP, FALLBACK_MODES
-
-    p.add_argument("--isd-fallback", choices=FALLBACK_MODES, help=FALLBACK_HELP)
-    p.add_argument("--isd-candidates", type=int, metavar="K", help=CANDIDATES_HELP)
-    p.add_argument("--sampler", choices=("confidence", "random", "threshold"), help="mdm sampler (default confidence)")
-    p.add_argument(
-        "--steps",
-        type=int,
-        help="mdm: passes per request (default max_tokens); block: passes per block (default the block size)",
-    )
-    p.add_argument(
-        "--threshold",
-        type=float,
-        help="mdm threshold sampler / block: commit tokens above this "
-        "probability (default 0.9; block: <= 0 means top-k commits)",
-    )
-    p.add_argument("--block-length", type=int, help="mdm threshold sampler: semi-AR block length (default 32)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
@@ -94,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    from dlm.decode.configs import add_decoder_arguments
+
+    add_decoder_arguments(p, default=None, implied="isd", command_defaults=SERVE_DEFAULTS)
     v = p.add_argument_group("--engine vllm")
     v.add_argument(
         "--drafter",
@@ -145,20 +107,9 @@ def run_vllm(args) -> int:
             f"--decode {args.decode} runs on dlm's engine only: --engine vllm decodes AR, exactly "
             f"sped up with --drafter DIR (a dlm I-DLM); drop --decode or use --engine dlm"
         )
-    dlm_only = [
-        flag
-        for flag, val in (
-            ("--stride", args.stride),
-            ("--isd-token-budget", args.isd_token_budget),
-            ("--isd-fallback", args.isd_fallback),
-            ("--isd-candidates", args.isd_candidates),
-            ("--sampler", args.sampler),
-            ("--steps", args.steps),
-            ("--threshold", args.threshold),
-            ("--block-length", args.block_length),
-        )
-        if val is not None
-    ]
+    from dlm.decode.configs import flag_of, given_settings
+
+    dlm_only = [flag_of(k) for k in given_settings(args)]
     if dlm_only:
         raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
     if not 0 < args.port < 65536:
@@ -234,9 +185,10 @@ def run(args) -> int:
             raise DLMError(
                 f"{flag} goes with --engine vllm (dlm's own engine drafts with the model itself: --decode isd)"
             )
-    if args.decode is None:
-        args.decode = "isd"
+    from dlm.decode.configs import config_from_args
 
+    args.decode = args.decode or "isd"
+    decoder = config_from_args(args, command_defaults=SERVE_DEFAULTS)  # bad values fail before the model loads
     require("fastapi", "serve")
     uvicorn = require("uvicorn", "serve")
     from dlm.serve.app import ServeSettings, create_app, load_engine
@@ -254,19 +206,10 @@ def run(args) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(
         args.model,
-        decode=args.decode,
-        stride=args.stride,
+        decoder,
         max_batch_size=args.max_batch_size,
         device=args.device,
         dtype=args.dtype,
-        draft=args.draft,
-        isd_token_budget=isd_token_budget(args),
-        fallback=args.isd_fallback,
-        candidates=args.isd_candidates,
-        method=args.sampler,
-        steps=args.steps,
-        threshold=args.threshold,
-        block_length=args.block_length,
         threads=threads,
     )
     app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)

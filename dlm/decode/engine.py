@@ -373,31 +373,16 @@ def _model_fields(model):
     return config, DLMSpec.from_config(config)
 
 
-def make_decoder(name: str | Decoder, **kw) -> Decoder:
-    if isinstance(name, Decoder):
-        return name
-    if name == "ar":
-        from dlm.decode.ar import ARDecoder
+def make_decoder(decoder, **settings) -> Decoder:
+    """The decoder for ``decoder``: a :class:`Decoder` as it is, a config (:mod:`dlm.decode.configs`) or a
+    registered name built through the registry (``settings``: the config's fields as keywords)."""
+    if isinstance(decoder, Decoder):
+        if settings:
+            raise DLMError(f"decoder settings {', '.join(sorted(settings))} given with a ready decoder object")
+        return decoder
+    from dlm.decode.configs import build_decoder, make_config
 
-        return ARDecoder()
-    if name == "isd":
-        from dlm.decode.isd import ISDDecoder
-
-        return ISDDecoder(**kw)
-    if name == "mdm":
-        from dlm.decode.mdm import MDMDecoder
-
-        return MDMDecoder(**kw)
-    if name == "block":
-        from dlm.decode.block import BlockDecoder
-
-        return BlockDecoder(**kw)
-    from dlm.errors import closest
-
-    raise DLMError(
-        f"unknown decoder '{name}' (--decode): use ar, mdm, block or isd (did you mean "
-        f"{closest(name, ('ar', 'mdm', 'block', 'isd'))}?)"
-    )
+    return build_decoder(make_config(decoder, **settings))
 
 
 class Engine:
@@ -407,7 +392,7 @@ class Engine:
         self,
         model,
         tokenizer=None,
-        decoder: str | Decoder = "ar",
+        decoder="ar",
         max_batch_size: int = 8,
         compact_threshold: float = 0.5,
         threads=None,

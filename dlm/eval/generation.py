@@ -1,12 +1,10 @@
 """Generation tasks (LAMBADA, poem reversal) through the decoding engine, so any decoder can be evaluated.
 
-The tasks call one function, :func:`generate_tokens` ``(em, prompts, max_new_tokens, decode, steps, seed,
-batch_size) -> list[list[int]]`` (greedy), which routes to :mod:`dlm.decode`:
-
-``dlm.decode.generate`` (the KV-cache engine for ``ar`` / ``isd``, the mdm and block samplers for the others).
-
-``decode="auto"`` picks the model's own decoder: ``ar`` for AR models, ``isd`` for I-DLM, ``mdm`` / ``block`` for
-those objectives. Any function with the same signature can be passed as ``generate_fn`` instead.
+The tasks call one function, :func:`generate_tokens` ``(em, prompts, max_new_tokens, decoder, seed, batch_size)
+-> list[list[int]]`` (greedy), which runs :func:`dlm.decode.generate` with ``decoder``: a decoder config
+(:mod:`dlm.decode.configs`), a decoder name, or ``"auto"``: the model's own decoder (``ar`` for AR models, ``isd``
+for I-DLM, ``mdm`` / ``block`` for those objectives) with its defaults. Any function with the same signature can be
+passed as ``generate_fn`` instead.
 """
 
 from __future__ import annotations
@@ -14,54 +12,54 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
 
-DECODERS = ("auto", "ar", "mdm", "block", "isd")
 GenerateFn = Callable[..., list[list[int]]]
+OWN_DECODER = {None: "ar", "idlm": "isd", "mdm": "mdm", "block": "block"}  # "auto": a model's own decoder
 
 
-def resolve_decoder(em: EvalModel, decode: str = "auto") -> str:
-    if decode not in DECODERS:
-        raise DLMError(f"--decode must be one of {', '.join(DECODERS)}, got '{decode}'")
-    if decode == "auto":
-        return {None: "ar", "idlm": "isd", "mdm": "mdm", "block": "block"}.get(em.objective, "ar")
-    if decode in ("mdm", "block", "isd") and em.mask_token_id is None:
+def resolve_decoder(em: EvalModel, decoder: str | DecoderConfig = "auto", **settings) -> DecoderConfig:
+    """``decoder`` as a config for this model: ``"auto"`` is the model's own decoder; ``settings`` (config fields,
+    e.g. ``steps``) are applied where that decoder has them. A diffusion decoder on a plain AR model is refused."""
+    if decoder == "auto":
+        decoder = OWN_DECODER.get(em.objective, "ar")
+    if isinstance(decoder, str):
+        decoder = make_config(decoder, **{k: v for k, v in settings.items() if k in field_names(decoder)})
+    if decoder.name in ("mdm", "block", "isd") and em.mask_token_id is None:
         raise DLMError(
-            f"--decode {decode} needs a diffusion LM (mask token); this is a plain AR model: use --decode ar"
+            f"--decode {decoder.name} needs a diffusion LM (mask token); this is a plain AR model: use --decode ar"
         )
-    return decode
+    return decoder
 
 
 def generate_tokens(
     em: EvalModel,
     prompts: Sequence[list[int]],
     max_new_tokens: Sequence[int],
-    decode: str = "auto",
-    steps: int | None = None,
+    decoder: str | DecoderConfig = "auto",
     seed: int = 0,
     batch_size: int = 8,
     progress=None,
 ) -> list[list[int]]:
     """Greedy continuations of ``prompts`` (token ids) through :func:`dlm.decode.generate`; ``max_new_tokens[i]``
-    tokens for prompt i (fewer if the model stops at EOS). ``steps``: denoising steps of the diffusion decoders
-    (the engine's default when None). One engine run: requests of different lengths share the batch.
-    ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
+    tokens for prompt i (fewer if the model stops at EOS). One engine run: requests of different lengths share the
+    batch. ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
     from dlm.decode import generate
     from dlm.decode.sampling import SamplingParams
 
-    decoder = resolve_decoder(em, decode)
+    config = resolve_decoder(em, decoder)
     model = em.dlm if em.dlm is not None else em.model
     params = [SamplingParams(max_new_tokens=int(n), temperature=0.0, seed=seed) for n in max_new_tokens]
     results = generate(
         model,
         [list(p) for p in prompts],
-        decoder,
+        config,
         params,
         tokenizer=em.tokenizer,
         batch_size=batch_size,
-        steps=steps,
         progress=progress,
     )
     return [list(r.token_ids) for r in results]
@@ -81,21 +79,22 @@ def evaluate_generation(
     em: EvalModel,
     examples: Sequence[GenExample],
     task: str,
-    decode: str = "auto",
-    steps: int | None = None,
+    decoder: str | DecoderConfig = "auto",
     seed: int = 0,
     batch_size: int = 8,
     generate_fn: GenerateFn | None = None,
     keep_predictions: bool = False,
     progress: bool = False,
 ) -> dict:
-    """Accuracy of a generation task. ``progress``: a bar on stderr over the prompts (default ``generate_fn``).
+    """Accuracy of a generation task, decoded by ``decoder`` (a config, a name or ``"auto"``: see
+    :func:`resolve_decoder`). ``progress``: a bar on stderr over the prompts (default ``generate_fn``).
 
     ``max_new_tokens is None`` (LAMBADA): generate exactly as many tokens as the target has (the target encoded
     after the prompt with its leading space) and count an exact match of the stripped text. Otherwise (poem
     reversal) generate that many tokens and count a hit when the target occurs in the text.
     """
     t0 = time.perf_counter()
+    config = resolve_decoder(em, decoder)
     fn = generate_fn or generate_tokens
     prompts, lengths, exact = [], [], []
     for ex in examples:
@@ -114,7 +113,7 @@ def evaluate_generation(
 
         kw["progress"] = bar(len(prompts), f"dlm eval {task}", "prompt")
     try:
-        outputs = fn(em, prompts, lengths, decode=decode, steps=steps, seed=seed, batch_size=batch_size, **kw)
+        outputs = fn(em, prompts, lengths, decoder=config, seed=seed, batch_size=batch_size, **kw)
     finally:
         if kw:
             kw["progress"].close()
@@ -128,7 +127,7 @@ def evaluate_generation(
         "acc": sum(hits) / len(hits),
         "acc_stderr": stderr_of_mean(hits),
         "n": len(hits),
-        "decode": resolve_decoder(em, decode),
+        "decode": config.name,
         "seconds": time.perf_counter() - t0,
     }
     if keep_predictions:
@@ -140,18 +139,17 @@ def evaluate_drafting(
     em: EvalModel,
     examples: Sequence[GenExample],
     task: str,
-    stride: int | None = None,
+    decoder: ISDConfig | None = None,
     batch_size: int = 8,
     keep_predictions: bool = False,
-    candidates: int | None = None,
     progress: bool = False,
 ) -> dict:
     """Greedy ISD on the examples' prompts: acceptance per draft position, TPF, and the share of prompts whose ISD
     output equals the model's own greedy ``ar`` output (1.0 for a correct decoder; with gated LoRA that output is
     the base model's). ``acc`` = first-position acceptance; ``acc_stderr`` its binomial standard error over the
-    drafts (drafts of one answer are not independent, so read it as a lower bound). ``stride``: the decoder's N
-    (default: the model's trained ``block_size + 1``); ``candidates``: ISD's draft candidates per position (stride 2;
-    the acceptance is then the drafts' top-K coverage). ``progress``: a bar on stderr over the ISD then AR runs."""
+    drafts (drafts of one answer are not independent, so read it as a lower bound). ``decoder``: the ISD settings
+    (default ``ISDConfig()``: the stride is the model's trained ``block_size + 1``; ``candidates`` > 1: the
+    acceptance is the drafts' top-K coverage). ``progress``: a bar on stderr over the ISD then AR runs."""
     from dlm.decode import generate
     from dlm.decode.isd import default_stride
     from dlm.decode.sampling import SamplingParams, draft_totals
@@ -163,6 +161,7 @@ def evaluate_drafting(
             f"with dlm convert --objective idlm, or drop {task} from --eval-tasks"
         )
     t0 = time.perf_counter()
+    decoder = decoder or ISDConfig()
     prompts = [_prompt_ids(em, ex) for ex in examples]
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
     bar = None
@@ -174,12 +173,10 @@ def evaluate_drafting(
         isd = generate(
             em.dlm,
             prompts,
-            "isd",
+            decoder,
             params,
             tokenizer=em.tokenizer,
             batch_size=batch_size,
-            stride=stride,
-            candidates=candidates,
             progress=bar,
         )
         ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size, progress=bar)
@@ -215,8 +212,8 @@ def evaluate_drafting(
         "identical": same / len(examples),
         "n": len(examples),
         "decode": "isd",
-        "stride": stride if stride is not None else default_stride(em.dlm.block_size, candidates or 1),
-        "candidates": candidates or 1,
+        "stride": decoder.stride or default_stride(em.dlm.block_size, decoder.candidates),
+        "candidates": decoder.candidates,
         "seconds": time.perf_counter() - t0,
     }
     for i, rate in enumerate(rates[1:], 2):  # flat numbers, so eval histories keep every position

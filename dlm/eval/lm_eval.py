@@ -13,9 +13,13 @@ instance: ``simple_evaluate(model=DLMHarnessModel(dlm_model))``.
 
 Model arguments (``--model_args k=v,...``): ``pretrained`` (DLM folder, AR folder or alias), ``objective``
 (convert an AR model on the fly), ``scoring`` (auto | causal | diffusion), ``diffusion_steps`` (32), ``seed`` (0),
-``decode`` (auto | ar | mdm | block | isd), ``gen_steps``, ``token_budget``, ``device``, ``dtype``,
+``decoder`` (auto | ar | mdm | block | isd) and that decoder's settings by their config field names (``steps``,
+``sampler``, ``stride``, ... : :mod:`dlm.decode.configs`; in Python also a config object), ``score_batch_tokens``
+(tokens per scoring forward), ``device``, ``dtype``,
 ``diffusion_ll`` (mean | sum: what a diffusion model's loglikelihood returns, minus the mean denoising score
 (so the harness's ``acc`` equals ``dlm eval``'s) or minus the per-token mean times the number of tokens).
+Deprecated (one release): ``decode`` (-> ``decoder``), ``gen_steps`` (-> ``steps``), ``token_budget`` (->
+``score_batch_tokens``).
 
 The same code as ``dlm eval`` does the work: :mod:`dlm.eval.scoring` (exact causal log-likelihood, batched
 denoising score) and :func:`dlm.eval.generation.generate_tokens` (the decoding engine).
@@ -33,9 +37,10 @@ require("lm_eval", "eval")
 from lm_eval.api.model import LM  # noqa: E402
 from lm_eval.api.registry import register_model  # noqa: E402
 
-from dlm.eval.generation import generate_tokens  # noqa: E402
+from dlm.decode.configs import DecoderConfig, parse_settings  # noqa: E402
+from dlm.eval.generation import generate_tokens, resolve_decoder  # noqa: E402
 from dlm.eval.scoring import (  # noqa: E402
-    DEFAULT_TOKEN_BUDGET,
+    DEFAULT_BATCH_TOKENS,
     as_eval_model,
     denoising_scores,
     encode,
@@ -61,9 +66,8 @@ class DLMHarnessModel(LM):
         scoring: str = "auto",
         diffusion_steps: int = 32,
         seed: int = 0,
-        decode: str = "auto",
-        gen_steps: int | None = None,
-        token_budget: int = DEFAULT_TOKEN_BUDGET,
+        decoder: str | DecoderConfig = "auto",
+        score_batch_tokens: int = DEFAULT_BATCH_TOKENS,
         batch_size=8,
         device: str | None = None,
         dtype: str = "auto",
@@ -107,9 +111,21 @@ class DLMHarnessModel(LM):
         model.eval()
         self.model = model
         self.em = as_eval_model(model, tokenizer, scoring)
-        self.steps, self.seed, self.decode = int(diffusion_steps), int(seed), decode
-        self.gen_steps = int(gen_steps) if gen_steps not in (None, "", "None") else None
-        self.token_budget = int(token_budget)
+        import warnings
+
+        for old, new in (("decode", "decoder"), ("gen_steps", "steps"), ("token_budget", "score_batch_tokens")):
+            if unused.get(old) not in (None, "", "None"):
+                warnings.warn(f"model_args {old} is renamed {new}", DeprecationWarning, stacklevel=2)
+        if unused.get("decode") not in (None, "", "None"):
+            decoder = unused.pop("decode")
+        if unused.get("token_budget") not in (None, "", "None"):
+            score_batch_tokens = unused.pop("token_budget")
+        if unused.get("gen_steps") not in (None, "", "None"):
+            unused["steps"] = unused.pop("gen_steps")
+        self.steps, self.seed = int(diffusion_steps), int(seed)
+        # the generation decoder: a config, or a name / "auto" with its settings from the model_args
+        self.decoder = resolve_decoder(self.em, decoder, **parse_settings(unused))
+        self.batch_tokens = int(score_batch_tokens)
         self.batch_size = _bool_or_int(batch_size, 8)
         self.diffusion_ll = diffusion_ll
 
@@ -128,9 +144,9 @@ class DLMHarnessModel(LM):
 
     def _score(self, pairs, keys) -> list[tuple[float, bool]]:
         if self.em.kind == "causal":
-            return loglikelihoods(self.em, pairs, self.token_budget)
+            return loglikelihoods(self.em, pairs, self.batch_tokens)
         scores = denoising_scores(
-            self.em, pairs, keys, steps=self.steps, seed=self.seed, token_budget=self.token_budget
+            self.em, pairs, keys, steps=self.steps, seed=self.seed, batch_tokens=self.batch_tokens
         )
         if self.diffusion_ll == "sum":
             return [(-s * len(cont), False) for s, (_, cont) in zip(scores, pairs)]
@@ -162,10 +178,10 @@ class DLMHarnessModel(LM):
             ]
             keys = [zlib.crc32(f"{text}:{i}".encode()) for i in range(len(windows))]
             if self.em.kind == "causal":
-                out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.token_budget)))
+                out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.batch_tokens)))
             else:  # an estimate of the total log-likelihood: minus (mean denoising CE x tokens)
                 scores = denoising_scores(
-                    self.em, windows, keys, steps=self.steps, seed=self.seed, token_budget=self.token_budget
+                    self.em, windows, keys, steps=self.steps, seed=self.seed, batch_tokens=self.batch_tokens
                 )
                 out.append(-sum(s * len(c) for s, (_, c) in zip(scores, windows)))
         return out
@@ -187,8 +203,7 @@ class DLMHarnessModel(LM):
             self.em,
             prompts,
             lengths,
-            decode=self.decode,
-            steps=self.gen_steps,
+            decoder=self.decoder,
             seed=self.seed,
             batch_size=self.batch_size,
         )

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from dlm.eval.scoring import (
-    DEFAULT_TOKEN_BUDGET,
+    DEFAULT_BATCH_TOKENS,
     EvalModel,
     denoising_scores,
     encode_pair,
@@ -31,7 +31,7 @@ def score_examples(
     task: str = "task",
     steps: int = 32,
     seed: int = 0,
-    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
     progress=None,
 ) -> list[list[float]]:
     """Per example, one score per choice, oriented so that higher = preferred.
@@ -45,12 +45,12 @@ def score_examples(
             keys.append(f"{task}:{i}")
             owner.append(i)
     if em.kind == "causal":
-        flat = [ll for ll, _ in loglikelihoods(em, pairs, token_budget, progress=progress)]
+        flat = [ll for ll, _ in loglikelihoods(em, pairs, batch_tokens, progress=progress)]
     else:
         flat = [
             -s
             for s in denoising_scores(
-                em, pairs, keys, steps=steps, seed=seed, token_budget=token_budget, progress=progress
+                em, pairs, keys, steps=steps, seed=seed, batch_tokens=batch_tokens, progress=progress
             )
         ]
     out: list[list[float]] = [[] for _ in examples]
@@ -65,14 +65,14 @@ def evaluate_multiple_choice(
     task: str = "task",
     steps: int = 32,
     seed: int = 0,
-    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
     progress=None,
     keep_predictions: bool = False,
 ) -> dict:
     """Accuracy of ``em`` on ``examples``: ``{"acc", "acc_stderr", ["acc_norm", "acc_norm_stderr"], "n",
     "seconds", "scoring", ["predictions"]}``."""
     t0 = time.perf_counter()
-    scores = score_examples(em, examples, task, steps, seed, token_budget, progress)
+    scores = score_examples(em, examples, task, steps, seed, batch_tokens, progress)
     hits = [float(_argmax(s) == ex.label) for s, ex in zip(scores, examples)]
     result = {"acc": sum(hits) / len(hits), "acc_stderr": stderr_of_mean(hits), "n": len(hits), "scoring": em.kind}
     if em.kind == "causal":

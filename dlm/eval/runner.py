@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Sequence
 
+from dlm.decode.configs import DecoderConfig, ISDConfig
 from dlm.errors import DLMError
-from dlm.eval.generation import GenerateFn, evaluate_drafting, evaluate_generation
+from dlm.eval.generation import GenerateFn, evaluate_drafting, evaluate_generation, resolve_decoder
 from dlm.eval.multiple_choice import evaluate_multiple_choice
-from dlm.eval.scoring import DEFAULT_TOKEN_BUDGET, as_eval_model
+from dlm.eval.scoring import DEFAULT_BATCH_TOKENS, as_eval_model
 from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
 from dlm.eval.tasks.base import limit as _limit
 from dlm.model.convert import dense_mask_attention
@@ -24,6 +26,31 @@ def _bar(name: str, examples, em, steps: int):
     return bar(total, f"dlm eval {name}", "row")
 
 
+def _settings(decoder, score_batch_tokens: int, deprecated: dict):
+    """(generation decoder, ISD config of isd_acceptance, scoring batch, settings for an "auto" decoder), with the
+    deprecated keywords of run_eval mapped onto them (a DeprecationWarning each)."""
+    known = {"decode": "decoder", "gen_steps": "the config's steps", "stride": "ISDConfig(stride=...)"}
+    known.update(candidates="ISDConfig(candidates=...)", token_budget="score_batch_tokens")
+    unknown = set(deprecated) - set(known)
+    if unknown:
+        raise TypeError(f"run_eval() got unexpected keyword arguments {', '.join(sorted(unknown))}")
+    for k in deprecated:
+        warnings.warn(f"run_eval({k}=...) is deprecated: use {known[k]}", DeprecationWarning, stacklevel=3)
+    if deprecated.get("decode") is not None:
+        decoder = deprecated["decode"]
+    if deprecated.get("token_budget") is not None:
+        score_batch_tokens = deprecated["token_budget"]
+    isd = {k: deprecated[k] for k in ("stride", "candidates") if deprecated.get(k) is not None}
+    if isinstance(decoder, ISDConfig):
+        drafting = decoder
+    else:
+        drafting = ISDConfig(**isd)
+    if decoder == "isd" and isd:
+        decoder = drafting
+    gen = {"steps": deprecated["gen_steps"]} if deprecated.get("gen_steps") is not None else {}
+    return decoder, drafting, int(score_batch_tokens), gen
+
+
 def run_eval(
     model,
     tasks: str | Sequence[str] = DEFAULT_TASKS,
@@ -35,38 +62,40 @@ def run_eval(
     scoring: str = "auto",
     diffusion_steps: int = 32,
     seed: int = 0,
-    decode: str = "auto",
-    gen_steps: int | None = None,
+    decoder: str | DecoderConfig = "auto",
     poem_direction: str = "ftb",
     poem_gen_length: int = 28,
     batch_size: int = 8,
-    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    score_batch_tokens: int = DEFAULT_BATCH_TOKENS,
     keep_predictions: bool = False,
     generate_fn: GenerateFn | None = None,
-    stride: int | None = None,
-    candidates: int | None = None,
     log=None,
     progress: bool = False,
+    **deprecated,
 ) -> dict:
     """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
     "seconds", ...}}``.
 
     - ``model``: a :class:`~dlm.model.convert.DiffusionLM` (carries its tokenizer) or a plain HF causal LM with
       ``tokenizer=``. Scoring follows the model's kind (``scoring="auto"``): the exact AR log-likelihood for AR
-      models and I-DLM, the denoising score with ``diffusion_steps`` masks for mdm/block DLMs.
+      models and I-DLM, the denoising score with ``diffusion_steps`` masks for mdm/block DLMs, in batches of at most
+      ``score_batch_tokens`` tokens (rows x padded length) per forward.
     - Task data: ``paths={"piqa": FILE_OR_DIR, ...}`` per task, else ``data_dir/<task>/``. ``limit``: first N
       examples of each task.
-    - Generation tasks (lambada, poem_reverse) decode greedily with ``decode`` (auto | ar | mdm | block | isd),
-      ``gen_steps`` denoising steps for diffusion decoders.
-    - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD at stride ``stride`` (default: the model's
-      ``block_size + 1``; ``candidates`` K > 1: K draft candidates per position at stride 2) and reports acceptance
-      per draft position, TPF and whether the output equals greedy AR.
+    - Generation tasks (lambada, poem_reverse) decode greedily with ``decoder``: a decoder config
+      (:mod:`dlm.decode.configs`, e.g. ``MDMConfig(steps=16)``), a decoder name, or ``"auto"``: the model's own.
+    - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD, with ``decoder``'s settings when it is an
+      :class:`~dlm.decode.configs.ISDConfig` (``stride``, default the model's ``block_size + 1``; ``candidates``),
+      and reports acceptance per draft position, TPF and whether the output equals greedy AR.
+    - Deprecated keywords (one release): ``decode`` (-> ``decoder``), ``gen_steps`` (-> the config's ``steps``),
+      ``stride`` / ``candidates`` (-> ``ISDConfig``), ``token_budget`` (-> ``score_batch_tokens``).
     - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
       so a training loop can call this between steps. ``log(str)`` receives one line per finished task;
       ``progress``: a progress bar per task on stderr (rate, ETA): rows scored, or prompts generated.
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
     :func:`dlm.eval.history.append_history`.
     """
+    decoder, drafting, score_batch_tokens, gen_settings = _settings(decoder, score_batch_tokens, deprecated)
     names = parse_task_list(tasks)
     em = as_eval_model(model, tokenizer, scoring)
     was_training = model.training
@@ -90,10 +119,9 @@ def run_eval(
                         em,
                         examples,
                         name,
-                        stride=stride,
+                        drafting,
                         batch_size=batch_size,
                         keep_predictions=keep_predictions,
-                        candidates=candidates,
                         progress=progress,
                     )
                 elif module.KIND == "mc":
@@ -105,7 +133,7 @@ def run_eval(
                             name,
                             steps=diffusion_steps,
                             seed=seed,
-                            token_budget=token_budget,
+                            batch_tokens=score_batch_tokens,
                             keep_predictions=keep_predictions,
                             progress=bar,
                         )
@@ -117,8 +145,7 @@ def run_eval(
                         em,
                         examples,
                         name,
-                        decode=decode,
-                        steps=gen_steps,
+                        decoder=resolve_decoder(em, decoder, **gen_settings),
                         seed=seed,
                         batch_size=batch_size,
                         generate_fn=generate_fn,

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from dlm.errors import DLMError
 
-DEFAULT_TOKEN_BUDGET = 8192  # rows x padded length per forward
+DEFAULT_BATCH_TOKENS = 8192  # rows x padded length per forward
 
 
 # -- the model view --------------------------------------------------------------------------------------------
@@ -205,12 +205,12 @@ class _Projector:
         return logits[rows, cols].float()
 
 
-def _batches(lengths: Sequence[int], token_budget: int, max_rows: int | None = None):
+def _batches(lengths: Sequence[int], batch_tokens: int, max_rows: int | None = None):
     """Split indices (already sorted by length, longest first) into batches of rows x max_len <= budget."""
     batch, longest = [], 0
     for i, n in enumerate(lengths):
         new_longest = max(longest, n)
-        if batch and (new_longest * (len(batch) + 1) > token_budget or (max_rows and len(batch) >= max_rows)):
+        if batch and (new_longest * (len(batch) + 1) > batch_tokens or (max_rows and len(batch) >= max_rows)):
             yield batch
             batch, new_longest = [], n
         batch.append(i)
@@ -245,7 +245,7 @@ def _pad_id(em: EvalModel) -> int:
 
 # -- causal log-likelihood --------------------------------------------------------------------------------------
 def loglikelihoods(
-    em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]], token_budget: int = DEFAULT_TOKEN_BUDGET, progress=None
+    em: EvalModel, pairs: Sequence[tuple[list[int], list[int]]], batch_tokens: int = DEFAULT_BATCH_TOKENS, progress=None
 ) -> list[tuple[float, bool]]:
     """Exact ``(sum log p(continuation | context), is_greedy)`` for each (context ids, continuation ids)."""
     max_len = em.max_length
@@ -257,7 +257,7 @@ def loglikelihoods(
     results: list[tuple[float, bool] | None] = [None] * len(items)
     proj = _Projector(em.model)
     with torch.inference_mode():
-        for batch in _batches([len(items[i][0]) for i in order], token_budget):
+        for batch in _batches([len(items[i][0]) for i in order], batch_tokens):
             idx = [order[b] for b in batch]
             ids, valid = _pad([items[i][0] for i in idx], _pad_id(em), em.device)
             rows, cols, targets = [], [], []
@@ -308,7 +308,7 @@ def denoising_scores(
     keys: Sequence,
     steps: int = 32,
     seed: int = 0,
-    token_budget: int = DEFAULT_TOKEN_BUDGET,
+    batch_tokens: int = DEFAULT_BATCH_TOKENS,
     progress=None,
 ) -> list[float]:
     """The denoising score (lower = more likely) of each (context ids, continuation ids); ``keys[i]`` seeds its
@@ -344,7 +344,7 @@ def denoising_scores(
     proj = _Projector(em.model)
     offset = 1 if em.shift else 0  # with shift, the logit at i scores token i+1
     with torch.inference_mode():
-        for batch in _batches([len(row_ids[r]) for r in order], token_budget):
+        for batch in _batches([len(row_ids[r]) for r in order], batch_tokens):
             idx = [order[b] for b in batch]
             ids, valid = _pad([row_ids[r] for r in idx], _pad_id(em), em.device)
             rows, cols, targets, owner = [], [], [], []

@@ -1,0 +1,517 @@
+"""The decoders' settings, defined once: one dataclass per decoder (:class:`ARConfig`, :class:`MDMConfig`,
+:class:`BlockConfig`, :class:`ISDConfig`) and :data:`REGISTRY`, mapping a decoder's name to its decoder class and
+its config class.
+
+Each field carries its help text, choices and command-line flag (:func:`dlm.fields.opt`), so the commands
+(``dlm generate``, ``dlm serve``, ``dlm eval``, ``dlm quickstart``) build their decoder flags, defaults, help and
+checks from here (:func:`add_decoder_arguments`, :func:`config_from_args`), and the Python API takes a config
+object::
+
+    from dlm.decode import generate
+    from dlm.decode.configs import ISDConfig
+    results = generate(model, prompts, ISDConfig(stride=3, fallback="all"), params)
+
+A config checks its values when it is made, before any model is loaded (a :class:`~dlm.errors.DLMError` naming the
+field and its flag). No torch here: ``--help`` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import warnings
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from dlm.errors import DLMError, closest
+from dlm.fields import default_of, opt
+
+MAX_CANDIDATES = 8  # ISD --isd-candidates
+FALLBACK_MODES = ("predict", "all", "off")
+MDM_SAMPLERS = ("confidence", "random", "threshold", "llada", "dream")
+LLADA_REMASKING = ("low_confidence", "random")
+DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+SDAR_REMASKING = ("sequential", "low_confidence_static", "low_confidence_dynamic")
+
+FALLBACK_HELP = (
+    "which outcomes of a verify step get masks for the next drafts. 'predict': the likeliest by the drafts' own "
+    "probabilities (all accepted, or the first rejection at d_i), so a rejection need not cost a cold-start step, "
+    "at the plain chunk's 2N-1 tokens; 'all': every outcome (N-1 + N(N-1) tokens: for hardware where extra tokens "
+    "are free); 'off': only all-accepted (plain ISD). Output is the same in every case"
+)
+CANDIDATES_HELP = (
+    "at stride 2: verify up to K likeliest drafts for the next position at once (greedy: the mask's top K; "
+    "sampling: draws without replacement, recursive rejection sampling), each with its own mask for the draft "
+    "after it: a chunk of 2K+2 tokens, acceptance = the drafts' top-K coverage. The 2nd..K-th are verified only "
+    "where the mask gives them >= 5% (each costs two chunk tokens). 1 = plain ISD. Output is the same"
+)
+DRAFT_BUDGET_HELP = (
+    "when ISD drafts: 'always' at every step; an integer T: only while running rows x (2N-1) <= T tokens per "
+    "step, plain AR steps above; 'auto': measure per batch size whether drafting or plain AR steps commit more "
+    "tokens per second and run the faster (seeded sampling then keeps the distribution, not the draws). Greedy "
+    "output is the same in every case"
+)
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class DecoderConfig:
+    """What every decoder config has: its registry ``name`` and the keyword arguments of its decoder class."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+
+    def decoder_kwargs(self) -> dict[str, Any]:
+        """The decoder class's keyword arguments (the field names, unless a field's metadata says ``arg``)."""
+        return {f.metadata.get("arg") or f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def _fail(self, field: str, message: str):
+        f = next(f for f in dataclasses.fields(self) if f.name == field)
+        raise DLMError(f"{_flag(f)} {message} ({type(self).__name__}.{field})")
+
+    def _check_choices(self) -> None:
+        for f in dataclasses.fields(self):
+            choices, value = f.metadata.get("choices"), getattr(self, f.name)
+            if choices and value is not None and value not in choices:
+                hint = f" (did you mean {closest(str(value), choices)}?)" if isinstance(value, str) else ""
+                self._fail(f.name, f"must be one of {', '.join(map(str, choices))}; got {value!r}{hint}")
+
+    def changed(self) -> dict[str, Any]:
+        """The fields that differ from their defaults (for logs and result files)."""
+        return {
+            f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != default_of(f)
+        }
+
+
+@dataclass
+class ARConfig(DecoderConfig):
+    """Plain autoregressive decoding: one token per forward (greedy == transformers' ``generate``)."""
+
+    name: ClassVar[str] = "ar"
+    summary: ClassVar[str] = "autoregressive, one token per forward"
+
+
+def _check_steps(cfg: MDMConfig | BlockConfig) -> None:
+    steps = cfg.steps
+    if steps is not None and (not _is_int(steps) or steps < 1):
+        cfg._fail("steps", f"must be a positive integer, got {steps!r}")
+
+
+@dataclass
+class MDMConfig(DecoderConfig):
+    """Masked-diffusion sampling for bidirectional DLMs (MDLM / DiffuLLaMA / LLaDA / Dream)."""
+
+    name: ClassVar[str] = "mdm"
+    summary: ClassVar[str] = "masked diffusion over the whole answer"
+
+    sampler: str | None = opt(
+        None,
+        "the sampler; None: the model family's (llada, dream), else confidence",
+        choices=MDM_SAMPLERS,
+        flag="--sampler",
+        arg="method",
+    )
+    steps: int | None = opt(None, "denoising passes per request; None: one per generated token")
+    threshold: float | None = opt(0.9, "threshold sampler: commit every mask above this probability")
+    semi_ar_block: int = opt(
+        32,
+        "threshold / llada samplers: length of a semi-autoregressive block",
+        unit="tokens",
+        old=("--block-length", "block_length"),
+        arg="block_length",
+    )
+    cfg_scale: float = opt(0.0, "llada sampler: classifier-free guidance scale (0 = none)")
+    remasking: str | None = opt(
+        None, "llada sampler: what scores the candidates; None: low_confidence", choices=LLADA_REMASKING
+    )
+    alg: str | None = opt(None, "dream sampler: which masks a pass reveals; None: origin", choices=DREAM_ALGS)
+    alg_temp: float | None = opt(
+        None, "dream sampler: > 0 draws the revealed masks from softmax(confidence / alg_temp)"
+    )
+
+    def __post_init__(self):
+        self._check_choices()
+        _check_steps(self)
+        if not isinstance(self.cfg_scale, (int, float)) or self.cfg_scale < 0:
+            self._fail("cfg_scale", f"must be >= 0 (0 = no guidance), got {self.cfg_scale!r}")
+        if self.alg_temp is not None and self.alg_temp < 0:
+            self._fail("alg_temp", f"must be >= 0, got {self.alg_temp!r}")
+        for field, value, owner in (
+            ("cfg_scale", self.cfg_scale or None, "llada"),
+            ("remasking", self.remasking, "llada"),
+            ("alg", self.alg, "dream"),
+            ("alg_temp", self.alg_temp, "dream"),
+        ):
+            if value is not None and self.sampler is not None and self.sampler != owner:
+                self._fail(field, f"is a setting of --sampler {owner}; drop it or use --sampler {owner}")
+        if self.sampler == "threshold" and not 0.0 <= float(self.threshold or 0.9) < 1.0:
+            self._fail("threshold", f"must be in [0, 1) for the threshold sampler, got {self.threshold!r}")
+        if not _is_int(self.semi_ar_block) or self.semi_ar_block < 1:
+            self._fail("semi_ar_block", f"must be a positive integer, got {self.semi_ar_block!r}")
+
+
+@dataclass
+class BlockConfig(DecoderConfig):
+    """Block diffusion (SDAR / BD3-LM): blocks left to right, denoising passes within a block."""
+
+    name: ClassVar[str] = "block"
+    summary: ClassVar[str] = "block diffusion, block by block"
+
+    steps: int | None = opt(None, "denoising passes per block; None: the block size")
+    threshold: float | None = opt(
+        0.9, "commit every mask above this probability; None or <= 0: the top ceil(masks / steps) per pass"
+    )
+    remasking: str | None = opt(
+        None,
+        "SDAR's strategy; None: low_confidence_dynamic for SDAR checkpoints (static without a threshold), "
+        "else dlm's threshold / top-k rule",
+        choices=SDAR_REMASKING,
+    )
+
+    def __post_init__(self):
+        self._check_choices()
+        _check_steps(self)
+        top_k = self.threshold is None or float(self.threshold) <= 0.0
+        if self.remasking == "low_confidence_dynamic" and top_k:
+            self._fail("remasking", "low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")
+        if not top_k and not float(self.threshold) < 1.0:  # type: ignore[arg-type]
+            self._fail("threshold", f"must be below 1 (or <= 0 for top-k commits), got {self.threshold!r}")
+
+
+def check_draft_budget(value) -> None:
+    """Refuse a bad ``draft_budget`` (before any model is loaded): None, 'always', 'auto', a positive int, or a
+    policy object of :mod:`dlm.decode.schedule` (with ``drafting(rows)``)."""
+    if value is None or callable(getattr(value, "drafting", None)) or value in ("always", "auto"):
+        return
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            value = None
+    if not _is_int(value) or value < 1:
+        raise DLMError(
+            f"--isd-draft-budget (ISDConfig.draft_budget) must be a positive integer, 'auto' or 'always'; got {value!r}"
+        )
+
+
+@dataclass
+class ISDConfig(DecoderConfig):
+    """Introspective strided decoding: N-1 drafts and their verification per forward, exactly the AR
+    distribution (greedy output == greedy AR)."""
+
+    name: ClassVar[str] = "isd"
+    summary: ClassVar[str] = "introspective strided decoding: several tokens per forward, the AR distribution"
+
+    stride: int | None = opt(None, "the stride N: N-1 drafts per step; None: the model's block_size + 1")
+    draft: str = opt(
+        "sample",
+        "drafts sampled from the masks' q (exact) or their argmax (biased when sampling)",
+        choices=("sample", "argmax"),
+    )
+    draft_budget: int | str | None = opt(
+        None,
+        DRAFT_BUDGET_HELP + "; None: always",
+        flag="--isd-draft-budget",
+        old=("--isd-token-budget", "token_budget"),
+        arg="token_budget",
+    )
+    fallback: str = opt("predict", FALLBACK_HELP, choices=FALLBACK_MODES, flag="--isd-fallback")
+    candidates: int = opt(1, CANDIDATES_HELP, flag="--isd-candidates")
+
+    def __post_init__(self):
+        self._check_choices()
+        if self.stride is not None and (not _is_int(self.stride) or self.stride < 2):
+            self._fail("stride", f"must be an integer >= 2 (N-1 drafts per step), got {self.stride!r}")
+        if isinstance(self.draft_budget, str) and self.draft_budget.strip().isdigit():
+            self.draft_budget = int(self.draft_budget)
+        check_draft_budget(self.draft_budget)
+        if not _is_int(self.candidates) or not 1 <= self.candidates <= MAX_CANDIDATES:
+            self._fail("candidates", f"must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
+        if self.candidates > 1 and self.stride not in (None, 2):
+            raise DLMError(
+                f"--isd-candidates {self.candidates} verifies several drafts for one position: it runs at "
+                f"--stride 2 only, got --stride {self.stride}"
+            )
+
+
+@dataclass(frozen=True)
+class DecoderEntry:
+    """A registered decoder: its name, config class and decoder class (``module:Class``, imported when used)."""
+
+    name: str
+    config: type[DecoderConfig]
+    decoder: str
+
+    def decoder_class(self):
+        module, cls = self.decoder.split(":")
+        return getattr(importlib.import_module(module), cls)
+
+
+REGISTRY: dict[str, DecoderEntry] = {
+    e.name: e
+    for e in (
+        DecoderEntry("ar", ARConfig, "dlm.decode.ar:ARDecoder"),
+        DecoderEntry("mdm", MDMConfig, "dlm.decode.mdm:MDMDecoder"),
+        DecoderEntry("block", BlockConfig, "dlm.decode.block:BlockDecoder"),
+        DecoderEntry("isd", ISDConfig, "dlm.decode.isd:ISDDecoder"),
+    )
+}
+DECODERS = tuple(REGISTRY)
+
+
+def entry(name: str) -> DecoderEntry:
+    """The registered decoder ``name``; a DLMError listing the decoders (and the closest) otherwise."""
+    if name not in REGISTRY:
+        raise DLMError(
+            f"unknown decoder {name!r} (--decode): use one of {', '.join(DECODERS)} "
+            f"(did you mean {closest(str(name), DECODERS)}?)"
+        )
+    return REGISTRY[name]
+
+
+def field_names(name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(entry(name).config)}
+
+
+def _owners(field: str) -> list[str]:
+    return [n for n in DECODERS if field in field_names(n)]
+
+
+def _not_a_setting(decoder: str, fields: list[str]) -> DLMError:
+    owners = sorted({o for f in fields for o in _owners(f)})
+    use = " or ".join(f"--decode {o}" for o in owners)
+    if len(fields) == 1 and len(owners) == 1:
+        return DLMError(
+            f"{flag_of(fields[0])} is an {owners[0].upper()} setting; drop it or use {use} (got --decode {decoder})"
+        )
+    flags = ", ".join(sorted(flag_of(f) for f in fields))
+    return DLMError(f"{flags}: not a setting of --decode {decoder}; drop them or use {use}")
+
+
+def _field(name: str) -> dataclasses.Field:
+    for e in REGISTRY.values():
+        for f in dataclasses.fields(e.config):
+            if f.name == name:
+                return f
+    raise KeyError(name)
+
+
+def flag_of(field: str) -> str:
+    """The command-line flag of a decoder setting (``draft_budget`` -> ``--isd-draft-budget``)."""
+    return _flag(_field(field))
+
+
+def _renamed(config: type[DecoderConfig]) -> dict[str, str]:
+    """Old Python spelling -> field name, for the fields renamed (accepted with a DeprecationWarning)."""
+    return {f.metadata["old"][1]: f.name for f in dataclasses.fields(config) if f.metadata.get("old")}
+
+
+def make_config(decoder: str | DecoderConfig, **settings) -> DecoderConfig:
+    """``decoder`` as a config: a config object is returned as it is (``settings`` must then be empty); a name
+    gets its config class built from ``settings`` (field name -> value; None values are "not given" and take
+    the default). A setting that belongs to another decoder is refused, naming its flag and its decoder; an old
+    spelling (``token_budget``, ``block_length``, ``method``) is accepted with a DeprecationWarning."""
+    if isinstance(decoder, DecoderConfig):
+        given = {k: v for k, v in settings.items() if v is not None}
+        if given:
+            raise DLMError(
+                f"give the decoder settings in the {type(decoder).__name__} or as keywords, not both: "
+                f"{', '.join(sorted(given))}"
+            )
+        return decoder
+    cls = entry(decoder).config
+    renamed = {old: new for e in REGISTRY.values() for old, new in _renamed(e.config).items()}
+    renamed["method"] = "sampler"
+    kw: dict[str, Any] = {}
+    for key, value in settings.items():
+        if value is None:
+            continue
+        if key in renamed:
+            warnings.warn(
+                f"{key}= is renamed {renamed[key]}= (the old spelling will be removed in the next release)",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            key = renamed[key]
+        kw[key] = value
+    foreign = [k for k in kw if k not in field_names(cls.name)]
+    unknown = [k for k in foreign if not _owners(k)]
+    if unknown:
+        raise DLMError(f"unknown decoder setting(s) {', '.join(sorted(unknown))} for --decode {cls.name}")
+    if foreign:
+        raise _not_a_setting(cls.name, foreign)
+    return cls(**kw)
+
+
+def build_decoder(config: DecoderConfig):
+    """The decoder object that runs ``config``."""
+    return entry(config.name).decoder_class()(**config.decoder_kwargs())
+
+
+# -- command-line flags ---------------------------------------------------------------------------------------
+def _parse_value(f: dataclasses.Field):
+    """argparse ``type`` for a field: int / float from its annotation; strings (and int-or-str) as given."""
+    ann = str(f.type)
+    if ann.startswith("int | str") or ann.startswith("str"):
+        return str
+    if ann.startswith("int"):
+        return int
+    if ann.startswith("float"):
+        return float
+    return str
+
+
+def _help(owners: list[tuple[str, dataclasses.Field]], command_defaults: dict[str, Any]) -> str:
+    """``decoder: help (choices); default X`` per decoder that has the field, escaped for argparse."""
+    parts = []
+    for name, f in owners:
+        default = command_defaults.get(f.name, default_of(f))
+        choices = f.metadata.get("choices")
+        parts.append(
+            f"{name}: {f.metadata['help']}" + (f" ({' | '.join(choices)})" if choices else "") + f"; default {default}"
+        )
+    return ". ".join(parts).replace("%", "%%")
+
+
+def add_decoder_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    default: str = "ar",
+    names: tuple[str, ...] = DECODERS,
+    extra_names: tuple[str, ...] = (),
+    command_defaults: dict[str, Any] | None = None,
+    implied: str | None = None,
+    old_flags: dict[str, str] | None = None,
+    group_title: str = "decoding (the decoders' settings: docs/decoding.md#settings)",
+) -> None:
+    """Add ``--decode`` and every setting of ``names`` to ``parser``, built from the config classes: one flag per
+    field (a field that several decoders share, e.g. ``--steps``, is one flag), its help naming the decoder(s)
+    and the default, and each renamed field's old flag (hidden, with a deprecation note at parse time). Every
+    flag defaults to None, meaning "not given": :func:`config_from_args` fills in the command's defaults
+    (``command_defaults``: field -> value where this command differs from the config's, stated in the help).
+    ``default=None, implied=NAME``: ``args.decode`` stays None when not given (the command tells "not given" from
+    NAME) and the help says NAME is the default. ``old_flags``: field -> a command's own old spelling of its flag
+    (accepted with a deprecation note)."""
+    command_defaults = command_defaults or {}
+    g = parser.add_argument_group(group_title)
+    g.add_argument(
+        "--decode",
+        default=default,
+        choices=tuple(extra_names) + tuple(names),
+        help="decoder: "
+        + "; ".join(f"{n} = {REGISTRY[n].config.summary}" for n in names)
+        + f" (default {implied or default})",
+    )
+    seen: dict[str, list[tuple[str, dataclasses.Field]]] = {}
+    for n in names:
+        for f in dataclasses.fields(REGISTRY[n].config):
+            seen.setdefault(f.name, []).append((n, f))
+    for field_name, owners in seen.items():
+        f = owners[0][1]
+        kw: dict[str, Any] = {"dest": "decoder_" + field_name, "default": None, "type": _parse_value(f)}
+        kw["metavar"] = {"candidates": "K", "stride": "N"}.get(f.name, f.name.upper())
+        g.add_argument(_flag(f), help=_help(owners, command_defaults), **kw)
+        olds = [f.metadata["old"][0]] if f.metadata.get("old") else []
+        olds += [(old_flags or {})[field_name]] if field_name in (old_flags or {}) else []
+        for old in olds:
+            deprecated_flag(g, old, _flag(f), dest="decoder_" + field_name, type=_parse_value(f))
+
+
+def deprecated_flag(parser, old: str, new: str, *, dest: str, type=str) -> None:
+    """Accept ``old`` (hidden from ``--help``) as a renamed spelling of ``new``: it stores into ``dest`` and says
+    on stderr that it is renamed."""
+    parser.add_argument(old, dest=dest, type=type, action=_Deprecated, new_flag=new, help=argparse.SUPPRESS)
+
+
+class _Deprecated(argparse.Action):
+    """An old flag spelling: stores into the new flag's destination and says it is renamed."""
+
+    def __init__(self, *args, new_flag: str, **kwargs):
+        self.new_flag = new_flag
+        super().__init__(*args, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(
+            f"{parser.prog}: warning: {option_string} is renamed {self.new_flag} (the old spelling will be "
+            f"removed in the next release)",
+            file=sys.stderr,
+        )
+        setattr(namespace, self.dest, values)
+
+
+def owning_decoders(fields) -> list[str]:
+    """The decoders that have every one of ``fields`` (all of them for none); a DLMError when no decoder does."""
+    fields = list(fields)
+    names = [n for n in DECODERS if set(fields) <= field_names(n)]
+    if not names:
+        flags = ", ".join(sorted(flag_of(f) for f in fields))
+        raise DLMError(f"{flags}: no one decoder takes all of these; give the settings of one --decode")
+    return names
+
+
+def given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The decoder settings given on the command line (field name -> value)."""
+    return {k[len("decoder_") :]: v for k, v in vars(args).items() if k.startswith("decoder_") and v is not None}
+
+
+def config_from_args(
+    args: argparse.Namespace, decode: str | None = None, command_defaults: dict[str, Any] | None = None
+) -> DecoderConfig:
+    """The config of ``decode`` (default ``args.decode``) from the flags :func:`add_decoder_arguments` added:
+    the given flags, the command's own defaults where not given, the config's otherwise. A flag of another
+    decoder is refused (DLMError naming it). Call it before loading a model: bad values fail at once."""
+    name = decode or args.decode
+    if name is None:
+        raise DLMError("no decoder: give --decode")
+    given = given_settings(args)
+    fields = field_names(name)
+    foreign = [k for k in given if k not in fields]
+    if foreign:
+        raise _not_a_setting(name, foreign)
+    for k, v in (command_defaults or {}).items():
+        if k in fields and k not in given:
+            given[k] = v
+    return entry(name).config(**given)
+
+
+def parse_settings(values: dict[str, Any]) -> dict[str, Any]:
+    """The decoder settings among ``values`` (e.g. lm-eval's ``model_args``: strings), by config field name, parsed
+    by the field's type (``"16"`` -> 16; ``"None"`` / ``""`` -> not given); other keys are left out."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        try:
+            f = _field(key)
+        except KeyError:
+            continue
+        if value in (None, "", "None"):
+            continue
+        out[key] = _parse_value(f)(value) if isinstance(value, str) else value
+    return out
+
+
+def settings_table() -> str:
+    """The Markdown table of every decoder's settings (docs/decoding.md#settings; a test keeps it in sync)."""
+    rows = [
+        "| decoder | field (Python) | flag | default | choices | what it sets |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n, e in REGISTRY.items():
+        fs = dataclasses.fields(e.config)
+        if not fs:
+            rows.append(f"| `{n}` | - | - | - | - | {e.config.__doc__.split(':')[0].strip()} (no settings) |")
+        for f in fs:
+            choices = ", ".join(f.metadata.get("choices") or ()) or "-"
+            old = f.metadata.get("old")
+            flag = f"`{_flag(f)}`" + (f" (was `{old[0]}`)" if old else "")
+            text = f.metadata["help"].replace("|", "\\|")
+            rows.append(f"| `{n}` | `{f.name}` | {flag} | `{default_of(f)!r}` | {choices} | {text} |")
+    return "\n".join(rows) + "\n"

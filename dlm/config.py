@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,7 +71,11 @@ class DataConfig:
         0.05, "share of data held out when eval_data is not given (always, so resumes see the same split)"
     )
     seq_length: int = opt(256, "tokens per training row (chat data: the cut-off length)", unit="tokens")
-    block_length: int | None = opt(None, "I-DLM data block length; must equal the model's block size when given")
+    idlm_block_size: int | None = opt(
+        None,
+        "I-DLM data block size (I-DLM's block_length; was data.block_length); must equal the model's block size "
+        "when given",
+    )
     seed: int = opt(42, "seed of the data order and the held-out split")
 
 
@@ -312,7 +317,7 @@ ALIASES: dict[str, tuple[str, str]] = {
     "wandb_dir": ("wandb.dir", MINIDIFFULLAMA),
     "model_name_or_path": ("model.name", IDLM_YAML),
     "block_size": ("model.block_size", IDLM_YAML),
-    "block_length": ("data.block_length", IDLM_YAML),
+    "block_length": ("data.idlm_block_size", IDLM_YAML),
     "ce_alpha": ("idlm.ce_alpha", IDLM_YAML),
     "idlm_loss_type": ("idlm.idlm_loss_type", IDLM_YAML),
     "loss_auto_balance": ("idlm.loss_auto_balance", IDLM_YAML),
@@ -343,6 +348,8 @@ ALIASES: dict[str, tuple[str, str]] = {
 FLAT_KEYS: dict[str, str] = {alias: dotted for alias, (dotted, _) in ALIASES.items()}
 # Fields set from another one (the objectives' block size is the model's): not keys of their own.
 DERIVED = {"block.block_size": "model.block_size", "idlm.block_size": "model.block_size"}
+# renamed keys: old section.key -> new (accepted with a warning naming the new key, for one release)
+RENAMED = {"data.block_length": "data.idlm_block_size"}
 
 
 def section_keys() -> list[str]:
@@ -431,6 +438,14 @@ def resolve_key(key: str, where: str = "", in_file: bool = False) -> str:
     if "." in k:
         section, name = k.split(".", 1)
         name = name.replace("-", "_")
+        if f"{section}.{name}" in RENAMED:
+            new = RENAMED[f"{section}.{name}"]
+            warnings.warn(
+                f"'{section}.{name}'{where} is renamed '{new}' (the old key will be removed in the next release)",
+                FutureWarning,
+                stacklevel=3,
+            )
+            section, name = new.split(".", 1)
         if section not in SECTIONS:
             raise DLMError(
                 f"unknown configuration section '{section}'{where}; did you mean: {closest(section, SECTIONS)}"

@@ -124,7 +124,7 @@ def test_nonfinite_loss_stops_naming_the_step_and_keeps_the_checkpoint(tiny, tmp
     "over, msg",
     [
         ({"seq_length": 600}, "exceeds the model's context of 512"),
-        ({"data.block_length": 3}, "block_length = 3 does not match"),
+        ({"data.idlm_block_size": 3}, r"idlm_block_size \(block_length\) = 3 does not match"),
         ({"attn_impl": "flex_attention"}, "cannot train on CPU"),
     ],
 )

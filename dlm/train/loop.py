@@ -218,17 +218,17 @@ def check_data_against_model(cfg: TrainingConfig, dlm: DiffusionLM) -> None:
             f"data.seq_length (--seq-length / cutoff_len) = {d.seq_length} exceeds the model's context "
             f"of {ctx} positions; use --seq-length {ctx} or less"
         )
-    if d.block_length is not None:
+    if d.idlm_block_size is not None:
         if dlm.block_size is None:
             raise DLMError(
-                f"block_length = {d.block_length} is set but objective '{dlm.objective}' has no blocks; "
-                f"drop block_length"
+                f"data.idlm_block_size (block_length) = {d.idlm_block_size} is set but objective "
+                f"'{dlm.objective}' has no blocks; drop it"
             )
-        if d.block_length != dlm.block_size:
+        if d.idlm_block_size != dlm.block_size:
             raise DLMError(
-                f"data block_length = {d.block_length} does not match the model's block size "
-                f"{dlm.block_size} (config.json block_size); set block_length: {dlm.block_size} or train "
-                f"a model converted with --block-size {d.block_length}"
+                f"data.idlm_block_size (block_length) = {d.idlm_block_size} does not match the model's block size "
+                f"{dlm.block_size} (config.json block_size); set it to {dlm.block_size} or train "
+                f"a model converted with --block-size {d.idlm_block_size}"
             )
     if dlm.objective == "block" and d.packed_data_dir and d.seq_length % dlm.block_size:
         raise DLMError(

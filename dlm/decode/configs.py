@@ -222,7 +222,6 @@ class ISDConfig(DecoderConfig):
         DRAFT_BUDGET_HELP + "; None: always",
         flag="--isd-draft-budget",
         old=("--isd-token-budget", "token_budget"),
-        arg="token_budget",
     )
     fallback: str = opt("predict", FALLBACK_HELP, choices=FALLBACK_MODES, flag="--isd-fallback")
     candidates: int = opt(1, CANDIDATES_HELP, flag="--isd-candidates")
@@ -294,7 +293,8 @@ def _not_a_setting(decoder: str, fields: list[str]) -> DLMError:
             f"{flag_of(fields[0])} is an {owners[0].upper()} setting; drop it or use {use} (got --decode {decoder})"
         )
     flags = ", ".join(sorted(flag_of(f) for f in fields))
-    return DLMError(f"{flags}: not a setting of --decode {decoder}; drop them or use {use}")
+    them = "it" if len(fields) == 1 else "them"
+    return DLMError(f"{flags}: not a setting of --decode {decoder}; drop {them} or use {use}")
 
 
 def _field(name: str) -> dataclasses.Field:

@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         "--decodes",
         default="ar,isd",
         help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
-        "with --isd-token-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
+        "with --isd-draft-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
         "--isd-candidates K",
     )
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
@@ -186,14 +186,14 @@ def main(argv=None) -> int:
     servers = {}
     with contextlib.ExitStack() as stack:
         for decode in decodes:
-            # "isd:6" / "isd:auto" = --isd-token-budget 6 / auto; "isd:c3" = --isd-candidates 3
+            # "isd:6" / "isd:auto" = --isd-draft-budget 6 / auto; "isd:c3" = --isd-candidates 3
             name, *opts = decode.split(":")
             kw = {"stride": args.stride} if name == "isd" and args.stride else {}
             for opt in opts:
                 if opt.startswith("c") and opt[1:].isdigit():
                     kw["candidates"] = int(opt[1:])
                 else:
-                    kw["token_budget"] = opt
+                    kw["draft_budget"] = opt
             engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
             app = create_app(
                 Scheduler(engine, threads=args.threads),

@@ -18,7 +18,7 @@ The parts (this module only assembles them):
 
 Typical use::
 
-    engine = load_engine("smollm2-135m", decode="isd")
+    engine = load_engine("smollm2-135m", ISDConfig(stride=3))   # or a decoder name: load_engine(model, "isd")
     app = create_app(Scheduler(engine), ServeSettings(model_name="smollm2-135m"))
     uvicorn.run(app, host="127.0.0.1", port=8000)       # or: with ServerThread(app) as srv: srv.url
 """

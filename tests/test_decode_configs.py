@@ -191,3 +191,10 @@ def test_docs_table_is_the_code_s():
     begin = text.index("<!-- settings:begin")
     body = text[text.index("\n", begin) + 1 : text.index("<!-- settings:end -->")]
     assert body == settings_table(), "docs/decoding.md's settings table is stale: regenerate it from settings_table()"
+
+
+def test_auto_is_each_objective_s_own_decoder():
+    from dlm.decode.configs import own_decoder
+
+    assert [own_decoder(o) for o in (None, "idlm", "mdm", "block")] == ["ar", "isd", "mdm", "block"]
+    assert {e.objective for e in REGISTRY.values()} == {None, "idlm", "mdm", "block"}

@@ -169,9 +169,9 @@ def run(args) -> int:
         model = load_model(folder, dtype=dtype, device=device)
         tokenizer = load_tokenizer(folder)
     if args.decode == "auto":  # the model's own decoder, with the settings given
-        from dlm.eval.generation import OWN_DECODER
+        from dlm.decode.configs import own_decoder
 
-        decoder = config_from_args(args, OWN_DECODER.get(getattr(model, "objective", None), "ar"))
+        decoder = config_from_args(args, own_decoder(getattr(model, "objective", None)))
     results = run_eval(
         model,
         args.eval_tasks,

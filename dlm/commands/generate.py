@@ -97,7 +97,9 @@ def run(args) -> int:
     device = get_device()
     folder = resolve_model_path(args.model)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-    objective = {"isd": "idlm", "mdm": "mdm", "block": "block"}.get(args.decode)
+    from dlm.decode.configs import entry
+
+    objective = entry(args.decode).objective
     from dlm.model.families import family_of
 
     if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder: a DLM

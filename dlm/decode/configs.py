@@ -244,11 +244,13 @@ class ISDConfig(DecoderConfig):
 
 @dataclass(frozen=True)
 class DecoderEntry:
-    """A registered decoder: its name, config class and decoder class (``module:Class``, imported when used)."""
+    """A registered decoder: its name, config class, decoder class (``module:Class``, imported when used) and the
+    DLM objective it decodes (None: any causal LM; a plain AR model is converted on the fly to this objective)."""
 
     name: str
     config: type[DecoderConfig]
     decoder: str
+    objective: str | None
 
     def decoder_class(self):
         module, cls = self.decoder.split(":")
@@ -258,13 +260,19 @@ class DecoderEntry:
 REGISTRY: dict[str, DecoderEntry] = {
     e.name: e
     for e in (
-        DecoderEntry("ar", ARConfig, "dlm.decode.ar:ARDecoder"),
-        DecoderEntry("mdm", MDMConfig, "dlm.decode.mdm:MDMDecoder"),
-        DecoderEntry("block", BlockConfig, "dlm.decode.block:BlockDecoder"),
-        DecoderEntry("isd", ISDConfig, "dlm.decode.isd:ISDDecoder"),
+        DecoderEntry("ar", ARConfig, "dlm.decode.ar:ARDecoder", None),
+        DecoderEntry("mdm", MDMConfig, "dlm.decode.mdm:MDMDecoder", "mdm"),
+        DecoderEntry("block", BlockConfig, "dlm.decode.block:BlockDecoder", "block"),
+        DecoderEntry("isd", ISDConfig, "dlm.decode.isd:ISDDecoder", "idlm"),
     )
 }
 DECODERS = tuple(REGISTRY)
+
+
+def own_decoder(objective: str | None) -> str:
+    """The decoder a model of ``objective`` runs by default (``"auto"``): ar for a causal LM, isd for an I-DLM, mdm /
+    block for those objectives."""
+    return next((n for n, e in REGISTRY.items() if e.objective == objective), "ar")
 
 
 def entry(name: str) -> DecoderEntry:

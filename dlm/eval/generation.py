@@ -12,20 +12,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config
+from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config, own_decoder
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
 
 GenerateFn = Callable[..., list[list[int]]]
-OWN_DECODER = {None: "ar", "idlm": "isd", "mdm": "mdm", "block": "block"}  # "auto": a model's own decoder
 
 
 def resolve_decoder(em: EvalModel, decoder: str | DecoderConfig = "auto", **settings) -> DecoderConfig:
     """``decoder`` as a config for this model: ``"auto"`` is the model's own decoder; ``settings`` (config fields,
     e.g. ``steps``) are applied where that decoder has them. A diffusion decoder on a plain AR model is refused."""
     if decoder == "auto":
-        decoder = OWN_DECODER.get(em.objective, "ar")
+        decoder = own_decoder(em.objective)
     if isinstance(decoder, str):
         decoder = make_config(decoder, **{k: v for k, v in settings.items() if k in field_names(decoder)})
     if decoder.name in ("mdm", "block", "isd") and em.mask_token_id is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 
-from dlm.decode.configs import DecoderConfig, make_config
+from dlm.decode.configs import DecoderConfig, entry, make_config
 from dlm.errors import DLMError
 
 
@@ -48,7 +48,7 @@ def load_engine(
     dev = get_device(device)
     dlm = load_any(
         model,
-        convert_to={"mdm": "mdm", "block": "block"}.get(config.name, "idlm"),
+        convert_to=entry(config.name).objective or "idlm",  # ar runs on an I-DLM's clean path: the same model
         dtype=get_dtype(dtype, dev),
         device=dev,
     )

@@ -119,6 +119,7 @@ class MDMConfig(DecoderConfig):
         choices=MDM_SAMPLERS,
         flag="--sampler",
         arg="method",
+        old=(None, "method"),
     )
     steps: int | None = opt(None, "denoising passes per request; None: one per generated token")
     threshold: float | None = opt(0.9, "threshold sampler: commit every mask above this probability")
@@ -338,7 +339,6 @@ def make_config(decoder: str | DecoderConfig, **settings) -> DecoderConfig:
         return decoder
     cls = entry(decoder).config
     renamed = {old: new for e in REGISTRY.values() for old, new in _renamed(e.config).items()}
-    renamed["method"] = "sampler"
     kw: dict[str, Any] = {}
     for key, value in settings.items():
         if value is None:
@@ -428,7 +428,7 @@ def add_decoder_arguments(
         kw: dict[str, Any] = {"dest": "decoder_" + field_name, "default": None, "type": _parse_value(f)}
         kw["metavar"] = {"candidates": "K", "stride": "N"}.get(f.name, f.name.upper())
         g.add_argument(_flag(f), help=_help(owners, command_defaults), **kw)
-        olds = [f.metadata["old"][0]] if f.metadata.get("old") else []
+        olds = [f.metadata["old"][0]] if f.metadata.get("old") and f.metadata["old"][0] else []
         olds += [(old_flags or {})[field_name]] if field_name in (old_flags or {}) else []
         for old in olds:
             deprecated_flag(g, old, _flag(f), dest="decoder_" + field_name, type=_parse_value(f))
@@ -519,7 +519,7 @@ def settings_table() -> str:
         for f in fs:
             choices = ", ".join(f.metadata.get("choices") or ()) or "-"
             old = f.metadata.get("old")
-            flag = f"`{_flag(f)}`" + (f" (was `{old[0]}`)" if old else "")
+            flag = f"`{_flag(f)}`" + (f" (was `{old[0]}`)" if old and old[0] else "")
             text = f.metadata["help"].replace("|", "\\|")
             rows.append(f"| `{n}` | `{f.name}` | {flag} | `{default_of(f)!r}` | {choices} | {text} |")
     return "\n".join(rows) + "\n"

@@ -326,12 +326,55 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     handle.remove()
     torch.testing.assert_close(got, stock[:, 6:], rtol=1e-4, atol=1e-4)
     assert seen[-1] == (2, 3, 64)  # the hooked projection was called as a module, on [B, T, D]
-    if arch != "qwen3":
-        assert counting.calls.get("attend") == len(layers)  # one kernel attention per layer of the chunk
+    if arch != "qwen3":  # one kernel attention per layer of the chunk (the hooked layer's per-op, the others' fused)
+        assert counting.calls.get("attend") == 1 and counting.calls.get("layer_out") == len(layers) - 1
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, stock)
     cpu.detach(model)
     assert not any("forward" in m.__dict__ for m in layers)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, monkeypatch, each_isa):
+    """Without hooks on its projections a fused layer runs as two kernel calls around the cache update (layer_in:
+    norm, q/k/v with their biases, rotary; layer_out: attention, o_proj and its residual, norm, MLP and its
+    residual); a no-op hook on every o_proj sends it through one kernel call per op instead. The logits of a
+    cached chunk with a mask (a hole in one row's cache, causal among the chunk) and of a 1-token step without one
+    are bit for bit the same both ways."""
+    from transformers import DynamicCache
+
+    from dlm.testing import make_model
+
+    model = make_model(arch, hidden=64, heads=4, kv_heads=2)
+    ids = torch.randint(5, 90, (2, 10), generator=torch.Generator().manual_seed(1))
+    assert cpu.attach(model)
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
+    mask[0, ..., 2] = False
+    mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
+    ext_ = fused._OPS[0]
+
+    def run(hooked):
+        hooks = [m.self_attn.o_proj.register_forward_hook(lambda *a: None) for m in layers] if hooked else []
+        counting = _Counting(ext_)
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        with torch.no_grad(), cpu.active():
+            cache = DynamicCache()
+            model(input_ids=ids[:, :6], cache=cache, use_cache=True)
+            pos = torch.arange(6, 9)[None].expand(2, 3)
+            chunk = model(input_ids=ids[:, 6:9], cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
+            step = model(input_ids=ids[:, 9:], cache=cache, use_cache=True, position_ids=torch.tensor([[9], [9]]))
+        for h in hooks:
+            h.remove()
+        return chunk.logits, step.logits, counting.calls
+
+    chunk, step, calls = run(False)
+    chunk_ops, step_ops, calls_ops = run(True)
+    assert calls.get("layer_in") == calls.get("layer_out") == 2 * len(layers) and "attend" not in calls
+    assert "layer_out" not in calls_ops and calls_ops.get("attend") == 2 * len(layers)
+    assert torch.equal(chunk, chunk_ops) and torch.equal(step, step_ops)
+    cpu.detach(model)
 
 
 def _q4_1_form(n, k, g):

@@ -139,27 +139,13 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::
   return out;
 }
 
-// Several linears of the same input in one threaded pass over all their column blocks (q, k, v):
-// outs[i] [M, ns[i]] = x [M, K] @ W_i.T (+ bias_i; an empty tensor for none)
-std::vector<at::Tensor> linears(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
-                                std::vector<at::Tensor> biases) {
-  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && packed.size() == ns.size() &&
-              biases.size() == ns.size(), "dlm_cpu.linears: bad shapes");
-  int64_t M = x.size(0), K = x.size(1), P = (int64_t)packed.size();
-  std::vector<at::Tensor> outs;
+namespace {
+// outs[i] [M, ns[i]] = x [M, K] @ W_i.T (+ bias_i): one threaded pass over all the weights' column blocks
+void linears_into(const float* xp, int64_t M, int64_t K, const std::vector<WB>& ws, const std::vector<int64_t>& nbs,
+                  const std::vector<int64_t>& ns, const std::vector<const float*>& bp, const std::vector<float*>& op) {
+  const int64_t P = (int64_t)ws.size();
   std::vector<int64_t> start(P + 1, 0);
-  std::vector<WB> ws;
-  std::vector<const float*> bp(P);
-  std::vector<float*> op(P);
-  for (int64_t i = 0; i < P; i++) {
-    ws.push_back(wb_of(packed[i]));
-    TORCH_CHECK(ws[i].K == K && packed[i].size(0) * COLS >= ns[i], "dlm_cpu.linears: bad shapes");
-    outs.push_back(torch::empty({M, ns[i]}, x.options()));
-    start[i + 1] = start[i] + packed[i].size(0);
-    bp[i] = biases[i].numel() ? biases[i].data_ptr<float>() : nullptr;
-    op[i] = outs[i].data_ptr<float>();
-  }
-  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < P; i++) start[i + 1] = start[i] + nbs[i];
   at::parallel_for(0, start[P], 1, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; blk++) {
       int64_t i = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1;
@@ -168,6 +154,30 @@ std::vector<at::Tensor> linears(at::Tensor x, std::vector<at::Tensor> packed, st
              bp[i] ? bp[i] + nb * COLS : nullptr, 1.0f, false);
     }
   });
+}
+}  // namespace
+
+// Several linears of the same input in one threaded pass over all their column blocks (q, k, v):
+// outs[i] [M, ns[i]] = x [M, K] @ W_i.T (+ bias_i; an empty tensor for none)
+std::vector<at::Tensor> linears(at::Tensor x, std::vector<at::Tensor> packed, std::vector<int64_t> ns,
+                                std::vector<at::Tensor> biases) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && packed.size() == ns.size() &&
+              biases.size() == ns.size(), "dlm_cpu.linears: bad shapes");
+  int64_t M = x.size(0), K = x.size(1), P = (int64_t)packed.size();
+  std::vector<at::Tensor> outs;
+  std::vector<WB> ws;
+  std::vector<int64_t> nbs(P);
+  std::vector<const float*> bp(P);
+  std::vector<float*> op(P);
+  for (int64_t i = 0; i < P; i++) {
+    ws.push_back(wb_of(packed[i]));
+    TORCH_CHECK(ws[i].K == K && packed[i].size(0) * COLS >= ns[i], "dlm_cpu.linears: bad shapes");
+    outs.push_back(torch::empty({M, ns[i]}, x.options()));
+    nbs[i] = packed[i].size(0);
+    bp[i] = biases[i].numel() ? biases[i].data_ptr<float>() : nullptr;
+    op[i] = outs[i].data_ptr<float>();
+  }
+  linears_into(x.data_ptr<float>(), M, K, ws, nbs, ns, bp, op);
   return outs;
 }
 
@@ -284,6 +294,82 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Te
   return out;
 }
 
+// -- a Llama-form decoder layer in two calls (the KV cache's update between them stays the caller's) -----------
+// Each is exactly the per-op sequence it replaces (the same kernels on the same data in the same order), so a
+// layer's output is bit for bit that of rms_norm / linears / rope / attend / linear / gate_up / linear_add_.
+
+// h = rms_norm(x); q, k, v = h @ Wq.T (+ bq), h @ Wk.T (+ bk), h @ Wv.T (+ bv); the rotary embedding of q and k.
+// x [B * T, D] contiguous (rows b-major); cos, sin [B, T, hd] (the last stride 1) -> q [B, H, T, hd] and
+// k [B, Hk, T, hd] contiguous, v [B, Hk, T, hd] (a view of [B, T, Hk, hd]).
+std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
+                                 at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
+                                 at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && nw.is_contiguous() &&
+              nw.numel() == x.size(1) && ns.size() == 3 && biases.size() == 3 && B > 0 && x.size(0) % B == 0 &&
+              hd > 0 && hd % 2 == 0 && ns[0] % hd == 0 && ns[1] % hd == 0 && ns[2] % hd == 0,
+              "dlm_cpu.layer_in: bad shapes");
+  const int64_t M = x.size(0), D = x.size(1), Tn = M / B;
+  TORCH_CHECK(cos.dim() == 3 && sin.dim() == 3 && cos.size(0) == B && cos.size(1) == Tn && cos.size(2) == hd &&
+              sin.sizes() == cos.sizes() && cos.stride(2) == 1 && sin.stride(2) == 1,
+              "dlm_cpu.layer_in: bad rotary shapes");
+  std::vector<WB> ws = {wb_of(pq), wb_of(pk), wb_of(pv)};
+  std::vector<int64_t> nbs = {pq.size(0), pk.size(0), pv.size(0)};
+  for (int i = 0; i < 3; i++)
+    TORCH_CHECK(ws[i].K == D && nbs[i] * COLS >= ns[i], "dlm_cpu.layer_in: bad weight shapes");
+  auto h = torch::empty({M, D}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* hp = h.data_ptr<float>();
+  for (int64_t m = 0; m < M; m++) T->rms_row(xp + m * D, nw.data_ptr<float>(), hp + m * D, D, (float)eps);
+  std::vector<at::Tensor> lin;
+  std::vector<const float*> bp(3);
+  std::vector<float*> op(3);
+  for (int i = 0; i < 3; i++) {
+    lin.push_back(torch::empty({M, ns[i]}, x.options()));
+    bp[i] = biases[i].numel() ? biases[i].data_ptr<float>() : nullptr;
+    TORCH_CHECK(!bp[i] || biases[i].numel() == ns[i], "dlm_cpu.layer_in: bad bias");
+    op[i] = lin[i].data_ptr<float>();
+  }
+  linears_into(hp, M, D, ws, nbs, ns, bp, op);
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  std::vector<at::Tensor> outs;
+  for (int i = 0; i < 2; i++) {  // q, k: [B, T, H, hd] -> roped [B, H, T, hd]
+    const int64_t H = ns[i] / hd;
+    auto o = torch::empty({B, H, Tn, hd}, x.options());
+    float* o_ = o.data_ptr<float>();
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t hh = 0; hh < H; hh++)
+        for (int64_t t = 0; t < Tn; t++)
+          T->rope_row(op[i] + (b * Tn + t) * ns[i] + hh * hd, cp + b * cos.stride(0) + t * cos.stride(1),
+                      sp + b * sin.stride(0) + t * sin.stride(1), o_ + ((b * H + hh) * Tn + t) * hd, hd / 2);
+    outs.push_back(o);
+  }
+  outs.push_back(lin[2].view({B, Tn, ns[2] / hd, hd}).transpose(1, 2));
+  return outs;
+}
+
+// x + o_proj(attention(q, k, v)) -> y; then y + down(silu(gate(h)) * up(h)) with h = rms_norm(y): the rest of the
+// layer. x [B * T, D] contiguous (not modified); q, k, v, mask as attend's; -> [B * T, D]
+at::Tensor layer_out(at::Tensor x, at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Tensor> mask,
+                     double scale, at::Tensor po, at::Tensor nw, double eps, at::Tensor pg, at::Tensor pu, int64_t ni,
+                     at::Tensor pd) {
+  TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && nw.is_contiguous() &&
+              nw.numel() == x.size(1) && q.size(0) * q.size(2) == x.size(0), "dlm_cpu.layer_out: bad shapes");
+  const int64_t M = x.size(0), D = x.size(1);
+  WB wo = wb_of(po), wd = wb_of(pd);
+  TORCH_CHECK(wo.K == q.size(1) * q.size(3) && po.size(0) * COLS >= D && wd.K == ni && pd.size(0) * COLS >= D,
+              "dlm_cpu.layer_out: bad weight shapes");
+  auto a = attend(q, k, v, mask, scale).view({M, -1});
+  auto y = x.clone();
+  float* yp = y.data_ptr<float>();
+  linear_into(a.data_ptr<float>(), M, wo, po.size(0), D, nullptr, yp, D, 1.0f, true);
+  auto h = torch::empty({M, D}, x.options());
+  for (int64_t m = 0; m < M; m++) T->rms_row(yp + m * D, nw.data_ptr<float>(), h.data_ptr<float>() + m * D, D, (float)eps);
+  auto g = gate_up(h, pg, pu, ni);
+  linear_into(g.data_ptr<float>(), M, wd, pd.size(0), D, nullptr, yp, D, 1.0f, true);
+  return y;
+}
+
 TORCH_LIBRARY(dlm_cpu, m) {
   m.def("isa", &isa);
   m.def("isas", &isas);
@@ -297,4 +383,6 @@ TORCH_LIBRARY(dlm_cpu, m) {
   m.def("rope", &rope);
   m.def("gate_up", &gate_up);
   m.def("attend", &attend);
+  m.def("layer_in", &layer_in);
+  m.def("layer_out", &layer_out);
 }

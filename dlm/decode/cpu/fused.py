@@ -334,11 +334,29 @@ def _global_hooks() -> bool:
     return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
 
+def _layer_mask(mask, b: int, t: int, keys: int):
+    if mask is not None and mask.shape[0] != b:
+        mask = mask.expand(b, 1, t, mask.shape[-1])
+    if mask is not None and (mask.shape[2] != t or mask.shape[3] != keys):
+        raise RuntimeError(f"attention mask {tuple(mask.shape)} does not match {t} queries x {keys} keys")
+    return mask
+
+
 def _make_layer_forward(layer: nn.Module, stock, parts):
     attn, mlp, n1, n2, (qp, kp, vp, op) = parts
     hd, layer_idx, scaling = attn.head_dim, attn.layer_idx, attn.scaling
     eps1, eps2 = _norm_eps(n1), _norm_eps(n2)
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    mods = (qp, kp, vp, op, gate, up, down)
+
+    def plain() -> bool:  # no hooks on the projections, no fp32 tails, no biases on o_proj / down_proj
+        return not (
+            _global_hooks()
+            or any(m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None for m in mods)
+            or op.bias is not None
+            or down.bias is not None
+        )
 
     def lin(module, h, shape):  # h: [rows, in] contiguous
         if module._forward_pre_hooks or module._forward_hooks_with_kwargs or _global_hooks():
@@ -431,6 +449,43 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         ext = _OPS[0]
         shape = (b, t)
         x2 = x.reshape(rows, d).contiguous()
+        for m in mods:
+            fresh(m)
+        if plain():  # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
+            q, k, v = ext.layer_in(
+                x2,
+                n1.weight,
+                eps1,
+                qp._dlm_packed,
+                kp._dlm_packed,
+                vp._dlm_packed,
+                [qp._dlm_out, kp._dlm_out, vp._dlm_out],
+                [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)],
+                cos,
+                sin,
+                b,
+                hd,
+            )
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))
+            if cache is not None:
+                k, v = cache.update(k, v, layer_idx)
+            mask = _layer_mask(mask, b, t, k.shape[2])
+            y = ext.layer_out(
+                x2,
+                q,
+                k,
+                v,
+                mask,
+                scaling,
+                op._dlm_packed,
+                n2.weight,
+                eps2,
+                gate._dlm_packed,
+                up._dlm_packed,
+                gate._dlm_out,
+                down._dlm_packed,
+            )
+            return y.view(b, t, d)
         h = ext.rms_norm(x2, n1.weight, eps1)
         q, k, v = qkv(h, shape)
         q = q.view(b, t, -1, hd).transpose(1, 2)
@@ -440,10 +495,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
-        if mask is not None and mask.shape[0] != b:
-            mask = mask.expand(b, 1, t, mask.shape[-1])
-        if mask is not None and (mask.shape[2] != t or mask.shape[3] != k.shape[2]):
-            raise RuntimeError(f"attention mask {tuple(mask.shape)} does not match {t} queries x {k.shape[2]} keys")
+        mask = _layer_mask(mask, b, t, k.shape[2])
         o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
         x2 = x2 + lin(op, o, shape)
         h = ext.rms_norm(x2, n2.weight, eps2)

@@ -19,6 +19,8 @@ Everything else (training, prefill, unmasked steps) goes through transformers' o
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -114,7 +116,7 @@ def use_for_decoding(model) -> Switched | None:
     other implementations (eager, flash, flex) are left alone."""
     from dlm.model.convert import _hf
 
-    hf = _hf(model)
+    hf: Any = _hf(model)  # a transformers model (nn.Module's attributes type as Tensor | Module)
     config = getattr(hf, "config", None)
     impl = getattr(config, "_attn_implementation", None)
     if impl == NAME and hf.__dict__.get("_dlm_attn_refs", 0) > 0:

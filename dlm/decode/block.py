@@ -76,7 +76,7 @@ class BlockDecoder(DiffusionDecoder):
         if self.remasking is None:
             return x
         end = min(-(-x.numel() // self.block_size) * self.block_size, engine.max_positions)
-        x = torch.cat([x, x.new_full((end - x.numel(),), engine.mask_token_id)])
+        x = torch.cat([x, x.new_full((end - x.numel(),), engine.mask_id)])
         row.state["x"] = x
         return x
 
@@ -143,7 +143,11 @@ class BlockDecoder(DiffusionDecoder):
         commit = torch.zeros_like(conf, dtype=torch.bool)
         if self.remasking == "sequential":
             commit[:k] = True
-        elif self.remasking == "low_confidence_dynamic" and int((conf > self.threshold).sum()) >= k:
+        elif (
+            self.remasking == "low_confidence_dynamic"
+            and self.threshold is not None  # (check_model: dynamic remasking has a threshold)
+            and int((conf > self.threshold).sum()) >= k
+        ):
             commit = conf > self.threshold
         else:
             commit[conf.topk(k).indices] = True

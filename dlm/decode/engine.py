@@ -40,6 +40,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -49,6 +50,9 @@ from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
 TokenCallback = Callable[[object, list, bool], None]
+# What a decode step keeps of a row's chunk (Decoder.consume): how many leading tokens, or the chunk indices of a
+# tree-shaped chunk's kept tokens
+Keep = int | list[int]
 
 
 # -- masks ----------------------------------------------------------------------------------------------------
@@ -74,7 +78,7 @@ def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:
     return torch.cat([past, causal.expand(b, 1, q_len, q_len)], dim=-1)
 
 
-_SHARED_MASK = []
+_SHARED_MASK: list[Callable[[torch.Tensor, int], torch.Tensor] | None] = []
 
 
 def _shared_decode_mask():
@@ -90,7 +94,7 @@ def _shared_decode_mask():
 # -- the batched KV cache -----------------------------------------------------------------------------------
 GROWING_CACHE = True  # False: transformers' DynamicLayer (a torch.cat of the whole cache per layer and step)
 
-_growing_layer = []
+_growing_layer: list[type] = []
 
 
 def _growing_layer_class():
@@ -155,6 +159,12 @@ class KVBatch:
     def seq_len(self) -> int:
         return 0 if self.valid is None else self.valid.shape[1]
 
+    def live(self) -> torch.Tensor:
+        """``valid`` of a cache that holds rows (a decode step's: running rows always have one)."""
+        if self.valid is None:
+            raise RuntimeError("KVBatch: no rows in the cache")
+        return self.valid
+
     def _layers(self):
         # initialized layers (a row set that keeps no KV still has [B, H, 0, D] tensors; an unused layer has
         # transformers' 1-D placeholder)
@@ -197,7 +207,7 @@ class KVBatch:
         if self.valid is None:
             return
         if rows.numel() == 0:
-            self.__init__()
+            KVBatch.__init__(self)
             return
         self.valid = self.valid.index_select(0, rows)
         self._apply(lambda t: t.index_select(0, rows))
@@ -281,7 +291,10 @@ class GenerationResult:
 
 @dataclass
 class Row:
-    """The engine's state for one running request. Decoders keep their own state in ``state``."""
+    """The engine's state for one running request. ``state`` is the decoder's own (a dict for mdm and block, an
+    :class:`~dlm.decode.isd.state.ISDRowState` for ISD): the engine never reads or writes it. ``suffix`` (the
+    prefill's tokens after the prompt) and ``fresh`` (drop the row's cached KV before this step's forward, set by
+    a decoder that re-feeds from an earlier position) are the engine's."""
 
     request_id: object
     prompt_ids: list[int]
@@ -293,10 +306,12 @@ class Row:
     last: int = -1  # pending token: committed, its KV not in the cache yet
     pos: int = 0  # position id of the pending token
     out: list[int] = field(default_factory=list)
-    state: dict = field(default_factory=dict)
+    state: Any = field(default_factory=dict)
     finished: bool = False
     finish_reason: str = ""
     text_cut: int | None = None  # character cut from a stop string
+    suffix: list[int] = field(default_factory=list)  # fed after the prompt in the prefill (Decoder.prefill_suffix)
+    fresh: bool = False  # this step re-feeds from an earlier position: the row's cached KV goes first
 
 
 class Decoder:
@@ -306,7 +321,7 @@ class Decoder:
     - ``prefill_suffix(engine, row) -> list[int]``: tokens fed after the prompt in the prefill forward;
     - ``chunk(engine, row) -> list[int]``: the tokens of this step's forward, fed at positions ``row.pos ..``
       (``row.last`` first for the causal decoders). A decoder may move ``row.pos`` back to re-feed positions it
-      already cached only together with ``row.state["fresh"] = True``: the row's cached KV is then dropped;
+      already cached only together with ``row.fresh = True``: the row's cached KV is then dropped;
     - ``consume(engine, row, logits [Q, V]) -> (committed_ids, keep)``: ``logits[j]`` is the output at position
       ``row.pos + j`` (in the prefill ``row.pos`` is the last prompt token's position and the logits start there);
       ``keep`` = how many chunk tokens from ``row.pos`` on keep their KV (the ones that are now context; in the
@@ -361,7 +376,7 @@ class Decoder:
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         raise NotImplementedError
 
-    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
+    def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], Keep]:
         raise NotImplementedError
 
 
@@ -442,6 +457,13 @@ class Engine:
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
         self.default_stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+    @property
+    def mask_id(self) -> int:
+        """The mask token's id, for the decoders that feed masks (their ``check_model`` refuses a model without)."""
+        if self.mask_token_id is None:
+            raise DLMError("this decoder needs a model with a mask token (a DLM)")
+        return self.mask_token_id
 
     def close(self) -> None:
         """Give the caller's model back as it was: the CPU kernels' patches and packed copies removed, the
@@ -535,9 +557,8 @@ class Engine:
                 row.last, row.pos = row.prompt_ids[-1], len(row.prompt_ids) - 1
                 suffix = self.decoder.prefill_suffix(self, row)
                 if len(row.prompt_ids) + len(suffix) > self.max_positions:
-                    suffix = []
-                    row.state["no_room"] = True
-                row.state["suffix"] = suffix
+                    suffix = []  # the prompt alone: consume then gets its last position's logits only
+                row.suffix = suffix
                 groups.setdefault((len(row.prompt_ids), len(suffix)), []).append(row)
             for group in groups.values():
                 events += self._prefill(group)
@@ -559,8 +580,10 @@ class Engine:
     def _prefill(self, rows: list[Row]) -> list[StepEvent]:
         """One forward for new rows whose prompt+suffix have the same length (no padding needed): the prompt's KV
         goes into a fresh cache that is then merged into the running one."""
-        n = len(rows[0].prompt_ids) + len(rows[0].state["suffix"])
-        ids = torch.tensor([r.prompt_ids + r.state.pop("suffix") for r in rows], device=self.device)
+        n = len(rows[0].prompt_ids) + len(rows[0].suffix)
+        ids = torch.tensor([r.prompt_ids + r.suffix for r in rows], device=self.device)
+        for r in rows:
+            r.suffix = []
         pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
         mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
         if not self.decoder.causal:
@@ -577,6 +600,8 @@ class Engine:
         for i, row in enumerate(rows):
             row.stats.forwards += 1
             committed, keep = self.decoder.consume(self, row, logits[i])
+            if not isinstance(keep, int):
+                raise RuntimeError(f"decoder {self.decoder.name!r} kept chunk indices in a prefill (a count is due)")
             keep_mask[i, : max(len(row.prompt_ids) - 1 + keep, 0)] = True
             row.pos += keep
             events.append(self._commit(row, committed))
@@ -617,17 +642,20 @@ class Engine:
                 if offsets is not None:
                     pos[i, : len(c)] = start[i] + torch.tensor(offsets)
         pos.clamp_(max=self.max_positions - 1)
-        fresh = [i for i, r in enumerate(rows) if r.state.pop("fresh", False)]
+        valid = self.kv.live()
+        fresh = [i for i, r in enumerate(rows) if r.fresh]
         if fresh:  # these rows re-feed from an earlier position: their cached KV goes
-            self.kv.valid[fresh] = False
+            valid[fresh] = False
+            for i in fresh:
+                rows[i].fresh = False
         if self.decoder.causal:
             # No holes in the cache (plain AR, or ISD rows that kept every token) and no tree chunks: the model's
             # own causal mask is the same, and without an explicit mask a 1-token step needs none at all (cheaper
             # attention).
-            if not trees and bool(self.kv.valid.all()):
+            if not trees and bool(valid.all()):
                 mask = None
             else:
-                mask = decode_mask(self.kv.valid, q)
+                mask = decode_mask(valid, q)
                 if trees:
                     mask = mask.clone()
                     k = self.kv.seq_len
@@ -642,14 +670,14 @@ class Engine:
         tokens = 0
         for i, (row, c) in enumerate(zip(rows, chunks)):
             row.stats.forwards += 1
-            committed, k = self.decoder.consume(self, row, logits[i, : len(c)])
+            committed, kept = self.decoder.consume(self, row, logits[i, : len(c)])
             tokens += len(committed)
-            if isinstance(k, int):
-                keep[i, :k] = True
-                row.pos += k
+            if isinstance(kept, int):
+                keep[i, :kept] = True
+                row.pos += kept
             else:  # chunk indices of a tree chunk (Decoder.consume)
-                keep[i, list(k)] = True
-                row.pos += len(k)
+                keep[i, list(kept)] = True
+                row.pos += len(kept)
             events.append(self._commit(row, committed))
         self.kv.after_extend(keep.to(self.device))
         self.decoder.step_done(self, rows, time.perf_counter() - t0, tokens)
@@ -666,7 +694,7 @@ class Engine:
         """[B, 1, Q, K + Q] mask for non-causal decoders: every valid cached slot of the row, the decoder's
         pattern among the chunk's own tokens, and pads (the tail of a short chunk) attending to themselves only
         (so no query row is empty) while no real token attends to them."""
-        valid = self.kv.valid.cpu()
+        valid = self.kv.live().cpu()
         b, k = valid.shape
         mask = torch.zeros(b, 1, q, k + q, dtype=torch.bool)
         for i, (row, c) in enumerate(zip(rows, chunks)):

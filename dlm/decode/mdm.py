@@ -47,7 +47,7 @@ REMASKING = ("low_confidence", "random")  # llada: what scores the candidates
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
-def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int, generator: torch.Generator):
+def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, generator: torch.Generator):
     """[n, V] logits -> (tokens [n], confidence [n]): argmax or a draw, and its probability (at temperature 1 for
     greedy, so confidences stay comparable)."""
     if params.greedy:
@@ -88,6 +88,7 @@ class DiffusionDecoder(Decoder):
     once, emission of the resolved prefix in order, and the context check."""
 
     causal = False
+    shift: bool  # set by each decoder: the logit at i-1 scores position i
 
     def check_request(self, engine: Engine, row: Row) -> None:
         check_fits_context(len(row.prompt_ids), row.params.max_new_tokens, engine.max_positions)
@@ -272,7 +273,7 @@ class MDMDecoder(DiffusionDecoder):
         if self.method == "dream":
             row.state.update(t=torch.linspace(1, self.eps, row.state["steps"] + 1), i=0)
         self._plan(engine, row)
-        suffix = [engine.mask_token_id] * row.params.max_new_tokens
+        suffix = [engine.mask_id] * row.params.max_new_tokens
         if self._cfg(row):
             suffix += self._uncond(engine, row).tolist()
         return suffix
@@ -290,7 +291,7 @@ class MDMDecoder(DiffusionDecoder):
         if self.method != "threshold":
             return x.tolist()  # the whole sequence, at positions 0.. (row.pos stays 0: nothing is cached)
         if row.state.pop("refresh", False):
-            row.state["fresh"] = True  # a full forward at the start of a block: recompute the prefix KV
+            row.fresh = True  # a full forward at the start of a block: recompute the prefix KV
             row.pos = 0
             return x.tolist()
         return x[row.pos :].tolist()

@@ -188,6 +188,7 @@ class MeasuredDraft(AlwaysDraft):
                 for mode in (True, False):  # nothing to go by: measure both modes first
                     if not b.window[mode].steps:
                         return self._start_burst(b, mode, rows)
+                best = True  # (not reached: with steps in both windows both rates are known, so _decided chose)
         b.since += 1
         if b.since >= b.period:
             b.since = 0

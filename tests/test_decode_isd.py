@@ -55,7 +55,7 @@ class OracleDrafts(ISDDecoder):
             true = self.truth[g] if g < len(self.truth) else 0
             bad = float(torch.rand(1, generator=self.rng)) < self.corrupt
             drafts.append((true + 1) % 300 if bad else true)
-        row.state["drafts"] = drafts
+        row.state.drafts = drafts
 
 
 @pytest.mark.parametrize("stride", [2, 3, 4])
@@ -87,7 +87,7 @@ class CountFallbacks(ISDDecoder):
 
     def _next_drafts(self, engine, row, logits, outcome):
         super()._next_drafts(engine, row, logits, outcome)
-        self.fallbacks += outcome > 0 and row.state["mode"] == "verify"
+        self.fallbacks += outcome > 0 and row.state.mode == "verify"
 
 
 @pytest.mark.parametrize("stride", [2, 3])
@@ -283,18 +283,17 @@ def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():
 def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length():
     """``predict`` carries one branch of masks, the likeliest outcome by the drafts' own probabilities, so a
     verify chunk stays 2N-1 tokens; ``all`` carries every branch; ``off`` only the all-accepted one."""
-    from dlm.decode.engine import Row
-    from dlm.decode.isd import branch_layout
+    from dlm.decode.isd import ISDRowState, branch_layout
 
     dec = ISDDecoder(stride=3)
-    row = Row(0, [1], SamplingParams(), None, frozenset(), None, None)
+    row = ISDRowState()
     for conf, want in [
         ([0.9, 0.9], (0,)),  # P(0) .81
         ([0.3, 0.9], (1,)),  # P(1) .7
         ([0.9, 0.3], (2,)),  # P(2) .63
         ([0.6, 0.6], (0,)),  # .36 .4 .24: P(1) .4 > P(0) .36 -> 1
     ]:
-        row.state["conf"] = conf
+        row.conf = conf
         got = dec._branches(row)
         if conf == [0.6, 0.6]:
             want = (1,)
@@ -311,8 +310,7 @@ def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length(
 def test_accept_calibration_learns_that_unconfident_drafts_are_right():
     """A draft's own probability need not predict its acceptance; ``predict`` corrects it from the verify steps
     (a drafter right every time at probability 0.2 first looks like a rejection, then like an acceptance)."""
-    from dlm.decode.engine import Row
-    from dlm.decode.isd import AcceptCalibration
+    from dlm.decode.isd import AcceptCalibration, ISDRowState
 
     cal = AcceptCalibration()
     assert cal.p_accept(0, 0.2) == pytest.approx(0.2)  # the prior: the draft's own probability
@@ -326,8 +324,7 @@ def test_accept_calibration_learns_that_unconfident_drafts_are_right():
     assert cal.p_accept(1, 0.9) < 0.01 and cal.counts[(1, 9)][1] <= cal.cap  # capped: it can turn again
 
     dec = ISDDecoder(stride=2)
-    row = Row(0, [1], SamplingParams(), None, frozenset(), None, None)
-    row.state["conf"] = [0.2]
+    row = ISDRowState(conf=[0.2])
     assert dec._branches(row) == (1,)
     dec._calib = cal
     assert dec._branches(row) == (0,)
@@ -372,7 +369,7 @@ class OracleCandidates(ISDDecoder):
             slot = int(torch.randint(k, (1,), generator=self.rng))
             cands[slot] = true
             self.slots.append(slot)
-        row.state["cands"] = cands
+        row.state.cands = cands
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -466,7 +463,7 @@ def test_isd_candidates_settings_and_errors():
     r = Engine(idlm("llama"), decoder=dec, max_batch_size=2).generate(
         [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True)
     )
-    assert [len(x.token_ids) for x in r] == [12, 12] and set(dec._layouts) == {(2, ("cands", 2, True))}
+    assert [len(x.token_ids) for x in r] == [12, 12] and set(dec._trees.layouts) == {(2, ("cands", 2, True))}
 
 
 def test_recursive_rejection_over_draws_without_replacement_gives_p_exactly():
@@ -524,4 +521,4 @@ def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     dec = ISDDecoder(candidates=3, candidate_min_prob=0.25)
     got = Engine(small, decoder=dec, max_batch_size=2).generate([[1, 2, 3], [3, 1]], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
-    assert len({key[1][1] for key in dec._layouts}) >= 2, dec._layouts  # chunks of more than one size ran
+    assert len({key[1][1] for key in dec._trees.layouts}) >= 2, dec._trees.layouts  # chunks of more than one size ran

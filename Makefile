@@ -2,7 +2,7 @@
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install quickstart test test-unit test-slow test-isa
+.PHONY: install quickstart test test-unit test-slow test-isa typecheck
 
 install:
 	# The CPU build of PyTorch that lies on this disk; GPU users install their own torch first.
@@ -28,3 +28,7 @@ test-slow: install
 # The engine's exactness tests on the generic (non-native) CPU kernels, forced by DLM_CPU_ISA
 test-isa: install
 	DLM_CPU_ISA=generic $(PY) -m pytest -p no:cacheprovider tests/test_decode_isd.py tests/test_decode_engine.py
+
+# The type checker on the decoding engine and its decoders ([tool.mypy] in pyproject.toml)
+typecheck:
+	$(PY) -m mypy dlm/decode

@@ -113,3 +113,16 @@ def test_record_verify_counts_per_draft_position():
     record_verify(s, 3, 1, 0)
     assert s.proposed == [3, 2, 1] and s.accepted == [2, 1, 1]
     assert s.acceptance == [2 / 3, 0.5, 1.0]
+
+
+def test_token_budget_is_the_old_name_of_draft_budget():
+    from dlm.decode.isd import ISDDecoder
+    from dlm.decode.schedule import MeasuredDraft, TokenBudget
+    from dlm.errors import DLMError
+
+    assert isinstance(ISDDecoder(stride=3, draft_budget="auto").policy, MeasuredDraft)
+    with pytest.warns(DeprecationWarning, match="use draft_budget="):
+        dec = ISDDecoder(stride=3, token_budget=6)
+    assert dec.draft_budget == 6 and isinstance(dec.policy, TokenBudget) and dec.policy.budget == 6
+    with pytest.raises(DLMError, match="not both"):
+        ISDDecoder(draft_budget=4, token_budget=6)

@@ -29,11 +29,10 @@ import math
 
 import torch
 
+from dlm.decode.configs import BlockConfig
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm import DiffusionDecoder, check_steps, even_split, propose
+from dlm.decode.mdm import DiffusionDecoder, even_split, propose
 from dlm.errors import DLMError
-
-REMASKING = ("sequential", "low_confidence_static", "low_confidence_dynamic")  # SDAR's strategies
 
 
 def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor:
@@ -45,16 +44,10 @@ class BlockDecoder(DiffusionDecoder):
     name = "block"
 
     def __init__(self, steps: int | None = None, threshold: float | None = 0.9, remasking: str | None = None):
-        check_steps(steps)
-        if remasking is not None and remasking not in REMASKING:
-            raise DLMError(f"--remasking must be one of {', '.join(REMASKING)} for --decode block, got '{remasking}'")
+        BlockConfig(steps=steps, threshold=threshold, remasking=remasking)  # the checks, written once
         self.remasking = remasking
-        if remasking == "low_confidence_dynamic" and (threshold is None or float(threshold) <= 0.0):
-            raise DLMError("--remasking low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
-        if threshold is not None and not float(threshold) < 1.0:
-            raise DLMError(f"--threshold must be below 1 (or <= 0 for top-k commits), got {threshold}")
         self.steps, self.threshold = steps, threshold
         self.block_size, self.shift = 1, False
 

@@ -128,7 +128,6 @@ class MDMConfig(DecoderConfig):
         "threshold / llada samplers: length of a semi-autoregressive block",
         unit="tokens",
         old=("--block-length", "block_length"),
-        arg="block_length",
     )
     cfg_scale: float = opt(0.0, "llada sampler: classifier-free guidance scale (0 = none)")
     remasking: str | None = opt(

@@ -7,7 +7,7 @@ Every generated position starts as M and the passes run with full (bidirectional
   the most confident so that ``floor(n0 * (T - s) / T)`` stay masked after pass s (none after the last).
 - ``random``: at step k = T-1 .. 0 every still-masked position is committed with probability 1/(k+1) (so all are
   resolved at k = 0); tokens by temperature/top-p sampling. A step that would commit nothing skips its forward.
-- ``llada`` (LLaDA's sampler): semi-autoregressive blocks of ``block_length``, ``steps`` passes split evenly over
+- ``llada`` (LLaDA's sampler): semi-autoregressive blocks of ``semi_ar_block``, ``steps`` passes split evenly over
   the blocks and each block's masks split evenly over its passes (the remainder to the first ones); each pass
   commits the block's masks with the highest probability of their proposed token (``remasking='low_confidence'``,
   at temperature 1) or random scores (``'random'``). ``cfg_scale > 0``: classifier-free guidance, the logits
@@ -18,7 +18,7 @@ Every generated position starts as M and the passes run with full (bidirectional
   highest confidence are (``maskgit_plus``: the token's probability, ``topk_margin``: top-1 minus top-2,
   ``entropy``: the negative entropy; drawn from ``softmax(confidence / alg_temp)`` when ``alg_temp > 0``), all
   of them at the last pass. The count is per row (the reference averages it over the batch).
-- ``threshold`` (Fast-dLLM): semi-autoregressive blocks of ``block_length``; within a block each pass commits every
+- ``threshold`` (Fast-dLLM): semi-autoregressive blocks of ``semi_ar_block``; within a block each pass commits every
   masked token whose probability exceeds ``threshold`` (at least the most confident one). The KV of the finished
   prefix is cached: refreshed by one full forward at the start of each block, reused by the block's later passes
   (approximate for a bidirectional model, as in Fast-dLLM).
@@ -38,13 +38,10 @@ from dataclasses import replace
 
 import torch
 
+from dlm.decode.configs import MDMConfig
 from dlm.decode.engine import Decoder, Engine, Row
 from dlm.decode.sampling import SamplingParams, check_fits_context, next_token, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
-
-METHODS = ("confidence", "random", "threshold", "llada", "dream")
-REMASKING = ("low_confidence", "random")  # llada: what scores the candidates
-DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
 
 
 def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, generator: torch.Generator):
@@ -71,16 +68,11 @@ def llada_quotas(gen_length: int, block_length: int, steps: int) -> list[list[in
     blocks = math.ceil(gen_length / block_length)
     if steps < blocks:
         raise DLMError(
-            f"--steps {steps} is fewer than the {blocks} blocks of --block-length {block_length} in "
+            f"--steps {steps} is fewer than the {blocks} blocks of --semi-ar-block {block_length} in "
             f"{gen_length} tokens; give at least one pass per block"
         )
     sizes = [min(block_length, gen_length - b * block_length) for b in range(blocks)]
     return [even_split(size, s) for size, s in zip(sizes, even_split(steps, blocks))]
-
-
-def check_steps(steps: int | None) -> None:
-    if steps is not None and (not isinstance(steps, int) or steps < 1):
-        raise DLMError(f"--steps must be a positive integer, got {steps}")
 
 
 class DiffusionDecoder(Decoder):
@@ -120,45 +112,31 @@ class MDMDecoder(DiffusionDecoder):
         method: str | None = None,
         steps: int | None = None,
         threshold: float | None = 0.9,
-        block_length: int = 32,
+        semi_ar_block: int = 32,
         cfg_scale: float = 0.0,
         remasking: str | None = None,
         alg: str | None = None,
         alg_temp: float | None = None,
         eps: float = 1e-3,
     ):
-        # method None: the sampler of the model's family (llada / dream), else confidence (chosen in check_model)
-        if method is not None and method not in METHODS:
-            raise DLMError(f"unknown mdm sampler '{method}' (--sampler): use one of {', '.join(METHODS)}")
-        if not isinstance(cfg_scale, (int, float)) or cfg_scale < 0:
-            raise DLMError(f"--cfg-scale must be >= 0 (0 = no guidance), got {cfg_scale}")
-        if remasking is not None and remasking not in REMASKING:
-            raise DLMError(
-                f"--remasking must be one of {', '.join(REMASKING)} for the llada sampler, got '{remasking}'"
-            )
-        if alg is not None and alg not in DREAM_ALGS:
-            raise DLMError(f"--alg must be one of {', '.join(DREAM_ALGS)} for the dream sampler, got '{alg}'")
-        if alg_temp is not None and alg_temp < 0:
-            raise DLMError(f"--alg-temp must be >= 0, got {alg_temp}")
+        # the checks of the settings, written once (dlm.decode.configs); method None: the sampler of the model's
+        # family (llada / dream), else confidence (chosen in check_model)
+        MDMConfig(
+            sampler=method,
+            steps=steps,
+            threshold=threshold,
+            semi_ar_block=semi_ar_block,
+            cfg_scale=cfg_scale,
+            remasking=remasking,
+            alg=alg,
+            alg_temp=alg_temp,
+        )
         if not 0.0 <= eps < 1.0:
             raise DLMError(f"the dream sampler's eps must be in [0, 1), got {eps}")
-        for flag, value, owner in (
-            ("--cfg-scale", cfg_scale or None, "llada"),
-            ("--remasking", remasking, "llada"),
-            ("--alg", alg, "dream"),
-            ("--alg-temp", alg_temp, "dream"),
-        ):
-            if value is not None and method is not None and method != owner:
-                raise DLMError(f"{flag} is a setting of --sampler {owner}; drop it or use --sampler {owner}")
         self.cfg_scale, self.remasking = float(cfg_scale), remasking or "low_confidence"
         self.alg, self.alg_temp, self.eps = alg or "origin", alg_temp, float(eps)
-        check_steps(steps)
         threshold = 0.9 if threshold is None else float(threshold)
-        if method == "threshold" and not 0.0 <= threshold < 1.0:
-            raise DLMError(f"--threshold must be in [0, 1) for the threshold sampler, got {threshold}")
-        if not isinstance(block_length, int) or block_length < 1:
-            raise DLMError(f"--block-length must be a positive integer, got {block_length}")
-        self.method, self.steps, self.threshold, self.block_length = method, steps, threshold, block_length
+        self.method, self.steps, self.threshold, self.semi_ar_block = method, steps, threshold, semi_ar_block
         self.shift = True
 
     def check_model(self, engine: Engine) -> None:
@@ -182,7 +160,7 @@ class MDMDecoder(DiffusionDecoder):
     def check_request(self, engine: Engine, row: Row) -> None:
         super().check_request(engine, row)
         if self.method == "llada":  # fewer steps than blocks: refused at add, not in the middle of a step
-            llada_quotas(row.params.max_new_tokens, self.block_length, self.steps or row.params.max_new_tokens)
+            llada_quotas(row.params.max_new_tokens, self.semi_ar_block, self.steps or row.params.max_new_tokens)
 
     def _cfg(self, row: Row) -> bool:
         return self.method == "llada" and self.cfg_scale > 0
@@ -235,8 +213,8 @@ class MDMDecoder(DiffusionDecoder):
                     continue
                 st["pass_"] += 1
                 if st["quotas"][b][j] > 0:
-                    lo = st["p"] + b * self.block_length
-                    hi = min(lo + self.block_length, x.numel())
+                    lo = st["p"] + b * self.semi_ar_block
+                    hi = min(lo + self.semi_ar_block, x.numel())
                     st.update(lo=lo, hi=hi, n_commit=st["quotas"][b][j])
                     st["masked"] = masked[(masked >= lo) & (masked < hi)]
                     return
@@ -268,7 +246,7 @@ class MDMDecoder(DiffusionDecoder):
             row.state.update(start=p, c=p - shift, refresh=False)
         if self.method == "llada":
             row.state.update(
-                quotas=llada_quotas(row.params.max_new_tokens, self.block_length, row.state["steps"]), block=0, pass_=0
+                quotas=llada_quotas(row.params.max_new_tokens, self.semi_ar_block, row.state["steps"]), block=0, pass_=0
             )
         if self.method == "dream":
             row.state.update(t=torch.linspace(1, self.eps, row.state["steps"] + 1), i=0)
@@ -363,7 +341,7 @@ class MDMDecoder(DiffusionDecoder):
     def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st = row.state
         x, start, c = st["x"], st["start"], st["c"]
-        end = min(start + self.block_length, x.numel())
+        end = min(start + self.semi_ar_block, x.numel())
         keep = c - row.pos  # a refresh (or the prefill) keeps the prefix before the block; later passes nothing
         masked = (x[start:end] == engine.mask_token_id).nonzero().squeeze(-1) + start
         tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)

@@ -16,7 +16,7 @@ constexpr int64_t F32_BLOCK_FLOATS_PER_K = COLS;
 
 // kind 1, GGUF Q4_1 values (w = d * q + m per 32 consecutive inputs of an output; q in 0..15; the product and the
 // sum each rounded in fp32, as GGUF's dequantization computes them), uint8 [NB, K / 32, Q4B]: per 32 columns x 32
-// inputs, d[32] and m[32] (fp32), then 32 x 16 bytes of q: byte j of input k holds column j (low nibble) and column
+// inputs, d[32] and m[32] (fp32; d an fp16 value, so d * q is exact in fp32), then 32 x 16 bytes of q: byte j of input k holds column j (low nibble) and column
 // j + 16 (high nibble).
 constexpr int64_t Q4_D = 0, Q4_M = 128, Q4_Q = 256, Q4B = 768;
 static_assert(Q4_M == Q4_D + COLS * 4 && Q4_Q == Q4_M + COLS * 4 && Q4B == Q4_Q + 32 * 16,

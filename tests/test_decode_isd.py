@@ -513,7 +513,7 @@ def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     assert ISDDecoder(candidates=3, candidate_min_prob=0.0)._candidate_count(probs) == 3
     assert ISDDecoder(candidates=3)._candidate_count(torch.tensor([0.97, 0.02, 0.01])) == 1
     for bad in (-0.1, 1.5, "0.1", True):
-        with pytest.raises(DLMError, match="candidate_min_prob must be a probability"):
+        with pytest.raises(DLMError, match="--isd-candidate-min-prob must be a probability"):
             ISDDecoder(candidates=2, candidate_min_prob=bad)
     small = tiny_idlm(vocab=5)  # its mask spreads over 4 tokens: some steps above 0.25 for a 2nd/3rd, some not
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)

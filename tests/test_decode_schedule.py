@@ -88,7 +88,7 @@ def test_policy_values_and_errors():
     b = make_policy("6", 2)
     assert isinstance(b, TokenBudget) and b.drafting(2) and not b.drafting(3)  # 2 x 3 <= 6 < 3 x 3
     for bad in (0, -1, "x", "1.5", True):
-        with pytest.raises(DLMError, match="--isd-token-budget"):
+        with pytest.raises(DLMError, match="--isd-draft-budget"):
             make_policy(bad, 2)
 
 

@@ -97,5 +97,5 @@ def generate(
         with Engine(model, tokenizer, decoder=config, max_batch_size=batch_size, threads=threads) as engine:
             return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)
     finally:
-        if own_bar:
+        if own_bar and bar is not None:
             bar.close()

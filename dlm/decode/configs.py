@@ -30,6 +30,10 @@ from dlm.fields import default_of, opt
 
 MAX_CANDIDATES = 8  # ISD --isd-candidates
 FALLBACK_MODES = ("predict", "all", "off")
+DRAFT_MODES = ("sample", "argmax")
+# Draft candidates beyond the first are verified only where the mask gives them at least this probability
+# (measured: dlm.decode.isd.policy)
+CANDIDATE_MIN_PROB = 0.05
 MDM_SAMPLERS = ("confidence", "random", "threshold", "llada", "dream")
 LLADA_REMASKING = ("low_confidence", "random")
 DREAM_ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -183,7 +187,7 @@ class BlockConfig(DecoderConfig):
         top_k = self.threshold is None or float(self.threshold) <= 0.0
         if self.remasking == "low_confidence_dynamic" and top_k:
             self._fail("remasking", "low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")
-        if not top_k and not float(self.threshold) < 1.0:  # type: ignore[arg-type]
+        if not top_k and not float(self.threshold or 0.0) < 1.0:
             self._fail("threshold", f"must be below 1 (or <= 0 for top-k commits), got {self.threshold!r}")
 
 
@@ -215,9 +219,9 @@ class ISDConfig(DecoderConfig):
     draft: str = opt(
         "sample",
         "drafts sampled from the masks' q (exact) or their argmax (biased when sampling)",
-        choices=("sample", "argmax"),
+        choices=DRAFT_MODES,
     )
-    draft_budget: int | str | None = opt(
+    draft_budget: int | str | object | None = opt(  # object: a policy of dlm.decode.schedule (Python only)
         None,
         DRAFT_BUDGET_HELP + "; None: always",
         flag="--isd-draft-budget",
@@ -225,6 +229,12 @@ class ISDConfig(DecoderConfig):
     )
     fallback: str = opt("predict", FALLBACK_HELP, choices=FALLBACK_MODES, flag="--isd-fallback")
     candidates: int = opt(1, CANDIDATES_HELP, flag="--isd-candidates")
+    candidate_min_prob: float = opt(
+        CANDIDATE_MIN_PROB,
+        "with --isd-candidates K > 1: verify the 2nd..K-th candidate only where the mask gives it at least this "
+        "probability (each costs two chunk tokens; 0 = always all K)",
+        flag="--isd-candidate-min-prob",
+    )
 
     def __post_init__(self):
         self._check_choices()
@@ -240,6 +250,9 @@ class ISDConfig(DecoderConfig):
                 f"--isd-candidates {self.candidates} verifies several drafts for one position: it runs at "
                 f"--stride 2 only, got --stride {self.stride}"
             )
+        p = self.candidate_min_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p <= 1.0:
+            self._fail("candidate_min_prob", f"must be a probability in [0, 1], got {p!r}")
 
 
 @dataclass(frozen=True)
@@ -514,7 +527,7 @@ def settings_table() -> str:
     for n, e in REGISTRY.items():
         fs = dataclasses.fields(e.config)
         if not fs:
-            rows.append(f"| `{n}` | - | - | - | - | {e.config.__doc__.split(':')[0].strip()} (no settings) |")
+            rows.append(f"| `{n}` | - | - | - | - | {(e.config.__doc__ or n).split(':')[0].strip()} (no settings) |")
         for f in fs:
             choices = ", ".join(f.metadata.get("choices") or ()) or "-"
             old = f.metadata.get("old")

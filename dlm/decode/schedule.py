@@ -44,7 +44,7 @@ class TokenBudget(AlwaysDraft):
 
     def __init__(self, budget: int, stride: int, per_row: int | None = None):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise DLMError(f"--isd-token-budget must be a positive integer, 'auto' or 'always', got {budget!r}")
+            raise DLMError(f"--isd-draft-budget must be a positive integer, 'auto' or 'always', got {budget!r}")
         self.budget, self.stride = budget, stride
         self.per_row = per_row or 2 * stride - 1  # tokens a row feeds in a verify step
 
@@ -224,6 +224,6 @@ def make_policy(token_budget, stride: int, per_row: int | None = None):
             token_budget = int(token_budget)
         except ValueError:
             raise DLMError(
-                f"--isd-token-budget must be a positive integer, 'auto' or 'always', got {token_budget!r}"
+                f"--isd-draft-budget must be a positive integer, 'auto' or 'always', got {token_budget!r}"
             ) from None
     return TokenBudget(token_budget, stride, per_row)

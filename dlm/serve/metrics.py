@@ -9,7 +9,7 @@ Exposed (all prefixed ``dlm_``):
 - ``prompt_tokens_total``, ``generation_tokens_total``, ``forwards_total`` (request-forwards, prefill included),
   ``engine_steps_total``, ``tokens_per_forward`` (generation tokens / request-forwards since start);
 - ``draft_proposed_total``, ``draft_accepted_total``, ``draft_acceptance`` (ISD acceptance, all draft positions);
-- ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-token-budget``);
+- ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-draft-budget``);
 - ``isd_verify_rows_total{next}``: ISD verify row-steps whose outcome had its masks in the chunk (``verify``: the
   next step verifies again) or not (``cold``: a cold start follows), see ``--isd-fallback``;
 - ``queue_length`` (requests waiting for a batch slot), ``running_requests`` (in the running batch);
@@ -153,7 +153,7 @@ class Metrics:
                 metric(
                     "isd_steps_total",
                     "counter",
-                    "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR steps chosen by --isd-token-budget).",
+                    "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR steps chosen by --isd-draft-budget).",
                     [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())],
                 )
             if self.isd_branches:

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from dlm.decode import check_candidates, check_fallback
+from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
 from dlm.decode.isd import accept, policy
 from dlm.decode.isd.draft import propose
@@ -57,23 +57,20 @@ class ISDDecoder(Decoder):
             if draft_budget is not None:
                 raise DLMError("give ISDDecoder draft_budget or its old name token_budget, not both")
             draft_budget = token_budget
-        if draft not in policy.DRAFT_MODES:
-            raise DLMError(f"unknown ISD draft mode '{draft}': use 'sample' (exact) or 'argmax' (approximate)")
-        if stride is not None and (not isinstance(stride, int) or stride < 2):
-            raise DLMError(f"--stride must be an integer >= 2 (N-1 drafts per step), got {stride}")
+        # the checks of the settings, written once (dlm.decode.configs)
+        ISDConfig(
+            stride=stride,
+            draft=draft,
+            draft_budget=draft_budget,
+            fallback=fallback,
+            candidates=candidates,
+            candidate_min_prob=candidate_min_prob,
+        )
         self.stride = stride
         self.draft = draft
         self.draft_budget = draft_budget
-        check_fallback(fallback)
         self.fallback = fallback
-        check_candidates(candidates, stride)
         self.candidates = candidates
-        if (
-            isinstance(candidate_min_prob, bool)
-            or not isinstance(candidate_min_prob, (int, float))
-            or not 0.0 <= candidate_min_prob <= 1.0
-        ):
-            raise DLMError(f"candidate_min_prob must be a probability in [0, 1], got {candidate_min_prob!r}")
         self.candidate_min_prob = float(candidate_min_prob)
         self._trees = LayoutCache()
         self._calib = policy.AcceptCalibration()

@@ -8,6 +8,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from dlm.decode.configs import CANDIDATE_MIN_PROB, DRAFT_MODES
 from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, TokenBudget, make_policy
 
 __all__ = [
@@ -24,14 +25,13 @@ __all__ = [
     "supported_strides",
 ]
 
-DRAFT_MODES = ("sample", "argmax")
-# Draft candidates beyond the first are verified only where the mask gives them at least this probability: each
+# CANDIDATE_MIN_PROB (ISDConfig.candidate_min_prob's default, dlm.decode.configs): draft candidates beyond the first
+# are verified only where the mask gives them at least this probability: each
 # costs two chunk tokens, and a 2% candidate is rarely the one. Measured on the gated 30-minute quickstart
 # checkpoint (609 verify steps of 16 held-out prompts, greedy, batch 1; per-forward costs of 4/6/8-token chunks
 # 1.22x/1.28x/1.38x an AR step on a 2-core CPU): speed vs AR 1.14x for K=3 always (TPF 1.58), 1.16x / 1.18x / 1.16x
 # with a 0.05 / 0.1 / 0.2 threshold (TPF 1.55 / 1.48 / 1.41). 0.05 keeps most of the TPF, which is what a device
 # with cheaper chunk tokens (a GPU) turns into speed; 0 verifies all K every step.
-CANDIDATE_MIN_PROB = 0.05
 
 
 @runtime_checkable

@@ -93,6 +93,27 @@ def test_adapter_rolling_and_generate(tiny_model_dir):
     assert first == dlm_lm.loglikelihood(reqs) and all(v < 0 for v, _ in first)
 
 
+def test_adapter_decoder_settings_from_model_args():
+    """model_args are strings: the generation decoder and its settings by config field name, parsed by type; the
+    old names (decode, gen_steps, token_budget) still read; a config object in Python."""
+    from dlm.decode.configs import BlockConfig, MDMConfig
+    from dlm.errors import DLMError
+    from dlm.eval.lm_eval import DLMHarnessModel
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.testing import make_model, make_tokenizer
+
+    dlm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
+    assert DLMHarnessModel(pretrained=dlm).decoder == MDMConfig()  # auto: the model's own
+    lm = DLMHarnessModel(pretrained=dlm, decoder="mdm", steps="4", sampler="random", score_batch_tokens="512")
+    assert lm.decoder == MDMConfig(steps=4, sampler="random") and lm.batch_tokens == 512
+    with pytest.warns(DeprecationWarning, match="gen_steps is renamed steps"):
+        old = DLMHarnessModel(pretrained=dlm, decode="mdm", gen_steps="6", token_budget="256")
+    assert old.decoder == MDMConfig(steps=6) and old.batch_tokens == 256
+    assert DLMHarnessModel(pretrained=dlm, decoder=MDMConfig(steps=3)).decoder.steps == 3
+    with pytest.raises(DLMError, match="--decode block needs a diffusion LM|block-diffusion"):
+        DLMHarnessModel(pretrained=make_model("llama"), tokenizer=make_tokenizer(), decoder=BlockConfig())
+
+
 @pytest.mark.slow
 def test_dlm_lm_eval_command_line(tiny_model_dir, tmp_path):
     tasks_dir = _write_task(tmp_path / "tasks_dir")

@@ -38,21 +38,9 @@ __all__ = [
     "ISDConfig",
     "MAX_CANDIDATES",
     "MDMConfig",
-    "check_candidates",
-    "check_fallback",
     "generate",
     "make_config",
 ]
-
-
-def check_fallback(fallback) -> None:
-    """Refuse an unknown ISD fallback mode (before any model is loaded): :class:`ISDConfig`'s check."""
-    ISDConfig(fallback=fallback)
-
-
-def check_candidates(candidates, stride=None) -> None:
-    """Refuse a bad ISD ``--isd-candidates`` (before any model is loaded): :class:`ISDConfig`'s check."""
-    ISDConfig(candidates=candidates, stride=stride)
 
 
 def generate(

@@ -191,22 +191,6 @@ class BlockConfig(DecoderConfig):
             self._fail("threshold", f"must be below 1 (or <= 0 for top-k commits), got {self.threshold!r}")
 
 
-def check_draft_budget(value) -> None:
-    """Refuse a bad ``draft_budget`` (before any model is loaded): None, 'always', 'auto', a positive int, or a
-    policy object of :mod:`dlm.decode.schedule` (with ``drafting(rows)``)."""
-    if value is None or callable(getattr(value, "drafting", None)) or value in ("always", "auto"):
-        return
-    if isinstance(value, str):
-        try:
-            value = int(value)
-        except ValueError:
-            value = None
-    if not _is_int(value) or value < 1:
-        raise DLMError(
-            f"--isd-draft-budget (ISDConfig.draft_budget) must be a positive integer, 'auto' or 'always'; got {value!r}"
-        )
-
-
 @dataclass
 class ISDConfig(DecoderConfig):
     """Introspective strided decoding: N-1 drafts and their verification per forward, exactly the AR
@@ -242,7 +226,9 @@ class ISDConfig(DecoderConfig):
             self._fail("stride", f"must be an integer >= 2 (N-1 drafts per step), got {self.stride!r}")
         if isinstance(self.draft_budget, str) and self.draft_budget.strip().isdigit():
             self.draft_budget = int(self.draft_budget)
-        check_draft_budget(self.draft_budget)
+        from dlm.decode.schedule import make_policy  # torch-free; the one check of a drafting policy
+
+        make_policy(self.draft_budget, self.stride or 2)
         if not _is_int(self.candidates) or not 1 <= self.candidates <= MAX_CANDIDATES:
             self._fail("candidates", f"must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
         if self.candidates > 1 and self.stride not in (None, 2):

@@ -11,6 +11,11 @@ Every system is a server started the way a user starts it (`dlm serve --engine v
 and level: output tokens/s over the level's wall time, acceptance length (tokens per target forward: 1 + accepted
 drafts per verify step from vLLM's spec-decode counters; dlm ISD: generated tokens / forwards from its /metrics),
 and how many answers are identical to vLLM AR's. Needs vLLM beside dlm (scripts/install_vllm.sh).
+
+Step cost = acceptance length / (tok/s vs vLLM AR): what one speculative step (drafter forward + verify) costs in
+vLLM AR steps, i.e. the acceptance length a drafter must beat to win at that level. `--systems ...,vllm-ngram`
+adds vLLM's own prompt-lookup proposer (no model: its step cost is the verify's alone), which splits a drafter's
+step cost into verify and drafter forward.
 """
 
 from __future__ import annotations
@@ -174,11 +179,16 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", default="8,16,32", help="requests per level (one value per --concurrency)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        help="K for every vLLM speculative system (default: each drafter's own, from its block size; ngram: 3)",
+    )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
         "--systems",
         default="vllm-ar,vllm-drafters,dlm-ar,dlm-isd",
-        help="which to run (vllm-drafters: one per --drafter)",
+        help="which to run (vllm-drafters: one per --drafter; also vllm-ngram: vLLM's prompt-lookup proposer)",
     )
     ap.add_argument(
         "--dlm-threads",
@@ -201,12 +211,23 @@ def main() -> int:
     specs = []  # (name, argv, kind)
     if "vllm-ar" in wanted:
         specs.append(("vllm AR", ["--engine", "vllm", "--model", args.target], "vllm"))
+    k_args = (
+        [] if args.num_speculative_tokens is None else ["--num-speculative-tokens", str(args.num_speculative_tokens)]
+    )
+    if "vllm-ngram" in wanted:
+        ngram = {
+            "method": "ngram",
+            "num_speculative_tokens": args.num_speculative_tokens or 3,
+            "prompt_lookup_min": 2,
+            "prompt_lookup_max": 4,
+        }
+        vllm_arg = "--vllm-arg=--speculative-config=" + json.dumps(ngram)
+        specs.append(("vllm + ngram", ["--engine", "vllm", "--model", args.target, vllm_arg], "vllm"))
     if "vllm-drafters" in wanted:
         for item in args.drafter:
             name, _, path = item.partition("=")
-            specs.append(
-                (f"vllm + {name} drafter", ["--engine", "vllm", "--model", args.target, "--drafter", path], "vllm")
-            )
+            argv = ["--engine", "vllm", "--model", args.target, "--drafter", path, *k_args]
+            specs.append((f"vllm + {name} drafter", argv, "vllm"))
     if "dlm-ar" in wanted:
         specs.append(("dlm AR", ["--model", args.target, "--decode", "ar", "--threads", args.dlm_threads], "dlm"))
     if "dlm-isd" in wanted:
@@ -278,6 +299,8 @@ def main() -> int:
             for r in rows:
                 if r["concurrency"] == c and base_tps:
                     r["vs_vllm_ar"] = r["tokens_per_s"] / base_tps
+                    if r["acceptance_length"]:
+                        r["step_cost"] = r["acceptance_length"] / r["vs_vllm_ar"]
     finally:
         for s in servers:
             s.stop()
@@ -293,16 +316,17 @@ def main() -> int:
         header,
         "",
         "| system | concurrency | tok/s | vs vLLM AR | acceptance length | draft acceptance | "
-        "identical to vLLM AR | load |",
-        "|---|---|---|---|---|---|---|---|",
+        "step cost | identical to vLLM AR | load |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         al = f"{r['acceptance_length']:.2f}" if r["acceptance_length"] else "-"
         da = f"{r['draft_acceptance']:.2f}" if r["draft_acceptance"] is not None else "-"
         same = f"{r['identical_to_vllm_ar']}/{r['requests']}" if r["identical_to_vllm_ar"] is not None else "-"
+        cost = f"{r['step_cost']:.2f}" if r.get("step_cost") else "-"
         lines.append(
             f"| {r['system']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | "
-            f"{r.get('vs_vllm_ar', float('nan')):.2f}x | {al} | {da} | {same} | {r['load']:.1f} |"
+            f"{r.get('vs_vllm_ar', float('nan')):.2f}x | {al} | {da} | {cost} | {same} | {r['load']:.1f} |"
         )
     print("\n".join(lines))
     if args.output:

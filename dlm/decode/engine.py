@@ -328,7 +328,9 @@ class Decoder:
       prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
       A decode step of a tree-shaped chunk (``chunk_layout``) may instead give the chunk indices that keep their
       KV (a list, in position order: e.g. ISD's accepted candidate among several at the same position); the
-      others become holes and ``row.pos`` advances by their number. Committed ids are appended in order;
+      others become holes and ``row.pos`` advances by their number. Committed ids are appended in order. A decode
+      step calls ``consume_batch(engine, rows, logits [B, Q, V], lengths)`` once, which calls ``consume`` per row
+      unless the decoder judges all rows in one call;
     - ``plan_step`` / ``step_done``: once per decode step, before the chunks and after the commits (with the
       step's wall time and committed tokens), for decoders that adapt to measured cost.
 
@@ -378,6 +380,14 @@ class Decoder:
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], Keep]:
         raise NotImplementedError
+
+    def consume_batch(
+        self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]
+    ) -> list[tuple[list[int], Keep]]:
+        """A decode step's ``consume`` of every row at once: ``logits [B, Q, V]``, row i's chunk at its first
+        ``lengths[i]`` positions; what :meth:`consume` returns, per row. The default calls :meth:`consume` row by
+        row; a decoder may judge all rows in one batched call on the logits' device (ISD)."""
+        return [self.consume(engine, row, logits[i, :n]) for i, (row, n) in enumerate(zip(rows, lengths))]
 
 
 def _model_fields(model):
@@ -668,9 +678,10 @@ class Engine:
         keep = torch.zeros(b, q, dtype=torch.bool)
         events = []
         tokens = 0
-        for i, (row, c) in enumerate(zip(rows, chunks)):
+        for row in rows:
             row.stats.forwards += 1
-            committed, kept = self.decoder.consume(self, row, logits[i, : len(c)])
+        consumed = self.decoder.consume_batch(self, rows, logits, [len(c) for c in chunks])
+        for i, (row, (committed, kept)) in enumerate(zip(rows, consumed)):
             tokens += len(committed)
             if isinstance(kept, int):
                 keep[i, :kept] = True

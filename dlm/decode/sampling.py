@@ -100,9 +100,17 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_i
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row of [..., V] probabilities -> [...] token ids (long)."""
+    """One draw per row of [..., V] probabilities (or weights) -> [...] token ids (long).
+
+    torch.multinomial draws one sample as argmax(probs / E), E ~ Exp(1) over probs' shape; a generator on another
+    device than the probabilities (a request's CPU generator, CUDA logits) draws that noise on its own device, so
+    the same seed gives the same draws wherever the logits are."""
     flat = probs.reshape(-1, probs.shape[-1])
-    ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
+    if generator.device != flat.device:
+        noise = torch.empty(flat.shape, device=generator.device).exponential_(generator=generator)
+        ids = (flat.float() / noise.to(flat.device)).argmax(-1)
+    else:
+        ids = torch.multinomial(flat, 1, generator=generator).squeeze(-1)
     return ids.reshape(probs.shape[:-1])
 
 

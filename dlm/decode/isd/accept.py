@@ -22,13 +22,14 @@ from dlm.decode.sampling import sample
 def accept_or_correct(p: torch.Tensor, q: torch.Tensor, d: int, u: float, generator: torch.Generator) -> int | None:
     """The single-draft rule (speculative sampling): draft ``d`` drawn from ``q`` [V] is accepted with probability
     min(1, p(d)/q(d)) for the uniform draw ``u`` (None: accepted); on a rejection the correction is drawn from
-    normalize(max(0, p - q)). The token emitted (d or the correction) has distribution exactly ``p``."""
+    normalize(max(0, p - q)) (:func:`~dlm.decode.isd.batch.accept_rows` is the same rule for a batch of rows). The token emitted (d or the correction) has distribution exactly ``p``."""
     if u * float(q[d]) < float(p[d]):  # q(d) > 0 because d was drawn from q
         return None
     residual = (p - q).clamp_(min=0.0)
-    total = float(residual.sum())
-    # total == 0 only if p == q, where rejection has probability 0; guard against rounding anyway
-    dist = residual / total if total > 0 else p
+    # drawn from the unnormalised residual (a draw is argmax(weights / Exp(1) noise): the scale does not matter,
+    # and no sum whose rounding depends on the reduction's split); no mass left only if p == q, where rejection
+    # has probability 0: guard against rounding anyway
+    dist = residual if float(residual.max()) > 0 else p
     return int(sample(dist, generator))
 
 

@@ -11,12 +11,12 @@ import torch
 
 from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
-from dlm.decode.isd import accept, policy
+from dlm.decode.isd import accept, batch, policy
 from dlm.decode.isd.draft import propose
 from dlm.decode.isd.state import ISDRowState
 from dlm.decode.isd.stats import StepCounts, record_verify
 from dlm.decode.isd.tree import Layout, LayoutCache, branch_masks, verify_len
-from dlm.decode.sampling import next_token, probs_from_logits, sample, suppress
+from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
 
 
@@ -37,6 +37,9 @@ class ISDDecoder(Decoder):
     ``candidate_min_prob``."""
 
     name = "isd"
+    # consume_batch verifies all rows of a step in one batched call on the logits' device (dlm.decode.isd.batch);
+    # False: row by row (consume), the reference it equals token for token
+    batch_verify = True
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class ISDDecoder(Decoder):
         self.candidates = candidates
         self.candidate_min_prob = float(candidate_min_prob)
         self._trees = LayoutCache()
+        self._window_cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
         self._calib = policy.AcceptCalibration()
         self.counts = StepCounts()
         # refuses a bad value at construction, before the model is checked; rebuilt in check_model for the stride
@@ -209,11 +213,16 @@ class ISDDecoder(Decoder):
             min_prob=self.candidate_min_prob,
             conf=self.fallback == "predict",
         )
-        st.drafts, st.q = prop.drafts, prop.q
+        st.drafts, st.q, st.q_src = prop.drafts, prop.q, None
         if prop.cands is not None:
             st.cands = prop.cands
         if prop.conf is not None:
             st.conf = prop.conf
+        self._drafted(engine, row, first_pos)
+
+    def _drafted(self, engine: Engine, row: Row, first_pos: int) -> None:
+        """Called once a row's next drafts are in its state (either path); d_1 sits at ``first_pos``. A subclass may
+        replace them (tests: oracle drafts)."""
 
     def _candidate_count(self, top_probs: torch.Tensor) -> int:
         """How many candidates this step verifies (:func:`~dlm.decode.isd.policy.candidate_count`)."""
@@ -321,3 +330,177 @@ class ISDDecoder(Decoder):
         else:
             st.cold()
         return [token], [0]
+
+    # -- consume, every row of a step in one call -----------------------------------------------------------
+    _PER_ROW_STEPS = ("consume", "_consume_verify", "_draft", "_next_drafts", "_verified")
+
+    def _batched(self) -> bool:
+        """Whether :meth:`consume_batch` takes the batched path: unless turned off (:attr:`batch_verify`), with
+        draft candidates (their recursive rejection over draws without replacement stays per row: a handful of
+        sequential draws, each depending on the last) or in a subclass that changes one of the per-row steps."""
+        if not self.batch_verify or self.candidates > 1:
+            return False
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(ISDDecoder, name) for name in self._PER_ROW_STEPS)
+
+    def consume_batch(
+        self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]
+    ) -> list[tuple[list[int], Keep]]:
+        """Every row's verify-and-accept of this step in one batched call on the logits' device
+        (:func:`~dlm.decode.isd.batch.accept_rows`, one call per group of rows with the same sampling settings),
+        then one transfer of a few numbers per row to the host; token for token :meth:`consume` row by row, with
+        each row's random draws taken from its generator in the same order."""
+        if not self._batched():
+            return super().consume_batch(engine, rows, logits, lengths)
+        n = self.n
+        kinds: list[str] = [
+            "ar" if state_of(r).mode == "ar" or k == 1 else state_of(r).mode for r, k in zip(rows, lengths)
+        ]
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for i, row in enumerate(rows):
+            p = row.params
+            groups.setdefault((0.0, 0, 1.0) if p.greedy else (p.temperature, p.top_k, p.top_p), []).append(i)
+        outs: list[torch.Tensor] = []
+        at = [0] * len(rows)  # row -> its line in the step's output
+        q_of: dict[int, tuple[torch.Tensor, int]] = {}
+        saved: dict[int, torch.Tensor | None] = {}
+        done = 0
+        for idx in groups.values():
+            out, q_next, group_saved = self._accept_group(engine, rows, kinds, logits, idx)
+            for j, i in enumerate(idx):
+                at[i] = done + j
+                if q_next is not None:
+                    q_of[i] = (q_next, j)
+                saved[i] = group_saved[j]
+            outs.append(out)
+            done += len(idx)
+        vals = (outs[0] if len(outs) == 1 else torch.cat(outs)).tolist()  # the step's one transfer to the host
+        results: list[tuple[list[int], Keep]] = []
+        for i, row in enumerate(rows):
+            v, st, kind = vals[at[i]], state_of(row), kinds[i]
+            accepted, tok = int(v[0]), int(v[1])
+            if kind == "ar":
+                row.last = tok
+                st.cold()
+                results.append(([tok], 1))
+                continue
+            if kind == "cold":
+                self._store_drafts(engine, row, v, q_of.get(i), row.pos + 2)
+                row.last = tok
+                st.mode = "verify"
+                results.append(([tok], 1))
+                continue
+            drafts = st.verify_drafts()
+            outcome = accepted + 1 if accepted < n - 1 else 0
+            self._verified(row, min(accepted + 1, n - 1), accepted)
+            where = branch_masks(n, st.branches or (0,), outcome)
+            self.counts.verify(where is not None)
+            if where is None:
+                st.cold()
+                batch.rewind(row.generator, saved[i])
+            else:
+                self._store_drafts(engine, row, v, q_of.get(i), row.pos + where[1])
+                st.mode = "verify"
+            row.last = tok
+            results.append((drafts[:accepted] + [tok], accepted + 1))
+        return results
+
+    def _windows(self, branches: tuple[int, ...]) -> list[int]:
+        """For each accepted count a = 0..N-1 of a verify chunk carrying ``branches``: the chunk index of the first
+        mask of that outcome's next drafts, -1 if the chunk does not carry them."""
+        key = ("windows", branches)
+        got = self._window_cache.get(key)
+        if got is None:
+            n = self.n
+            got = []
+            for a in range(n):
+                where = branch_masks(n, branches, a + 1 if a < n - 1 else 0)
+                got.append(-1 if where is None else where[0])
+            self._window_cache[key] = got
+        return got
+
+    def _accept_group(
+        self, engine: Engine, rows: list[Row], kinds: list[str], logits: torch.Tensor, idx: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor | None]]:
+        """The batched verify-and-accept of the rows ``idx`` (same sampling settings): their inputs gathered into a
+        few small tensors (one host-to-device copy), their random draws taken row by row, one
+        :func:`~dlm.decode.isd.batch.accept_rows` call."""
+        n, dev, vocab = self.n, logits.device, logits.shape[-1]
+        params: SamplingParams = rows[idx[0]].params
+        sub = logits[: len(idx)] if idx == list(range(len(idx))) else logits[torch.tensor(idx, device=dev)]
+        verify = [kinds[i] == "verify" for i in idx]
+        windows, ints = [], []
+        for i, vf in zip(idx, verify):
+            st = state_of(rows[i])
+            if vf:
+                win = self._windows(st.branches or (0,))
+                ints.append([n - 1, *st.verify_drafts(), *win])
+            else:
+                win = [1] + [-1] * (n - 1) if kinds[i] == "cold" else [-1] * n
+                ints.append([0] + [0] * (n - 1) + win)
+            windows.append(win)
+        small = torch.tensor(ints, dtype=torch.long).to(dev)
+        any_verify = any(verify)
+        may_draft = [max(w) >= 0 for w in windows]
+        q = q_rows = rand = None
+        saved: list[torch.Tensor | None] = [None] * len(idx)
+        if not params.greedy:
+            if any_verify:
+                q, rows_in_q = self._stacked_q([state_of(rows[i]) if vf else None for i, vf in zip(idx, verify)])
+                q_rows = torch.tensor(rows_in_q, dtype=torch.long).to(dev)
+            rand, saved = batch.draws(
+                [rows[i].generator for i in idx],
+                verify,
+                may_draft,
+                [min(w) >= 0 for w in windows],
+                n,
+                vocab,
+                sample_drafts=self.draft == "sample",
+            )
+        out, q_next = batch.accept_rows(
+            sub,
+            params,
+            engine.mask_token_id,
+            n,
+            small[:, 0],
+            small[:, 1:n] if any_verify else None,
+            small[:, n:] if any(may_draft) else None,
+            q,
+            q_rows,
+            rand,
+            draft=self.draft,
+            conf=self.fallback == "predict",
+        )
+        return out, q_next, saved
+
+    @staticmethod
+    def _stacked_q(states: list[ISDRowState | None]) -> tuple[torch.Tensor, list[int]]:
+        """The verify rows' drafts' distributions as one [R, N-1, V] tensor and each row's index in it (0 for the
+        rows without drafts): the tensor the last batched step drafted them into when they all come from one (no
+        copy), else the distinct ones concatenated."""
+        bases: list[torch.Tensor] = []
+        offset: dict[int, int] = {}
+        where: list[tuple[int, int] | None] = []
+        for st in states:
+            if st is None:
+                where.append(None)
+                continue
+            base, j = st.q_src if st.q_src is not None else (st.draft_q()[None], 0)
+            if id(base) not in offset:
+                offset[id(base)] = sum(b.shape[0] for b in bases)
+                bases.append(base)
+            where.append((offset[id(base)], j))
+        q = bases[0] if len(bases) == 1 else torch.cat(bases)
+        return q, [0 if w is None else w[0] + w[1] for w in where]
+
+    def _store_drafts(
+        self, engine: Engine, row: Row, v: list[float], q: tuple[torch.Tensor, int] | None, first_pos: int
+    ) -> None:
+        """A row's next drafts from the batched step's output ``v`` (accepted, token, drafts, their probabilities)
+        and ``q`` (the step's [rows, N-1, V] distributions and the row's index; None when greedy)."""
+        n, st = self.n, state_of(row)
+        st.drafts = [int(x) for x in v[2 : n + 1]]
+        st.q, st.q_src = (q[0][q[1]], q) if q is not None else (None, None)
+        if self.fallback == "predict":
+            st.conf = v[n + 1 : 2 * n]
+        self._drafted(engine, row, first_pos)

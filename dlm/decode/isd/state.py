@@ -23,11 +23,14 @@ class ISDRowState:
     cands: list[int] | None = None  # the draft candidates for the next position (candidates > 1)
     branches: tuple[int, ...] | None = None  # the outcomes whose masks this step's verify chunk carries
     tree: tuple[int, bool] | None = None  # this step's candidate chunk: (K, with the rejection branch's mask F)
+    # where ``q`` lies when the batched step drafted it: (the step's [rows, N-1, V] tensor, this row's index in it),
+    # so the next step reads every row's q from that one tensor instead of stacking them
+    q_src: tuple[torch.Tensor, int] | None = None
 
     def cold(self) -> None:
         """No drafts pending: the next drafting step cold-starts (``conf``/``cands`` are overwritten by the next
         drafts before they are read)."""
-        self.mode, self.drafts, self.q = "cold", None, None
+        self.mode, self.drafts, self.q, self.q_src = "cold", None, None, None
 
     def verify_drafts(self) -> list[int]:
         if self.drafts is None:

@@ -52,6 +52,12 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes")
     ap.add_argument("--random-init", action="store_true", help="random weights from the model's config")
     ap.add_argument(
+        "--shape",
+        default="base",
+        help="with --random-init: the model's own shape (base) or a larger body on its vocabulary: 0.5b, 1b "
+        "(bench/shapes.py)",
+    )
+    ap.add_argument(
         "--candidates",
         default="",
         help="comma-separated K: also time ISD N=2 verify chunks with K draft candidates "
@@ -78,13 +84,16 @@ def main(argv=None) -> int:
     from dlm.model.hub import resolve_model_path
     from dlm.model.lora import LoraSettings, get_gated, prepare_model_for_lora
 
+    if args.shape != "base" and not args.random_init:
+        ap.error("--shape needs --random-init (a shape's weights exist only as random ones)")
     if args.random_init:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from shapes import shaped_config
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder = resolve_model_path(args.model)
         torch.manual_seed(0)
         ar = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder), attn_implementation="sdpa", dtype=torch.float32
+            shaped_config(folder, args.shape), attn_implementation="sdpa", dtype=torch.float32
         )
         dlm = convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder))
     else:
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
     shapes += [(f"isd N=2 K={k}", 2 * k + 2, k + 1) for k in (int(x) for x in args.candidates.split(",") if x)]
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
     print(
-        f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{' (random init)' if args.random_init else ''}"
+        f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{f' (random init, shape {args.shape})' if args.random_init else ''}"
         f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}"
     )
     for B in [int(x) for x in args.batch_size.split(",") if x]:

@@ -27,6 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def main(argv=None) -> int:
@@ -40,6 +41,12 @@ def main(argv=None) -> int:
     p.add_argument("--attn-impl", default="sdpa", choices=["sdpa", "flex_attention"])
     p.add_argument("--bf16", action="store_true", help="bf16 autocast (fp32 master weights), as training on GPU")
     p.add_argument("--random-init", action="store_true", help="random weights from the model's config")
+    p.add_argument(
+        "--shape",
+        default="base",
+        help="with --random-init: the model's own shape (base) or a larger body on its vocabulary: 0.5b, 1b "
+        "(bench/shapes.py)",
+    )
     p.add_argument("--json", help="also write the rows as JSON here")
     args = p.parse_args(argv)
 
@@ -53,10 +60,13 @@ def main(argv=None) -> int:
 
     torch.manual_seed(0)
     folder = resolve_model_path(args.model)
+    if args.shape != "base" and not args.random_init:
+        p.error("--shape needs --random-init (a shape's weights exist only as random ones)")
     if args.random_init:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from shapes import shaped_config
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        config = AutoConfig.from_pretrained(folder)
+        config = shaped_config(folder, args.shape)
         tokenizer = AutoTokenizer.from_pretrained(folder)
 
         def source():
@@ -128,7 +138,7 @@ def main(argv=None) -> int:
     rows = []
     where = torch.cuda.get_device_name(device) if cuda else f"cpu threads={torch.get_num_threads()}"
     print(
-        f"model={args.model}{' (random init)' if args.random_init else ''} {where} reps={args.reps} "
+        f"model={args.model}{f' (random init, shape {args.shape})' if args.random_init else ''} {where} reps={args.reps} "
         f"block_size={args.block_size} batch={args.batch_size} attn={args.attn_impl} bf16={args.bf16}"
     )
     for L in [int(x) for x in args.lengths.split(",")]:

@@ -4,13 +4,17 @@ This module also owns how a DiffusionLM's weights are written (``save_model_fold
 restored on load (``load_adapters_if_any``), because adapters decide what goes where.
 
 Gated LoRA (I-DLM "lossless" mode, docs/algorithms.md#idlm): low-rank adapters that act **only at mask positions**
-(``input_ids == mask_token_id``). It is implemented with forward hooks on the untouched Hugging Face modules:
+(``input_ids == mask_token_id``). The Hugging Face model keeps its modules and weights; the targeted linears (and the
+input embedding) get a same-named subclass whose ``forward`` is the base one plus the gated part - no hook per
+module:
 
-- a pre-hook on the HF model computes the gate ``[B, T]`` from the ``input_ids`` of *that* call (so it works in
-  one forward and in KV-cache extends);
-- a hook on each targeted linear layer adds ``scale * B(A(x))`` to the output rows of gated positions only
-  (``torch.where`` / ``index_add`` on those rows; every other row is bit-for-bit the base layer's output);
-- a hook on the input embedding replaces the embedding of mask positions with a separate trainable vector
+- one pre-hook on the HF model computes the gate ``[B, T]`` from the ``input_ids`` of *that* call (so it works in
+  one forward and in KV-cache extends) and, once, what every adapter needs (how many masks, their rows);
+- the adapted linears that read one input (q/k/v; gate/up) form a group: the first to run gathers that input's
+  mask rows once and multiplies them by the group's stacked A ``[G * r, in]`` in one matmul, and each adds
+  ``scale * u_i @ B_i.T`` to its own output's mask rows only (``addmm_`` on those rows in place when decoding,
+  ``index_add`` / ``torch.where`` with gradients; every other row is bit-for-bit the base layer's output);
+- the input embedding replaces the embedding of mask positions with a separate trainable vector
   (``GatedLoRA.mask_embedding``), so AdamW (weight decay included) can never touch another embedding row.
 
 The adapters live in ``dlm.gated_lora`` (outside the HF model), so ``dlm.model.state_dict()`` is exactly the
@@ -22,6 +26,7 @@ puts the adapters + mask embedding in ``dlm_adapter.safetensors`` and their sett
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -103,6 +108,172 @@ class _Adapter(nn.Module):
         nn.init.kaiming_uniform_(self.A, a=math.sqrt(5))  # as peft: A random, B zero -> starts as the base
 
 
+# Adapted linears of one module that read the same input: the attention's q/k/v read the post-norm hidden state, a
+# gated MLP's gate/up theirs. Their adapters share one gather of the mask rows and one matmul by their stacked A.
+_SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("query", "key", "value"))
+
+_GATED_CLASSES: dict[tuple[type, bool], type] = {}
+
+
+def _gated_class(cls: type, embedding: bool = False) -> type:
+    """``cls`` (nn.Linear, Conv1D; or the input embedding's class) with the gated delta (the mask vector) added in
+    its own ``forward``: a subclass of the same name, so the module's parameters, state-dict keys and type checks
+    stay the base's."""
+    sub = _GATED_CLASSES.get((cls, embedding))
+    if sub is not None:
+        return sub
+    base_forward = cls.forward
+    if embedding:
+
+        def forward(self, *args, **kwargs):
+            return self._dlm_gated_emb[0]._embed(base_forward(self, *args, **kwargs))
+
+    else:
+
+        def forward(self, input):
+            group, i = self._dlm_gated
+            return group.add(i, input, base_forward(self, input))
+
+    qualname = f"_Gated{cls.__name__}_{len(_GATED_CLASSES)}"
+    sub = type(cls.__name__, (cls,), {"forward": forward, "_dlm_gated_base": cls, "__module__": __name__})
+    sub.__qualname__ = qualname
+    globals()[qualname] = sub  # so that pickle finds it
+    _GATED_CLASSES[cls, embedding] = sub
+    return sub
+
+
+def _ungate(module: nn.Module) -> None:
+    base = type(module).__dict__.get("_dlm_gated_base")
+    if base is not None:
+        module.__class__ = base
+    module.__dict__.pop("_dlm_gated", None)
+    module.__dict__.pop("_dlm_gated_emb", None)
+
+
+def _version(t: torch.Tensor) -> int:
+    return -1 if t.is_inference() else t._version
+
+
+class _Group:
+    """The gated adapters of the linears that read one input (:data:`_SHARED_INPUT`; any other adapter is a group
+    of one). The first of them to run in a forward gathers the mask rows of that input once and multiplies them by
+    the adapters' stacked A matrices ``[G * r, in]`` in one matmul; each linear then adds ``scale * u_i @ B_i.T``
+    (its own columns ``u_i`` of that product) to its output's mask rows - an ``addmm_`` into the rows in place
+    when decoding, ``index_add`` / ``torch.where`` with gradients. Every other row of every output is left as the
+    base layer computed it."""
+
+    def __init__(self, lora: GatedLoRA, keys: list[str]):
+        self.lora = lora
+        self.adapters = [lora.adapters[k] for k in keys]
+        self.x: torch.Tensor | None = None  # the input whose product u is held
+        self.u: torch.Tensor | None = None
+        self.left = 0  # adapters of the group still to take their columns of u
+        self.tick = -1
+        self.stacked: tuple | None = None  # (key, [G * r, in]) for forwards without gradients
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        lora = self.lora
+        x2 = x.reshape(-1, x.shape[-1])
+        if lora._dense:
+            return x2
+        if lora._span is not None:
+            lo, hi = lora._span
+            return x2[lo:hi]
+        return x2.index_select(0, lora._idx)
+
+    def _stacked_a(self) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return torch.cat([a.A for a in self.adapters])
+        key = tuple((a.A.data_ptr(), _version(a.A), a.A.dtype) for a in self.adapters)
+        if self.stacked is None or self.stacked[0] != key:
+            with torch.no_grad():
+                self.stacked = (key, torch.cat([a.A.detach() for a in self.adapters]))
+        return self.stacked[1]
+
+    def _u(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``rows @ A_i.T`` for adapter ``i``: ``[rows, r]`` over the rows this forward's deltas are computed on."""
+        lora = self.lora
+        dropout = lora.training and lora.settings.dropout > 0
+        if len(self.adapters) == 1 or dropout:  # (dropout: a mask of its own per adapter, as peft)
+            a = self.adapters[i]
+            rows = self._rows(x)
+            if dropout:
+                rows = lora.dropout(rows)
+            if rows.dtype != a.A.dtype:
+                rows = rows.to(a.A.dtype)
+            return rows @ a.A.t()
+        if self.x is not x or self.tick != lora._tick:
+            a = self._stacked_a()
+            rows = self._rows(x)
+            if rows.dtype != a.dtype:
+                rows = rows.to(a.dtype)
+            self.u, self.x, self.tick, self.left = rows @ a.t(), x, lora._tick, len(self.adapters)
+            lora._pending.append(self)
+        u = self.u
+        self.left -= 1
+        if self.left == 0:  # every adapter of the group has its columns: let go of the input and the product
+            self.x = self.u = None
+        r = lora.settings.r
+        return u[:, i * r : (i + 1) * r]
+
+    def add(self, i: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base output of the group's linear ``i`` on ``x``) with the adapter's delta on the mask rows
+        of this forward; ``x`` and ``out`` may be ``[B, T, .]`` or flattened ``[B * T, .]``."""
+        lora = self.lora
+        if lora._n_gated == 0:
+            return out
+        n_out = out.shape[-1]
+        gate = lora._gate
+        if gate.numel() * n_out != out.numel():
+            raise DLMError(
+                f"gated LoRA: gate shape {tuple(gate.shape)} does not match activations "
+                f"{tuple(out.shape[:-1])}; call the model with input_ids"
+            )
+        a = self.adapters[i]
+        span = lora._span
+        if span is not None and out.is_contiguous() and x.dtype == out.dtype == a.A.dtype:
+            # decoding, the masks one run of rows: one addmm_ in place on a view of those rows
+            lo, hi = span
+            target = out.view(-1, n_out)[lo:hi]
+            fast = lora.fast_delta
+            if fast is None or not fast(a, x.reshape(-1, x.shape[-1])[lo:hi], target, lora.scale):
+                target.addmm_(self._u(i, x), a.B.t(), alpha=lora.scale)
+            return out
+        u = self._u(i, x)
+        if lora._dense:
+            # Many masks (training): the delta on every row, kept only where gated; torch.where leaves the other
+            # rows bit for bit (and is far cheaper than index_add / scatter on CPU).
+            d = (u @ a.B.t()) * lora.scale
+            if d.dtype != out.dtype:
+                d = d.to(out.dtype)
+            return torch.where(gate.view(out.shape[:-1])[..., None], out + d.view(out.shape), out)
+        d = u @ a.B.t()
+        if d.dtype != out.dtype:
+            d = d.to(out.dtype)
+        flat = out.reshape(-1, n_out)
+        if torch.is_grad_enabled():
+            flat = flat.index_add(0, lora._idx, d, alpha=lora.scale)
+        else:  # decoding: in place, no copy of the layer output
+            flat.index_add_(0, lora._idx, d, alpha=lora.scale)
+        return flat.view_as(out)
+
+
+def _groups(module_names: list[str]) -> list[list[str]]:
+    """The targeted module names grouped by shared input (siblings of one parent in one :data:`_SHARED_INPUT`
+    set), in the order of ``module_names``."""
+    out, seen = [], {}
+    for name in module_names:
+        parent, _, leaf = name.rpartition(".")
+        shared = next((s for s in _SHARED_INPUT if leaf in s), None)
+        key = (parent, shared) if shared is not None else name
+        if key in seen:
+            out[seen[key]].append(name)
+        else:
+            seen[key] = len(out)
+            out.append([name])
+    return out
+
+
 class GatedLoRA(nn.Module):
     """Adapters + mask embedding of a gated-LoRA DiffusionLM; attach with :func:`prepare_model_for_lora`."""
 
@@ -120,26 +291,37 @@ class GatedLoRA(nn.Module):
         for name in self.module_names:
             if name not in modules:
                 raise DLMError(f"gated LoRA adapter for '{name}' does not match a module of {type(hf_model).__name__}")
-            in_f, out_f = _linear_shape(modules[name])
+            shape = _linear_shape(modules[name])
+            if shape is None:
+                raise DLMError(f"gated LoRA adapter for '{name}': not a linear layer ({type(modules[name]).__name__})")
+            if "_dlm_gated" in modules[name].__dict__:
+                raise DLMError(f"'{name}' has gated-LoRA adapters already")
+            in_f, out_f = shape
             w = modules[name].weight
             self.adapters[name.replace(".", "__")] = _Adapter(in_f, out_f, settings.r, w.device, w.dtype)
         self.mask_embedding = nn.Parameter(emb.weight[self.mask_token_id].detach().clone())
         self.dropout = nn.Dropout(settings.dropout) if settings.dropout > 0 else nn.Identity()
         self._gate: torch.Tensor | None = None  # [B, T] bool, set per HF forward
-        self._n_gated, self._dense, self._idx, self._span = 0, False, None, None
+        self._n_gated, self._dense, self._idx, self._span, self._tick = 0, False, None, None, 0
+        self._pending: list[_Group] = []  # groups holding a product of this forward
         # gated share of rows above which the delta is computed densely (cheaper than row gathers on CPU)
         self.dense_fraction = 0.25
         # decoding may install a faster few-row path here: fast_delta(adapter, rows, out_rows, scale) adds
         # scale * B(A(rows)) to out_rows in place and returns True, or returns False (dlm.decode.cpu on CPU)
         self.fast_delta = None
-        self._handles = []
-        self._handles.append(hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True))
-        self._handles.append(emb.register_forward_hook(self._embed_hook))
-        for name in self.module_names:
-            adapter = self.adapters[name.replace(".", "__")]
-            self._handles.append(modules[name].register_forward_hook(self._make_linear_hook(adapter)))
+        self._hf = weakref.ref(hf_model)
+        # The per-forward gate: one pre-hook on the whole model. The adapters themselves run inside the targeted
+        # modules' own forward (their class swapped for a same-named subclass): no hook per module.
+        self._handles = [hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True)]
+        emb.__class__ = _gated_class(type(emb), embedding=True)
+        emb._dlm_gated_emb = (self,)
+        for names in _groups(self.module_names):
+            group = _Group(self, [n.replace(".", "__") for n in names])
+            for i, name in enumerate(names):
+                m = modules[name]
+                m.__class__ = _gated_class(type(m))
+                m._dlm_gated = (group, i)
 
-    # -- hooks -----------------------------------------------------------------------------------------------
     def _set_gate(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids")
         if input_ids is None and args:
@@ -151,93 +333,53 @@ class GatedLoRA(nn.Module):
             )
         gate = input_ids == self.mask_token_id
         self._gate = gate
-        # Per-forward facts every linear hook needs, computed once here instead of in each of the ~200 hooks
-        # (at batch 1 the hooks' own overhead is what decides whether ISD's extra tokens are "free").
-        n = int(gate.sum())
+        self._tick += 1
+        for group in self._pending:  # products a forward left behind (an adapter of a group that did not run)
+            group.x = group.u = None
+        self._pending.clear()
+        # Per-forward facts every adapted linear needs, computed once here instead of in each of them
+        # (at batch 1 the adapters' own overhead is what decides whether ISD's extra tokens are "free").
+        idx = gate.reshape(-1).nonzero().squeeze(1)
+        n = idx.numel()
         self._n_gated = n
         # Dense (delta on every row, torch.where) pays when training with many masks; without gradients (decoding)
         # the row gather + in-place index_add is ~4x cheaper per layer whatever the share of masks.
-        self._dense = torch.is_grad_enabled() and n >= self.dense_fraction * gate.numel()
-        self._idx = gate.reshape(-1).nonzero().squeeze(1) if 0 < n and not self._dense else None
+        grad = torch.is_grad_enabled()
+        self._dense = grad and n >= self.dense_fraction * gate.numel()
+        self._idx = idx if 0 < n and not self._dense else None
         # Decoding puts the masks in one contiguous run of the flattened [B*T] rows (always at batch 1: the
-        # masks close the forward). Then each hook is one mm + one in-place addmm on a view of those rows
-        # instead of gather / 2 mm / index_add: at batch 1 the per-hook op count is the cost (~200 hooks).
+        # masks close the forward). Then each adapter is one addmm_ on a view of those rows (after the group's one
+        # mm) instead of gather / 2 mm / index_add.
         self._span = None
-        if self._idx is not None and not torch.is_grad_enabled() and not (self.training and self.settings.dropout > 0):
-            lo, hi = int(self._idx[0]), int(self._idx[-1]) + 1
-            if hi - lo == n:
-                self._span = (lo, hi)
+        if self._idx is not None and not grad and not (self.training and self.settings.dropout > 0):
+            lo, hi = idx[[0, -1]].tolist()
+            if hi + 1 - lo == n:
+                self._span = (lo, hi + 1)
 
-    def _gate_for(self, x: torch.Tensor) -> torch.Tensor | None:
+    def _embed(self, out: torch.Tensor) -> torch.Tensor:
+        """The input embedding's output with the mask rows replaced by the trainable mask vector."""
+        if self._n_gated == 0:
+            return out
         gate = self._gate
-        if gate is None:
-            return None
-        if gate.shape != x.shape[:2]:
+        if gate.shape != out.shape[:2]:
             raise DLMError(
                 f"gated LoRA: gate shape {tuple(gate.shape)} does not match activations "
-                f"{tuple(x.shape[:2])}; call the model with input_ids"
+                f"{tuple(out.shape[:2])}; call the model with input_ids"
             )
-        return gate
-
-    def _embed_hook(self, module, args, out):
-        gate = self._gate_for(out)
-        if gate is None or not bool(gate.any()):
-            return out
         return torch.where(gate[..., None], self.mask_embedding.to(out.dtype), out)
 
-    def _make_linear_hook(self, adapter: _Adapter):
-        def hook(module, args, out):
-            gate = self._gate_for(out)
-            if gate is None or self._n_gated == 0:
-                return out
-            x = args[0]
-            if self._dense:
-                # Many masks (training): low-rank delta on every row, kept only where gated. torch.where keeps the
-                # other rows bit-for-bit (and is far cheaper than index_add/scatter on CPU).
-                delta = (self.dropout(x).to(adapter.A.dtype) @ adapter.A.t()) @ adapter.B.t() * self.scale
-                return torch.where(gate[..., None], out + delta.to(out.dtype), out)
-            if out.is_contiguous() and self.span_delta(
-                adapter, x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
-            ):
-                return out
-            # Few masks (decoding): compute the delta on the gated rows only.
-            idx = self._idx
-            rows = x.reshape(-1, x.shape[-1]).index_select(0, idx)  # [N, in]
-            if self.training and self.settings.dropout > 0:
-                rows = self.dropout(rows)
-            if rows.dtype != adapter.A.dtype:
-                rows = rows.to(adapter.A.dtype)
-            delta = (rows @ adapter.A.t()) @ adapter.B.t()
-            if delta.dtype != out.dtype:
-                delta = delta.to(out.dtype)
-            flat = out.reshape(-1, out.shape[-1])
-            if torch.is_grad_enabled():
-                flat = flat.index_add(0, idx, delta, alpha=self.scale)
-            else:  # decoding: in place, no copy of the layer output
-                flat.index_add_(0, idx, delta, alpha=self.scale)
-            return flat.view_as(out)
-
-        hook._dlm_gated = (self, adapter)  # lets a fused decode path apply the same delta without the hook call
-        return hook
-
-    def span_delta(self, adapter: _Adapter, x: torch.Tensor, out: torch.Tensor) -> bool:
-        """Decoding's delta when this forward's masks are one run of rows (``_span``): ``out[lo:hi] += scale *
-        B(A(x[lo:hi]))`` in place on the layer's flattened input ``x [rows, in]`` and output ``out [rows, out]``
-        (through ``fast_delta`` where one is installed); False, nothing done, where that does not apply."""
-        span = self._span
-        if span is None or self._dense or not x.dtype == adapter.A.dtype == out.dtype:
-            return False
-        lo, hi = span
-        rows, target = x[lo:hi], out[lo:hi]
-        fast = self.fast_delta
-        if fast is None or not fast(adapter, rows, target, self.scale):
-            target.addmm_(rows @ adapter.A.t(), adapter.B.t(), alpha=self.scale)
-        return True
-
     def remove(self):
+        """Detach: the model's modules get their own classes back, the gate's pre-hook goes."""
         for h in self._handles:
             h.remove()
         self._handles = []
+        hf = self._hf() if self._hf is not None else None
+        if hf is not None:
+            for m in hf.modules():
+                gated, emb = m.__dict__.get("_dlm_gated"), m.__dict__.get("_dlm_gated_emb")
+                if (gated is not None and gated[0].lora is self) or (emb is not None and emb[0] is self):
+                    _ungate(m)
+        self._pending.clear()
 
     # -- io ----------------------------------------------------------------------------------------------------
     def config_entry(self) -> dict:

@@ -97,6 +97,8 @@ def _make_mlp_forward(module: nn.Module, stock):
             or up._forward_hooks
             or gate._forward_pre_hooks
             or up._forward_pre_hooks
+            or _gated(gate) is not None
+            or _gated(up) is not None
         ):
             return stock(x)
         k = x.shape[-1]
@@ -212,8 +214,8 @@ def attend(query, key, value, mask, scale):
 # With every op of a Llama-form layer in the extension, what is left of a decode forward's cost besides the
 # arithmetic is Python: each layer is ~12 nn.Module calls (hooks checks, kwargs, transformers' decorators) around
 # ~10 kernel calls. Inside active() a layer whose pieces are all attached runs as one Python function that calls
-# the kernels directly (a linear with a hook on it, e.g. a gated-LoRA adapter, is still called as a module, so its
-# hook runs). Checked once per layer class against the layer's own forward (on a deep copy without hooks) before
+# the kernels directly (a linear with a hook on it is still called as a module, so its hook runs; a gated-LoRA
+# linear's delta on the mask rows is added after its kernel, see _gated). Checked once per layer class against the layer's own forward (on a deep copy without hooks) before
 # it is used; a layer of another form (Qwen3's per-head q/k norms, Gemma's sandwich norms, ...) keeps its own.
 
 _NO_BIAS = torch.empty(0)
@@ -279,6 +281,7 @@ def _check_layer(layer: nn.Module, parts) -> bool:
         for sub in twin.modules():
             sub._forward_hooks.clear()
             sub._forward_pre_hooks.clear()
+            _ungate(sub)
         for sub, orig in zip(twin.modules(), layer.modules()):  # forwards attach() bound to the original modules
             if patched(sub):
                 del sub.forward
@@ -315,19 +318,16 @@ def _check_layer(layer: nn.Module, parts) -> bool:
         return False
 
 
-def _gated_delta(info, h: torch.Tensor, out: torch.Tensor) -> bool:
-    """What a gated-LoRA hook (``info``: its (GatedLoRA, adapter)) does to ``out`` in a decode forward whose masks
-    are one run of rows, done here directly through the adapters' own :meth:`GatedLoRA.span_delta` (the hook's
-    call costs more than the kernel at batch 1); False where this shortcut does not apply (the hook then runs)."""
-    if info is None:
-        return False
-    gated, adapter = info
-    gate = gated._gate
-    if gate is None or gate.numel() != h.shape[0]:
-        return False
-    if gated._n_gated == 0:
-        return True  # no mask in this forward: the hook leaves the output as it is
-    return gated.span_delta(adapter, h, out)
+def _gated(module: nn.Module):
+    """A gated-LoRA linear's ``(group, index)`` (dlm.model.lora: its delta on the mask rows is
+    ``group.add(index, x, out)``), or None."""
+    return module.__dict__.get("_dlm_gated")
+
+
+def _ungate(module: nn.Module) -> None:
+    from dlm.model.lora import _ungate as ungate
+
+    ungate(module)
 
 
 def _global_hooks() -> bool:
@@ -350,12 +350,20 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
 
     mods = (qp, kp, vp, op, gate, up, down)
 
-    def plain() -> bool:  # no hooks on the projections, no fp32 tails, no biases on o_proj / down_proj
-        return not (
-            _global_hooks()
-            or any(m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None for m in mods)
-            or op.bias is not None
-            or down.bias is not None
+    def bare(ms) -> bool:  # no hooks, gated adapters or fp32 tails on these projections
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None or "_dlm_gated" in m.__dict__
+            for m in ms
+        )
+
+    def plain() -> bool:  # the projections bare, no biases on o_proj / down_proj
+        return not (_global_hooks() or op.bias is not None or down.bias is not None) and bare(mods)
+
+    def plain_out() -> bool:  # gated adapters on q/k/v only (no hooks): the layer's second half in one call
+        return (
+            not (_global_hooks() or op.bias is not None or down.bias is not None)
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in mods[:3])
+            and bare(mods[3:])
         )
 
     def lin(module, h, shape):  # h: [rows, in] contiguous
@@ -363,12 +371,16 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             return module(h.view(*shape, h.shape[-1])).reshape(h.shape[0], -1)
         fresh(module)
         out = _OPS[0].linear(h, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
+        return after(module, h, out, shape)
+
+    def after(module, h, out, shape):  # what the module's forward adds to its base output, then its hooks
+        g = module.__dict__.get("_dlm_gated")
+        if g is not None:
+            out = g[0].add(g[1], h, out)  # the gated adapter's delta on the mask rows (in place when decoding)
         return hooked(module, h, out, shape) if module._forward_hooks else out
 
     def hooked(module, h, out, shape):  # the module's forward hooks on its output, as a module call runs them
         hooks = tuple(module._forward_hooks.values())
-        if len(hooks) == 1 and _gated_delta(getattr(hooks[0], "_dlm_gated", None), h, out):
-            return out  # a gated-LoRA adapter's delta, applied directly
         x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
         for hook in hooks:
             res = hook(module, (x3,), out3)
@@ -398,7 +410,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             [qp._dlm_out, kp._dlm_out, vp._dlm_out],
             [m.bias if m.bias is not None else _NO_BIAS for m in (qp, kp, vp)],
         )
-        return [hooked(m, h, o, shape) if m._forward_hooks else o for m, o in zip((qp, kp, vp), outs)]
+        return [after(m, h, o, shape) for m, o in zip((qp, kp, vp), outs)]
 
     def forward(*args, **kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
@@ -496,14 +508,39 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         mask = _layer_mask(mask, b, t, k.shape[2])
+        if plain_out():  # adapters on q/k/v only: the rest of the layer in one call (bit for bit the steps below)
+            y = ext.layer_out(
+                x2,
+                q,
+                k,
+                v,
+                mask,
+                scaling,
+                op._dlm_packed,
+                n2.weight,
+                eps2,
+                gate._dlm_packed,
+                up._dlm_packed,
+                gate._dlm_out,
+                down._dlm_packed,
+            )
+            return y.view(b, t, d)
         o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
         x2 = x2 + lin(op, o, shape)
         h = ext.rms_norm(x2, n2.weight, eps2)
         fresh(gate), fresh(up), fresh(down)
         if gate._dlm_tail is not None or up._dlm_tail is not None:
             return (x2 + mlp(h.view(b, t, d)).reshape(rows, d)).view(b, t, d)
-        h = ext.gate_up(h, gate._dlm_packed, up._dlm_packed, gate._dlm_out)
-        if down._forward_hooks or down._forward_pre_hooks or down.bias is not None or down._dlm_tail is not None:
+        if "_dlm_gated" in gate.__dict__ or "_dlm_gated" in up.__dict__:
+            # adapters on gate/up: both projections in one kernel pass, their deltas on the mask rows, then the
+            # MLP's own activation product (the fused gate_up kernel has no place for the deltas)
+            g_out, u_out = ext.linears(
+                h, [gate._dlm_packed, up._dlm_packed], [gate._dlm_out, up._dlm_out], [_NO_BIAS] * 2
+            )
+            h = mlp.act_fn(after(gate, h, g_out, shape)) * after(up, h, u_out, shape)
+        else:
+            h = ext.gate_up(h, gate._dlm_packed, up._dlm_packed, gate._dlm_out)
+        if not bare((down,)) or down.bias is not None:
             x2 = x2 + lin(down, h, shape)
         else:  # x2 is this function's own tensor: the residual added in place by the kernel
             ext.linear_add_(x2, h, down._dlm_packed)
@@ -540,17 +577,22 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
 
 
 def _make_forward(module: nn.Module, stock):
+    if getattr(stock, "__self__", None) is module and "forward" not in module.__dict__:
+        stock = None  # the class's own forward, looked up at each call (it may gain gated adapters later)
+
     def forward(x):
         if not _active[0] or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-            return stock(x)
+            return stock(x) if stock is not None else type(module).forward(module, x)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not 0 < rows <= MAX_ROWS:
-            return stock(x)
+            return stock(x) if stock is not None else type(module).forward(module, x)
         fresh(module)
-        out = _OPS[0].linear(
-            x.reshape(rows, k).contiguous(), module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail
-        )
+        x2 = x.reshape(rows, k).contiguous()
+        out = _OPS[0].linear(x2, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
+        g = module.__dict__.get("_dlm_gated")
+        if g is not None:  # a gated-LoRA linear: its delta on the mask rows (what its class's forward adds)
+            out = g[0].add(g[1], x2, out)
         return out.view(*x.shape[:-1], module._dlm_out)
 
     forward._dlm = True

@@ -1,0 +1,363 @@
+"""Gated LoRA inside the adapted modules' own forward (one gather and one A matmul per group of linears reading the
+same input, no hook per module) against the same adapters as per-module forward hooks - the form dlm used before,
+kept here as the reference: clean rows bit for bit the base model's, mask rows and gradients equal to the hooks',
+checkpoints interchangeable, and the CPU kernels' fused layers adding the same deltas."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from dlm.model import masks
+from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY, GatedLoRA, LoraSettings, _Group, prepare_model_for_lora
+from dlm.testing import make_model, make_tokenizer
+
+
+class _HookGated(nn.Module):
+    """The reference: the same adapters as forward hooks on each targeted linear, a pre-hook computing the gate and
+    a hook on the input embedding (dense torch.where with many masks and gradients, else gathered rows and
+    index_add, or an addmm_ on the masks' run of rows without gradients)."""
+
+    def __init__(self, hf, mask_id: int, names: list[str], scale: float, state: dict):
+        super().__init__()
+        self.mask_id, self.scale, self.dense_fraction = mask_id, scale, 0.25
+        self.A = nn.ParameterDict(
+            {n.replace(".", "__"): nn.Parameter(state[f"{n.replace('.', '__')}.A"].clone()) for n in names}
+        )
+        self.B = nn.ParameterDict(
+            {n.replace(".", "__"): nn.Parameter(state[f"{n.replace('.', '__')}.B"].clone()) for n in names}
+        )
+        self.mask_embedding = nn.Parameter(state["mask_embedding"].clone())
+        modules = dict(hf.named_modules())
+        self.handles = [hf.register_forward_pre_hook(self._set_gate, with_kwargs=True)]
+        self.handles.append(hf.get_input_embeddings().register_forward_hook(self._embed))
+        for n in names:
+            self.handles.append(modules[n].register_forward_hook(self._hook(n.replace(".", "__"))))
+
+    def _set_gate(self, module, args, kwargs):
+        gate = kwargs["input_ids"] == self.mask_id
+        self.gate, n = gate, int(gate.sum())
+        self.n = n
+        self.dense = torch.is_grad_enabled() and n >= self.dense_fraction * gate.numel()
+        self.idx = gate.reshape(-1).nonzero().squeeze(1) if n and not self.dense else None
+        self.span = None
+        if self.idx is not None and not torch.is_grad_enabled():
+            lo, hi = int(self.idx[0]), int(self.idx[-1]) + 1
+            self.span = (lo, hi) if hi - lo == n else None
+
+    def _embed(self, module, args, out):
+        return torch.where(self.gate[..., None], self.mask_embedding, out) if self.n else out
+
+    def _hook(self, key):
+        def hook(module, args, out):
+            if not self.n:
+                return out
+            x, a, b = args[0], self.A[key], self.B[key]
+            if self.dense:
+                return torch.where(self.gate[..., None], out + (x @ a.t()) @ b.t() * self.scale, out)
+            flat_x, flat = x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])
+            if self.span is not None and out.is_contiguous():
+                lo, hi = self.span
+                out.view(-1, out.shape[-1])[lo:hi].addmm_(flat_x[lo:hi] @ a.t(), b.t(), alpha=self.scale)
+                return out
+            delta = (flat_x.index_select(0, self.idx) @ a.t()) @ b.t()
+            if torch.is_grad_enabled():
+                return flat.index_add(0, self.idx, delta, alpha=self.scale).view_as(out)
+            flat.index_add_(0, self.idx, delta, alpha=self.scale)
+            return out
+
+        return hook
+
+
+def _pair(arch="llama", targets="all-linear", dtype=torch.float32, seed=0, **config):
+    """(dlm with gated LoRA, the same model with the reference hooks, the bare base model), equal random adapters."""
+    tok = make_tokenizer()
+    dlm = convert_ar_to_dlm(make_model(arch, **config).to(dtype), "idlm", tokenizer=tok)
+    ref, base = copy.deepcopy(dlm), copy.deepcopy(dlm.model)
+    prepare_model_for_lora(dlm, LoraSettings(r=4, alpha=8, gated=True, target_modules=targets))
+    g = dlm.gated_lora
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for a in g.adapters.values():
+            a.B.copy_(torch.randn(a.B.shape, generator=gen, dtype=dtype) * 0.3)
+        g.mask_embedding.add_(torch.randn(g.mask_embedding.shape, generator=gen, dtype=dtype))
+    for p in ref.base_model_hf.parameters():
+        p.requires_grad_(False)
+    ref.hooked = _HookGated(ref.base_model_hf, dlm.mask_token_id, g.module_names, g.scale, g.adapter_state())
+    return dlm, ref, base
+
+
+def _ids(B, L, masks_at, mask_id, seed=0):
+    x = torch.randint(5, 300, (B, L), generator=torch.Generator().manual_seed(seed))
+    for r, c in masks_at:
+        x[r, c] = mask_id
+    return x
+
+
+# masks: one run at batch 1 (decoding's in-place span path), in the middle of a row (clean rows after the run),
+# scattered over two rows (gathered rows), most of the rows (dense with gradients)
+LAYOUTS = {
+    "span_end": (1, 9, [(0, 7), (0, 8)]),
+    "span_mid": (1, 9, [(0, 3), (0, 4), (0, 5)]),
+    "scattered": (2, 9, [(0, 2), (0, 6), (1, 4)]),
+    "many": (2, 8, [(r, c) for r in range(2) for c in range(1, 8) if c % 3]),
+}
+
+
+def _linear_io(model):
+    """Record every linear's (input, output) of the next forward."""
+    seen, handles = [], []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D":
+            handles.append(m.register_forward_hook(lambda mod, args, out, n=name: seen.append((n, mod, args[0], out))))
+    return seen, handles
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_clean_rows_bit_for_bit_and_mask_rows_as_the_hooks(arch, layout, grad):
+    """Each adapted linear's output is the base layer's at every row that is not a mask, bit for bit (torch.equal on
+    its recorded input); the logits of rows before the first mask are the base model's bit for bit; and every row
+    equals the hook reference (bit for bit where the maths is the same ops - groups of one, the in-place span -
+    else to 2e-6 relative: the group's one matmul by the stacked A against one per adapter)."""
+    dlm, ref, base = _pair(arch)
+    B, L, where = LAYOUTS[layout]
+    x = _ids(B, L, where, dlm.mask_token_id)
+    gate = x == dlm.mask_token_id
+    with torch.set_grad_enabled(grad):
+        seen, handles = _linear_io(dlm.base_model_hf)
+        got = dlm(input_ids=x).logits
+        for h in handles:
+            h.remove()
+        want = ref(input_ids=x).logits
+        bare = base(input_ids=x).logits
+    assert dlm.gated_lora._dense == (grad and len(where) >= 0.25 * B * L)
+    assert (dlm.gated_lora._span is not None) == (not grad and layout.startswith("span"))
+    clean = ~gate.reshape(-1)
+    adapted = {n for n in dlm.gated_lora.module_names}
+    assert {n for n, *_ in seen} >= adapted
+    for name, mod, inp, out in seen:
+        if name not in adapted:
+            continue
+        w = mod.weight if isinstance(mod, nn.Linear) else mod.weight.t()
+        plain = torch.nn.functional.linear(inp, w, mod.bias).reshape(-1, out.shape[-1])
+        assert torch.equal(out.reshape(-1, out.shape[-1])[clean], plain[clean]), name
+        assert not torch.allclose(out.reshape(-1, out.shape[-1])[~clean], plain[~clean], atol=1e-4), name
+    for r in range(B):
+        c = int(gate[r].float().argmax()) if gate[r].any() else L
+        assert torch.equal(got[r, :c], bare[r, :c])
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert not torch.allclose(got[gate], bare[gate], atol=1e-3)  # the adapters act on masks
+
+
+def test_groups_of_shared_input_one_matmul_each(monkeypatch):
+    """q/k/v and gate/up are groups (one row gather and one A matmul per layer input), o_proj and down_proj groups
+    of one; no adapted module carries a hook, and the model's state dict is the base model's."""
+    dlm, _, base = _pair("llama")
+    hf = dlm.base_model_hf
+    assert [n for n, m in hf.named_modules() if m._forward_hooks or m._forward_pre_hooks] == [""]  # the gate only
+    assert list(hf.state_dict()) == list(base.state_dict())
+    rows = []
+    real = _Group._rows
+    monkeypatch.setattr(_Group, "_rows", lambda self, x: rows.append(len(self.adapters)) or real(self, x))
+    layers = hf.config.num_hidden_layers
+    for grad in (False, True):
+        rows.clear()
+        with torch.set_grad_enabled(grad):
+            dlm(input_ids=_ids(1, 9, [(0, 7), (0, 8)], dlm.mask_token_id))
+        # every group gathered its rows and took its A product once: q/k/v, gate/up, and o/down alone
+        assert sorted(rows) == sorted([3, 2, 1, 1] * layers)
+        assert all(g.x is None and g.u is None for g in dlm.gated_lora._pending)  # nothing held after the forward
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_gradients_equal_the_hooks(dense):
+    """The I-DLM training step ([x_t | x0], introspective mask) gives the hooks' loss and gradients (adapters and
+    mask embedding), dense (torch.where) and through gathered rows: float64 to 1e-12 relative, float32 to 1e-5
+    (the stacked A matmul rounds differently from one per adapter)."""
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        dlm, ref, _ = _pair("llama", dtype=dtype)
+        frac = 0.0 if dense else 1.0
+        dlm.gated_lora.dense_fraction = ref.hooked.dense_fraction = frac
+        x0 = _ids(2, 12, [], dlm.mask_token_id)
+        xt = x0.clone()
+        xt[:, 6:] = dlm.mask_token_id
+        xt[0, 2] = dlm.mask_token_id
+        am = masks.dense(masks.introspective(12, 2), 2, 24)
+        pos = torch.arange(12).repeat(2)[None].expand(2, -1)
+        grads = []
+        for m in (dlm, ref):
+            m.train()
+            logits = m(input_ids=torch.cat([xt, x0], 1), attention_mask=am, position_ids=pos).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :12].reshape(-1, logits.shape[-1]), x0.reshape(-1))
+            loss.backward()
+            grads.append({"loss": loss.detach(), **_named_grads(m)})
+        assert dlm.gated_lora._dense == dense
+        assert grads[0].keys() == grads[1].keys()
+        for k in grads[0]:
+            torch.testing.assert_close(grads[0][k], grads[1][k], rtol=tol, atol=tol * 1e-2, msg=k)
+        assert all(float(v.abs().max()) > 0 for k, v in grads[0].items() if k.endswith(".A"))
+
+
+def _named_grads(m):
+    if getattr(m, "hooked", None) is not None:
+        h = m.hooked
+        out = {f"{k}.A": h.A[k].grad for k in h.A}
+        out.update({f"{k}.B": h.B[k].grad for k in h.B})
+        out["mask_embedding"] = h.mask_embedding.grad
+        return out
+    g = m.gated_lora
+    out = {f"{k}.A": a.A.grad for k, a in g.adapters.items()}
+    out.update({f"{k}.B": a.B.grad for k, a in g.adapters.items()})
+    out["mask_embedding"] = g.mask_embedding.grad
+    return out
+
+
+def test_checkpoints_load_both_ways(tmp_path):
+    """A checkpoint written now has the layout the hooks read (the same tensor keys and config entry): its base
+    model with the hooks on its tensors gives the hooks' logits bit for bit; the hooks' tensors written in that
+    layout load here as the same model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    dlm, ref, _ = _pair("llama", targets="q_proj,v_proj")
+    x = _ids(2, 10, [(0, 8), (0, 9), (1, 3)], dlm.mask_token_id)
+    with torch.no_grad():
+        want = ref.base_model_hf(input_ids=x).logits
+        got = dlm.base_model_hf(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    dlm.save_pretrained(tmp_path / "new")
+    state = load_file(str(tmp_path / "new" / ADAPTER_FILE))
+    keys = {"mask_embedding"} | {f"{n.replace('.', '__')}.{p}" for n in dlm.gated_lora.module_names for p in "AB"}
+    assert set(state) == keys
+    entry = json.loads((tmp_path / "new" / "config.json").read_text())[CONFIG_KEY]
+    assert entry["target_modules"] == dlm.gated_lora.module_names and entry["gated"] is True
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "new", attn_implementation="sdpa")
+    _HookGated(plain, dlm.mask_token_id, entry["target_modules"], entry["alpha"] / entry["r"], state)
+    with torch.no_grad():
+        assert torch.equal(plain(input_ids=x).logits, want)
+    h = ref.hooked
+    old = {"mask_embedding": h.mask_embedding.detach()}
+    old.update({f"{k}.A": v.detach() for k, v in h.A.items()})
+    old.update({f"{k}.B": v.detach() for k, v in h.B.items()})
+    save_file(old, str(tmp_path / "new" / ADAPTER_FILE), metadata={"format": "dlm-gated-lora"})
+    loaded = AutoDLMForCausalLM.from_pretrained(tmp_path / "new")
+    with torch.no_grad():
+        assert torch.equal(loaded.base_model_hf(input_ids=x).logits, got)
+
+
+def test_remove_gives_the_base_modules_back():
+    dlm, _, base = _pair("gpt2")
+    hf = dlm.base_model_hf
+    g = dlm.gated_lora
+    g.remove()
+    assert not any("_dlm_gated" in m.__dict__ or "_dlm_gated_emb" in m.__dict__ for m in hf.modules())
+    assert not hf._forward_pre_hooks
+    assert [type(m) for m in hf.modules()] == [type(m) for m in base.modules()]
+    x = _ids(1, 6, [(0, 5)], dlm.mask_token_id)
+    with torch.no_grad():
+        assert torch.equal(hf(input_ids=x).logits, base(input_ids=x).logits)
+    GatedLoRA(hf, dlm.mask_token_id, g.settings, g.module_names)  # and it can be gated again
+
+
+# -- through the CPU kernels (dlm.decode.cpu): the fused decoder layers add the same deltas ---------------------
+
+
+def _kernels():
+    from dlm.decode import cpu
+
+    if cpu.extension() is None:
+        pytest.skip("the CPU kernels could not be built here (no compiler?)")
+    return cpu
+
+
+class _Counting:
+    def __init__(self, mod):
+        self.mod, self.calls = mod, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
+    """A cached decode chunk [clean, clean, M, M] through the kernels' fused decoder layers: every row equals the
+    same model's stock forward to 1e-4 (the kernels round differently from BLAS); the clean rows equal the kernels'
+    own run of the same chunk with the adapters idle - bit for bit with q/v adapters (the fused layer's two halves
+    are the same kernels; all-linear adapters send the MLP through linears + its own activation, to 1e-5); at batch
+    1 each adapter's delta is one lora_add kernel call, and with q/v adapters the rest of each layer one layer_out."""
+    from transformers import DynamicCache
+
+    from dlm.decode.cpu import fused
+
+    cpu = _kernels()
+    dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
+    hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
+    ids = _ids(batch, 10, [(r, c) for r in range(batch) for c in (8, 9)], m, seed=3)
+    pos = torch.arange(6, 10)[None].expand(batch, 4)
+
+    def chunk(kernels: bool, idle: bool = False):
+        g.mask_token_id = -1 if idle else m
+        with torch.no_grad(), cpu.active(kernels):
+            cache = DynamicCache()
+            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+            out = hf(input_ids=ids[:, 6:], past_key_values=cache, use_cache=True, position_ids=pos).logits
+        g.mask_token_id = m
+        return out
+
+    stock = chunk(False)
+    assert cpu.attach(dlm)
+    counting = _Counting(fused._OPS[0])
+    monkeypatch.setattr(fused, "_OPS", [counting])
+    got = chunk(True)
+    calls = dict(counting.calls)
+    idle = chunk(True, idle=True)
+    torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(got[:, 2:], idle[:, 2:], atol=1e-3)  # the adapters acted on the masks
+    if targets == "q_proj,v_proj":
+        assert torch.equal(got[:, :2], idle[:, :2])
+        assert calls.get("layer_out", 0) >= hf.config.num_hidden_layers  # the chunk's layers (and the prefill's)
+    else:
+        torch.testing.assert_close(got[:, :2], idle[:, :2], rtol=1e-5, atol=1e-5)
+    if batch == 1:
+        assert calls.get("lora_add") == len(g.adapters)
+    cpu.detach(dlm)
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
+def test_engine_isd_with_gated_adapters_is_the_base_model(targets):
+    """Lossless end to end: the engine's greedy ISD (through the CPU kernels where they build) on a model with
+    strong random gated adapters gives the base model's greedy tokens (transformers generate on the model before
+    the adapters)."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
+    tok = make_tokenizer()
+    dlm = convert_ar_to_dlm(
+        make_model("llama", seed=1, hidden=64, heads=4, kv_heads=2), "idlm", block_size=3, tokenizer=tok
+    )
+    dlm.model.generation_config.eos_token_id = None
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    k = 12
+    want = [
+        dlm.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=k, pad_token_id=3)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    prepare_model_for_lora(dlm, LoraSettings(r=4, alpha=8, gated=True, target_modules=targets))
+    with torch.no_grad():
+        for a in dlm.gated_lora.adapters.values():
+            a.B.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    res = Engine(dlm, decoder="isd", stride=3, max_batch_size=2).generate(prompts, SamplingParams(k, ignore_eos=True))
+    assert [r.token_ids for r in res] == want

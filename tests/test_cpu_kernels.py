@@ -429,6 +429,38 @@ def test_quantized_form_weights_stream_compressed_and_compute_bit_for_bit_the_sa
 
 
 @needs_kernel
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+def test_quantized_weights_rebuilt_once_for_many_rows_give_each_row_its_one_row_result(form, each_isa):
+    """Past one register pass of rows (4 on AVX2, 8 on AVX-512) a quantized block's weights are rebuilt once and
+    applied to every pass: each row's output (with a bias, added in place, through gate_up and linears) is bit for
+    bit its output alone, at row counts that fill passes and groups or leave them part full, for an odd number of
+    32-input blocks and a last column block only part used."""
+    g = torch.Generator().manual_seed(3)
+    make = _q4_1_form if form == "q4_1" else _q8_0_form
+    for n, k in ((70, 96), (96, 576)):
+        w, w2, b = make(n, k, g), make(n, k, g), torch.randn(n, generator=g)
+        p, p2 = packing.quant_pack(w, ext)[0], packing.quant_pack(w2, ext)[0]
+        plain = ext.pack(w, False)
+        for rows in (*range(2, 18), 31, 32, 33, 47, cpu.MAX_ROWS):
+            x = torch.randn(rows, k, generator=g)
+            one = [x[i : i + 1] for i in range(rows)]
+            y = ext.linear(x, p, n, b, None)
+            assert torch.equal(y, torch.cat([ext.linear(r, p, n, b, None) for r in one])), rows
+            assert torch.equal(y, ext.linear(x, plain, n, b, None)), rows
+            base = torch.randn(rows, n, generator=g)
+            added = base.clone()
+            ext.linear_add_(added, x, p)
+            for i, r in enumerate(one):
+                alone = base[i : i + 1].clone()
+                ext.linear_add_(alone, r, p)
+                assert torch.equal(added[i], alone[0]), (rows, i)
+            gu = ext.gate_up(x, p, p2, n)
+            assert torch.equal(gu, torch.cat([ext.gate_up(r, p, p2, n) for r in one])), rows
+            both = ext.linears(x, [p, p2], [n, n], [b, torch.empty(0)])
+            assert torch.equal(both[0], y) and torch.equal(both[1], ext.linear(x, p2, n, None, None)), rows
+
+
+@needs_kernel
 def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypatch, each_isa):
     """A Llama whose projections are Q4_1 values and whose embedding / lm_head is Q8_0 (the embedded SmolLM2's
     layout): attach() packs them compressed, and the engine's greedy AR and ISD outputs and a chunk's logits are

@@ -36,9 +36,10 @@ enum Kind : int { F32 = 0, Q4_1 = 1, Q8_0 = 2 };
 struct KernelTable {
   const char* name;  // "avx512", "avx2", "generic"
   int rows;          // input rows one register pass of `block` holds (more rows: further passes)
-  // out[m, j] (row stride ldo) for mb <= rows rows of x (row stride ldx) and the packed column block p of `kind`
-  // with K inputs: = x @ W.T (+ bias[j]), or += alpha * x @ W.T (accumulate); only the first ncols columns written.
-  // Each output is one multiply-add chain over k = 0 .. K-1 in order: bit for bit the same whatever mb is.
+  // out[m, j] (row stride ldo) for mb rows of x (row stride ldx) and the packed column block p of `kind` with K
+  // inputs: = x @ W.T (+ bias[j]), or += alpha * x @ W.T (accumulate); only the first ncols columns written.
+  // Each output is one multiply-add chain over k = 0 .. K-1 in order: bit for bit the same whatever mb is. Past
+  // `rows` rows a quantized block's weights are rebuilt once for all the passes (not once per pass).
   void (*block)(int kind, int64_t mb, const float* x, int64_t ldx, const char* p, int64_t K, float* out,
                 int64_t ldo, int64_t ncols, const float* bias, float alpha, bool accumulate);
   // o[n] = silu(g[n]) * u[n] for n a multiple of 16

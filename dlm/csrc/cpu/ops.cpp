@@ -60,13 +60,10 @@ WB wb_of(const at::Tensor& t) {
   return w;
 }
 
-// mb rows of x against column block nb of w (rows beyond the table's register pass in further passes)
+// M rows of x against column block nb of w (the kernel takes them in register passes of T->rows)
 inline void rows_n(int64_t M, const float* x, int64_t ldx, const WB& w, int64_t nb, float* out, int64_t ldo,
                    int64_t ncols, const float* bias, float alpha, bool accumulate) {
-  const char* p = w.p + nb * w.bytes;
-  for (int64_t m0 = 0; m0 < M; m0 += T->rows)
-    T->block(w.kind, std::min<int64_t>(T->rows, M - m0), x + m0 * ldx, ldx, p, w.K, out + m0 * ldo, ldo, ncols,
-             bias, alpha, accumulate);
+  T->block(w.kind, M, x, ldx, w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
 }
 
 // out[M, N] (row stride ldo) = x @ W.T (+ bias) or += alpha * x @ W.T; column blocks past NB come from tail

@@ -9,7 +9,8 @@ even where the model's weights are 4.5-bit GGUF values. The kernels here
 - stream each weight once per call from a pre-packed copy (32 output columns x K inputs per block), 4 rows (AVX2)
   or 8 rows (AVX-512) of accumulators in registers per pass, prefetching ahead of the arithmetic;
 - stream weights that are exactly GGUF Q4_1 / Q8_0 values in that form (5.3x / 3.6x fewer bytes) and rebuild each
-  weight in registers, bit for bit the fp32 value (:mod:`dlm.decode.cpu.packing`);
+  weight in registers, bit for bit the fp32 value (:mod:`dlm.decode.cpu.packing`); with more rows than one pass
+  (a batch of 16), each 32-input block is rebuilt once into an fp32 buffer and applied to every pass;
 - run RMSNorm, the rotary embedding, silu(gate) * up and the attention of decode chunks as one call each, and a
   whole Llama / Qwen2 / Mistral decoder layer as one Python function (:mod:`dlm.decode.cpu.fused`), each checked
   against the model's own code before it is used.

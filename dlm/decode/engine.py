@@ -46,6 +46,7 @@ import torch
 
 from dlm.decode import cpu as cpu_kernels
 from dlm.decode.sampling import RequestStats, SamplingParams
+from dlm.decode.static import StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
@@ -421,6 +422,8 @@ class Engine:
         max_batch_size: int = 8,
         compact_threshold: float = 0.5,
         threads=None,
+        static_cache: bool = False,
+        cuda_graphs: bool | None = None,
         **decoder_kw,
     ):
         from dlm.decode.attention import use_for_decoding
@@ -454,7 +457,10 @@ class Engine:
             raise DLMError(f"--batch-size must be >= 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
         self.compact_threshold = compact_threshold
-        self.kv = KVBatch()
+        # static_cache: the decode forward runs with fixed shapes over preallocated KV buffers (dlm.decode.static),
+        # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never)
+        self._static = StaticDecode(self, graphs=cuda_graphs) if static_cache else None
+        self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
         self.rows: list[Row] = []
         self.waiting: list[Row] = []
         self.results: dict = {}
@@ -652,29 +658,10 @@ class Engine:
                 if offsets is not None:
                     pos[i, : len(c)] = start[i] + torch.tensor(offsets)
         pos.clamp_(max=self.max_positions - 1)
-        valid = self.kv.live()
-        fresh = [i for i, r in enumerate(rows) if r.fresh]
-        if fresh:  # these rows re-feed from an earlier position: their cached KV goes
-            valid[fresh] = False
-            for i in fresh:
-                rows[i].fresh = False
-        if self.decoder.causal:
-            # No holes in the cache (plain AR, or ISD rows that kept every token) and no tree chunks: the model's
-            # own causal mask is the same, and without an explicit mask a 1-token step needs none at all (cheaper
-            # attention).
-            if not trees and bool(valid.all()):
-                mask = None
-            else:
-                mask = decode_mask(valid, q)
-                if trees:
-                    mask = mask.clone()
-                    k = self.kv.seq_len
-                    for i, (_, attn) in trees.items():
-                        n = len(chunks[i])
-                        mask[i, 0, :n, k : k + n] = attn.to(mask.device)
+        if self._static is not None:
+            logits = self._static.forward(rows, chunks, ids, pos, trees)
         else:
-            mask = self._chunk_mask(rows, chunks, pos, q)
-        logits = self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
+            logits = self._dynamic_forward(rows, chunks, ids, pos, trees)
         keep = torch.zeros(b, q, dtype=torch.bool)
         events = []
         tokens = 0
@@ -700,6 +687,33 @@ class Engine:
         if self.kv.seq_len > 64 and self.kv.hole_fraction() > self.compact_threshold:
             self.kv.compact()
         return events
+
+    def _dynamic_forward(self, rows: list[Row], chunks: list[list[int]], ids, pos, trees: dict) -> torch.Tensor:
+        """The decode forward over the growing cache: the mask built for this step's cache and chunks."""
+        q = ids.shape[1]
+        valid = self.kv.live()
+        fresh = [i for i, r in enumerate(rows) if r.fresh]
+        if fresh:  # these rows re-feed from an earlier position: their cached KV goes
+            valid[fresh] = False
+            for i in fresh:
+                rows[i].fresh = False
+        if self.decoder.causal:
+            # No holes in the cache (plain AR, or ISD rows that kept every token) and no tree chunks: the model's
+            # own causal mask is the same, and without an explicit mask a 1-token step needs none at all (cheaper
+            # attention).
+            if not trees and bool(valid.all()):
+                mask = None
+            else:
+                mask = decode_mask(valid, q)
+                if trees:
+                    mask = mask.clone()
+                    k = self.kv.seq_len
+                    for i, (_, attn) in trees.items():
+                        n = len(chunks[i])
+                        mask[i, 0, :n, k : k + n] = attn.to(mask.device)
+        else:
+            mask = self._chunk_mask(rows, chunks, pos, q)
+        return self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
 
     def _chunk_mask(self, rows: list[Row], chunks: list[list[int]], pos: torch.Tensor, q: int) -> torch.Tensor:
         """[B, 1, Q, K + Q] mask for non-causal decoders: every valid cached slot of the row, the decoder's

@@ -17,6 +17,11 @@ from pathlib import Path
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
 
+STATIC_CACHE_HELP = (
+    "decode steps with fixed shapes over a preallocated KV cache (dlm.decode.static), captured as CUDA "
+    "graphs on CUDA where the model has no forward hooks; off by default (on CPU: same tokens, slower)"
+)
+
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="smollm2-135m", help="alias or local folder (AR or DLM)")
@@ -37,6 +42,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
+    p.add_argument("--static-cache", action="store_true", help=STATIC_CACHE_HELP)
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -149,6 +155,7 @@ def run(args) -> int:
             tokenizer=tok,
             batch_size=args.batch_size,
             threads=parse_threads(args.threads),
+            static_cache=args.static_cache,
             progress=len(ids) > 1 and wanted(args.quiet),
         )
     for w in caught:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from dlm.commands.generate import STATIC_CACHE_HELP
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
 
@@ -52,6 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
+    p.add_argument("--static-cache", action="store_true", help=STATIC_CACHE_HELP)
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from dlm.decode.configs import add_decoder_arguments
 
@@ -211,6 +213,7 @@ def run(args) -> int:
         device=args.device,
         dtype=args.dtype,
         threads=threads,
+        static_cache=args.static_cache,
     )
     app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)
     stride = getattr(engine.decoder, "stride", None)

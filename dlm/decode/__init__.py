@@ -53,6 +53,7 @@ def generate(
     batch_size: int = 8,
     on_tokens=None,
     threads=None,
+    static_cache: bool = False,
     progress=None,
     **settings,
 ):
@@ -82,7 +83,9 @@ def generate(
     own_bar = progress is True
     bar = progress_bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
     try:
-        with Engine(model, tokenizer, decoder=config, max_batch_size=batch_size, threads=threads) as engine:
+        with Engine(
+            model, tokenizer, decoder=config, max_batch_size=batch_size, threads=threads, static_cache=static_cache
+        ) as engine:
             return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)
     finally:
         if own_bar and bar is not None:

@@ -17,6 +17,7 @@ def load_engine(
     device: str | None = None,
     dtype: str | None = None,
     threads=None,
+    static_cache: bool = False,
     decode: str | None = None,
     isd_token_budget=None,
     **settings,
@@ -52,4 +53,6 @@ def load_engine(
         dtype=get_dtype(dtype, dev),
         device=dev,
     )
-    return Engine(dlm, dlm.tokenizer, decoder=config, max_batch_size=max_batch_size, threads=threads)
+    return Engine(
+        dlm, dlm.tokenizer, decoder=config, max_batch_size=max_batch_size, threads=threads, static_cache=static_cache
+    )

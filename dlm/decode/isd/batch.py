@@ -153,7 +153,7 @@ def accept_rows(
             q_d = qv[base + lead, drafts]  # [g, n-1]
             ok = (rand.u[:, : n - 1].to(dev).double() * q_d.double() < p_d.double()) & (lead < nd[:, None])
             accepted = ok.long().cumprod(-1).sum(-1)
-            p_a = p.gather(1, accepted[:, None, None].expand(g, 1, v))[:, 0]  # [g, V]
+            p_a = p.reshape(-1, v)[torch.arange(g, device=dev) * npos + accepted]  # [g, V]: p at position accepted
             q_a = qv[base[:, 0] + accepted.clamp(max=n - 2)]
             residual = (p_a - q_a).clamp_(min=0.0)
             use = (accepted < nd) & (residual.amax(-1) > 0)
@@ -167,7 +167,9 @@ def accept_rows(
     if windows is not None and n > 1:
         first = windows.gather(1, accepted[:, None]).clamp(min=0)  # [g, 1]; -1 (no drafts): any window, unused
         at = (first + lead).clamp(max=logits.shape[1] - 1)  # [g, n-1]
-        w = logits.gather(1, at[..., None].expand(g, n - 1, v))  # [g, n-1, V]
+        rows = torch.arange(g, device=dev)[:, None] * logits.shape[1]
+        # whole rows of V logits (a copy at memcpy speed; gather along positions reads an index per element)
+        w = logits.reshape(-1, v).index_select(0, (rows + at).reshape(-1)).view(g, n - 1, v)
         if greedy:
             w = suppress(w, mask_token_id)
             d = w.argmax(-1)

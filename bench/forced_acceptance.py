@@ -1,0 +1,168 @@
+"""What ISD's tokens per forward turn into in wall-clock: `--decode ar` against `--decode isd` through the engine
+(what `dlm generate` runs), on a random-weight model of a chosen size, with the drafts forced to a set acceptance.
+
+    python bench/forced_acceptance.py                                   # CPU, the embedded model's shape
+    python bench/forced_acceptance.py --device cuda --dtype bf16 --shape 1b --batch-size 1,8,32 --static-cache both
+
+A random-weight model drafts nothing useful, and a trained one drafts what it drafts; to see the wall-clock
+ratio that an acceptance rate gives, each draft here is replaced (the ISD decoder's ``_drafted`` hook, which both
+its per-row and batched paths call) by the model's true greedy token with probability ``--acceptance`` and by a
+wrong one otherwise, independently per draft position. The true tokens come from a first, timed AR run of the
+same prompts; the target still verifies every draft, so each ISD run's output must equal the AR run's token for
+token (checked, reported). The gated-LoRA adapters are active on the masks (random, non-zero), as in a trained
+checkpoint.
+
+Reported per batch size: AR tok/s; per acceptance a: ISD tok/s, tokens per forward (TPF), TPF and wall-clock vs AR,
+and identical outputs. ``--static-cache both`` runs each decoder with the dynamic and the static decode step
+(on CUDA, captured as CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def machine(device) -> str:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or "CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+        isa = "AVX-512" if " avx512f " in info else "AVX2" if " avx2 " in info else "no AVX2"
+        model = f"{model}, {isa}"
+    except (OSError, StopIteration):
+        pass
+    return f"{model}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="alias or folder whose config and tokenizer are used")
+    ap.add_argument("--shape", default="base", help="base (the model's own) | 0.5b | 1b (bench/shapes.py)")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    ap.add_argument("--stride", type=int, default=3, help="ISD stride N (N-1 drafts per verify)")
+    ap.add_argument("--acceptance", default="0,0.5,0.8,1", help="per-draft acceptance rates to force")
+    ap.add_argument("--batch-size", default="1", help="comma-separated batch sizes (requests run together)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--targets", default="q_proj,v_proj", help="modules of the random gated adapters")
+    ap.add_argument("--static-cache", default="off", choices=["off", "on", "both"])
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    import torch
+    from shapes import shaped_config
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dlm.decode.engine import Engine
+    from dlm.decode.isd import ISDDecoder
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.model.hub import resolve_model_path
+    from dlm.model.lora import LoraSettings, prepare_model_for_lora
+
+    rates = [float(x) for x in args.acceptance.split(",") if x]
+    if any(not 0.0 <= a <= 1.0 for a in rates):
+        ap.error(f"--acceptance takes rates in [0, 1], got {args.acceptance!r}")
+    device = torch.device(args.device)
+    folder = resolve_model_path(args.model)
+    torch.manual_seed(args.seed)
+    config = shaped_config(folder, args.shape)
+    ar_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    dlm = convert_ar_to_dlm(
+        ar_model, "idlm", block_size=args.stride - 1, tokenizer=AutoTokenizer.from_pretrained(folder)
+    )
+    prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True, target_modules=args.targets))
+    with torch.no_grad():  # non-zero B: the adapters do their full work on the masks
+        for a in dlm.gated_lora.adapters.values():
+            a.B.normal_(0, 1e-3)
+    dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    dlm.eval()
+    vocab = config.vocab_size
+    mask = dlm.spec.mask_token_id
+
+    class ForcedDrafts(ISDDecoder):
+        """Drafts = the true greedy continuation with probability ``rate`` each, else a wrong token."""
+
+        def __init__(self, truth, rate, seed, **kw):
+            super().__init__(**kw)
+            self.truth, self.rate = truth, rate
+            self.rng = torch.Generator().manual_seed(seed)
+
+        def _drafted(self, engine, row, first_pos):
+            seq = self.truth[row.request_id]
+            drafts = []
+            for j in range(self.n - 1):
+                true = seq[first_pos + j] if first_pos + j < len(seq) else 0
+                good = float(torch.rand(1, generator=self.rng)) < self.rate
+                wrong = (true + 1) % vocab
+                drafts.append(true if good else (wrong if wrong != mask else (wrong + 1) % vocab))
+            row.state.drafts = drafts
+
+    gen = torch.Generator().manual_seed(args.seed)
+    statics = {"off": [False], "on": [True], "both": [False, True]}[args.static_cache]
+    print(
+        f"model {args.model} random init, shape {args.shape} ({sum(p.numel() for p in ar_model.parameters()) / 1e6:.0f}M"
+        f" parameters), {args.dtype}, {machine(device)}; gated adapters r={args.lora_r} on {args.targets}; "
+        f"stride {args.stride}; {args.prompt_tokens} prompt + {args.new_tokens} new tokens per request, greedy"
+    )
+    print(
+        "| batch | static | decoder | forced acceptance | tok/s | TPF | TPF vs AR | wall-clock vs AR | identical to AR |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    params = SamplingParams(max_new_tokens=args.new_tokens, ignore_eos=True)
+    for B in [int(x) for x in args.batch_size.split(",") if x]:
+        prompts = [torch.randint(2, vocab - 1, (args.prompt_tokens,), generator=gen).tolist() for _ in range(B)]
+        for static in statics:
+
+            def run(decoder):
+                eng = Engine(dlm, decoder=decoder, max_batch_size=B, static_cache=static)
+                try:
+                    eng.generate(prompts[:1], SamplingParams(max_new_tokens=4, ignore_eos=True))  # warm-up
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    ids = [eng.add(p, params, request_id=i) for i, p in enumerate(prompts)]
+                    t0 = time.perf_counter()
+                    while eng.has_unfinished():
+                        eng.step()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    wall = time.perf_counter() - t0
+                    res = [eng.pop_result(i) for i in ids]
+                finally:
+                    eng.close()
+                new = sum(r.stats.new_tokens for r in res)
+                fw = sum(r.stats.forwards for r in res)  # the prefill's forward (it gives the first token) included
+                return res, new / wall, new / max(fw, 1)
+
+            ar_res, ar_tps, ar_tpf = run("ar")
+            truth = {i: list(r.prompt_ids) + list(r.token_ids) for i, r in enumerate(ar_res)}
+            s = "on" if static else "off"
+            print(f"| {B} | {s} | ar | - | {ar_tps:.1f} | {ar_tpf:.2f} | 1.00x | 1.00x | - |")
+            for rate in rates:
+                dec = ForcedDrafts(truth, rate, args.seed, stride=args.stride, draft_budget="always")
+                res, tps, tpf = run(dec)
+                same = sum(r.token_ids == a.token_ids for r, a in zip(res, ar_res))
+                print(
+                    f"| {B} | {s} | isd N={args.stride} | {rate:.2f} | {tps:.1f} | {tpf:.2f} | {tpf / ar_tpf:.2f}x | "
+                    f"{tps / ar_tps:.2f}x | {same}/{len(res)} |",
+                    flush=True,
+                )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

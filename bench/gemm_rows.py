@@ -3,6 +3,7 @@
     python bench/gemm_rows.py                       # SmolLM2-135M's shapes (30 layers), fp32, rows 1,2,3,5
     python bench/gemm_rows.py --rows 1,3,4,8,16,32,64 --linear blas,kernel
     python bench/gemm_rows.py --hidden 896 --intermediate 4864 --kv 128 --vocab 151936 --layers 24   # Qwen2-0.5B
+    python bench/gemm_rows.py --weights gguf --rows 1,4,8,16 --linear kernel   # the embedded SmolLM2's Q4_1 / Q8_0
 
 Each projection is timed the way a forward meets it: one weight matrix per layer (``--layers`` distinct copies,
 cycled, so the weights stream from memory as they do in a real forward, not from cache), ``x [M, in] @ W.T`` for
@@ -13,6 +14,8 @@ ratio to blas at the first M, and the weight bandwidth / arithmetic rate it impl
 memory-bound (every weight read once, 2 FLOPs each), so a few more rows need not cost more: on a 2-core Xeon
 (AVX-512) blas costs 1.19x / 1.65x / 2.07x of its 1-row time at M = 3 / 4 / 8, the kernel, which streams a
 pre-packed weight with prefetching and keeps 8 rows' accumulators in registers, 0.99x / 1.01x / 1.07x.
+``--weights gguf`` makes every weight exactly GGUF Q4_1 values (the lm_head Q8_0), as in the embedded SmolLM2, so
+the kernel streams them compressed and rebuilds them (once per call past one register pass of rows).
 """
 
 from __future__ import annotations
@@ -51,6 +54,32 @@ def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kind
     return {k: v / repeats / len(weights) * 1e6 for k, v in spent.items()}
 
 
+def gguf_form(n: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
+    """A weight ``[n, k]`` as GGUF's dequantization gives it: per 32 inputs d * q + m (Q4_1, q in 0..15) or d * q
+    (Q8_0, q int8), d and m fp16 values."""
+    d = (torch.rand(n, k // 32, 1, generator=g) * 0.01 + 1e-4).half().float()
+    if kind == "q4_1":
+        m = (-torch.rand(n, k // 32, 1, generator=g) * 0.05).half().float()
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15
+        return (d * q + m).reshape(n, k)
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g).float()
+    q[..., 0] = -127
+    return (d * q).reshape(n, k)
+
+
+def pack(w: torch.Tensor, weights: str) -> torch.Tensor:
+    """The kernel's packed copy of ``w``: compressed where ``weights`` is gguf (every block fits), else fp32."""
+    from dlm.decode.cpu import packing
+
+    ext = cpu_kernels.extension()
+    if weights == "gguf":
+        packed = packing.quant_pack(w, ext)
+        if packed is not None and packed[1] is None:
+            return packed[0]
+    return ext.pack(w, False)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=576)
@@ -65,6 +94,12 @@ def main(argv=None) -> int:
         default="blas,kernel",
         help="comma-separated: blas (F.linear) and/or kernel (dlm.decode.cpu, what the decoding "
         "engine uses for fp32 on CPU)",
+    )
+    ap.add_argument(
+        "--weights",
+        choices=("f32", "gguf"),
+        default="f32",
+        help="f32: random fp32 weights (fp32 packing); gguf: exact Q4_1 values (lm_head Q8_0), packed compressed",
     )
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r]
@@ -84,16 +119,25 @@ def main(argv=None) -> int:
         ("lm_head", args.vocab, h, None),
     ]
     torch.manual_seed(0)
-    print(f"{torch.get_num_threads()} threads, fp32, {args.layers} layers, weights cycled (cold in cache)")
+    g = torch.Generator().manual_seed(0)
+    isa = cpu_kernels.isa() if "kernel" in kinds else "-"
+    print(
+        f"{torch.get_num_threads()} threads, {args.weights} weights, kernel isa {isa}, {args.layers} layers, "
+        "weights cycled (cold in cache)"
+    )
     cols = [(k, m) for k in kinds for m in rows]
     print(f"{'matmul':<20} {'calls':>5} " + " ".join(f"{k[:4] + ' M=' + str(m) + ' us':>14}" for k, m in cols))
     totals = {c: 0.0 for c in cols}
     nbytes = 0
     for name, out_f, in_f, calls in shapes:
         n = args.layers * calls if calls else 1
-        ws = [torch.randn(out_f, in_f) for _ in range(n)]
+        if args.weights == "gguf":
+            kind = "q4_1" if calls else "q8_0"
+            ws = [gguf_form(out_f, in_f, kind, g) for _ in range(n)]
+        else:
+            ws = [torch.randn(out_f, in_f) for _ in range(n)]
         nbytes += out_f * in_f * 4 * n
-        packed = [cpu_kernels.extension().pack(w, False) for w in ws] if "kernel" in kinds else None
+        packed = [pack(w, args.weights) for w in ws] if "kernel" in kinds else None
         us = {m: per_call_us(ws, torch.randn(m, in_f), args.repeats, kinds, packed) for m in rows}
         for k, m in cols:
             totals[(k, m)] += us[m][k] * n / 1000

@@ -13,7 +13,7 @@ M=${1:-smollm2-135m}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 t0=$SECONDS
-timeout 270 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m gpu tests/test_gpu.py --timeout 200 -rA \
+timeout 270 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m gpu tests/test_gpu.py tests/test_decode_static.py --timeout 200 -rA \
   2>&1 | grep -v "Warning\|warn(" | tee "$OUT/pytest_gpu.log" | tail -20
 echo "tests: $((SECONDS - t0)) s"
 t0=$SECONDS
@@ -25,6 +25,11 @@ timeout 120 python3 bench/forward_cost.py --model "$M" --random-init --device cu
   --attn sdpa,dlm_sdpa \
   --repeats 30 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
 echo "forward cost: $((SECONDS - t0)) s"
+t0=$SECONDS
+timeout 150 python3 bench/static_step.py --model "$M" --random-init --device cuda --dtype bf16 --batch-sizes 1,8,32 \
+  --decoders ar,isd3 --modes dynamic,static,graphs --max-new-tokens 32 --groups 2 --json "$OUT/static_step.json" \
+  2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
+echo "static step / CUDA graphs: $((SECONDS - t0)) s"
 t0=$SECONDS
 timeout 150 python3 bench/objectives.py --model "$M" --random-init --device cuda --bf16 --batch-size 8 \
   --lengths 2048 --reps 5 --attn-impl flex_attention --json "$OUT/objectives_flex.json" 2>&1 \

@@ -201,6 +201,7 @@ def test_buckets_and_graph_eligibility():
     assert Engine(dlm, decoder="ar")._static is None  # opt-in
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graphs_equal_the_uncaptured_static_step():
     dlm = dlm_of("idlm", "llama", block_size=3).to("cuda")

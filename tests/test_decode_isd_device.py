@@ -80,6 +80,7 @@ def both(dlm, make, prompts, params, batch_size, monkeypatch):
     """The same requests through the batched path and the per-row path; everything observable must agree."""
     calls = Calls(monkeypatch)
     fused = make()
+    fused.batch_verify = True  # (the default takes it off the CPU only)
     got, g_fused = run(dlm, fused, prompts, params, batch_size)
     assert calls.n > 0, "the batched path did not run"
     ref = make()

@@ -13,9 +13,7 @@ drafts per verify step from vLLM's spec-decode counters; dlm ISD: generated toke
 and how many answers are identical to vLLM AR's. Needs vLLM beside dlm (scripts/install_vllm.sh).
 
 Step cost = acceptance length / (tok/s vs vLLM AR): what one speculative step (drafter forward + verify) costs in
-vLLM AR steps, i.e. the acceptance length a drafter must beat to win at that level. `--systems ...,vllm-ngram`
-adds vLLM's own prompt-lookup proposer (no model: its step cost is the verify's alone), which splits a drafter's
-step cost into verify and drafter forward.
+vLLM AR steps, i.e. the acceptance length a drafter must beat to win at that level.
 """
 
 from __future__ import annotations
@@ -182,13 +180,13 @@ def main() -> int:
     ap.add_argument(
         "--num-speculative-tokens",
         type=int,
-        help="K for every vLLM speculative system (default: each drafter's own, from its block size; ngram: 3)",
+        help="K for every drafter (default: each drafter's own, from its block size)",
     )
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument(
         "--systems",
         default="vllm-ar,vllm-drafters,dlm-ar,dlm-isd",
-        help="which to run (vllm-drafters: one per --drafter; also vllm-ngram: vLLM's prompt-lookup proposer)",
+        help="which to run (vllm-drafters: one per --drafter)",
     )
     ap.add_argument(
         "--dlm-threads",
@@ -214,15 +212,6 @@ def main() -> int:
     k_args = (
         [] if args.num_speculative_tokens is None else ["--num-speculative-tokens", str(args.num_speculative_tokens)]
     )
-    if "vllm-ngram" in wanted:
-        ngram = {
-            "method": "ngram",
-            "num_speculative_tokens": args.num_speculative_tokens or 3,
-            "prompt_lookup_min": 2,
-            "prompt_lookup_max": 4,
-        }
-        vllm_arg = "--vllm-arg=--speculative-config=" + json.dumps(ngram)
-        specs.append(("vllm + ngram", ["--engine", "vllm", "--model", args.target, vllm_arg], "vllm"))
     if "vllm-drafters" in wanted:
         for item in args.drafter:
             name, _, path = item.partition("=")

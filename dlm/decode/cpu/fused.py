@@ -461,6 +461,25 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         ext = _OPS[0]
         shape = (b, t)
         x2 = x.reshape(rows, d).contiguous()
+
+        def layer_out(q, k, v, mask):  # attention, o_proj, norm and MLP in one kernel call
+            y = ext.layer_out(
+                x2,
+                q,
+                k,
+                v,
+                mask,
+                scaling,
+                op._dlm_packed,
+                n2.weight,
+                eps2,
+                gate._dlm_packed,
+                up._dlm_packed,
+                gate._dlm_out,
+                down._dlm_packed,
+            )
+            return y.view(b, t, d)
+
         for m in mods:
             fresh(m)
         if plain():  # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
@@ -482,22 +501,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             if cache is not None:
                 k, v = cache.update(k, v, layer_idx)
             mask = _layer_mask(mask, b, t, k.shape[2])
-            y = ext.layer_out(
-                x2,
-                q,
-                k,
-                v,
-                mask,
-                scaling,
-                op._dlm_packed,
-                n2.weight,
-                eps2,
-                gate._dlm_packed,
-                up._dlm_packed,
-                gate._dlm_out,
-                down._dlm_packed,
-            )
-            return y.view(b, t, d)
+            return layer_out(q, k, v, mask)
         h = ext.rms_norm(x2, n1.weight, eps1)
         q, k, v = qkv(h, shape)
         q = q.view(b, t, -1, hd).transpose(1, 2)
@@ -509,22 +513,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             k, v = cache.update(k, v, layer_idx)
         mask = _layer_mask(mask, b, t, k.shape[2])
         if plain_out():  # adapters on q/k/v only: the rest of the layer in one call (bit for bit the steps below)
-            y = ext.layer_out(
-                x2,
-                q,
-                k,
-                v,
-                mask,
-                scaling,
-                op._dlm_packed,
-                n2.weight,
-                eps2,
-                gate._dlm_packed,
-                up._dlm_packed,
-                gate._dlm_out,
-                down._dlm_packed,
-            )
-            return y.view(b, t, d)
+            return layer_out(q, k, v, mask)
         o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
         x2 = x2 + lin(op, o, shape)
         h = ext.rms_norm(x2, n2.weight, eps2)

@@ -5,8 +5,8 @@
     python bench/forced_acceptance.py --device cuda --dtype bf16 --shape 1b --batch-size 1,8,32 --static-cache both
 
 A random-weight model drafts nothing useful, and a trained one drafts what it drafts; to see the wall-clock
-ratio that an acceptance rate gives, each draft here is replaced (the ISD decoder's ``_drafted`` hook, which both
-its per-row and batched paths call) by the model's true greedy token with probability ``--acceptance`` and by a
+ratio that an acceptance rate gives, each draft here is replaced (``dlm.testing.oracle_isd``: the ISD decoder's ``_drafted`` hook,
+which both its per-row and batched paths call) by the model's true greedy token with probability ``--acceptance`` and by a
 wrong one otherwise, independently per draft position. The true tokens come from a first, timed AR run of the
 same prompts; the target still verifies every draft, so each ISD run's output must equal the AR run's token for
 token (checked, reported). The gated-LoRA adapters are active on the masks (random, non-zero), as in a trained
@@ -68,11 +68,11 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dlm.decode.engine import Engine
-    from dlm.decode.isd import ISDDecoder
     from dlm.decode.sampling import SamplingParams
     from dlm.model.convert import convert_ar_to_dlm
     from dlm.model.hub import resolve_model_path
     from dlm.model.lora import LoraSettings, prepare_model_for_lora
+    from dlm.testing import oracle_isd
 
     rates = [float(x) for x in args.acceptance.split(",") if x]
     if any(not 0.0 <= a <= 1.0 for a in rates):
@@ -92,25 +92,6 @@ def main(argv=None) -> int:
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     dlm.eval()
     vocab = config.vocab_size
-    mask = dlm.spec.mask_token_id
-
-    class ForcedDrafts(ISDDecoder):
-        """Drafts = the true greedy continuation with probability ``rate`` each, else a wrong token."""
-
-        def __init__(self, truth, rate, seed, **kw):
-            super().__init__(**kw)
-            self.truth, self.rate = truth, rate
-            self.rng = torch.Generator().manual_seed(seed)
-
-        def _drafted(self, engine, row, first_pos):
-            seq = self.truth[row.request_id]
-            drafts = []
-            for j in range(self.n - 1):
-                true = seq[first_pos + j] if first_pos + j < len(seq) else 0
-                good = float(torch.rand(1, generator=self.rng)) < self.rate
-                wrong = (true + 1) % vocab
-                drafts.append(true if good else (wrong if wrong != mask else (wrong + 1) % vocab))
-            row.state.drafts = drafts
 
     gen = torch.Generator().manual_seed(args.seed)
     statics = {"off": [False], "on": [True], "both": [False, True]}[args.static_cache]
@@ -153,7 +134,7 @@ def main(argv=None) -> int:
             s = "on" if static else "off"
             print(f"| {B} | {s} | ar | - | {ar_tps:.1f} | {ar_tpf:.2f} | 1.00x | 1.00x | - |")
             for rate in rates:
-                dec = ForcedDrafts(truth, rate, args.seed, stride=args.stride, draft_budget="always")
+                dec = oracle_isd(truth, rate, args.seed, stride=args.stride, draft_budget="always")
                 res, tps, tpf = run(dec)
                 same = sum(r.token_ids == a.token_ids for r, a in zip(res, ar_res))
                 print(

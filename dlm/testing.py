@@ -105,3 +105,46 @@ def save_tiny(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **con
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def oracle_isd(truth: dict, accept: float, seed: int = 0, **settings):
+    """An ISD decoder whose drafts are the true greedy continuation with probability ``accept`` each (independently
+    per draft position), else a wrong token: ``truth`` maps a request id to its AR tokens (prompt included). The
+    target still verifies every draft, so the output stays the AR output; tests use it to reach every acceptance
+    outcome, benchmarks to time a set acceptance rate. ``settings``: the ISD decoder's own (stride, fallback, ...)."""
+    return _oracle_class()(truth, accept, seed, **settings)
+
+
+_ORACLE: list = []
+
+
+def _oracle_class():
+    if _ORACLE:
+        return _ORACLE[0]
+    import torch
+
+    from dlm.decode.isd import ISDDecoder
+
+    class OracleISD(ISDDecoder):
+        def __init__(self, truth, accept, seed, **kw):
+            super().__init__(**kw)
+            if not 0.0 <= accept <= 1.0:
+                raise ValueError(f"accept must be in [0, 1], got {accept!r}")
+            self.truth, self.accept = truth, accept
+            self.rng = torch.Generator().manual_seed(seed)
+
+        def _drafted(self, engine, row, first_pos):  # the hook both the per-row and the batched path call
+            seq = self.truth[row.request_id]
+            vocab, mask = engine.config.vocab_size, engine.mask_token_id
+            drafts = []
+            for j in range(self.n - 1):
+                true = seq[first_pos + j] if first_pos + j < len(seq) else 0
+                if float(torch.rand(1, generator=self.rng)) < self.accept:
+                    drafts.append(true)
+                else:
+                    wrong = (true + 1) % vocab
+                    drafts.append(wrong if wrong != mask else (wrong + 1) % vocab)
+            row.state.drafts = drafts
+
+    _ORACLE.append(OracleISD)
+    return OracleISD

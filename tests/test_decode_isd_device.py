@@ -12,7 +12,7 @@ from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder, batch
 from dlm.decode.sampling import SamplingParams
 from dlm.model.convert import DiffusionLM, DLMSpec
-from dlm.testing import make_model, make_tokenizer
+from dlm.testing import make_model, make_tokenizer, oracle_isd
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -31,23 +31,10 @@ def tiny_idlm(vocab=5, scale=6.0):
     return DiffusionLM(model, None, DLMSpec("idlm", vocab - 1, True, 3))
 
 
-class OracleDrafts(ISDDecoder):
+def OracleDrafts(truth, corrupt=0.3, seed=0, **kw):
     """Drafts = the true greedy continuation, corrupted at random (through the ``_drafted`` hook both paths call):
     full acceptance, partial acceptance and a rejection at every draft position."""
-
-    def __init__(self, truth, corrupt=0.3, seed=0, **kw):
-        super().__init__(**kw)
-        self.truth, self.corrupt = truth, corrupt  # truth: request -> its AR tokens (prompt included)
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def _drafted(self, engine, row, first_pos):
-        seq = self.truth[row.request_id]
-        drafts = []
-        for j in range(self.n - 1):
-            true = seq[first_pos + j] if first_pos + j < len(seq) else 0
-            bad = float(torch.rand(1, generator=self.rng)) < self.corrupt
-            drafts.append((true + 1) % 300 if bad else true)
-        row.state.drafts = drafts
+    return oracle_isd(truth, 1.0 - corrupt, seed, **kw)
 
 
 class Calls:

@@ -164,7 +164,8 @@ def test_prepare_round_trips_any_documents(tmp_path_factory, tok_dir, tok, files
 
 @examples(10, 150)
 @given(
-    files=st.lists(st.lists(doc_text.filter(bool), min_size=1, max_size=5), min_size=2, max_size=4),
+    # documents with a word in them: a run of blank documents only is refused before any write (tested above)
+    files=st.lists(st.lists(doc_text.filter(str.strip), min_size=1, max_size=5), min_size=2, max_size=4),
     chunk=st.integers(3, 30),
     kill_at=st.integers(0, 40),
     partial=st.booleans(),

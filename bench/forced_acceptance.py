@@ -21,29 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
+from shapes import machine, random_gated_adapters, random_idlm  # noqa: E402
 
 
-def machine(device) -> str:
+def where(device) -> str:
     import torch
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    model = platform.processor() or "CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            info = f.read()
-        model = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
-        isa = "AVX-512" if " avx512f " in info else "AVX2" if " avx2 " in info else "no AVX2"
-        model = f"{model}, {isa}"
-    except (OSError, StopIteration):
-        pass
-    return f"{model}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
+    return f"{machine()}, {torch.get_num_threads()} threads, load {os.getloadavg()[0]:.1f}"
 
 
 def main(argv=None) -> int:
@@ -64,40 +55,27 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import torch
-    from shapes import shaped_config
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
-    from dlm.model.convert import convert_ar_to_dlm
     from dlm.model.hub import resolve_model_path
-    from dlm.model.lora import LoraSettings, prepare_model_for_lora
     from dlm.testing import oracle_isd
 
     rates = [float(x) for x in args.acceptance.split(",") if x]
     if any(not 0.0 <= a <= 1.0 for a in rates):
         ap.error(f"--acceptance takes rates in [0, 1], got {args.acceptance!r}")
     device = torch.device(args.device)
-    folder = resolve_model_path(args.model)
-    torch.manual_seed(args.seed)
-    config = shaped_config(folder, args.shape)
-    ar_model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
-    dlm = convert_ar_to_dlm(
-        ar_model, "idlm", block_size=args.stride - 1, tokenizer=AutoTokenizer.from_pretrained(folder)
-    )
-    prepare_model_for_lora(dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True, target_modules=args.targets))
-    with torch.no_grad():  # non-zero B: the adapters do their full work on the masks
-        for a in dlm.gated_lora.adapters.values():
-            a.B.normal_(0, 1e-3)
+    dlm = random_idlm(resolve_model_path(args.model), args.shape, args.seed, block_size=args.stride - 1)
+    random_gated_adapters(dlm, args.lora_r, args.targets)
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     dlm.eval()
-    vocab = config.vocab_size
+    vocab = dlm.hf_config.vocab_size
 
     gen = torch.Generator().manual_seed(args.seed)
     statics = {"off": [False], "on": [True], "both": [False, True]}[args.static_cache]
     print(
-        f"model {args.model} random init, shape {args.shape} ({sum(p.numel() for p in ar_model.parameters()) / 1e6:.0f}M"
-        f" parameters), {args.dtype}, {machine(device)}; gated adapters r={args.lora_r} on {args.targets}; "
+        f"model {args.model} random init, shape {args.shape} ({sum(p.numel() for p in dlm.model.parameters()) / 1e6:.0f}M"
+        f" parameters), {args.dtype}, {where(device)}; gated adapters r={args.lora_r} on {args.targets}; "
         f"stride {args.stride}; {args.prompt_tokens} prompt + {args.new_tokens} new tokens per request, greedy"
     )
     print(

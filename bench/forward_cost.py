@@ -80,31 +80,22 @@ def main(argv=None) -> int:
 
     from transformers import DynamicCache
 
-    from dlm.model.convert import cache_kw, convert_ar_to_dlm, load_any
+    from dlm.model.convert import cache_kw, load_any
     from dlm.model.hub import resolve_model_path
-    from dlm.model.lora import LoraSettings, get_gated, prepare_model_for_lora
+    from dlm.model.lora import get_gated
 
     if args.shape != "base" and not args.random_init:
         ap.error("--shape needs --random-init (a shape's weights exist only as random ones)")
     if args.random_init:
-        from shapes import shaped_config
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from shapes import random_idlm
 
-        folder = resolve_model_path(args.model)
-        torch.manual_seed(0)
-        ar = AutoModelForCausalLM.from_config(
-            shaped_config(folder, args.shape), attn_implementation="sdpa", dtype=torch.float32
-        )
-        dlm = convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder))
+        dlm = random_idlm(resolve_model_path(args.model), args.shape)
     else:
         dlm = load_any(args.model, "idlm")
     if get_gated(dlm) is None:
-        prepare_model_for_lora(
-            dlm, LoraSettings(r=args.lora_r, alpha=args.lora_r, gated=True, target_modules=args.targets)
-        )
-        with torch.no_grad():  # random (non-zero) B: the adapters' cost does not depend on their values
-            for a in dlm.gated_lora.adapters.values():
-                a.B.normal_(0, 1e-3)
+        from shapes import random_gated_adapters
+
+        random_gated_adapters(dlm, args.lora_r, args.targets)
     impls = [a for a in args.attn.split(",") if a]
     if any(a not in ("sdpa", "dlm_sdpa") for a in impls):
         ap.error(f"--attn takes sdpa and/or dlm_sdpa, got {args.attn!r}")

@@ -1,6 +1,6 @@
-"""Model shapes for benchmarks with random weights: a model's own config, or a named larger shape on top of it
-(the tokenizer and vocabulary stay the model's), so that a GPU machine that holds only the embedded model's
-config and tokenizer can time 0.5B- and 1B-class models.
+"""Random-weight models for benchmarks: a model's own config, or a named larger shape on top of it (the tokenizer
+and vocabulary stay the model's), so that a GPU machine that holds only the embedded model's config and tokenizer
+can time 0.5B- and 1B-class models; random gated adapters for them; and the machine line every figure carries.
 
     from shapes import SHAPES, shaped_config
     config = shaped_config(folder, "1b")   # SmolLM2's tokenizer and vocabulary, a Llama-3.2-1B-like body
@@ -11,7 +11,11 @@ model's (49,152 for SmolLM2), so the head is smaller than those models' and the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
+import platform
+import re
 
 SHAPES: dict[str, dict[str, int | bool]] = {
     "base": {},  # the model's own config
@@ -57,3 +61,41 @@ def parameter_count(config) -> int:
     attn = h * d * (2 * config.num_attention_heads + 2 * config.num_key_value_heads)
     emb = config.vocab_size * h * (1 if getattr(config, "tie_word_embeddings", False) else 2)
     return n * (attn + 3 * h * f + 2 * h) + emb + h
+
+
+def random_idlm(folder, shape: str = "base", seed: int = 0, **convert_kw):
+    """``folder``'s model (or the body of ``shape``) with random weights, converted to an I-DLM (fp32, sdpa)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dlm.model.convert import convert_ar_to_dlm
+
+    torch.manual_seed(seed)
+    ar = AutoModelForCausalLM.from_config(shaped_config(folder, shape), attn_implementation="sdpa", dtype=torch.float32)
+    return convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder), **convert_kw)
+
+
+def random_gated_adapters(dlm, r: int = 16, targets: str = "q_proj,v_proj") -> None:
+    """Gated-LoRA adapters on ``targets`` with a random, non-zero B: they do their full work on the masks (their cost
+    does not depend on their values)."""
+    import torch
+
+    from dlm.model.lora import LoraSettings, prepare_model_for_lora
+
+    prepare_model_for_lora(dlm, LoraSettings(r=r, alpha=r, gated=True, target_modules=targets))
+    with torch.no_grad():
+        for a in dlm.gated_lora.adapters.values():
+            a.B.normal_(0, 1e-3)
+
+
+def machine() -> str:
+    """CPU model, its widest vector ISA and core count, from /proc/cpuinfo (as `lscpu` shows them)."""
+    model, flags = platform.processor() or "unknown CPU", ""
+    with contextlib.suppress(OSError):
+        info = open("/proc/cpuinfo").read()
+        m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
+        model = m.group(1).strip() if m else model
+        m = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
+        flags = f" {m.group(1)} " if m else ""
+    isa = "AVX-512" if " avx512f " in flags else "AVX2" if " avx2 " in flags else "no AVX2"
+    return f"{model}, {isa}, {os.cpu_count()} cores"

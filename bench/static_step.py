@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from shapes import random_gated_adapters, random_idlm  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -49,30 +51,20 @@ def main(argv=None) -> int:
 
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
-    from dlm.model.convert import convert_ar_to_dlm, load_any
+    from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if args.random_init:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-        folder = resolve_model_path(args.model)
-        torch.manual_seed(0)
-        ar = AutoModelForCausalLM.from_config(
-            AutoConfig.from_pretrained(folder), attn_implementation="sdpa", dtype=torch.float32
-        )
-        dlm = convert_ar_to_dlm(ar, "idlm", tokenizer=AutoTokenizer.from_pretrained(folder))
+        dlm = random_idlm(resolve_model_path(args.model))
     else:
         dlm = load_any(args.model, "idlm")
     if args.adapters:
-        from dlm.model.lora import LoraSettings, get_gated, prepare_model_for_lora
+        from dlm.model.lora import get_gated
 
         if get_gated(dlm) is None:
-            prepare_model_for_lora(dlm, LoraSettings(r=16, alpha=16, gated=True, target_modules="q_proj,v_proj"))
-            with torch.no_grad():
-                for a in dlm.gated_lora.adapters.values():
-                    a.B.normal_(0, 1e-3)
+            random_gated_adapters(dlm, 16, "q_proj,v_proj")
     dlm.to(device=device, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     dlm.eval()
     modes = [m for m in args.modes.split(",") if m and (m != "graphs" or cuda)]

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import socket
@@ -38,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 sys.path.insert(0, str(REPO / "bench"))
 from serve import PROMPTS  # noqa: E402 - the same chat prompts as bench/serve.py, so the two compare
+from shapes import machine  # noqa: E402
 
 KEY = "bench"
 
@@ -144,19 +144,6 @@ async def level(url: str, prompts: list[str], concurrency: int, max_tokens: int)
     finally:
         await client.close()
     return res, time.perf_counter() - t0
-
-
-def machine() -> str:
-    """CPU model, its widest vector ISA and core count, from /proc/cpuinfo (as `lscpu` shows them)."""
-    model, flags = platform.processor() or "unknown CPU", ""
-    with contextlib.suppress(OSError):
-        info = open("/proc/cpuinfo").read()
-        m = re.search(r"^model name\s*:\s*(.+)$", info, re.M)
-        model = m.group(1).strip() if m else model
-        m = re.search(r"^flags\s*:\s*(.+)$", info, re.M)
-        flags = f" {m.group(1)} " if m else ""
-    isa = "AVX-512" if " avx512f " in flags else "AVX2" if " avx2 " in flags else "no AVX2"
-    return f"{model}, {isa}, {os.cpu_count()} cores"
 
 
 def main() -> int:

@@ -148,3 +148,20 @@ def _oracle_class():
 
     _ORACLE.append(OracleISD)
     return OracleISD
+
+
+class CallCounter:
+    """``mod`` (a module or an extension's ops) with a call count per function in ``calls``: which functions a piece
+    of code actually ran, e.g. the CPU kernels a forward went through."""
+
+    def __init__(self, mod):
+        self.mod, self.calls = mod, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.mod, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+
+        return counted

@@ -6,6 +6,7 @@ from torch import nn
 
 from dlm.decode import cpu
 from dlm.decode.cpu import fused, packing
+from dlm.testing import CallCounter
 
 ext = cpu.extension()
 needs_kernel = pytest.mark.skipif(ext is None, reason="the CPU kernels could not be built here (no compiler?)")
@@ -272,22 +273,6 @@ def test_gated_mlp_in_one_pass_and_not_under_adapters():
     assert "forward" not in mlp.__dict__
 
 
-class _Counting:
-    """The extension with a call count per function (which kernels a forward actually ran)."""
-
-    def __init__(self, mod):
-        self.mod, self.calls = mod, {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.mod, name)
-
-        def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch):
@@ -307,7 +292,7 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     fast = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
     assert fast == [arch != "qwen3"] * len(layers)
-    counting = _Counting(fused._OPS[0])
+    counting = CallCounter(fused._OPS[0])
     monkeypatch.setattr(fused, "_OPS", [counting])
     seen = []
     handle = layers[0].self_attn.q_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
@@ -357,7 +342,7 @@ def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, 
 
     def run(hooked):
         hooks = [m.self_attn.o_proj.register_forward_hook(lambda *a: None) for m in layers] if hooked else []
-        counting = _Counting(ext_)
+        counting = CallCounter(ext_)
         monkeypatch.setattr(fused, "_OPS", [counting])
         with torch.no_grad(), cpu.active():
             cache = DynamicCache()

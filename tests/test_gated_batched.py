@@ -12,7 +12,7 @@ from torch import nn
 from dlm.model import masks
 from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
 from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY, GatedLoRA, LoraSettings, _Group, prepare_model_for_lora
-from dlm.testing import make_model, make_tokenizer
+from dlm.testing import CallCounter, make_model, make_tokenizer
 
 
 class _HookGated(nn.Module):
@@ -276,20 +276,6 @@ def _kernels():
     return cpu
 
 
-class _Counting:
-    def __init__(self, mod):
-        self.mod, self.calls = mod, {}
-
-    def __getattr__(self, name):
-        fn = getattr(self.mod, name)
-
-        def counted(*args, **kwargs):
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-
-        return counted
-
-
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
@@ -319,7 +305,7 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
 
     stock = chunk(False)
     assert cpu.attach(dlm)
-    counting = _Counting(fused._OPS[0])
+    counting = CallCounter(fused._OPS[0])
     monkeypatch.setattr(fused, "_OPS", [counting])
     got = chunk(True)
     calls = dict(counting.calls)

@@ -20,6 +20,12 @@ from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, s
 from dlm.errors import DLMError
 
 
+def outcome_of(accepted: int, n: int) -> int:
+    """A verify step's outcome from its accepted count: i when d_i was the first rejected draft (accepted = i - 1),
+    0 when all N-1 drafts were accepted."""
+    return accepted + 1 if accepted < n - 1 else 0
+
+
 def state_of(row: Row) -> ISDRowState:
     """The row's ISD state (created at its first use: the prefill)."""
     st = row.state
@@ -78,7 +84,7 @@ class ISDDecoder(Decoder):
         self.candidates = candidates
         self.candidate_min_prob = float(candidate_min_prob)
         self._trees = LayoutCache()
-        self._window_cache: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+        self._window_cache: dict[tuple[int, ...], list[int]] = {}  # branches -> _windows(branches)
         self._calib = policy.AcceptCalibration()
         self.counts = StepCounts()
         # refuses a bad value at construction, before the model is checked; rebuilt in check_model for the stride
@@ -395,7 +401,7 @@ class ISDDecoder(Decoder):
                 results.append(([tok], 1))
                 continue
             drafts = st.verify_drafts()
-            outcome = accepted + 1 if accepted < n - 1 else 0
+            outcome = outcome_of(accepted, n)
             self._verified(row, min(accepted + 1, n - 1), accepted)
             where = branch_masks(n, st.branches or (0,), outcome)
             self.counts.verify(where is not None)
@@ -412,15 +418,14 @@ class ISDDecoder(Decoder):
     def _windows(self, branches: tuple[int, ...]) -> list[int]:
         """For each accepted count a = 0..N-1 of a verify chunk carrying ``branches``: the chunk index of the first
         mask of that outcome's next drafts, -1 if the chunk does not carry them."""
-        key = ("windows", branches)
-        got = self._window_cache.get(key)
+        got = self._window_cache.get(branches)
         if got is None:
             n = self.n
             got = []
             for a in range(n):
-                where = branch_masks(n, branches, a + 1 if a < n - 1 else 0)
+                where = branch_masks(n, branches, outcome_of(a, n))
                 got.append(-1 if where is None else where[0])
-            self._window_cache[key] = got
+            self._window_cache[branches] = got
         return got
 
     def _accept_group(

@@ -5,16 +5,17 @@
     python bench/forced_acceptance.py --device cuda --dtype bf16 --shape 1b --batch-size 1,8,32 --static-cache both
 
 A random-weight model drafts nothing useful, and a trained one drafts what it drafts; to see the wall-clock
-ratio that an acceptance rate gives, each draft here is replaced (``dlm.testing.oracle_isd``: the ISD decoder's ``_drafted`` hook,
-which both its per-row and batched paths call) by the model's true greedy token with probability ``--acceptance`` and by a
-wrong one otherwise, independently per draft position. The true tokens come from a first, timed AR run of the
+ratio that an acceptance rate gives, each draft here is replaced (``dlm.testing.oracle_isd``: the ISD decoder's
+``_drafted`` hook, which both its per-row and batched paths call) by the model's true greedy token with probability
+``--acceptance`` and by a wrong one otherwise, independently per draft position. The true tokens come from a first, timed AR run of the
 same prompts; the target still verifies every draft, so each ISD run's output must equal the AR run's token for
 token (checked, reported). The gated-LoRA adapters are active on the masks (random, non-zero), as in a trained
 checkpoint.
 
 Reported per batch size: AR tok/s; per acceptance a: ISD tok/s, tokens per forward (TPF), TPF and wall-clock vs AR,
-and identical outputs. ``--static-cache both`` runs each decoder with the dynamic and the static decode step
-(on CUDA, captured as CUDA graphs).
+and identical outputs. ``--static-cache both`` runs each decoder with the dynamic and the static decode step (not
+captured as CUDA graphs here: the gated adapters' gate reads the masks on the host each forward, so the engine runs
+the static step uncaptured; bench/static_step.py measures the graphs without adapters).
 """
 
 from __future__ import annotations

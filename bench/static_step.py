@@ -9,7 +9,7 @@ Every batch size runs ``--groups`` batches of distinct random prompts (``--promp
 ``--max-new-tokens`` each), every mode decodes every batch, the modes interleaved (batch g starts with the g-th
 mode) so that a shared machine's drifts hit all alike. Step times exclude the prefills (they are the same code in
 every mode). ``graphs`` runs only on CUDA; its first steps per shape include the capture (the median hides it).
-``--adapters`` adds random gated-LoRA adapters (forward hooks: the static step then runs uncaptured).
+``--adapters`` adds random gated-LoRA adapters (captured too: inside a graph their gate runs sync-free).
 """
 
 from __future__ import annotations

@@ -165,3 +165,49 @@ class CallCounter:
             return fn(*args, **kwargs)
 
         return counted
+
+
+class HostReads:
+    """Records what a block of code reads from tensors on the host - what stalls a GPU stream and breaks a CUDA graph
+    capture: the Python-level conversions (``tolist``, ``item``, ``int()``/``float()``/``bool()``, ``cpu``,
+    ``numpy``) and the ops whose output shape or value the host must wait for (``nonzero``, ``masked_select``,
+    ``unique``, scalar reads). ``seen`` lists ``(name, shape)`` in order; a scalar read may show twice (its Python
+    call and the op under it)."""
+
+    CONVERSIONS = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
+    OPS = {"nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive", "_local_scalar_dense"}
+
+    def __init__(self):
+        self.seen: list[tuple[str, tuple]] = []
+
+    def __enter__(self):
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen, conversions, ops = self.seen, self.CONVERSIONS, self.OPS
+
+        def shape(args):
+            return tuple(args[0].shape) if args and hasattr(args[0], "shape") else ()
+
+        class Functions(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                if getattr(func, "__name__", "") in conversions:
+                    seen.append((func.__name__, shape(args)))
+                return func(*args, **(kwargs or {}))
+
+        class Ops(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if name in ops:
+                    seen.append((f"aten.{name}", shape(args)))
+                return func(*args, **(kwargs or {}))
+
+        self._modes = [Functions(), Ops()]
+        for m in self._modes:
+            m.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        return False

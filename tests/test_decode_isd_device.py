@@ -5,14 +5,13 @@ token: the same outputs, statistics, routing counts and, for sampled requests, t
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder, batch
 from dlm.decode.sampling import SamplingParams
 from dlm.model.convert import DiffusionLM, DLMSpec
-from dlm.testing import make_model, make_tokenizer, oracle_isd
+from dlm.testing import HostReads, make_model, make_tokenizer, oracle_isd
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -138,22 +137,6 @@ def test_batched_path_with_ar_steps_and_a_single_row(monkeypatch):
     both(dlm, lambda: ISDDecoder(stride=3), prompts[:1], params[:1], 1, monkeypatch)
 
 
-class HostTransfers(TorchFunctionMode):
-    """Records every tensor-to-host conversion (tolist, item, float/int/bool, cpu, numpy)."""
-
-    NAMES = {"tolist", "item", "__float__", "__int__", "__bool__", "__index__", "cpu", "numpy"}
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in self.NAMES:
-            self.seen.append((name, tuple(args[0].shape)))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_batched_step_moves_one_small_tensor_to_the_host(temperature, monkeypatch):
     """consume_batch of a 4-row step converts exactly one tensor, [rows, 2 + 2 (N-1)], whatever the step's
@@ -167,7 +150,7 @@ def test_a_batched_step_moves_one_small_tensor_to_the_host(temperature, monkeypa
         orig = dec.consume_batch
 
         def watched(engine, rows, logits, lengths):
-            with HostTransfers() as mode:
+            with HostReads() as mode:
                 out = orig(engine, rows, logits, lengths)
             seen.setdefault(dec.batch_verify, []).append((len(rows), mode.seen))
             return out

@@ -347,3 +347,93 @@ def test_engine_isd_with_gated_adapters_is_the_base_model(targets):
             a.B.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
     res = Engine(dlm, decoder="isd", stride=3, max_batch_size=2).generate(prompts, SamplingParams(k, ignore_eos=True))
     assert [r.token_ids for r in res] == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("grad", [False, True])
+def test_sync_free_gate_reads_nothing_on_the_host_and_keeps_clean_rows(arch, layout, grad):
+    """With ``sync_free`` (what a CUDA graph capture runs) a forward of the gated model reads on the host exactly what
+    the bare base model's forward reads (the counter sees the gate's mask count and row index otherwise); clean rows
+    of every adapted linear are the base layer's bit for bit, the logits before the first mask the base model's bit
+    for bit, and every row equals the counted path's to 2e-6 (its deltas in another order of operations)."""
+    from dlm.model.lora import attached, sync_free
+    from dlm.testing import HostReads
+
+    dlm, _, base = _pair(arch)
+    B, L, where = LAYOUTS[layout]
+    x = _ids(B, L, where, dlm.mask_token_id)
+    gate = x == dlm.mask_token_id
+    with torch.set_grad_enabled(grad):
+        with HostReads() as bare_reads:
+            bare = base(input_ids=x).logits
+        with HostReads() as counted_reads:
+            counted = dlm(input_ids=x).logits
+        assert attached(dlm) == attached(dlm.base_model_hf) == [dlm.gated_lora]
+        with sync_free(dlm):
+            assert dlm.gated_lora.sync_free
+            seen, handles = _linear_io(dlm.base_model_hf)
+            with HostReads() as free_reads:
+                got = dlm(input_ids=x).logits
+            for h in handles:
+                h.remove()
+        assert not dlm.gated_lora.sync_free  # put back
+    assert free_reads.seen == bare_reads.seen
+    assert len(counted_reads.seen) > len(bare_reads.seen)
+    clean = ~gate.reshape(-1)
+    adapted = set(dlm.gated_lora.module_names)
+    for name, mod, inp, out in seen:
+        if name in adapted:
+            w = mod.weight if isinstance(mod, nn.Linear) else mod.weight.t()
+            plain = torch.nn.functional.linear(inp, w, mod.bias).reshape(-1, out.shape[-1])
+            assert torch.equal(out.reshape(-1, out.shape[-1])[clean], plain[clean]), name
+    for r in range(B):
+        c = int(gate[r].float().argmax()) if gate[r].any() else L
+        assert torch.equal(got[r, :c], bare[r, :c])
+    torch.testing.assert_close(got, counted, rtol=2e-6, atol=2e-6)
+    assert not torch.allclose(got[gate], bare[gate], atol=1e-3)
+
+
+def test_sync_free_gradients_equal_the_counted_path():
+    """Training through the sync-free gate (dense on every row) gives the counted path's gradients."""
+    from dlm.model.lora import sync_free
+
+    grads = []
+    for free in (False, True):
+        dlm, _, _ = _pair("llama", seed=3)
+        x = _ids(*LAYOUTS["scattered"][:2], LAYOUTS["scattered"][2], dlm.mask_token_id)
+        with sync_free(dlm) if free else torch.enable_grad():
+            dlm(input_ids=x).logits.square().mean().backward()
+        g = dlm.gated_lora
+        grads.append([p.grad.clone() for p in g.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert any(a.abs().sum() > 0 for a in grads[1])
+
+
+@pytest.mark.parametrize("static_cache", [False, True])
+def test_engine_isd_with_a_sync_free_gate_is_the_base_model(static_cache):
+    """Lossless with the gate a CUDA graph would capture: greedy ISD through the sync-free gate (here on the CPU,
+    in the growing and the static cache) gives the base model's greedy tokens."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.lora import sync_free
+
+    dlm = convert_ar_to_dlm(
+        make_model("llama", seed=1, hidden=64, heads=4, kv_heads=2), "idlm", block_size=3, tokenizer=make_tokenizer()
+    )
+    dlm.model.generation_config.eos_token_id = None
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    want = [
+        dlm.model.generate(torch.tensor([p]), do_sample=False, max_new_tokens=12, pad_token_id=3)[0, len(p) :].tolist()
+        for p in prompts
+    ]
+    prepare_model_for_lora(dlm, LoraSettings(r=4, alpha=8, gated=True, target_modules="all-linear"))
+    with torch.no_grad():
+        for a in dlm.gated_lora.adapters.values():
+            a.B.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
+    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=2, static_cache=static_cache)
+    with sync_free(dlm):
+        res = eng.generate(prompts, SamplingParams(12, ignore_eos=True))
+        assert dlm.gated_lora._n_gated == -1  # the forwards went through the uncounted gate
+    assert [r.token_ids for r in res] == want

@@ -18,8 +18,9 @@ that no real token sees, and the keys to a span (CPU: the live length rounded up
 the chunk's own pattern ``[B, Q, Q]``, so everything that varies from step to step is the content of fixed tensors.
 
 On CUDA, :class:`GraphRunner` captures that forward with ``torch.cuda.graphs`` per shape (see docs/decoding.md
-for why not ``torch.compile``); models with Python forward hooks (the gated-LoRA adapters count their masks on
-the host) run the same static forward uncaptured.
+for why not ``torch.compile``). A gated-LoRA model's gate hook runs sync-free there (``dlm.model.lora.sync_free``:
+no mask count or row index on the host; the deltas on every row, kept at the masks); models with other Python
+forward hooks run the same static forward uncaptured.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from dlm.model.lora import GatedLoRA, sync_free
 
 SPAN_GRANULE = 64  # CPU: key span rounded up to this many slots
 GRAPH_MIN_SPAN = 256  # CUDA: key spans are powers of two from this
@@ -319,11 +322,17 @@ class GraphRunner:
 
 
 def graphs_unsupported(model) -> str | None:
-    """Why ``model``'s forward cannot be captured (None: it can): Python hooks that read tensors on the host."""
+    """Why ``model``'s forward cannot be captured (None: it can): Python hooks that may read tensors on the host.
+    A gated-LoRA gate is not one: the captured forward runs it sync-free (:func:`dlm.model.lora.sync_free`)."""
     for name, m in model.named_modules():
-        if m._forward_hooks or m._forward_pre_hooks:
-            return f"module '{name or type(m).__name__}' has forward hooks (e.g. gated-LoRA adapters)"
+        for hook in (*m._forward_pre_hooks.values(), *m._forward_hooks.values()):
+            if not isinstance(getattr(hook, "__self__", None), GatedLoRA):
+                return f"module '{name or type(m).__name__}' has forward hooks ({_hook_name(hook)})"
     return None
+
+
+def _hook_name(hook) -> str:
+    return getattr(hook, "__qualname__", None) or type(hook).__name__
 
 
 class StaticDecode:
@@ -349,7 +358,10 @@ class StaticDecode:
         kv = self.kv
         kv.write_index = slots[:, None, :, None]
         mask = static_mask(kv.valid, lens, pattern, kv.span)
-        return self.engine._forward(ids, pos, mask, kv.cache)
+        if not self.graphs:
+            return self.engine._forward(ids, pos, mask, kv.cache)
+        with sync_free(self.engine.model):  # gated adapters: nothing read on the host inside the capture
+            return self.engine._forward(ids, pos, mask, kv.cache)
 
     def forward(self, rows, chunks: list[list[int]], ids: torch.Tensor, pos: torch.Tensor, trees: dict):
         """Logits ``[B, Q, V]`` of the step whose chunks are ``ids``/``pos`` ``[B, Q]`` (host tensors)."""

@@ -25,6 +25,7 @@ puts the adapters + mask embedding in ``dlm_adapter.safetensors`` and their sett
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from dataclasses import asdict, dataclass, field
@@ -309,6 +310,10 @@ class GatedLoRA(nn.Module):
         # decoding may install a faster few-row path here: fast_delta(adapter, rows, out_rows, scale) adds
         # scale * B(A(rows)) to out_rows in place and returns True, or returns False (dlm.decode.cpu on CPU)
         self.fast_delta = None
+        # sync_free: the gate and every delta without reading anything on the host (no mask count, no row index):
+        # each adapter's delta on every row, kept at the masks by torch.where. What a CUDA graph capture needs
+        # (the graph replays kernels, not this hook's Python); clean rows stay bit for bit the base's. See sync_free().
+        self.sync_free = False
         self._hf = weakref.ref(hf_model)
         # The per-forward gate: one pre-hook on the whole model. The adapters themselves run inside the targeted
         # modules' own forward (their class swapped for a same-named subclass): no hook per module.
@@ -337,6 +342,9 @@ class GatedLoRA(nn.Module):
         for group in self._pending:  # products a forward left behind (an adapter of a group that did not run)
             group.x = group.u = None
         self._pending.clear()
+        if self.sync_free:  # not counted (-1): every adapter and the embedding take their dense torch.where path
+            self._n_gated, self._dense, self._idx, self._span = -1, True, None, None
+            return
         # Per-forward facts every adapted linear needs, computed once here instead of in each of them
         # (at batch 1 the adapters' own overhead is what decides whether ISD's extra tokens are "free").
         idx = gate.reshape(-1).nonzero().squeeze(1)
@@ -397,6 +405,31 @@ class GatedLoRA(nn.Module):
 
 def get_gated(dlm) -> GatedLoRA | None:
     return getattr(dlm, "gated_lora", None)
+
+
+def attached(model: nn.Module) -> list[GatedLoRA]:
+    """The gated-LoRA adapters attached to ``model`` (a DiffusionLM or its Hugging Face model), if any."""
+    out: list[GatedLoRA] = []
+    for m in model.modules():
+        emb = m.__dict__.get("_dlm_gated_emb")
+        if emb is not None and emb[0] not in out:
+            out.append(emb[0])
+    return out
+
+
+@contextlib.contextmanager
+def sync_free(model: nn.Module):
+    """Forwards of ``model`` inside this block read nothing on the host for its gated adapters (see
+    :attr:`GatedLoRA.sync_free`): capturable as a CUDA graph. Each adapter's setting is put back on exit."""
+    loras = attached(model)
+    before = [g.sync_free for g in loras]
+    for g in loras:
+        g.sync_free = True
+    try:
+        yield loras
+    finally:
+        for g, b in zip(loras, before):
+            g.sync_free = b
 
 
 def prepare_model_for_lora(dlm, config):

@@ -140,6 +140,7 @@ def test_holes_growth_compaction_and_the_captured_span_do_not_change_outputs(mon
     monkeypatch.setattr(static.StaticKV, "after_extend", watching)
     monkeypatch.setattr(static, "INITIAL_CAPACITY", 8)
     monkeypatch.setattr(static, "SPAN_GRANULE", 8)
+    monkeypatch.setattr(static.StaticKV, "plan", lambda self, slots: None)  # no room planned per request
     st, eng = run(static_cache=True)
     assert st == ref
     assert any(holes) and eng.kv.generation > 2 and calls and all(calls)  # holes, growth, compaction
@@ -184,6 +185,26 @@ def test_static_layout_operations():
     assert kv.bufs[0][0][1, 0, :4, 0].tolist() == [5, 6, 20, 22]
     kv.select(torch.tensor([1]))
     assert kv.rows == 1 and kv.lens == [4] and live(0) == [5, 6, 20, 22] and not kv.valid[1].any()
+
+
+def test_room_is_planned_per_request_and_rows_preallocated():
+    """A request's prompt + max_new_tokens is room in the buffers from its first allocation (no growth while it
+    decodes: each growth would drop the captured graphs); ``rows`` preallocates buffer rows; a later, longer
+    request grows them once, keeping the live rows."""
+    kv = static.StaticKV("cpu", rows=5)
+    kv.plan(700)
+    pre = KVBatch()
+    keys = torch.arange(3, dtype=torch.float).view(1, 1, 3, 1)
+    pre.cache.update(keys, keys, 0)
+    pre.valid = torch.ones(1, 3, dtype=torch.bool)
+    kv.merge(pre)
+    assert (kv.row_capacity, kv.capacity, kv.generation) == (8, 704, 1)
+    kv.plan(2000)
+    assert kv.capacity >= 2000 and kv.generation == 2 and kv.bufs[0][0][0, 0, :3, 0].tolist() == [0, 1, 2]
+    dlm = dlm_of("idlm", "llama", block_size=3)
+    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=3, static_cache=True)
+    eng.generate(PROMPTS[2:3], SamplingParams(max_new_tokens=300, ignore_eos=True))
+    assert eng.kv.generation == 1 and eng.kv.capacity >= 300 + len(PROMPTS[2])
 
 
 def test_buckets_and_graph_eligibility():

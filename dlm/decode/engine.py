@@ -46,7 +46,7 @@ import torch
 
 from dlm.decode import cpu as cpu_kernels
 from dlm.decode.sampling import RequestStats, SamplingParams
-from dlm.decode.static import StaticDecode, StaticKV
+from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
@@ -535,6 +535,8 @@ class Engine:
             stats=RequestStats(prompt_tokens=len(prompt_ids)),
         )
         self.decoder.check_request(self, row)
+        if self._static is not None:  # KV room for the whole request from the start (+ a chunk's headroom)
+            self._static.kv.plan(min(len(prompt_ids) + params.max_new_tokens, self.max_positions) + SPAN_GRANULE)
         row.stats.start_time = time.perf_counter()
         self.waiting.append(row)
         return request_id

@@ -8,7 +8,8 @@ slots are data, not shapes) and attends to ``valid[b]`` (True = a live token of 
 ``lens[b]`` and beyond). A rejected ISD draft is not a hole here: the row's write pointer simply does not move past
 it and the next chunk overwrites it. Tree chunks that keep a non-prefix leave holes (``valid`` False), gathered
 out only when a row runs out of room (:meth:`StaticKV.compact`); only then, or when the rows outgrow the buffers
-(which then double), does the layout change. Rows join from the engine's ordinary prefill (a
+(which then double), does the layout change. Room for a request's prompt + new tokens is made when it is added
+(:meth:`StaticKV.plan`), and with graphs the buffers hold the engine's whole batch from the start. Rows join from the engine's ordinary prefill (a
 :class:`~dlm.decode.engine.KVBatch`, copied into free rows) and leave by moving the rows behind them forward.
 
 The forward (:meth:`StaticDecode.forward`): the batch is padded to a bucket (1, 2, 4, 8, 16, 32, then multiples of
@@ -101,12 +102,13 @@ class StaticKV:
     """Preallocated KV buffers with a write pointer (``lens``) and live slots (``valid``) per row; the engine's
     cache interface (``merge``, ``select``, ``after_extend``, ``compact``, ``live``, ``seq_len``) over them."""
 
-    def __init__(self, device, capacity: int | None = None, graphs: bool = False):
+    def __init__(self, device, capacity: int | None = None, graphs: bool = False, rows: int = 0):
         from transformers.cache_utils import Cache
 
         self.device = torch.device(device)
         self.capacity = max(int(capacity or INITIAL_CAPACITY), SPAN_GRANULE)
         self.graphs = graphs
+        self.min_rows = rows  # buffer rows of the first allocation (graphs: the engine's whole batch, see plan)
         self.rows = 0  # live rows: buffer rows 0 .. rows-1
         self.row_capacity = 0
         self.lens: list[int] = []  # write pointer of each live row (host copy; the device gets it per step)
@@ -155,6 +157,14 @@ class StaticKV:
         self.cache.layers = [layer_cls(self, kb, vb) for kb, vb in bufs]
         self.generation += 1
 
+    def plan(self, slots: int) -> None:
+        """A request of up to ``slots`` tokens (prompt + new tokens) is coming: room for it in every row now, in one
+        allocation, rather than by doublings while it decodes (each of which drops the captured graphs)."""
+        if not self.bufs:
+            self.capacity = max(self.capacity, _round_up(slots, SPAN_GRANULE))
+        elif slots > self.capacity:
+            self.reserve(self.row_capacity, slots)
+
     def reserve(self, rows: int, slots: int) -> None:
         """Room for ``rows`` buffer rows of ``slots`` slots (grows by doubling)."""
         if not self.bufs:
@@ -175,7 +185,7 @@ class StaticKV:
         layers = other._layers()
         if not self.bufs:
             shapes = [(la.keys, la.values) for la in layers]
-            self._alloc(batch_bucket(k), _round_up(max(self.capacity, 2 * s), SPAN_GRANULE), shapes)
+            self._alloc(batch_bucket(max(k, self.min_rows)), _round_up(max(self.capacity, 2 * s), SPAN_GRANULE), shapes)
         if len(layers) != len(self.bufs):
             raise RuntimeError("cannot merge KV caches with different numbers of layers")
         self.reserve(self.rows + k, s + 1)
@@ -351,7 +361,10 @@ class StaticDecode:
             graphs = False
         self.graphs = bool(graphs)
         self.why_not_graphs = None if self.graphs else why
-        self.kv = StaticKV(engine.device, capacity, graphs=self.graphs)
+        # with graphs, buffer rows for the engine's whole batch from the start: a growth moves the buffers, and every
+        # graph captured over the old ones is dropped (no such cost without graphs: rows grow as they join)
+        rows = engine.max_batch_size if self.graphs else 0
+        self.kv = StaticKV(engine.device, capacity, graphs=self.graphs, rows=rows)
         self.runner = GraphRunner(self._run) if self.graphs else None
 
     def _run(self, ids, pos, lens, pattern, slots):

@@ -273,3 +273,34 @@ def test_progress_bars_only_on_a_terminal_and_not_quiet(monkeypatch):
     assert not wanted() and not wanted(quiet=True)
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     assert wanted() and not wanted(quiet=True)
+
+
+def test_ar_batched_greedy_step_equals_row_by_row(monkeypatch):
+    """The AR decoder's one argmax over all greedy rows of a step gives the row-by-row tokens (greedy rows beside
+    sampled rows, which keep their own generators), never the mask token even where it has the top logit."""
+    from dlm.decode.ar import ARDecoder
+    from dlm.decode.engine import Decoder
+
+    dlm = idlm()
+    with torch.no_grad():
+        dlm.model.lm_head.weight[dlm.mask_token_id] *= 50  # the mask token would win many argmaxes
+    params = [
+        SamplingParams(max_new_tokens=12, ignore_eos=True),
+        SamplingParams(max_new_tokens=10, temperature=1.0, seed=3, ignore_eos=True),
+        SamplingParams(max_new_tokens=12, ignore_eos=True),
+        SamplingParams(max_new_tokens=9, ignore_eos=True),
+    ]
+    calls = []
+    batched = ARDecoder.consume_batch
+
+    def counted(self, engine, rows, logits, lengths):
+        calls.append(len(rows))
+        return batched(self, engine, rows, logits, lengths)
+
+    monkeypatch.setattr(ARDecoder, "consume_batch", counted)
+    got = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    assert max(calls) == 4
+    monkeypatch.setattr(ARDecoder, "consume_batch", Decoder.consume_batch)
+    want = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    assert got == want
+    assert all(dlm.mask_token_id not in t for t in got)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,24 @@ WB wb_of(const at::Tensor& t) {
   return w;
 }
 
+// f(i0, i1) over [0, n) in chunks handed to the threads as each comes free, not in fixed equal shares: on a shared
+// machine another process can slow one core, and fixed shares make every other thread wait for it. `per_thread`
+// chunks per thread: many where each item is compute (several rows), few where it streams weights (one row: long
+// contiguous ranges keep the prefetchers' streams). Each item's result does not depend on the thread running it.
+template <class F>
+void parallel_chunks(int64_t n, const F& f, int64_t per_thread = 8) {
+  const int64_t T = std::min<int64_t>(at::get_num_threads(), n);
+  if (T <= 1 || at::in_parallel_region()) { if (n > 0) f(0, n); return; }
+  const int64_t chunk = std::max<int64_t>(1, n / (per_thread * T));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, T, 1, [&](int64_t, int64_t) {
+    for (int64_t i0; (i0 = next.fetch_add(chunk)) < n;) f(i0, std::min(n, i0 + chunk));
+  });
+}
+
+// chunks per thread of a pass over weight column blocks for M rows
+inline int64_t chunks_per_thread(int64_t M) { return M >= 4 ? 8 : 2; }
+
 // M rows of x against column block nb of w (the kernel takes them in register passes of T->rows)
 inline void rows_n(int64_t M, const float* x, int64_t ldx, const WB& w, int64_t nb, float* out, int64_t ldo,
                    int64_t ncols, const float* bias, float alpha, bool accumulate) {
@@ -78,7 +97,7 @@ void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N,
              alpha, accumulate);
     }
   };
-  if (threads) at::parallel_for(0, NB + NBT, 1, blocks);
+  if (threads) parallel_chunks(NB + NBT, blocks, chunks_per_thread(M));
   else blocks(0, NB + NBT);
 }
 
@@ -143,14 +162,14 @@ void linears_into(const float* xp, int64_t M, int64_t K, const std::vector<WB>& 
   const int64_t P = (int64_t)ws.size();
   std::vector<int64_t> start(P + 1, 0);
   for (int64_t i = 0; i < P; i++) start[i + 1] = start[i] + nbs[i];
-  at::parallel_for(0, start[P], 1, [&](int64_t b0, int64_t b1) {
+  parallel_chunks(start[P], [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; blk++) {
       int64_t i = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1;
       int64_t nb = blk - start[i], N = ns[i];
       rows_n(M, xp, K, ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
              bp[i] ? bp[i] + nb * COLS : nullptr, 1.0f, false);
     }
-  });
+  }, chunks_per_thread(M));
 }
 }  // namespace
 
@@ -246,7 +265,7 @@ at::Tensor gate_up(at::Tensor x, at::Tensor packed_g, at::Tensor packed_u, int64
   auto out = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+  parallel_chunks(NB, [&](int64_t b0, int64_t b1) {
     std::vector<float> g(M * COLS), u(M * COLS), s(COLS);
     for (int64_t nb = b0; nb < b1; nb++) {
       rows_n(M, xp, K, wg, nb, g.data(), COLS, COLS, nullptr, 1.f, false);
@@ -257,7 +276,7 @@ at::Tensor gate_up(at::Tensor x, at::Tensor packed_g, at::Tensor packed_u, int64
         std::copy(s.begin(), s.begin() + ncols, op + m * N + nb * COLS);
       }
     }
-  });
+  }, chunks_per_thread(M));
   return out;
 }
 
@@ -276,7 +295,7 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Te
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const int64_t rep = H / Hk, SP = (S + 15) / 16 * 16;
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  parallel_chunks(B * H, [&](int64_t i0, int64_t i1) {
     std::vector<float> buf(SP);
     for (int64_t i = i0; i < i1; i++) {
       int64_t b = i / H, h = i % H, hk = h / rep;

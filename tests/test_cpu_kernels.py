@@ -682,3 +682,42 @@ def test_busy_cores_counts_other_processes_runnable_tasks_only(monkeypatch):
     assert threads.busy_cores() is None
     monkeypatch.setattr(threads, "cores", lambda: 2)
     assert threads.auto_threads() == 2  # unknown load: every core
+
+
+@needs_kernel
+def test_outputs_do_not_depend_on_the_thread_count():
+    """The column blocks and heads are handed to the threads in chunks as each comes free: linear (with an fp32
+    tail), linears, gate_up, linear_add_ and attend give bit for bit the one-thread result with 2 and 3 threads, at
+    one row (few long chunks) and at many (many chunks), for enough blocks that every thread takes several."""
+    g = torch.Generator().manual_seed(5)
+    saved = torch.get_num_threads()
+    n, k = 32 * 40 + 7, 96
+    w, w2 = _q4_1_form(n, k, g), _q4_1_form(n, k, g)
+    full = torch.cat([w, torch.randn(5, k, generator=g)])
+    (p, tail), p1, p2 = packing.quant_pack(full, ext), packing.quant_pack(w, ext)[0], packing.quant_pack(w2, ext)[0]
+    b, h, hk, s, d = 3, 8, 2, 45, 32
+    q, kk, vv = (torch.randn(b, x, t, d, generator=g) for x, t in ((h, 2), (hk, s), (hk, s)))
+    mask = torch.rand(b, 1, 2, s, generator=g) > 0.2
+    mask[..., 0] = True
+
+    def run(rows):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        added = torch.ones(rows, n)
+        ext.linear_add_(added, x, p2)
+        return [
+            ext.linear(x, p, n + 5, None, tail),
+            *ext.linears(x, [p2, p1], [n, n], [torch.empty(0), torch.empty(0)]),
+            ext.gate_up(x, p1, p2, n),
+            added,
+            ext.attend(q, kk, vv, mask, 0.2),
+        ]
+
+    try:
+        for rows in (1, 13):
+            torch.set_num_threads(1)
+            want = run(rows)
+            for threads in (2, 3):
+                torch.set_num_threads(threads)
+                assert all(torch.equal(a, b) for a, b in zip(run(rows), want)), (rows, threads)
+    finally:
+        torch.set_num_threads(saved)

@@ -9,8 +9,9 @@ slots are data, not shapes) and attends to ``valid[b]`` (True = a live token of 
 it and the next chunk overwrites it. Tree chunks that keep a non-prefix leave holes (``valid`` False), gathered
 out only when a row runs out of room (:meth:`StaticKV.compact`); only then, or when the rows outgrow the buffers
 (which then double), does the layout change. Room for a request's prompt + new tokens is made when it is added
-(:meth:`StaticKV.plan`), and with graphs the buffers hold the engine's whole batch from the start. Rows join from the engine's ordinary prefill (a
-:class:`~dlm.decode.engine.KVBatch`, copied into free rows) and leave by moving the rows behind them forward.
+(:meth:`StaticKV.plan`), and with graphs the buffers hold the engine's whole batch from the start. Rows join from
+the engine's ordinary prefill (a :class:`~dlm.decode.engine.KVBatch`, copied into free rows) and leave by moving
+the rows behind them forward.
 
 The forward (:meth:`StaticDecode.forward`): the batch is padded to a bucket (1, 2, 4, 8, 16, 32, then multiples of
 32) with pad rows that see only their own chunk, each chunk to a bucket (1..8, then powers of two) with pad tokens

@@ -27,6 +27,7 @@ forward hooks run the same static forward uncaptured.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Any
 
@@ -372,9 +373,8 @@ class StaticDecode:
         kv = self.kv
         kv.write_index = slots[:, None, :, None]
         mask = static_mask(kv.valid, lens, pattern, kv.span)
-        if not self.graphs:
-            return self.engine._forward(ids, pos, mask, kv.cache)
-        with sync_free(self.engine.model):  # gated adapters: nothing read on the host inside the capture
+        # captured: the gated adapters' gate reads nothing on the host
+        with sync_free(self.engine.model) if self.graphs else contextlib.nullcontext():
             return self.engine._forward(ids, pos, mask, kv.cache)
 
     def forward(self, rows, chunks: list[list[int]], ids: torch.Tensor, pos: torch.Tensor, trees: dict):

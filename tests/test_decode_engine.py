@@ -118,6 +118,35 @@ def test_growing_cache_equals_concatenation(monkeypatch):
     assert eng_mod.KVBatch().cache.layer_class_to_replicate.__name__ == "GrowingLayer"
 
 
+def test_growing_cache_appends_and_tail_crops_write_in_place():
+    """Appending to the in-place layer and cropping its tail (ISD's rejected drafts) keep the one buffer: no copy
+    of the cache until it is full, then one doubling; a crop from the left re-buffers once."""
+    kv = KVBatch()
+    g = torch.Generator().manual_seed(0)
+
+    def extend(t, keep_from):
+        k = torch.randn(1, 2, t, 3, generator=g)
+        kv.cache.update(k, k + 1, 0)
+        keep = torch.zeros(1, t, dtype=torch.bool)
+        keep[:, :keep_from] = True
+        kv.after_extend(keep)
+
+    extend(4, 4)
+    layer = kv.cache.layers[0]
+    start, cap = layer.keys.data_ptr(), layer._buf[0].shape[2]
+    for step in range(20):
+        extend(3, 1 + step % 3)  # the tail of a chunk cropped in two steps of three
+        assert layer.keys.data_ptr() == start and layer._buf[0].shape[2] == cap
+    n = layer.keys.shape[2]
+    extend(cap - n + 1, cap - n + 1)  # one slot past the buffer: one doubling, the live keys kept
+    assert layer._buf[0].shape[2] >= 2 * (cap + 1) and torch.equal(layer.keys, kv.cache.layers[0].keys)
+    kv.valid[:, 0] = False
+    kv.after_extend(torch.ones(1, 0, dtype=torch.bool))  # a dead head: cropped from the left
+    head = layer.keys.data_ptr()
+    extend(1, 1)
+    assert layer.keys.data_ptr() != head and layer.keys.shape[2] == kv.valid.shape[1]
+
+
 def test_holes_and_compaction_do_not_change_outputs():
     dlm = idlm("qwen3")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)

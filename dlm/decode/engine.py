@@ -112,29 +112,35 @@ def _growing_layer_class():
                 self.lazy_initialization(key_states, value_states)
             k, v = self.keys, self.values
             b, h, t, d = key_states.shape
-            n = k.shape[-2] if k.dim() == 4 else 0
             buf = getattr(self, "_buf", None)
-            fits = (
-                buf is not None
-                and k.dim() == 4
-                and k.data_ptr() == buf[0].data_ptr()
-                and v.data_ptr() == buf[1].data_ptr()
-                and k.stride() == buf[0].stride()
-                and buf[0].shape[:2] == (b, h)
-                and n + t <= buf[0].shape[2]
-            )
-            if not fits:
+            if buf is not None and k is buf[2] and v is buf[3]:  # the views this method made: in the buffer
+                n = k.shape[2]
+            else:  # replaced: still the buffer's own start (a crop from the right) or not
+                n = k.shape[-2] if k.dim() == 4 else 0
+                if not (
+                    buf is not None
+                    and k.dim() == 4
+                    and k.data_ptr() == buf[0].data_ptr()
+                    and v.data_ptr() == buf[1].data_ptr()
+                    and k.stride() == buf[0].stride()
+                    and v.stride() == buf[1].stride()
+                ):
+                    buf = None
+            if buf is not None:
+                kb, vb = buf[0], buf[1]
+                if kb.shape[:2] != (b, h) or n + t > kb.shape[2]:
+                    buf = None
+            if buf is None:
                 cap = max(2 * (n + t), 64)
                 kb = key_states.new_empty(b, h, cap, d)
                 vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
                 if n:
-                    kb[:, :, :n].copy_(k)
-                    vb[:, :, :n].copy_(v)
-                self._buf = buf = (kb, vb)
-            kb, vb = buf
-            kb[:, :, n : n + t].copy_(key_states)
-            vb[:, :, n : n + t].copy_(value_states)
-            self.keys, self.values = kb[:, :, : n + t], vb[:, :, : n + t]
+                    kb.narrow(2, 0, n).copy_(k)
+                    vb.narrow(2, 0, n).copy_(v)
+            kb.narrow(2, n, t).copy_(key_states)
+            vb.narrow(2, n, t).copy_(value_states)
+            self.keys, self.values = kb.narrow(2, 0, n + t), vb.narrow(2, 0, n + t)
+            self._buf = (kb, vb, self.keys, self.values)
             return self.keys, self.values
 
     _growing_layer.append(GrowingLayer)

@@ -362,6 +362,99 @@ def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, 
     cpu.detach(model)
 
 
+@needs_kernel
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_decoder_stack_in_one_loop_is_the_per_layer_path_bit_for_bit(arch, monkeypatch, each_isa):
+    """Inside active() a base model whose layers are all fused runs a decode chunk as one loop over the layers'
+    bodies (no base-model forward, no module call per layer). A cached chunk with a 4-D mask (a hole in one row)
+    and a 1-token step without one give the same logits, bit for bit, as the base model's own forward over the
+    same fused layers (sent there by a no-op hook on one layer, which then fires once per forward); the same cache;
+    one layer_in / layer_out per layer either way. Qwen3's layers keep their own forward, so its base model does
+    too; outside active() and after detach the model is its own."""
+    from transformers import DynamicCache
+
+    from dlm.testing import make_model
+
+    model = make_model(arch, hidden=64, heads=4, kv_heads=2)
+    base = model.model
+    ids = torch.randint(5, 90, (2, 10), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        stock = model(input_ids=ids).logits
+    assert cpu.attach(model)
+    assert fused.patched(base) == (arch != "qwen3")
+    layers = list(base.layers)
+    mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
+    mask[1, ..., 4] = False
+    mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
+    ext_ = fused._OPS[0]
+
+    calls_as_module = []
+    own_call = type(layers[0])._call_impl
+    monkeypatch.setattr(
+        type(layers[0]), "_call_impl", lambda self, *a, **k: calls_as_module.append(1) or own_call(self, *a, **k)
+    )
+
+    def run(hooked):
+        fired = []
+        calls_as_module.clear()
+        handle = layers[-1].register_forward_hook(lambda *a: fired.append(1)) if hooked else None
+        counting = CallCounter(ext_)
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        with torch.no_grad(), cpu.active():
+            cache = DynamicCache()
+            model(input_ids=ids[:, :6], cache=cache, use_cache=True)
+            pos = torch.arange(6, 9)[None].expand(2, 3)
+            chunk = model(input_ids=ids[:, 6:9], cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
+            step = model(input_ids=ids[:, 9:], cache=cache, use_cache=True, position_ids=torch.tensor([[9], [9]]))
+        if handle is not None:
+            handle.remove()
+        return chunk.logits, step.logits, cache, counting.calls, len(fired), len(calls_as_module)
+
+    chunk, step, cache, calls, _, as_modules = run(False)
+    chunk_l, step_l, cache_l, calls_l, fired, as_modules_l = run(True)
+    # the prefill (beyond the kernels' rows) runs the base model's own loop; the chunk and the step (fused) not
+    assert as_modules == (len(layers) if arch != "qwen3" else 3 * len(layers))
+    assert fired == 3 and as_modules_l == 3 * len(layers)  # with a hook on a layer: the model's own loop each time
+    assert torch.equal(chunk, chunk_l) and torch.equal(step, step_l)
+    for a, b in zip(cache.layers, cache_l.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    if arch != "qwen3":
+        assert calls.get("layer_in") == calls.get("layer_out") == 2 * len(layers)
+        assert calls_l.get("layer_in") == calls_l.get("layer_out") == 2 * len(layers)
+    # row 0 has no hole: the stock model's logits to rounding
+    torch.testing.assert_close(chunk[0], stock[0, 6:9], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step[0], stock[0, 9:], rtol=1e-4, atol=1e-4)
+    with torch.no_grad(), cpu.active():  # what the stack path leaves to the model's own forward
+        out = model(input_ids=ids[:, :1], output_hidden_states=True)
+        assert len(out.hidden_states) == len(layers) + 1
+        embeds = base.embed_tokens(ids[:, :1])
+        torch.testing.assert_close(model(inputs_embeds=embeds).logits, stock[:, :1], rtol=1e-4, atol=1e-4)
+    cpu.detach(model)
+    assert "forward" not in base.__dict__
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, stock)
+
+
+@needs_kernel
+def test_decoder_stack_check_refuses_a_stack_path_that_differs(monkeypatch):
+    """The stack path is used only where it matched the model's own forward bit for bit when attached: a stack
+    forward that skipped the final norm is refused (the model keeps its own forward, its layers stay fused)."""
+    from dlm.testing import make_model
+
+    real = fused._make_stack_forward
+
+    def skipping_norm(model, stock, parts):
+        emb, layers, norm, rot, fwds = parts
+        return real(model, stock, (emb, layers, nn.Identity(), rot, fwds))
+
+    monkeypatch.setattr(fused, "_make_stack_forward", skipping_norm)
+    monkeypatch.setattr(fused, "_checked", {})
+    model = make_model("llama", hidden=64, heads=4, kv_heads=2)
+    assert cpu.attach(model)
+    assert not fused.patched(model.model) and all(fused.patched(m) for m in model.model.layers)
+    cpu.detach(model)
+
+
 def _q4_1_form(n, k, g):
     """A weight as GGUF's Q4_1 dequantizes it: per 32 inputs (d * q) + m, d and m fp16 values, q in 0..15 (the
     block's smallest weight has q = 0, its largest q = 15, as the quantizer makes them)."""

@@ -11,9 +11,10 @@ even where the model's weights are 4.5-bit GGUF values. The kernels here
 - stream weights that are exactly GGUF Q4_1 / Q8_0 values in that form (5.3x / 3.6x fewer bytes) and rebuild each
   weight in registers, bit for bit the fp32 value (:mod:`dlm.decode.cpu.packing`); with more rows than one pass
   (a batch of 16), each 32-input block is rebuilt once into an fp32 buffer and applied to every pass;
-- run RMSNorm, the rotary embedding, silu(gate) * up and the attention of decode chunks as one call each, and a
-  whole Llama / Qwen2 / Mistral decoder layer as one Python function (:mod:`dlm.decode.cpu.fused`), each checked
-  against the model's own code before it is used.
+- run RMSNorm, the rotary embedding, silu(gate) * up and the attention of decode chunks as one call each, a
+  whole Llama / Qwen2 / Mistral decoder layer as one Python function, and a base model whose layers are all fused
+  as one loop over their bodies (:mod:`dlm.decode.cpu.fused`), each checked against the model's own code before
+  it is used.
 
 Exactness: every linear output is one multiply-add chain over the inputs in order, and every attention query is
 computed over the keys in order, whatever the other rows are: a row's result is bit for bit the same alone or in
@@ -168,6 +169,7 @@ def attach(model: nn.Module) -> Attached:
     fused._attach_norms(model, ops)
     fused._attach_mlps(model, ops)
     fused._attach_layers(model, ops)
+    fused._attach_stacks(model, ops)
     model._dlm_cpu_refs, model._dlm_cpu_choice = 1, ch
     return Attached(model, True, ch)
 

@@ -412,17 +412,9 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         )
         return [after(m, h, o, shape) for m, o in zip((qp, kp, vp), outs)]
 
-    def forward(*args, **kwargs):
-        x = args[0] if args else kwargs.get("hidden_states")
-        if (
-            not _active[0]
-            or len(args) > 1
-            or not isinstance(x, torch.Tensor)
-            or x.dim() != 3
-            or x.dtype != torch.float32
-            or x.device.type != "cpu"
-            or torch.is_grad_enabled()
-            or layer.training
+    def ready() -> bool:  # no hook on the modules the layer would call as modules (checked at each call)
+        return not (
+            layer.training
             or attn._forward_hooks
             or attn._forward_pre_hooks
             or mlp._forward_hooks
@@ -435,29 +427,31 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             or up._forward_hooks
             or gate._forward_pre_hooks
             or up._forward_pre_hooks
+        )
+
+    def forward(*args, **kwargs):
+        x = args[0] if args else kwargs.get("hidden_states")
+        if (
+            not _active[0]
+            or len(args) > 1
+            or not isinstance(x, torch.Tensor)
+            or x.dim() != 3
+            or x.dtype != torch.float32
+            or x.device.type != "cpu"
+            or torch.is_grad_enabled()
+            or not ready()
             or not _LAYER_KWARGS.issuperset(kwargs.keys() - {"hidden_states"})
         ):
             return stock(*args, **kwargs)
-        b, t, d = x.shape
+        b, t, _ = x.shape
         pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
+        if pe is None or not _chunk_ok(b, t, hd, mask, pe[0], pe[1]):
+            return stock(*args, **kwargs)
+        return body(x, pe[0], pe[1], mask, kwargs.get("cache", kwargs.get("past_key_values")))
+
+    def body(x, cos, sin, mask, cache):  # the layer on x [b, t, d] once forward's (or the stack's) checks hold
+        b, t, d = x.shape
         rows = b * t
-        if (
-            pe is None
-            or not 0 < rows <= MAX_ROWS
-            or t > ATTEND_MAX_QUERIES
-            or (mask is not None and (mask.dtype != torch.bool or mask.dim() != 4))
-            or (mask is None and t != 1)
-        ):
-            return stock(*args, **kwargs)
-        cos, sin = pe
-        if (
-            cos.dim() != 3
-            or tuple(cos.shape) != (b, t, hd)
-            or cos.dtype != torch.float32
-            or cos.stride(-1) != 1
-            or sin.stride(-1) != 1
-        ):
-            return stock(*args, **kwargs)
         ext = _OPS[0]
         shape = (b, t)
         x2 = x.reshape(rows, d).contiguous()
@@ -497,7 +491,6 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
                 b,
                 hd,
             )
-            cache = kwargs.get("cache", kwargs.get("past_key_values"))
             if cache is not None:
                 k, v = cache.update(k, v, layer_idx)
             mask = _layer_mask(mask, b, t, k.shape[2])
@@ -508,7 +501,6 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         k = k.view(b, t, -1, hd).transpose(1, 2)
         v = v.view(b, t, -1, hd).transpose(1, 2)
         q, k = ext.rope(q, cos, sin), ext.rope(k, cos, sin)
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         mask = _layer_mask(mask, b, t, k.shape[2])
@@ -536,7 +528,201 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         return x2.view(b, t, d)
 
     forward._dlm = True
+    forward._dlm_ready, forward._dlm_body, forward._dlm_hd = ready, body, hd
     return forward
+
+
+def _chunk_ok(b: int, t: int, hd: int, mask, cos, sin) -> bool:
+    """A decode chunk the fused layer takes: at most MAX_ROWS rows and ATTEND_MAX_QUERIES tokens a row, a bool
+    [B | 1, 1, T, S] mask (or none, for one token), fp32 rotary tables [B, T, head_dim]."""
+    return (
+        0 < b * t <= MAX_ROWS
+        and t <= ATTEND_MAX_QUERIES
+        and (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 or mask is None and t == 1)
+        and cos.dim() == 3
+        and tuple(cos.shape) == (b, t, hd)
+        and cos.dtype == torch.float32
+        and cos.stride(-1) == 1
+        and sin.stride(-1) == 1
+    )
+
+
+# -- the decoder stack ------------------------------------------------------------------------------------------
+# With every layer fused, what is left of a decode step's Python is the glue around the layers: the base model's
+# forward (its decorators, the causal-mask builder, 30 module calls with 6 keyword arguments each) and every
+# layer's own checks of its inputs - a quarter of a 1-row step of a 135M model on a fast CPU. Inside active() a
+# base model (LlamaModel, Qwen2Model, ...) whose layers are all fused runs its decode chunks as one loop over the
+# layers' bodies: the checks once per forward, the embedding, rotary embedding and final norm called as modules,
+# the cache updated through its own API. Checked once per class against its own forward on the model itself
+# (hidden states and cache bit for bit) before it is used; anything else (inputs_embeds, a 2-D padding mask,
+# output_hidden_states, a hook on a layer, sliding windows) takes the model's own forward.
+
+_stack_runs = [0]  # forwards the stack path took (for its check)
+_STACK_KWARGS = frozenset(
+    ("input_ids", "attention_mask", "position_ids", "cache", "past_key_values", "inputs_embeds", "use_cache")
+)
+
+
+def _stack_parts(model: nn.Module):
+    """(embedding, layers, final norm, rotary embedding, the layers' fused forwards) of a base decoder model the
+    stack path takes, or None."""
+    emb, layers, norm, rot = (getattr(model, a, None) for a in ("embed_tokens", "layers", "norm", "rotary_emb"))
+    cfg = getattr(model, "config", None)
+    if (
+        not type(model).__name__.endswith("Model")
+        or not isinstance(emb, nn.Embedding)
+        or not isinstance(layers, nn.ModuleList)
+        or not len(layers)
+        or not isinstance(norm, nn.Module)
+        or not patched(norm)
+        or not isinstance(rot, nn.Module)
+        or getattr(cfg, "num_hidden_layers", None) != len(layers)
+        or patched(model)
+    ):
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        if any(t != "full_attention" for t in types):
+            return None
+    elif getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+        return None
+    fwds = [layer.__dict__.get("forward") for layer in layers]
+    if not all(getattr(f, "_dlm_body", None) is not None for f in fwds):
+        return None
+    if len({f._dlm_hd for f in fwds}) != 1:
+        return None
+    return emb, layers, norm, rot, fwds
+
+
+def _attach_stacks(model: nn.Module, mod) -> None:
+    for m in list(model.modules()):
+        parts = _stack_parts(m)
+        if parts is None:
+            continue
+        forward = _make_stack_forward(m, m.forward, parts)
+        key = (type(m), "stack")
+        if key not in _checked:
+            if not forward._dlm_ready():  # hooks on it now: the check would not see the stack path run
+                continue
+            _checked[key] = _check_stack(m, forward)
+        if _checked[key]:
+            _patch(m, forward)
+
+
+def _output_type():
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    fields = getattr(BaseModelOutputWithPast, "__dataclass_fields__", {})
+    return BaseModelOutputWithPast, "cache" if "cache" in fields else "past_key_values"
+
+
+def _make_stack_forward(model: nn.Module, stock, parts):
+    emb, layers, norm, rot, fwds = parts
+    hd = fwds[0]._dlm_hd
+    steps = [(layer, f._dlm_ready, f._dlm_body) for layer, f in zip(layers, fwds)]
+    out_type, cache_field = _output_type()
+
+    def ready() -> bool:
+        if (
+            model.training
+            or emb._forward_hooks
+            or emb._forward_pre_hooks
+            or rot._forward_hooks
+            or rot._forward_pre_hooks
+            or _global_hooks()
+            or emb.weight.dtype != torch.float32
+            or emb.weight.device.type != "cpu"
+        ):
+            return False
+        for layer, layer_ready, _ in steps:
+            if layer._forward_hooks or layer._forward_pre_hooks or not layer_ready():
+                return False
+        return all(layer.__dict__.get("forward") is f for (layer, _, _), f in zip(steps, fwds))
+
+    def forward(*args, **kwargs):
+        if args or not _active[0] or torch.is_grad_enabled() or not _STACK_KWARGS.issuperset(kwargs.keys()):
+            return stock(*args, **kwargs)
+        ids, pos, mask = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        if (
+            not isinstance(ids, torch.Tensor)
+            or kwargs.get("inputs_embeds") is not None
+            or cache is None
+            or ids.dim() != 2
+            or not isinstance(pos, torch.Tensor)
+            or pos.shape != ids.shape
+            or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4))
+            or not ready()
+        ):
+            return stock(*args, **kwargs)
+        b, t = ids.shape
+        if not 0 < b * t <= MAX_ROWS or t > ATTEND_MAX_QUERIES or (mask is None and t != 1):
+            return stock(*args, **kwargs)
+        h = emb(ids)
+        cos, sin = rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
+        if not _chunk_ok(b, t, hd, mask, cos, sin):
+            return stock(*args, **kwargs)
+        for _, _, body in steps:
+            h = body(h, cos, sin, mask, cache)
+        _stack_runs[0] += 1
+        return out_type(last_hidden_state=norm(h), **{cache_field: cache})
+
+    forward._dlm = True
+    forward._dlm_ready = ready
+    return forward
+
+
+def _check_stack(model: nn.Module, forward) -> bool:
+    """The stack path against the model's own forward (its layers fused) inside active(), on the model itself: a
+    3-token prompt, a 2-token chunk with a 4-D mask holding a hole, a 1-token step without a mask and one with a
+    mask holding a hole; hidden states and cache bit for bit, and the stack path ran each time. Gated adapters are
+    held off (no mask rows) while it runs."""
+    from transformers import DynamicCache
+
+    from dlm.model.lora import attached
+
+    loras = attached(model)
+    saved = [lora._n_gated for lora in loras]
+    try:
+        for lora in loras:
+            lora._n_gated = 0
+        vocab = model.embed_tokens.num_embeddings
+        ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+        mask = torch.ones(2, 1, 2, 5, dtype=torch.bool)
+        mask[0, ..., 1] = False
+        mask[..., 4] = torch.tensor([False, True])
+        hole = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+        hole[1, ..., 2] = False
+        results = []
+        runs = _stack_runs[0]
+        with torch.no_grad(), active(True):
+            for fn in (model.forward, forward):
+                cache = DynamicCache()
+                kw = {_output_type()[1]: cache}  # the forward's cache argument is named as its output's field
+                model.forward(input_ids=ids[:, :3], position_ids=torch.arange(3)[None].expand(2, 3), **kw)
+                a = fn(
+                    input_ids=ids[:, 3:5],
+                    position_ids=torch.arange(3, 5)[None].expand(2, 2),
+                    attention_mask=mask,
+                    use_cache=True,
+                    **kw,
+                )
+                c = fn(input_ids=ids[:, 5:6], position_ids=torch.full((2, 1), 5), use_cache=True, **kw)
+                e = fn(input_ids=ids[:, 6:], position_ids=torch.full((2, 1), 6), attention_mask=hole, **kw)
+                results.append((a.last_hidden_state, c.last_hidden_state, e.last_hidden_state, cache))
+        *h0, k0 = results[0]
+        *h1, k1 = results[1]
+        same_cache = all(
+            torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(k0.layers, k1.layers)
+        )
+        return _stack_runs[0] - runs == 3 and same_cache and all(torch.equal(x, y) for x, y in zip(h0, h1))
+    except Exception:  # noqa: BLE001 - another forward signature or output: keep the model's own forward
+        return False
+    finally:
+        for lora, n in zip(loras, saved):
+            lora._n_gated = n
 
 
 def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor, scale: float) -> bool:

@@ -16,6 +16,10 @@ memory-bound (every weight read once, 2 FLOPs each), so a few more rows need not
 pre-packed weight with prefetching and keeps 8 rows' accumulators in registers, 0.99x / 1.01x / 1.07x.
 ``--weights gguf`` makes every weight exactly GGUF Q4_1 values (the lm_head Q8_0), as in the embedded SmolLM2, so
 the kernel streams them compressed and rebuilds them (once per call past one register pass of rows).
+``--attention S`` adds the decode attention: M rows of one query each over each layer's own cache of S keys (a
+distinct cache per layer in a buffer twice as long, as the engine's growing cache keeps it: cold in cache, as in a
+batched decode step, where 16 rows x 128 keys are ~3.6 MB of keys and values a layer), through SDPA (blas) and the
+kernel's attention.
 """
 
 from __future__ import annotations
@@ -101,6 +105,8 @@ def main(argv=None) -> int:
         default="f32",
         help="f32: random fp32 weights (fp32 packing); gguf: exact Q4_1 values (lm_head Q8_0), packed compressed",
     )
+    ap.add_argument("--attention", type=int, default=0, help="also time the decode attention over S cached keys")
+    ap.add_argument("--head-dim", type=int, default=64)
     args = ap.parse_args(argv)
     rows = [int(r) for r in args.rows.split(",") if r]
     kinds = [k for k in args.linear.split(",") if k]
@@ -155,7 +161,49 @@ def main(argv=None) -> int:
                 for m in rows
             )
         )
+    if args.attention:
+        attention(args, rows, kinds)
     return 0
+
+
+def attention(args, rows: list[int], kinds: list[str]) -> None:
+    """Microseconds per layer of M rows' decode attention over their cold caches, blas (SDPA) and kernel."""
+    d, s = args.head_dim, args.attention
+    heads, kv_heads = args.hidden // d, args.kv // d
+    ext = cpu_kernels.extension() if "kernel" in kinds else None
+    print(f"decode attention, {heads} heads / {kv_heads} kv heads x {d}, {s} cached keys, one cache per layer:")
+    for m in rows:
+        caches = [
+            (torch.randn(m, kv_heads, 2 * s, d)[:, :, :s], torch.randn(m, kv_heads, 2 * s, d)[:, :, :s])
+            for _ in range(args.layers)
+        ]
+        q = torch.randn(m, heads, 1, d)
+
+        def run(kind):
+            for k, v in caches:
+                if kind == "blas":
+                    F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                else:
+                    ext.attend(q, k, v, None, d**-0.5)
+
+        spent = {k: 0.0 for k in kinds}
+        with torch.inference_mode():
+            for kind in kinds:
+                run(kind)
+            for _ in range(args.repeats):
+                for kind in kinds:
+                    t0 = time.perf_counter()
+                    run(kind)
+                    spent[kind] += time.perf_counter() - t0
+        nbytes = 2 * m * kv_heads * s * d * 4
+        print(
+            f"  M={m:<3} "
+            + "  ".join(
+                f"{k} {spent[k] / args.repeats / args.layers * 1e6:7.1f} us "
+                f"({nbytes * args.repeats * args.layers / spent[k] / 1e9:4.1f} GB/s of K/V)"
+                for k in kinds
+            )
+        )
 
 
 if __name__ == "__main__":

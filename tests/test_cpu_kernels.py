@@ -319,6 +319,20 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     assert not any("forward" in m.__dict__ for m in layers)
 
 
+def _prefill_chunk_step(model, ids, mask):
+    """Inside active(): a 6-token prefill of 2 rows, a 3-token chunk with ``mask``, a 1-token step without one;
+    the chunk's and the step's outputs and the cache."""
+    from transformers import DynamicCache
+
+    with torch.no_grad(), cpu.active():
+        cache = DynamicCache()
+        model(input_ids=ids[:, :6], cache=cache, use_cache=True)
+        pos = torch.arange(6, 9)[None].expand(2, 3)
+        chunk = model(input_ids=ids[:, 6:9], cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
+        step = model(input_ids=ids[:, 9:], cache=cache, use_cache=True, position_ids=torch.tensor([[9], [9]]))
+    return chunk, step, cache
+
+
 @needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, monkeypatch, each_isa):
@@ -327,7 +341,6 @@ def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, 
     residual); a no-op hook on every o_proj sends it through one kernel call per op instead. The logits of a
     cached chunk with a mask (a hole in one row's cache, causal among the chunk) and of a 1-token step without one
     are bit for bit the same both ways."""
-    from transformers import DynamicCache
 
     from dlm.testing import make_model
 
@@ -344,12 +357,7 @@ def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, 
         hooks = [m.self_attn.o_proj.register_forward_hook(lambda *a: None) for m in layers] if hooked else []
         counting = CallCounter(ext_)
         monkeypatch.setattr(fused, "_OPS", [counting])
-        with torch.no_grad(), cpu.active():
-            cache = DynamicCache()
-            model(input_ids=ids[:, :6], cache=cache, use_cache=True)
-            pos = torch.arange(6, 9)[None].expand(2, 3)
-            chunk = model(input_ids=ids[:, 6:9], cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
-            step = model(input_ids=ids[:, 9:], cache=cache, use_cache=True, position_ids=torch.tensor([[9], [9]]))
+        chunk, step, cache = _prefill_chunk_step(model, ids, mask)
         for h in hooks:
             h.remove()
         return chunk.logits, step.logits, counting.calls
@@ -371,7 +379,6 @@ def test_decoder_stack_in_one_loop_is_the_per_layer_path_bit_for_bit(arch, monke
     same fused layers (sent there by a no-op hook on one layer, which then fires once per forward); the same cache;
     one layer_in / layer_out per layer either way. Qwen3's layers keep their own forward, so its base model does
     too; outside active() and after detach the model is its own."""
-    from transformers import DynamicCache
 
     from dlm.testing import make_model
 
@@ -400,12 +407,7 @@ def test_decoder_stack_in_one_loop_is_the_per_layer_path_bit_for_bit(arch, monke
         handle = layers[-1].register_forward_hook(lambda *a: fired.append(1)) if hooked else None
         counting = CallCounter(ext_)
         monkeypatch.setattr(fused, "_OPS", [counting])
-        with torch.no_grad(), cpu.active():
-            cache = DynamicCache()
-            model(input_ids=ids[:, :6], cache=cache, use_cache=True)
-            pos = torch.arange(6, 9)[None].expand(2, 3)
-            chunk = model(input_ids=ids[:, 6:9], cache=cache, use_cache=True, attention_mask=mask, position_ids=pos)
-            step = model(input_ids=ids[:, 9:], cache=cache, use_cache=True, position_ids=torch.tensor([[9], [9]]))
+        chunk, step, cache = _prefill_chunk_step(model, ids, mask)
         if handle is not None:
             handle.remove()
         return chunk.logits, step.logits, cache, counting.calls, len(fired), len(calls_as_module)

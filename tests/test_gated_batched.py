@@ -323,6 +323,49 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
 
 
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
+def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypatch):
+    """A forward without a mask token (an AR step of a gated model) adds no delta anywhere: with q/v adapters each
+    fused layer runs as its two kernel calls (layer_in, layer_out) like a model without adapters, its logits bit
+    for bit those of the per-op path the adapters take with mask rows (so greedy ISD still equals the model's own
+    AR); adapters on gate/up keep the per-op path (the MLP's own activation, which rounds differently from the
+    fused one). Both the stock model's logits to rounding."""
+    from transformers import DynamicCache
+
+    from dlm.decode.cpu import fused
+
+    cpu = _kernels()
+    dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
+    hf = dlm.base_model_hf
+    ids = _ids(2, 10, [], dlm.mask_token_id, seed=4)
+    pos = torch.arange(6, 10)[None].expand(2, 4)
+    mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
+    mask[..., 6:] = torch.ones(4, 4, dtype=torch.bool).tril_()
+
+    def chunk(kernels: bool):
+        with torch.no_grad(), cpu.active(kernels):
+            cache = DynamicCache()
+            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+            return hf(input_ids=ids[:, 6:], past_key_values=cache, attention_mask=mask, position_ids=pos).logits
+
+    stock = chunk(False)
+    assert cpu.attach(dlm)
+    ext_ = fused._OPS[0]
+    counting = CallCounter(ext_)
+    monkeypatch.setattr(fused, "_OPS", [counting])
+    got = chunk(True)
+    two_calls = hf.config.num_hidden_layers if targets == "q_proj,v_proj" else None
+    assert counting.calls.get("layer_in") == two_calls and "lora_add" not in counting.calls
+    counting = CallCounter(ext_)
+    monkeypatch.setattr(fused, "_OPS", [counting])
+    monkeypatch.setattr(fused, "_gates", lambda m: "_dlm_gated" in m.__dict__)  # any adapter: the per-op path
+    per_op = chunk(True)
+    assert "layer_in" not in counting.calls
+    assert torch.equal(got, per_op)
+    torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-4)
+    cpu.detach(dlm)
+
+
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 def test_engine_isd_with_gated_adapters_is_the_base_model(targets):
     """Lossless end to end: the engine's greedy ISD (through the CPU kernels where they build) on a model with
     strong random gated adapters gives the base model's greedy tokens (transformers generate on the model before

@@ -324,6 +324,15 @@ def _gated(module: nn.Module):
     return module.__dict__.get("_dlm_gated")
 
 
+def _gates(module: nn.Module) -> bool:
+    """Whether a gated-LoRA linear adds a delta in this forward: it has an adapter and the forward has mask rows
+    (the count its model's gate took; -1 in sync-free mode, where every row's delta is computed). Without mask
+    rows its output is the base layer's, so a layer with adapters on q/k/v (or o_proj / down_proj) takes the two
+    kernel calls in an AR step of a gated model: bit for bit the per-op path it takes with mask rows."""
+    g = module.__dict__.get("_dlm_gated")
+    return g is not None and g[0].lora._n_gated != 0
+
+
 def _ungate(module: nn.Module) -> None:
     from dlm.model.lora import _ungate as ungate
 
@@ -350,20 +359,23 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
 
     mods = (qp, kp, vp, op, gate, up, down)
 
-    def bare(ms) -> bool:  # no hooks, gated adapters or fp32 tails on these projections
-        return not any(
-            m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None or "_dlm_gated" in m.__dict__
-            for m in ms
-        )
+    def bare(ms) -> bool:  # no hooks, gated adapters with mask rows in this forward or fp32 tails on these
+        return not any(m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None or _gates(m) for m in ms)
+
+    def fused_mlp() -> bool:
+        # adapters on gate/up (idle or not) keep the MLP's own activation product, as with mask rows, so that a
+        # gated model's rows round alike with and without masks in the forward (greedy ISD == its AR)
+        return "_dlm_gated" not in gate.__dict__ and "_dlm_gated" not in up.__dict__
 
     def plain() -> bool:  # the projections bare, no biases on o_proj / down_proj
-        return not (_global_hooks() or op.bias is not None or down.bias is not None) and bare(mods)
+        return not (_global_hooks() or op.bias is not None or down.bias is not None) and bare(mods) and fused_mlp()
 
     def plain_out() -> bool:  # gated adapters on q/k/v only (no hooks): the layer's second half in one call
         return (
             not (_global_hooks() or op.bias is not None or down.bias is not None)
             and not any(m._forward_hooks or m._forward_pre_hooks for m in mods[:3])
             and bare(mods[3:])
+            and fused_mlp()
         )
 
     def lin(module, h, shape):  # h: [rows, in] contiguous

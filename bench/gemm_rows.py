@@ -46,6 +46,11 @@ def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kind
             for w, p in zip(weights, packed):
                 ext.linear(x, p, w.shape[0], None, None)
 
+    return {k: v / len(weights) * 1e6 for k, v in alternated(run, kinds, repeats).items()}
+
+
+def alternated(run, kinds: list[str], repeats: int) -> dict:
+    """Seconds per ``run(kind)``, each kind warmed up once, then the kinds alternated per repeat."""
     spent = {k: 0.0 for k in kinds}
     with torch.inference_mode():
         for kind in kinds:  # warm-up
@@ -55,7 +60,7 @@ def per_call_us(weights: list[torch.Tensor], x: torch.Tensor, repeats: int, kind
                 t0 = time.perf_counter()
                 run(kind)
                 spent[kind] += time.perf_counter() - t0
-    return {k: v / repeats / len(weights) * 1e6 for k, v in spent.items()}
+    return {k: v / repeats for k, v in spent.items()}
 
 
 def gguf_form(n: int, k: int, kind: str, g: torch.Generator) -> torch.Tensor:
@@ -186,21 +191,12 @@ def attention(args, rows: list[int], kinds: list[str]) -> None:
                 else:
                     ext.attend(q, k, v, None, d**-0.5)
 
-        spent = {k: 0.0 for k in kinds}
-        with torch.inference_mode():
-            for kind in kinds:
-                run(kind)
-            for _ in range(args.repeats):
-                for kind in kinds:
-                    t0 = time.perf_counter()
-                    run(kind)
-                    spent[kind] += time.perf_counter() - t0
+        spent = alternated(run, kinds, args.repeats)
         nbytes = 2 * m * kv_heads * s * d * 4
         print(
             f"  M={m:<3} "
             + "  ".join(
-                f"{k} {spent[k] / args.repeats / args.layers * 1e6:7.1f} us "
-                f"({nbytes * args.repeats * args.layers / spent[k] / 1e9:4.1f} GB/s of K/V)"
+                f"{k} {spent[k] / args.layers * 1e6:7.1f} us ({nbytes * args.layers / spent[k] / 1e9:4.1f} GB/s of K/V)"
                 for k in kinds
             )
         )

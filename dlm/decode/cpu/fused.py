@@ -329,7 +329,7 @@ def _gates(module: nn.Module) -> bool:
     (the count its model's gate took; -1 in sync-free mode, where every row's delta is computed). Without mask
     rows its output is the base layer's, so a layer with adapters on q/k/v (or o_proj / down_proj) takes the two
     kernel calls in an AR step of a gated model: bit for bit the per-op path it takes with mask rows."""
-    g = module.__dict__.get("_dlm_gated")
+    g = _gated(module)
     return g is not None and g[0].lora._n_gated != 0
 
 
@@ -457,7 +457,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             return stock(*args, **kwargs)
         b, t, _ = x.shape
         pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
-        if pe is None or not _chunk_ok(b, t, hd, mask, pe[0], pe[1]):
+        if pe is None or not (_chunk_ok(b, t, mask) and _rotary_ok(b, t, hd, pe[0], pe[1])):
             return stock(*args, **kwargs)
         return body(x, pe[0], pe[1], mask, kwargs.get("cache", kwargs.get("past_key_values")))
 
@@ -544,14 +544,20 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
     return forward
 
 
-def _chunk_ok(b: int, t: int, hd: int, mask, cos, sin) -> bool:
+def _chunk_ok(b: int, t: int, mask) -> bool:
     """A decode chunk the fused layer takes: at most MAX_ROWS rows and ATTEND_MAX_QUERIES tokens a row, a bool
-    [B | 1, 1, T, S] mask (or none, for one token), fp32 rotary tables [B, T, head_dim]."""
+    [B | 1, 1, T, S] mask (or none, for one token)."""
+    if mask is None:
+        ok_mask = t == 1
+    else:
+        ok_mask = isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4
+    return 0 < b * t <= MAX_ROWS and t <= ATTEND_MAX_QUERIES and ok_mask
+
+
+def _rotary_ok(b: int, t: int, hd: int, cos, sin) -> bool:
+    """fp32 rotary tables [B, T, head_dim], the last stride 1."""
     return (
-        0 < b * t <= MAX_ROWS
-        and t <= ATTEND_MAX_QUERIES
-        and (mask is not None and mask.dtype == torch.bool and mask.dim() == 4 or mask is None and t == 1)
-        and cos.dim() == 3
+        cos.dim() == 3
         and tuple(cos.shape) == (b, t, hd)
         and cos.dtype == torch.float32
         and cos.stride(-1) == 1
@@ -665,16 +671,14 @@ def _make_stack_forward(model: nn.Module, stock, parts):
             or ids.dim() != 2
             or not isinstance(pos, torch.Tensor)
             or pos.shape != ids.shape
-            or (mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4))
+            or not _chunk_ok(ids.shape[0], ids.shape[1], mask)
             or not ready()
         ):
             return stock(*args, **kwargs)
         b, t = ids.shape
-        if not 0 < b * t <= MAX_ROWS or t > ATTEND_MAX_QUERIES or (mask is None and t != 1):
-            return stock(*args, **kwargs)
         h = emb(ids)
         cos, sin = rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
-        if not _chunk_ok(b, t, hd, mask, cos, sin):
+        if not _rotary_ok(b, t, hd, cos, sin):
             return stock(*args, **kwargs)
         for _, _, body in steps:
             h = body(h, cos, sin, mask, cache)
@@ -709,10 +713,11 @@ def _check_stack(model: nn.Module, forward) -> bool:
         hole[1, ..., 2] = False
         results = []
         runs = _stack_runs[0]
+        cache_arg = _output_type()[1]  # the forward's cache argument is named as its output's field
         with torch.no_grad(), active(True):
             for fn in (model.forward, forward):
                 cache = DynamicCache()
-                kw = {_output_type()[1]: cache}  # the forward's cache argument is named as its output's field
+                kw = {cache_arg: cache}
                 model.forward(input_ids=ids[:, :3], position_ids=torch.arange(3)[None].expand(2, 3), **kw)
                 a = fn(
                     input_ids=ids[:, 3:5],

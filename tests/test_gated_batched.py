@@ -282,8 +282,9 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
     """A cached decode chunk [clean, clean, M, M] through the kernels' fused decoder layers: every row equals the
     same model's stock forward to 1e-4 (the kernels round differently from BLAS); the clean rows equal the kernels'
     own run of the same chunk with the adapters idle - bit for bit with q/v adapters (the fused layer's two halves
-    are the same kernels; all-linear adapters send the MLP through linears + its own activation, to 1e-5); at batch
-    1 each adapter's delta is one lora_add kernel call, and with q/v adapters the rest of each layer one layer_out."""
+    are the same kernels; all-linear adapters send the MLP through linears + its own activation, to 1e-5). With q/v
+    adapters each layer of the chunk is its two kernel calls (the deltas inside the first, layer_in_gated); with
+    all-linear ones, at batch 1, each adapter's delta is one lora_add kernel call."""
     from transformers import DynamicCache
 
     from dlm.decode.cpu import fused
@@ -314,12 +315,81 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
     assert not torch.allclose(got[:, 2:], idle[:, 2:], atol=1e-3)  # the adapters acted on the masks
     if targets == "q_proj,v_proj":
         assert torch.equal(got[:, :2], idle[:, :2])
-        assert calls.get("layer_out", 0) >= hf.config.num_hidden_layers  # the chunk's layers (and the prefill's)
+        assert calls.get("layer_in_gated") == hf.config.num_hidden_layers and "lora_add" not in calls
+        assert calls.get("layer_out") == hf.config.num_hidden_layers  # (the prompt, 6 tokens, takes SDPA)
     else:
         torch.testing.assert_close(got[:, :2], idle[:, :2], rtol=1e-5, atol=1e-5)
-    if batch == 1:
-        assert calls.get("lora_add") == len(g.adapters)
+        if batch == 1:
+            assert calls.get("lora_add") == len(g.adapters)
     cpu.detach(dlm)
+
+
+def _isas():
+    from dlm.decode import cpu
+
+    ext = cpu.extension()
+    return ext.isas().split(",") if ext is not None else ["none"]
+
+
+# chunk [4 tokens] after a 6-token prompt: the masks at its end (batch 1), in its middle with a clean row after them
+# (batch 1), and at the ends of two rows (batch 2, as the engine batches ISD chunks: flattened rows 2-3 and 7)
+QKV_LAYOUTS = {"end": (1, [(0, 8), (0, 9)]), "middle": (1, [(0, 7), (0, 8)]), "rows": (2, [(0, 8), (0, 9), (1, 9)])}
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("layout", sorted(QKV_LAYOUTS))
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,k_proj,v_proj"])
+def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, layout, isa, monkeypatch):
+    """With gated adapters on q/k/v only and mask rows in the forward, each fused layer adds the deltas inside its
+    first kernel call (layer_in_gated: after the projections, before the rotary embedding) and runs as two calls
+    like a model without adapters. It is the per-op path's kernels on the same rows (rms_norm, linears, one lora_add
+    per run of consecutive mask rows, rope): at batch 1 (the masks one run) the logits are that path's bit for bit,
+    mask rows included; with masks closing several rows of a batch the per-op path adds the deltas with torch's
+    index_add, so there the clean rows are bit for bit and the mask rows to 1e-5. On every instruction set this
+    CPU runs; the stock model's logits to 1e-4."""
+    from transformers import DynamicCache
+
+    from dlm.decode.cpu import fused
+
+    cpu = _kernels()
+    batch, masks_at = QKV_LAYOUTS[layout]
+    dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2, seed=5)
+    hf, m = dlm.base_model_hf, dlm.mask_token_id
+    ids = _ids(batch, 10, masks_at, m, seed=6)
+    pos = torch.arange(6, 10)[None].expand(batch, 4)
+    gated = (ids[:, 6:] == m)[..., None].expand(batch, 4, hf.config.vocab_size)
+
+    def chunk(kernels: bool):
+        with torch.no_grad(), cpu.active(kernels):
+            cache = DynamicCache()
+            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+            return hf(input_ids=ids[:, 6:], past_key_values=cache, use_cache=True, position_ids=pos).logits
+
+    stock = chunk(False)
+    assert cpu.attach(dlm)
+    cpu.set_isa(isa)
+    try:
+        ext_ = fused._OPS[0]
+        counting = CallCounter(ext_)
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        got = chunk(True)
+        assert counting.calls.get("layer_in_gated") == hf.config.num_hidden_layers
+        assert "lora_add" not in counting.calls and "rope" not in counting.calls
+        counting = CallCounter(ext_)
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        with monkeypatch.context() as mp:
+            mp.setattr(fused, "_qkv_deltas", lambda projs, rows: None)  # the per-op path
+            per_op = chunk(True)
+        assert "layer_in_gated" not in counting.calls and counting.calls.get("rope")
+    finally:
+        cpu.set_isa("auto")
+        cpu.detach(dlm)
+    if batch == 1:
+        assert torch.equal(got, per_op)
+    else:
+        assert torch.equal(got[~gated], per_op[~gated])
+        torch.testing.assert_close(got, per_op, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])

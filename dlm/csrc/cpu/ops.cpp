@@ -207,18 +207,24 @@ void linear_add_(at::Tensor out, at::Tensor x, at::Tensor packed) {
               out.stride(0), 1.0f, true);
 }
 
+namespace {
+// out[M, N] (row stride ldo) += scale * (x[M, K] @ A.T) @ B.T: a low-rank adapter's delta on M rows
+void lora_into(const float* xp, int64_t M, const WB& wa, int64_t nba, int64_t r, const WB& wb, int64_t nbb,
+               int64_t N, float* op, int64_t ldo, float scale) {
+  std::vector<float> h(M * r);
+  bool threads = M * (wa.K * r + r * N) > (1 << 18);  // a few mask rows: one thread (starting two costs more)
+  linear_into(xp, M, wa, nba, r, nullptr, h.data(), r, 1.0f, false, nullptr, 0, threads);
+  linear_into(h.data(), M, wb, nbb, N, nullptr, op, ldo, scale, true, nullptr, 0, threads);
+}
+}  // namespace
+
 // out[M, N] += scale * (x[M, K] @ A.T) @ B.T (a low-rank adapter's delta; out: rows of a layer output)
 void lora_add(at::Tensor out, at::Tensor x, at::Tensor packed_a, int64_t r, at::Tensor packed_b, double scale) {
   TORCH_CHECK(x.is_contiguous() && out.stride(1) == 1 && out.size(0) == x.size(0), "dlm_cpu.lora_add: bad shapes");
-  int64_t M = x.size(0), N = out.size(1);
   WB wa = wb_of(packed_a), wbb = wb_of(packed_b);
   TORCH_CHECK(wa.K == x.size(1) && wbb.K == r, "dlm_cpu.lora_add: bad shapes");
-  auto h = torch::empty({M, r}, x.options());
-  bool threads = M * (wa.K * r + r * N) > (1 << 18);  // a few mask rows: one thread (starting two costs more)
-  linear_into(x.data_ptr<float>(), M, wa, packed_a.size(0), r, nullptr, h.data_ptr<float>(), r, 1.0f, false,
-              nullptr, 0, threads);
-  linear_into(h.data_ptr<float>(), M, wbb, packed_b.size(0), N, nullptr, out.data_ptr<float>(), out.stride(0),
-              (float)scale, true, nullptr, 0, threads);
+  lora_into(x.data_ptr<float>(), x.size(0), wa, packed_a.size(0), r, wbb, packed_b.size(0), out.size(1),
+            out.data_ptr<float>(), out.stride(0), (float)scale);
 }
 
 // RMSNorm of each row of x [..., D] (contiguous), transformers' LlamaRMSNorm to rounding
@@ -317,9 +323,18 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Te
 // h = rms_norm(x); q, k, v = h @ Wq.T (+ bq), h @ Wk.T (+ bk), h @ Wv.T (+ bv); the rotary embedding of q and k.
 // x [B * T, D] contiguous (rows b-major); cos, sin [B, T, hd] (the last stride 1) -> q [B, H, T, hd] and
 // k [B, Hk, T, hd] contiguous, v [B, Hk, T, hd] (a view of [B, T, Hk, hd]).
-std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
-                                 at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
-                                 at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd) {
+namespace {
+struct Deltas {  // gated adapters on q / k / v (layer_in_gated): their packed A, B (none: numel 0), the mask rows
+  const std::vector<at::Tensor>* a;
+  const std::vector<at::Tensor>* b;
+  int64_t r;
+  float scale;
+  const at::Tensor* rows;
+};
+
+std::vector<at::Tensor> layer_in_impl(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
+                                      at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
+                                      at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd, const Deltas* lora) {
   TORCH_CHECK(x.is_contiguous() && x.dim() == 2 && x.scalar_type() == at::kFloat && nw.is_contiguous() &&
               nw.numel() == x.size(1) && ns.size() == 3 && biases.size() == 3 && B > 0 && x.size(0) % B == 0 &&
               hd > 0 && hd % 2 == 0 && ns[0] % hd == 0 && ns[1] % hd == 0 && ns[2] % hd == 0,
@@ -346,6 +361,25 @@ std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Te
     op[i] = lin[i].data_ptr<float>();
   }
   linears_into(hp, M, D, ws, nbs, ns, bp, op);
+  if (lora) {  // each adapter's delta on the mask rows, one run of consecutive rows at a time (as lora_add)
+    const int64_t n = lora->rows->numel();
+    const int64_t* ri = lora->rows->data_ptr<int64_t>();
+    for (int64_t lo = 0; lo < n;) {
+      int64_t hi = lo + 1;
+      while (hi < n && ri[hi] == ri[hi - 1] + 1) hi++;
+      const int64_t row = ri[lo], len = hi - lo;
+      TORCH_CHECK(0 <= row && row + len <= M && (lo == 0 || row > ri[lo - 1]),
+                  "dlm_cpu.layer_in_gated: mask rows out of range or not ascending");
+      for (int i = 0; i < 3; i++) {
+        const at::Tensor &a = (*lora->a)[i], &b = (*lora->b)[i];
+        if (!a.numel()) continue;
+        WB wa = wb_of(a), wbb = wb_of(b);
+        lora_into(hp + row * D, len, wa, a.size(0), lora->r, wbb, b.size(0), ns[i], op[i] + row * ns[i], ns[i],
+                  lora->scale);
+      }
+      lo = hi;
+    }
+  }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   std::vector<at::Tensor> outs;
@@ -362,6 +396,33 @@ std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Te
   }
   outs.push_back(lin[2].view({B, Tn, ns[2] / hd, hd}).transpose(1, 2));
   return outs;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
+                                 at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
+                                 at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd) {
+  return layer_in_impl(x, nw, eps, pq, pk, pv, ns, biases, cos, sin, B, hd, nullptr);
+}
+
+// layer_in with gated-LoRA adapters on q / k / v: after the three projections, each adapter's scale * B(A(h)) is
+// added to its output's mask rows (`rows`: int64 indices into the B * T rows, ascending) before the rotary
+// embedding - the same kernels on the same data as rms_norm / linears / lora_add (each run of consecutive mask
+// rows one lora_add) / rope. a[i], b[i]: projection i's packed A [r, D] and B [N_i, r], or empty tensors for none.
+std::vector<at::Tensor> layer_in_gated(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
+                                       at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
+                                       at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd, at::Tensor rows,
+                                       std::vector<at::Tensor> a, std::vector<at::Tensor> b, int64_t r,
+                                       double scale) {
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && a.size() == 3 &&
+              b.size() == 3 && r > 0, "dlm_cpu.layer_in_gated: bad adapter arguments");
+  for (int i = 0; i < 3; i++)
+    TORCH_CHECK(!a[i].numel() || (wb_of(a[i]).K == x.size(1) && a[i].size(0) * COLS >= r && b[i].numel() &&
+                                  wb_of(b[i]).K == r && b[i].size(0) * COLS >= ns.at(i)),
+                "dlm_cpu.layer_in_gated: bad adapter shapes");
+  Deltas d{&a, &b, r, (float)scale, &rows};
+  return layer_in_impl(x, nw, eps, pq, pk, pv, ns, biases, cos, sin, B, hd, &d);
 }
 
 // x + o_proj(attention(q, k, v)) -> y; then y + down(silu(gate(h)) * up(h)) with h = rms_norm(y): the rest of the
@@ -400,5 +461,6 @@ TORCH_LIBRARY(dlm_cpu, m) {
   m.def("gate_up", &gate_up);
   m.def("attend", &attend);
   m.def("layer_in", &layer_in);
+  m.def("layer_in_gated", &layer_in_gated);
   m.def("layer_out", &layer_out);
 }

@@ -488,8 +488,12 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
 
         for m in mods:
             fresh(m)
-        if plain():  # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
-            q, k, v = ext.layer_in(
+        deltas = None
+        if not plain() and plain_out() and not any(m._dlm_tail is not None for m in mods[:3]):
+            deltas = _qkv_deltas(mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
+        if deltas is not None or plain():
+            # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
+            args = (
                 x2,
                 n1.weight,
                 eps1,
@@ -503,6 +507,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
                 b,
                 hd,
             )
+            q, k, v = ext.layer_in(*args) if deltas is None else ext.layer_in_gated(*args, *deltas)
             if cache is not None:
                 k, v = cache.update(k, v, layer_idx)
             mask = _layer_mask(mask, b, t, k.shape[2])
@@ -756,16 +761,52 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
         or out_rows.stride(-1) != 1
     ):
         return False
-    ext = _OPS[0]
+    pa, pb = _adapter_packed(adapter)
+    _OPS[0].lora_add(out_rows, rows.contiguous(), pa, adapter.A.shape[0], pb, float(scale))
+    return True
+
+
+def _adapter_packed(adapter: nn.Module):
+    """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes)."""
     a, b = adapter.A, adapter.B
     key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
         with torch.no_grad():
-            packed = (key, ext.pack(a.detach(), False), ext.pack(b.detach(), False), a.shape[0])
+            packed = (key, _OPS[0].pack(a.detach(), False), _OPS[0].pack(b.detach(), False))
         adapter.__dict__["_dlm_packed"] = packed
-    ext.lora_add(out_rows, rows.contiguous(), packed[1], packed[3], packed[2], float(scale))
-    return True
+    return packed[1], packed[2]
+
+
+def _qkv_deltas(projs, rows: int):
+    """What ``layer_in_gated`` needs to add the gated adapters' deltas of q / k / v inside the layer's first call:
+    ``(mask rows, [A_q, A_k, A_v], [B_q, B_k, B_v], r, scale)`` (an empty tensor where a projection has no
+    adapter), or None where the per-op path is the one to take: no adapter with mask rows in this forward,
+    sync-free mode (every row's delta, kept by torch.where), dropout in training mode, a gate of another shape
+    (the per-op path raises the error), adapters of another dtype or of two GatedLoRA modules."""
+    gs = [_gated(m) for m in projs]
+    lora = next((g[0].lora for g in gs if g is not None), None)
+    if (
+        lora is None
+        or lora._n_gated <= 0
+        or lora._idx is None
+        or lora.sync_free
+        or (lora.training and lora.settings.dropout > 0)
+        or lora._gate is None
+        or lora._gate.numel() != rows
+    ):
+        return None
+    a, b = [], []
+    for g in gs:
+        if g is None:
+            a.append(_NO_BIAS), b.append(_NO_BIAS)
+            continue
+        adapter = g[0].adapters[g[1]]
+        if g[0].lora is not lora or adapter.A.dtype != torch.float32 or adapter.B.dtype != torch.float32:
+            return None
+        pa, pb = _adapter_packed(adapter)
+        a.append(pa), b.append(pb)
+    return lora._idx, a, b, lora.settings.r, float(lora.scale)
 
 
 def _make_forward(module: nn.Module, stock):

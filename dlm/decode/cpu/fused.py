@@ -488,10 +488,10 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
 
         for m in mods:
             fresh(m)
-        deltas = None
-        if not plain() and plain_out() and not any(m._dlm_tail is not None for m in mods[:3]):
+        whole, deltas = plain(), None
+        if not whole and plain_out() and not any(m._dlm_tail is not None for m in mods[:3]):
             deltas = _qkv_deltas(mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
-        if deltas is not None or plain():
+        if whole or deltas is not None:
             # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
             args = (
                 x2,
@@ -768,7 +768,7 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
 
 def _adapter_packed(adapter: nn.Module):
     """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes)."""
-    a, b = adapter.A, adapter.B
+    a, b = adapter._parameters["A"], adapter._parameters["B"]  # (nn.Module.__getattr__ costs more than the rest)
     key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
@@ -784,8 +784,9 @@ def _qkv_deltas(projs, rows: int):
     adapter), or None where the per-op path is the one to take: no adapter with mask rows in this forward,
     sync-free mode (every row's delta, kept by torch.where), dropout in training mode, a gate of another shape
     (the per-op path raises the error), adapters of another dtype or of two GatedLoRA modules."""
-    gs = [_gated(m) for m in projs]
-    lora = next((g[0].lora for g in gs if g is not None), None)
+    gs = [m.__dict__.get("_dlm_gated") for m in projs]  # (_gated, inlined: once a layer per forward)
+    g0 = gs[0] or gs[1] or gs[2]
+    lora = g0[0].lora if g0 is not None else None
     if (
         lora is None
         or lora._n_gated <= 0
@@ -802,7 +803,7 @@ def _qkv_deltas(projs, rows: int):
             a.append(_NO_BIAS), b.append(_NO_BIAS)
             continue
         adapter = g[0].adapters[g[1]]
-        if g[0].lora is not lora or adapter.A.dtype != torch.float32 or adapter.B.dtype != torch.float32:
+        if g[0].lora is not lora or any(w.dtype != torch.float32 for w in adapter._parameters.values()):
             return None
         pa, pb = _adapter_packed(adapter)
         a.append(pa), b.append(pb)

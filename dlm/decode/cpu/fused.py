@@ -669,6 +669,11 @@ def _make_stack_forward(model: nn.Module, stock, parts):
         cache = kwargs.get("cache")
         if cache is None:
             cache = kwargs.get("past_key_values")
+        if mask is None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and cache is not None:
+            # a chunk without a mask: causal over the cache and itself, the mask the model's own forward builds (its
+            # positions follow the cache's length, not position_ids); checked against it at attach
+            t, past = ids.shape[1], cache.get_seq_length()
+            mask = torch.ones(t, past + t, dtype=torch.bool).tril_(past)[None, None]
         if (
             not isinstance(ids, torch.Tensor)
             or kwargs.get("inputs_embeds") is not None
@@ -697,9 +702,9 @@ def _make_stack_forward(model: nn.Module, stock, parts):
 
 def _check_stack(model: nn.Module, forward) -> bool:
     """The stack path against the model's own forward (its layers fused) inside active(), on the model itself: a
-    3-token prompt, a 2-token chunk with a 4-D mask holding a hole, a 1-token step without a mask and one with a
-    mask holding a hole; hidden states and cache bit for bit, and the stack path ran each time. Gated adapters are
-    held off (no mask rows) while it runs."""
+    3-token prompt, a 2-token chunk with a 4-D mask holding a hole, a 1-token step without a mask, one with a mask
+    holding a hole and a 2-token chunk without a mask; hidden states and cache bit for bit, and the stack path ran
+    each time. Gated adapters are held off (no mask rows) while it runs."""
     from transformers import DynamicCache
 
     from dlm.model.lora import attached
@@ -710,7 +715,7 @@ def _check_stack(model: nn.Module, forward) -> bool:
         for lora in loras:
             lora._n_gated = 0
         vocab = model.embed_tokens.num_embeddings
-        ids = torch.randint(0, vocab, (2, 7), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(0))
         mask = torch.ones(2, 1, 2, 5, dtype=torch.bool)
         mask[0, ..., 1] = False
         mask[..., 4] = torch.tensor([False, True])
@@ -732,14 +737,17 @@ def _check_stack(model: nn.Module, forward) -> bool:
                     **kw,
                 )
                 c = fn(input_ids=ids[:, 5:6], position_ids=torch.full((2, 1), 5), use_cache=True, **kw)
-                e = fn(input_ids=ids[:, 6:], position_ids=torch.full((2, 1), 6), attention_mask=hole, **kw)
-                results.append((a.last_hidden_state, c.last_hidden_state, e.last_hidden_state, cache))
+                e = fn(input_ids=ids[:, 6:7], position_ids=torch.full((2, 1), 6), attention_mask=hole, **kw)
+                f = fn(input_ids=ids[:, 7:], position_ids=torch.arange(7, 9)[None].expand(2, 2), use_cache=True, **kw)
+                results.append(
+                    (a.last_hidden_state, c.last_hidden_state, e.last_hidden_state, f.last_hidden_state, cache)
+                )
         *h0, k0 = results[0]
         *h1, k1 = results[1]
         same_cache = all(
             torch.equal(x.keys, y.keys) and torch.equal(x.values, y.values) for x, y in zip(k0.layers, k1.layers)
         )
-        return _stack_runs[0] - runs == 3 and same_cache and all(torch.equal(x, y) for x, y in zip(h0, h1))
+        return _stack_runs[0] - runs == 4 and same_cache and all(torch.equal(x, y) for x, y in zip(h0, h1))
     except Exception:  # noqa: BLE001 - another forward signature or output: keep the model's own forward
         return False
     finally:

@@ -276,6 +276,23 @@ def _kernels():
     return cpu
 
 
+def _cached_chunk(hf, ids, kernels: bool, mask=None):
+    """The logits of ``ids[:, 6:]`` (positions 6..) as a cached chunk after a 6-token prefill of ``ids[:, :6]``,
+    through the CPU kernels or not."""
+    from transformers import DynamicCache
+
+    from dlm.decode import cpu
+
+    b, t = ids.shape
+    pos = torch.arange(6, t)[None].expand(b, t - 6)
+    with torch.no_grad(), cpu.active(kernels):
+        cache = DynamicCache()
+        hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
+        return hf(
+            input_ids=ids[:, 6:], past_key_values=cache, use_cache=True, attention_mask=mask, position_ids=pos
+        ).logits
+
+
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
@@ -285,7 +302,6 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
     are the same kernels; all-linear adapters send the MLP through linears + its own activation, to 1e-5). With q/v
     adapters each layer of the chunk is its two kernel calls (the deltas inside the first, layer_in_gated); with
     all-linear ones, at batch 1, each adapter's delta is one lora_add kernel call."""
-    from transformers import DynamicCache
 
     from dlm.decode.cpu import fused
 
@@ -293,14 +309,10 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
     dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
     hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
     ids = _ids(batch, 10, [(r, c) for r in range(batch) for c in (8, 9)], m, seed=3)
-    pos = torch.arange(6, 10)[None].expand(batch, 4)
 
     def chunk(kernels: bool, idle: bool = False):
         g.mask_token_id = -1 if idle else m
-        with torch.no_grad(), cpu.active(kernels):
-            cache = DynamicCache()
-            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
-            out = hf(input_ids=ids[:, 6:], past_key_values=cache, use_cache=True, position_ids=pos).logits
+        out = _cached_chunk(hf, ids, kernels)
         g.mask_token_id = m
         return out
 
@@ -347,7 +359,6 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
     mask rows included; with masks closing several rows of a batch the per-op path adds the deltas with torch's
     index_add, so there the clean rows are bit for bit and the mask rows to 1e-5. On every instruction set this
     CPU runs; the stock model's logits to 1e-4."""
-    from transformers import DynamicCache
 
     from dlm.decode.cpu import fused
 
@@ -356,14 +367,10 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
     dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2, seed=5)
     hf, m = dlm.base_model_hf, dlm.mask_token_id
     ids = _ids(batch, 10, masks_at, m, seed=6)
-    pos = torch.arange(6, 10)[None].expand(batch, 4)
     gated = (ids[:, 6:] == m)[..., None].expand(batch, 4, hf.config.vocab_size)
 
     def chunk(kernels: bool):
-        with torch.no_grad(), cpu.active(kernels):
-            cache = DynamicCache()
-            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
-            return hf(input_ids=ids[:, 6:], past_key_values=cache, use_cache=True, position_ids=pos).logits
+        return _cached_chunk(hf, ids, kernels)
 
     stock = chunk(False)
     assert cpu.attach(dlm)
@@ -399,7 +406,6 @@ def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypa
     for bit those of the per-op path the adapters take with mask rows (so greedy ISD still equals the model's own
     AR); adapters on gate/up keep the per-op path (the MLP's own activation, which rounds differently from the
     fused one). Both the stock model's logits to rounding."""
-    from transformers import DynamicCache
 
     from dlm.decode.cpu import fused
 
@@ -407,15 +413,11 @@ def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypa
     dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
     hf = dlm.base_model_hf
     ids = _ids(2, 10, [], dlm.mask_token_id, seed=4)
-    pos = torch.arange(6, 10)[None].expand(2, 4)
     mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
     mask[..., 6:] = torch.ones(4, 4, dtype=torch.bool).tril_()
 
     def chunk(kernels: bool):
-        with torch.no_grad(), cpu.active(kernels):
-            cache = DynamicCache()
-            hf(input_ids=ids[:, :6], past_key_values=cache, use_cache=True)
-            return hf(input_ids=ids[:, 6:], past_key_values=cache, attention_mask=mask, position_ids=pos).logits
+        return _cached_chunk(hf, ids, kernels, mask)
 
     stock = chunk(False)
     assert cpu.attach(dlm)

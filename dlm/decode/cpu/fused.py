@@ -669,7 +669,14 @@ def _make_stack_forward(model: nn.Module, stock, parts):
         cache = kwargs.get("cache")
         if cache is None:
             cache = kwargs.get("past_key_values")
-        if mask is None and isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] > 1 and cache is not None:
+        if (
+            mask is None
+            and cache is not None
+            and isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and 1 < ids.shape[1] <= ATTEND_MAX_QUERIES
+            and ids.numel() <= MAX_ROWS
+        ):
             # a chunk without a mask: causal over the cache and itself, the mask the model's own forward builds (its
             # positions follow the cache's length, not position_ids); checked against it at attach
             t, past = ids.shape[1], cache.get_seq_length()

@@ -399,6 +399,32 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
     torch.testing.assert_close(got, stock, rtol=1e-4, atol=1e-4)
 
 
+def test_qkv_deltas_follow_adapters_updated_in_place(monkeypatch):
+    """Training between decodes (an optimizer step on the adapters, in place): the next fused forward repacks them,
+    so its mask rows are the updated adapters' - bit for bit the per-op path's - and no longer the old ones'."""
+    from dlm.decode.cpu import fused
+
+    cpu = _kernels()
+    dlm, _, _ = _pair("llama", targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=7)
+    hf, m = dlm.base_model_hf, dlm.mask_token_id
+    ids = _ids(1, 10, [(0, 8), (0, 9)], m, seed=8)
+    assert cpu.attach(dlm)
+    try:
+        before = _cached_chunk(hf, ids, True)
+        with torch.no_grad():
+            for a in dlm.gated_lora.adapters.values():
+                a.B.mul_(-2.0)
+        after = _cached_chunk(hf, ids, True)
+        with monkeypatch.context() as mp:
+            mp.setattr(fused, "_qkv_deltas", lambda projs, rows: None)  # the per-op path
+            per_op = _cached_chunk(hf, ids, True)
+    finally:
+        cpu.detach(dlm)
+    assert torch.equal(after, per_op)
+    assert torch.equal(after[:, :2], before[:, :2])  # the clean rows: the base model's either way
+    assert not torch.allclose(after[:, 2:], before[:, 2:], atol=1e-3)
+
+
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "all-linear"])
 def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypatch):
     """A forward without a mask token (an AR step of a gated model) adds no delta anywhere: with q/v adapters each

@@ -324,9 +324,10 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Te
 // x [B * T, D] contiguous (rows b-major); cos, sin [B, T, hd] (the last stride 1) -> q [B, H, T, hd] and
 // k [B, Hk, T, hd] contiguous, v [B, Hk, T, hd] (a view of [B, T, Hk, hd]).
 namespace {
-struct Deltas {  // gated adapters on q / k / v (layer_in_gated): their packed A, B (none: numel 0), the mask rows
-  const std::vector<at::Tensor>* a;
-  const std::vector<at::Tensor>* b;
+struct Deltas {  // gated adapters on q / k / v (layer_in_gated): their packed A, B, rank and scale; the mask rows
+  bool has[3];
+  WB a[3], b[3];
+  int64_t nba[3], nbb[3];
   int64_t r;
   float scale;
   const at::Tensor* rows;
@@ -370,13 +371,10 @@ std::vector<at::Tensor> layer_in_impl(at::Tensor x, at::Tensor nw, double eps, a
       const int64_t row = ri[lo], len = hi - lo;
       TORCH_CHECK(0 <= row && row + len <= M && (lo == 0 || row > ri[lo - 1]),
                   "dlm_cpu.layer_in_gated: mask rows out of range or not ascending");
-      for (int i = 0; i < 3; i++) {
-        const at::Tensor &a = (*lora->a)[i], &b = (*lora->b)[i];
-        if (!a.numel()) continue;
-        WB wa = wb_of(a), wbb = wb_of(b);
-        lora_into(hp + row * D, len, wa, a.size(0), lora->r, wbb, b.size(0), ns[i], op[i] + row * ns[i], ns[i],
-                  lora->scale);
-      }
+      for (int i = 0; i < 3; i++)
+        if (lora->has[i])
+          lora_into(hp + row * D, len, lora->a[i], lora->nba[i], lora->r, lora->b[i], lora->nbb[i], ns[i],
+                    op[i] + row * ns[i], ns[i], lora->scale);
       lo = hi;
     }
   }
@@ -416,12 +414,20 @@ std::vector<at::Tensor> layer_in_gated(at::Tensor x, at::Tensor nw, double eps, 
                                        std::vector<at::Tensor> a, std::vector<at::Tensor> b, int64_t r,
                                        double scale) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && a.size() == 3 &&
-              b.size() == 3 && r > 0, "dlm_cpu.layer_in_gated: bad adapter arguments");
-  for (int i = 0; i < 3; i++)
-    TORCH_CHECK(!a[i].numel() || (wb_of(a[i]).K == x.size(1) && a[i].size(0) * COLS >= r && b[i].numel() &&
-                                  wb_of(b[i]).K == r && b[i].size(0) * COLS >= ns.at(i)),
+              b.size() == 3 && ns.size() == 3 && r > 0, "dlm_cpu.layer_in_gated: bad adapter arguments");
+  Deltas d;
+  d.r = r;
+  d.scale = (float)scale;
+  d.rows = &rows;
+  for (int i = 0; i < 3; i++) {
+    d.has[i] = a[i].numel() > 0;
+    if (!d.has[i]) continue;
+    TORCH_CHECK(b[i].numel() > 0, "dlm_cpu.layer_in_gated: an adapter's A without its B");
+    d.a[i] = wb_of(a[i]), d.b[i] = wb_of(b[i]);
+    d.nba[i] = a[i].size(0), d.nbb[i] = b[i].size(0);
+    TORCH_CHECK(d.a[i].K == x.size(1) && d.nba[i] * COLS >= r && d.b[i].K == r && d.nbb[i] * COLS >= ns[i],
                 "dlm_cpu.layer_in_gated: bad adapter shapes");
-  Deltas d{&a, &b, r, (float)scale, &rows};
+  }
   return layer_in_impl(x, nw, eps, pq, pk, pv, ns, biases, cos, sin, B, hd, &d);
 }
 

@@ -488,8 +488,10 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
 
         for m in mods:
             fresh(m)
-        whole, deltas = plain(), None
-        if not whole and plain_out() and not any(m._dlm_tail is not None for m in mods[:3]):
+        whole = plain()
+        second = whole or plain_out()  # the layer's second half in one call (layer_out)
+        deltas = None
+        if not whole and second and not any(m._dlm_tail is not None for m in mods[:3]):
             deltas = _qkv_deltas(mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
         if whole or deltas is not None:
             # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
@@ -521,7 +523,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)
         mask = _layer_mask(mask, b, t, k.shape[2])
-        if plain_out():  # adapters on q/k/v only: the rest of the layer in one call (bit for bit the steps below)
+        if second:  # adapters on q/k/v only: the rest of the layer in one call (bit for bit the steps below)
             return layer_out(q, k, v, mask)
         o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
         x2 = x2 + lin(op, o, shape)
@@ -802,15 +804,8 @@ def _qkv_deltas(projs, rows: int):
     gs = [m.__dict__.get("_dlm_gated") for m in projs]  # (_gated, inlined: once a layer per forward)
     g0 = gs[0] or gs[1] or gs[2]
     lora = g0[0].lora if g0 is not None else None
-    if (
-        lora is None
-        or lora._n_gated <= 0
-        or lora._idx is None
-        or lora.sync_free
-        or (lora.training and lora.settings.dropout > 0)
-        or lora._gate is None
-        or lora._gate.numel() != rows
-    ):
+    # the gate leaves no row index without mask rows, in sync-free mode and for dense deltas (with gradients)
+    if lora is None or lora._idx is None or (lora.training and lora.settings.dropout > 0) or lora._gate.numel() != rows:
         return None
     a, b = [], []
     for g in gs:

@@ -3,43 +3,95 @@
 # every objective against an AR step on a 0.5B-class body (SDPA dense masks, then flex BlockMasks); the AR step and
 # the ISD N=3 step with gated adapters active, captured (their gate sync-free) and not, at batch 1 / 8; the growing
 # cache vs the static step vs CUDA graphs at batch 1 / 8 / 32 without adapters; and `ar` against `isd` end to end
-# on a 1B-class body with the drafts forced to set acceptance rates (bench/forced_acceptance.py). Random weights of the model's shape or of a named larger body on its
-# vocabulary (bench/shapes.py), so the config and tokenizer folder is enough. Logs and JSON go to $OUT.
+# on a 1B-class body with the drafts forced to set acceptance rates (bench/forced_acceptance.py). Random weights of
+# the model's shape or of a named larger body on its vocabulary (bench/shapes.py), so the config and tokenizer folder
+# is enough. Logs and JSON go to $OUT. Each step's exit status is kept: a summary at the end names the steps that
+# failed or ran out of time, and the script exits 1 if any did (the other steps still run).
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh [MODEL_FOLDER_OR_ALIAS]
+#
+# Rehearsal on a CPU (GPU_CHECKS_REHEARSAL=1): every step with the same scripts and flags but on the CPU, in fp32,
+# on the model's own body and with a few tokens, so that a flag or script that no longer fits is found before a
+# GPU's minutes are spent (tests/test_bench_scripts.py runs it on a tiny model). CUDA-only parts are left out and
+# said so: the CUDA tests, the flex-attention step (its backward runs only on CUDA); `graphs` is skipped by
+# bench/static_step.py itself off CUDA.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
   TOKENIZERS_PARALLELISM=false
 OUT=${OUT:-/tmp/dlm_gpu}
 mkdir -p "$OUT"
 M=${1:-smollm2-135m}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+REHEARSAL=${GPU_CHECKS_REHEARSAL:-0}
+FAILED=()
+
+# step NAME TIMEOUT COMMAND...: runs the command under the time limit, its output (less warnings) to the log and
+# the screen, and records a failure by name. The log is the one named by LOG.
+step() {
+  local name=$1 limit=$2 t0=$SECONDS rc
+  shift 2
+  timeout "$limit" "$@" 2>&1 | grep -v "Warning\|warn(" | tee -a "$LOG"
+  rc=${PIPESTATUS[0]}
+  if [ "$rc" -eq 124 ]; then
+    FAILED+=("$name (ran past ${limit} s)")
+  elif [ "$rc" -ne 0 ]; then
+    FAILED+=("$name (exit $rc)")
+  fi
+  echo "$name: $((SECONDS - t0)) s, exit $rc"
+}
+
+if [ "$REHEARSAL" = 1 ]; then
+  echo "rehearsal on the CPU: same steps, fp32, the model's own body, a few tokens; no CUDA tests, graphs or flex"
+  DEV=(--device cpu)
+  DTYPE=(--dtype fp32)
+  BF16=()
+  SHAPE_05B=(--shape base)
+  SHAPE_1B=(--shape base)
+  OBJ_SIZE=(--batch-size 1 --lengths 32 --reps 1)
+  TOKENS_SMALL=4
+  TOKENS=4
+  BATCHES_LARGE=1,2
+  FORCED=(--batch-size 1,2 --acceptance 0,0.9 --new-tokens 8 --prompt-tokens 16)
+else
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  DEV=(--device cuda)
+  DTYPE=(--dtype bf16)
+  BF16=(--bf16)
+  SHAPE_05B=(--shape 0.5b)
+  SHAPE_1B=(--shape 1b)
+  OBJ_SIZE=(--batch-size 8 --lengths 2048 --reps 5)
+  TOKENS_SMALL=24
+  TOKENS=32
+  BATCHES_LARGE=1,8,32
+  FORCED=(--batch-size 1,8 --acceptance 0,0.6,0.9 --new-tokens 64)
+fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-t0=$SECONDS
-timeout 150 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m gpu tests/test_gpu.py tests/test_decode_static.py --timeout 120 -rA \
-  2>&1 | grep -v "Warning\|warn(" | tee "$OUT/pytest_gpu.log" | tail -20
-echo "tests: $((SECONDS - t0)) s"
-t0=$SECONDS
-timeout 75 python3 bench/objectives.py --model "$M" --random-init --shape 0.5b --device cuda --bf16 --batch-size 8 \
-  --lengths 2048 --reps 5 --json "$OUT/objectives_sdpa.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
-echo "objectives sdpa: $((SECONDS - t0)) s"
-t0=$SECONDS
-timeout 50 python3 bench/static_step.py --model "$M" --random-init --device cuda --dtype bf16 --batch-sizes 1,8 \
-  --decoders ar,isd3 --modes static,graphs --max-new-tokens 24 --groups 1 --adapters \
-  --json "$OUT/static_step_adapters.json" 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
-echo "static step / CUDA graphs, gated adapters: $((SECONDS - t0)) s"
-t0=$SECONDS
-timeout 110 python3 bench/static_step.py --model "$M" --random-init --device cuda --dtype bf16 --batch-sizes 1,8,32 \
-  --decoders ar,isd3 --modes dynamic,static,graphs --max-new-tokens 32 --groups 2 --json "$OUT/static_step.json" \
-  2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
-echo "static step / CUDA graphs: $((SECONDS - t0)) s"
-t0=$SECONDS
-timeout 90 python3 bench/objectives.py --model "$M" --random-init --shape 0.5b --device cuda --bf16 --batch-size 8 \
-  --lengths 2048 --reps 5 --attn-impl flex_attention --json "$OUT/objectives_flex.json" 2>&1 \
-  | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
-echo "objectives flex: $((SECONDS - t0)) s"
-t0=$SECONDS
-timeout 90 python3 bench/forced_acceptance.py --model "$M" --shape 1b --device cuda --dtype bf16 --batch-size 1,8 \
-  --stride 3 --acceptance 0,0.6,0.9 --new-tokens 64 2>&1 | grep -v "Warning\|warn(" | tee -a "$OUT/bench.log"
-echo "forced acceptance (1b): $((SECONDS - t0)) s"
+
+if [ "$REHEARSAL" = 1 ]; then
+  echo "CUDA tests: left out (rehearsal)"
+else
+  LOG="$OUT/pytest_gpu.log" step "CUDA tests" 150 python3 -m pytest -p no:cacheprovider -o addopts="" -q -m gpu \
+    tests/test_gpu.py tests/test_decode_static.py --timeout 120 -rA
+fi
+LOG="$OUT/bench.log"
+step "objectives sdpa" 75 python3 bench/objectives.py --model "$M" --random-init "${SHAPE_05B[@]}" "${DEV[@]}" \
+  "${BF16[@]}" "${OBJ_SIZE[@]}" --json "$OUT/objectives_sdpa.json"
+step "static step / CUDA graphs, gated adapters" 50 python3 bench/static_step.py --model "$M" --random-init \
+  "${DEV[@]}" "${DTYPE[@]}" --batch-sizes 1,8 --decoders ar,isd3 --modes static,graphs --max-new-tokens "$TOKENS_SMALL" \
+  --groups 1 --adapters --json "$OUT/static_step_adapters.json"
+step "static step / CUDA graphs" 110 python3 bench/static_step.py --model "$M" --random-init "${DEV[@]}" \
+  "${DTYPE[@]}" --batch-sizes "$BATCHES_LARGE" --decoders ar,isd3 --modes dynamic,static,graphs --max-new-tokens "$TOKENS" \
+  --groups 2 --json "$OUT/static_step.json"
+if [ "$REHEARSAL" = 1 ]; then
+  echo "objectives flex: left out (rehearsal: flex attention's backward runs only on CUDA)"
+else
+  step "objectives flex" 90 python3 bench/objectives.py --model "$M" --random-init "${SHAPE_05B[@]}" "${DEV[@]}" \
+    "${BF16[@]}" "${OBJ_SIZE[@]}" --attn-impl flex_attention --json "$OUT/objectives_flex.json"
+fi
+step "forced acceptance" 90 python3 bench/forced_acceptance.py --model "$M" "${SHAPE_1B[@]}" "${DEV[@]}" \
+  "${DTYPE[@]}" --stride 3 "${FORCED[@]}"
 echo "all: ${SECONDS} s"
+if [ ${#FAILED[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${FAILED[@]}"
+  exit 1
+fi
+echo "every step ran"

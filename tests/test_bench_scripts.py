@@ -1,0 +1,58 @@
+"""bench/gpu_checks.sh is the one script a GPU session runs, with minutes to spend: its rehearsal on the CPU runs every
+step with the same scripts and flags on a tiny model, so that a flag or script that no longer fits fails here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from dlm.testing import save_tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = [
+    "objectives sdpa",
+    "static step / CUDA graphs, gated adapters",
+    "static step / CUDA graphs",
+    "forced acceptance",
+]
+
+
+def _rehearse(model: str, out: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "GPU_CHECKS_REHEARSAL": "1", "OUT": str(out), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        ["bash", "bench/gpu_checks.sh", model], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.mark.integration
+def test_gpu_checks_rehearsal_runs_every_step_on_the_cpu(tmp_path):
+    model = save_tiny(tmp_path / "tiny")
+    run = _rehearse(str(model), tmp_path / "out")
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    for name in STEPS:
+        assert f"{name}: " in run.stdout and f"{name}: " in run.stdout.split("every step ran")[0]
+        assert [line for line in run.stdout.splitlines() if line.startswith(f"{name}: ")][0].endswith("exit 0")
+    assert "every step ran" in run.stdout and "failed:" not in run.stdout
+    objectives = json.loads((tmp_path / "out" / "objectives_sdpa.json").read_text())
+    assert {r["objective"] for r in objectives} >= {"ar", "idlm", "idlm-gated"}
+    for name, decoders in [("static_step_adapters", {"ar", "isd3"}), ("static_step", {"ar", "isd3"})]:
+        rows = json.loads((tmp_path / "out" / f"{name}.json").read_text())
+        assert {r["decoder"] for r in rows} == decoders
+        # the static step gives the growing cache's tokens: the figures are of the same decoding
+        assert all(r["same_tokens"] for r in rows), rows
+    # forced acceptance: ISD's output is AR's at every forced rate
+    table = [line for line in run.stdout.splitlines() if line.startswith("| ") and "isd N=3" in line]
+    assert len(table) == 4 and all(line.rstrip(" |").endswith(("1/1", "2/2")) for line in table), table
+
+
+@pytest.mark.integration
+def test_gpu_checks_names_each_failed_step_and_exits_non_zero(tmp_path):
+    run = _rehearse(str(tmp_path / "no-such-model"), tmp_path / "out")
+    assert run.returncode == 1
+    failed = [line for line in run.stdout.splitlines() if line.startswith("failed: ")]
+    assert [line.split("failed: ")[1].rsplit(" (", 1)[0] for line in failed] == STEPS, run.stdout[-3000:]
+    assert "every step ran" not in run.stdout

@@ -1,15 +1,22 @@
-"""Trainer overhead: `dlm train` (dlm.train.loop.train) vs a plain ~30-line PyTorch loop, same objective, same run.
+"""Training-step cost: `dlm train` (dlm.train.loop.train) vs a plain ~30-line PyTorch loop, same objective, same
+run; or (``--vs precision``) the trainer in fp32 vs under bf16 autocast, which ``train.mixed_precision: auto``
+picks where it is faster (dlm.train.precision).
 
 Both train smollm2-135m with the I-DLM b2 objective on the same packed blocks (random token ids written as LITPKDS
-shards; the content does not change the cost), same AdamW (fused where available), clipping and schedule. Each
-mode runs in its own subprocess (so peak memory is its own), alternating plain / trainer ``--repeats`` times;
-the first ``--warmup`` steps of every run are not timed.
+shards; the content does not change the cost), same AdamW (fused where available), clipping and schedule, at the
+precision ``auto`` resolves to on this machine (``--fp32``: fp32). Each mode runs in its own subprocess (so peak
+memory is its own), alternating ``--repeats`` times; the first ``--warmup`` steps of every run are not timed.
+``--adapters gated`` trains the quickstart's gated q/v LoRA (rank 64, distillation loss) instead of every weight
+(trainer modes only).
 
     python bench/train.py                       # seq 256, batch 1, 6 timed steps per run
     python bench/train.py --seq-length 256 --batch-size 2 --steps 8 --repeats 2
+    python bench/train.py --vs precision --batch-size 4 --repeats 2                 # fp32 vs bf16 autocast
+    python bench/train.py --vs precision --adapters gated --seq-length 192 --batch-size 2
 
 Prints a table: median seconds per optimizer step, tokens/s (input tokens; the I-DLM forward runs 2L), peak RSS
-(CPU) or peak CUDA memory, and the trainer/plain ratio. Goal: ratio <= 1.10.
+(CPU) or peak CUDA memory, the mean loss of the timed steps, and the ratio of the second mode to the first. Goal of
+the default comparison: trainer / plain <= 1.10.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -58,8 +66,11 @@ def run_plain(a) -> dict:
     from dlm.device import get_device
     from dlm.model.convert import load_any
     from dlm.objectives import get_objective
+    from dlm.train.precision import auto_precision
 
     device = get_device()
+    precision = "no" if a.fp32 else auto_precision(device, a.batch_size * a.seq_length)[0]
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
     dlm = load_any(a.model, objective="idlm", block_size=2, dtype=torch.float32).to(device).train()
     objective = get_objective("idlm", block_size=2)
@@ -68,30 +79,43 @@ def run_plain(a) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     blocks = iter(build_packed_dataset(a.data, "train", block_size=a.seq_length, seed=a.seed, rank=0, world_size=1))
     gen = torch.Generator(device=device).manual_seed(0)
-    times = []
+    times, losses = [], []
     for step in range(a.warmup + a.steps):
         t = time.perf_counter()
         for _ in range(a.accum):
             ids = torch.stack([next(blocks) for _ in range(a.batch_size)]).to(device)
-            out = objective(dlm, {"input_ids": ids, "labels": ids.clone()}, step, gen)
+            with autocast:
+                out = objective(dlm, {"input_ids": ids, "labels": ids.clone()}, step, gen)
             (out.loss / a.accum).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        float(out.loss)  # the loss a user prints
+        losses.append(float(out.loss))  # the loss a user prints
         times.append(time.perf_counter() - t)
-    return {"step_s": times[a.warmup :], "peak_mb": peak_memory_mb()}
+    return {
+        "step_s": times[a.warmup :],
+        "peak_mb": peak_memory_mb(),
+        "loss": losses[a.warmup :],
+        "precision": precision,
+    }
 
 
-def run_trainer(a) -> dict:
+def run_trainer(a, precision: str) -> dict:
     from dlm.config import load_config
     from dlm.train.loop import train
 
     out = Path(tempfile.mkdtemp(prefix="dlm-bench-train-"))
+    adapters = (
+        {"lora_r": 64, "lora_alpha": 64, "gated_lora": True, "lora.target_modules": ["q_proj", "v_proj"]}
+        | {"idlm.idlm_loss_type": "distill", "idlm.ce_alpha": 0.0, "idlm.loss_auto_balance": False}
+        if a.adapters == "gated"
+        else {}
+    )
     cfg = load_config(
         None,
         {
+            **adapters,
             "model": a.model,
             "objective": "idlm",
             "block_size": 2,
@@ -107,16 +131,32 @@ def run_trainer(a) -> dict:
             "output_dir": str(out),
             "train.progress": False,
             "data.seed": a.seed,
-            "train.mixed_precision": "no" if a.fp32 else "auto",
+            "train.mixed_precision": precision,
         },
     )
     train(cfg)
     recs = [json.loads(x) for x in (out / "train_log.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
+    start = [r for r in recs if r.get("event") == "start"][0]
     # per-step wall time: differences of the log's elapsed clock (includes logging, reductions, the JSON line)
     el = [r["elapsed_s"] for r in steps]
     times = [b - a_ for a_, b in zip(el, el[1:])]
-    return {"step_s": times[a.warmup - 1 :], "peak_mb": peak_memory_mb()}
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "step_s": times[a.warmup - 1 :],
+        "peak_mb": peak_memory_mb(),
+        "loss": [r["loss"] for r in steps[a.warmup :]],
+        "precision": start["mixed_precision"],
+    }
+
+
+# mode -> (label, runner)
+MODES = {
+    "plain": lambda a: run_plain(a),
+    "trainer": lambda a: run_trainer(a, "no" if a.fp32 else "auto"),
+    "trainer-fp32": lambda a: run_trainer(a, "no"),
+    "trainer-bf16": lambda a: run_trainer(a, "bf16"),
+}
 
 
 def main() -> None:
@@ -129,14 +169,18 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fp32", action="store_true", help="no bf16 autocast on GPU (CPU is fp32 anyway)")
-    p.add_argument("--mode", choices=["plain", "trainer"], help=argparse.SUPPRESS)
+    p.add_argument("--fp32", action="store_true", help="fp32 instead of what train.mixed_precision: auto picks")
+    p.add_argument("--vs", choices=["plain", "precision"], default="plain", help="what to compare (see above)")
+    p.add_argument("--adapters", choices=["none", "gated"], default="none", help="gated: the quickstart's adapters")
+    p.add_argument("--mode", choices=list(MODES), help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.mode:
-        result = run_plain(a) if a.mode == "plain" else run_trainer(a)
-        print("RESULT " + json.dumps(result))
+        print("RESULT " + json.dumps(MODES[a.mode](a)))
         return
+    modes = ("trainer-fp32", "trainer-bf16") if a.vs == "precision" else ("plain", "trainer")
+    if a.vs == "plain" and a.adapters != "none":
+        p.error("--adapters needs --vs precision (the plain loop trains every weight)")
 
     from dlm.model.hub import resolve_model_path
 
@@ -147,16 +191,18 @@ def main() -> None:
         vocab = AutoConfig.from_pretrained(resolve_model_path(a.model)).vocab_size
         need = (a.warmup + a.steps) * a.accum * a.batch_size * a.seq_length * 2
         data = make_shards(Path(tmp) / "packed", min(vocab, 65000), need)
-        results: dict[str, list] = {"plain": [], "trainer": []}
+        results: dict[str, list] = {m: [] for m in modes}
+        losses: dict[str, list] = {m: [] for m in modes}
+        precision: dict[str, str] = {}
         mem: dict[str, float] = {}
-        for _ in range(a.repeats):
-            for mode in ("plain", "trainer"):
+        for i in range(a.repeats):
+            for mode in modes if i % 2 == 0 else modes[::-1]:
                 args = (
                     [sys.executable, __file__, "--mode", mode, "--data", str(data)]
                     + [
                         f"--{k.replace('_', '-')}={v}"
                         for k, v in vars(a).items()
-                        if k not in ("mode", "data", "fp32", "repeats") and v is not None
+                        if k not in ("mode", "data", "fp32", "repeats", "vs") and v is not None
                     ]
                     + (["--fp32"] if a.fp32 else [])
                 )
@@ -166,25 +212,38 @@ def main() -> None:
                     sys.exit(f"{mode} run failed:\n{r.stderr[-3000:]}")
                 res = json.loads(line[-1][7:])
                 results[mode] += res["step_s"]
+                losses[mode] += res["loss"]
+                precision[mode] = res["precision"]
                 mem[mode] = max(mem.get(mode, 0.0), res["peak_mb"])
     tokens = a.batch_size * a.accum * a.seq_length
     med = {m: statistics.median(v) for m, v in results.items()}
     import torch
 
+    from dlm.decode.cpu.build import cpu_name
+    from dlm.train.precision import cpu_bf16_isa
+
     mem_kind = "peak CUDA MiB" if torch.cuda.is_available() else "peak RSS MiB"
-    print(
-        f"\nbench/train.py: {a.model}, I-DLM b2, seq {a.seq_length}, batch {a.batch_size} x accum {a.accum}, "
-        f"{a.steps} timed steps x {a.repeats} run(s) per mode, torch threads {torch.get_num_threads()}"
+    where = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"{cpu_name()} (bf16 instructions: {', '.join(cpu_bf16_isa()) or 'none'}), load {os.getloadavg()[0]:.1f}"
     )
-    print(f"| loop | s/step (median) | tokens/s | {mem_kind} | n |")
-    print("|---|---|---|---|---|")
-    for m in ("plain", "trainer"):
-        print(f"| {m} | {med[m]:.3f} | {tokens / med[m]:.1f} | {mem[m]:.0f} | {len(results[m])} |")
-    ratio = med["trainer"] / med["plain"]
     print(
-        f"\ntrainer / plain time per step: {ratio:.3f} (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'}); "
-        f"memory ratio {mem['trainer'] / mem['plain']:.3f}"
+        f"\nbench/train.py: {a.model}, I-DLM b2, {'gated q/v LoRA r=64' if a.adapters == 'gated' else 'all weights'}, "
+        f"seq {a.seq_length}, batch {a.batch_size} x accum {a.accum}, {a.steps} timed steps x {a.repeats} run(s) per "
+        f"mode, torch threads {torch.get_num_threads()}, {where}"
     )
+    print(f"| loop | precision | s/step (median) | tokens/s | {mem_kind} | mean loss | n |")
+    print("|---|---|---|---|---|---|---|")
+    for m in modes:
+        print(
+            f"| {m} | {precision[m]} | {med[m]:.3f} | {tokens / med[m]:.1f} | {mem[m]:.0f} | "
+            f"{statistics.fmean(losses[m]):.4f} | {len(results[m])} |"
+        )
+    first, second = modes
+    ratio = med[second] / med[first]
+    goal = f" (goal <= 1.10: {'met' if ratio <= 1.10 else 'NOT met'})" if a.vs == "plain" else ""
+    print(f"\n{second} / {first} time per step: {ratio:.3f}{goal}; memory ratio {mem[second] / mem[first]:.3f}")
 
 
 if __name__ == "__main__":

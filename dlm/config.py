@@ -116,7 +116,9 @@ class TrainConfig:
     max_train_steps: int = opt(100, "optimizer steps to train", unit="optimizer steps")
     max_minutes: float | None = opt(None, "wall-clock budget: stop cleanly and save when spent", unit="minutes")
     mixed_precision: str = opt(
-        "auto", "autocast precision (auto: bf16 where fast); weights stay fp32", choices=("auto", "no", "bf16", "fp16")
+        "auto",
+        "autocast precision (auto: bf16 on GPUs with it and on CPUs where measured faster); weights stay fp32",
+        choices=("auto", "no", "bf16", "fp16"),
     )
     seed: int = opt(42, "seed of initialisation, masking and dropout")
     output_dir: str = opt("runs/dlm", "run folder: final model, checkpoints, logs")

@@ -7,6 +7,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The tests exercise the CPU kernels wherever they build (their speed choice at attach is tested on its own, in
 # tests/test_cpu_kernels.py); DLM_CPU_ISA=generic (or avx2) runs them on a non-native instruction set.
 os.environ.setdefault("DLM_CPU_KERNEL", "1")
+# Training runs in fp32 whatever the CPU (bf16 autocast where it is faster is tested on its own, in
+# tests/test_precision.py), so that a test's numbers do not depend on whether the machine has AMX.
+os.environ.setdefault("DLM_CPU_BF16", "0")
 
 import pytest  # noqa: E402
 

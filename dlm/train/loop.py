@@ -29,6 +29,7 @@ import contextlib
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -498,6 +499,8 @@ class Trainer:
             )
             print(f"dlm train: warning: {note}")
             self.log.write({"event": "warning", "message": note})
+        if self.main and cfg.train.progress and cfg.train.mixed_precision == "auto":
+            print(f"dlm train: precision {self.precision_note}", file=sys.stderr)
         self.log.write(
             {
                 "event": "resume" if self.resume_from else "start",
@@ -506,6 +509,7 @@ class Trainer:
                 "checkpoint": str(self.resume_from) if self.resume_from else None,
                 "world_size": self.world,
                 "mixed_precision": self.mixed_precision,
+                "mixed_precision_why": self.precision_note,
                 "device": str(self.accelerator.device),
             }
         )
@@ -519,13 +523,15 @@ class Trainer:
 
         from accelerate import Accelerator
 
-        from dlm.device import get_device, supports_bf16
+        from dlm.device import get_device
+        from dlm.train.precision import auto_precision
 
         cfg = self.cfg
         device = get_device()
         mp = cfg.train.mixed_precision
+        self.precision_note = f"{mp}: set by train.mixed_precision"
         if mp == "auto":
-            mp = "bf16" if supports_bf16(device) else "no"
+            mp, self.precision_note = auto_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
         self.mixed_precision = mp
         launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or os.environ.get(
             "ACCELERATE_USE_FSDP", ""

@@ -83,30 +83,37 @@ def cache_key(layers: list[nn.Module], isa: str) -> str:
     )
 
 
-def _read_cache() -> dict:
+def read_records(file: str) -> dict:
+    """The measured verdicts cached in ``file`` under :func:`cache_dir` ({} if none or unreadable)."""
     try:
-        return json.loads((cache_dir() / CACHE_FILE).read_text())
+        data = json.loads((cache_dir() / file).read_text())
     except (OSError, ValueError):
         return {}
+    return data if isinstance(data, dict) else {}
 
 
-def _write_cache(key: str, choice: Choice) -> None:
-    """Add ``choice`` under ``key`` (written to a temporary file, then renamed: never a half-written cache)."""
+def write_record(file: str, key: str, record: dict) -> None:
+    """Add ``record`` under ``key`` to ``file`` (written to a temporary file, then renamed: never a half-written
+    cache); a read-only home is not an error: the verdict is measured again next time."""
     try:
         d = cache_dir()
         d.mkdir(parents=True, exist_ok=True)
-        data = _read_cache()
-        data[key] = {k: v for k, v in asdict(choice).items() if k not in ("cached", "forced")}
+        data = read_records(file)
+        data[key] = record
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".choice-")
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)
-        os.replace(tmp, d / CACHE_FILE)
+        os.replace(tmp, d / file)
     except OSError:
-        pass  # a read-only home: measured again next time
+        pass
+
+
+def _write_cache(key: str, choice: Choice) -> None:
+    write_record(CACHE_FILE, key, {k: v for k, v in asdict(choice).items() if k not in ("cached", "forced")})
 
 
 def cached(key: str) -> Choice | None:
-    rec = _read_cache().get(key)
+    rec = read_records(CACHE_FILE).get(key)
     if not isinstance(rec, dict):
         return None
     try:

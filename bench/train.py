@@ -1,6 +1,6 @@
 """Training-step cost: `dlm train` (dlm.train.loop.train) vs a plain ~30-line PyTorch loop, same objective, same
 run; or (``--vs precision``) the trainer in fp32 vs under bf16 autocast, which ``train.mixed_precision: auto``
-picks where it is faster (dlm.train.precision).
+picks where it is faster (dlm.device.training_precision).
 
 Both train smollm2-135m with the I-DLM b2 objective on the same packed blocks (random token ids written as LITPKDS
 shards; the content does not change the cost), same AdamW (fused where available), clipping and schedule, at the
@@ -63,13 +63,12 @@ def run_plain(a) -> dict:
     import torch
 
     from dlm.data.loader import build_packed_dataset
-    from dlm.device import get_device
+    from dlm.device import get_device, training_precision
     from dlm.model.convert import load_any
     from dlm.objectives import get_objective
-    from dlm.train.precision import auto_precision
 
     device = get_device()
-    precision = "no" if a.fp32 else auto_precision(device, a.batch_size * a.seq_length)[0]
+    precision = "no" if a.fp32 else training_precision(device, a.batch_size * a.seq_length)[0]
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
     torch.manual_seed(0)
     dlm = load_any(a.model, objective="idlm", block_size=2, dtype=torch.float32).to(device).train()
@@ -219,8 +218,7 @@ def main() -> None:
     med = {m: statistics.median(v) for m, v in results.items()}
     import torch
 
-    from dlm.decode.cpu.build import cpu_name
-    from dlm.train.precision import cpu_bf16_isa
+    from dlm.device import cpu_bf16_isa, cpu_name
 
     mem_kind = "peak CUDA MiB" if torch.cuda.is_available() else "peak RSS MiB"
     where = (

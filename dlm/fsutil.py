@@ -1,10 +1,12 @@
 """Small filesystem helpers shared by every writer of model folders, checkpoints and shards: atomic folders,
-sha256 lists (``checksums.sha256``, ``sha256sum -c`` format) and disk-full errors that name the path."""
+sha256 lists (``checksums.sha256``, ``sha256sum -c`` format), disk-full errors that name the path, and the cache
+of per-machine measured verdicts (``$DLM_CACHE_DIR``, default ``~/.cache/dlm``)."""
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -213,3 +215,37 @@ def file_lock(path: str | os.PathLike):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def cache_dir() -> Path:
+    """Where verdicts measured once per machine are cached: ``$DLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/dlm`` or
+    ``~/.cache/dlm``."""
+    root = os.environ.get("DLM_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm"
+
+
+def read_records(file: str) -> dict:
+    """The measured verdicts cached in ``file`` under :func:`cache_dir` ({} if none or unreadable)."""
+    try:
+        data = json.loads((cache_dir() / file).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_record(file: str, key: str, record: dict) -> None:
+    """Add ``record`` under ``key`` to ``file`` (written to a temporary file, then renamed: never a half-written
+    cache); a read-only home is not an error: the verdict is measured again next time."""
+    try:
+        d = cache_dir()
+        d.mkdir(parents=True, exist_ok=True)
+        data = read_records(file)
+        data[key] = record
+        fd, tmp = tempfile.mkstemp(dir=d, prefix=".choice-")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(data, fh, indent=1, sort_keys=True)
+        os.replace(tmp, d / file)
+    except OSError:
+        pass

@@ -9,24 +9,24 @@ import json
 import pytest
 import torch
 
-from dlm.train import precision
+from dlm import device as precision
 
 
 @pytest.fixture
 def probe(monkeypatch, tmp_path):
     """The measurement replaced by set timings (a real one depends on the machine), counted; a fresh cache."""
-    monkeypatch.delenv(precision.ENV, raising=False)
+    monkeypatch.delenv(precision.BF16_ENV, raising=False)
     monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
     timings = {"fp32": 10.0, "bf16": 5.0}
 
-    def fake(tokens, repeats=precision.REPEATS):
+    def fake(tokens, repeats=precision._PROBE_REPEATS):
         calls.append(tokens)
         return timings["fp32"], timings["bf16"]
 
-    monkeypatch.setattr(precision, "_probe_ms", fake)
+    monkeypatch.setattr(precision, "_bf16_probe_ms", fake)
     monkeypatch.setattr(precision, "cpu_bf16_isa", lambda: ["amx"])
-    return calls, timings, tmp_path / "cache" / precision.CACHE_FILE
+    return calls, timings, tmp_path / "cache" / precision.BF16_CACHE_FILE
 
 
 def test_bf16_where_measured_faster_and_the_verdict_is_cached(probe):
@@ -36,21 +36,21 @@ def test_bf16_where_measured_faster_and_the_verdict_is_cached(probe):
     assert "0.50x the fp32 time" in first.why and "amx" in first.why
     again = precision.cpu_bf16_choice(tokens=256)
     assert again.use and again.cached and calls == [256]  # not measured twice
-    assert precision.auto_precision(torch.device("cpu"), tokens=256) == ("bf16", again.why)
+    assert precision.training_precision(torch.device("cpu"), tokens=256) == ("bf16", again.why)
     assert len(json.loads(cache.read_text())) == 1
     # another token count is another key: measured again, and here bf16 is not enough faster to pay
     timings["bf16"] = 9.0
     slow = precision.cpu_bf16_choice(tokens=1024)
     assert not slow.use and calls == [256, 1024] and "0.90x" in slow.why
-    assert precision.auto_precision(torch.device("cpu"), tokens=1024)[0] == "no"
+    assert precision.training_precision(torch.device("cpu"), tokens=1024)[0] == "no"
     assert precision.cpu_bf16_choice(tokens=256).use  # the first verdict kept
 
 
 def test_the_margin_is_inclusive_and_strict_above(probe):
     calls, timings, _ = probe
-    timings["bf16"] = precision.MARGIN * timings["fp32"]
+    timings["bf16"] = precision.BF16_MARGIN * timings["fp32"]
     assert precision.cpu_bf16_choice(tokens=128).use
-    timings["bf16"] = precision.MARGIN * timings["fp32"] + 0.01
+    timings["bf16"] = precision.BF16_MARGIN * timings["fp32"] + 0.01
     assert not precision.cpu_bf16_choice(tokens=130).use
 
 
@@ -65,9 +65,9 @@ def test_a_cpu_without_bf16_instructions_is_fp32_and_not_measured(probe, monkeyp
 @pytest.mark.parametrize("value, use", [("1", True), ("on", True), ("0", False), ("off", False)])
 def test_the_environment_forces_the_choice(probe, monkeypatch, value, use):
     calls, _, _ = probe
-    monkeypatch.setenv(precision.ENV, value)
+    monkeypatch.setenv(precision.BF16_ENV, value)
     choice = precision.cpu_bf16_choice()
-    assert choice.use is use and precision.ENV in choice.why and calls == []
+    assert choice.use is use and precision.BF16_ENV in choice.why and calls == []
 
 
 def test_a_broken_cache_is_measured_again(probe):
@@ -79,11 +79,11 @@ def test_a_broken_cache_is_measured_again(probe):
 
 
 def test_other_devices_are_not_chosen_automatically():
-    assert precision.auto_precision(torch.device("meta"))[0] == "no"
+    assert precision.training_precision(torch.device("meta"))[0] == "no"
 
 
 def test_the_probe_times_both_modes_on_this_cpu():
-    fp32_ms, bf16_ms = precision._probe_ms(64, repeats=1)
+    fp32_ms, bf16_ms = precision._bf16_probe_ms(64, repeats=1)
     assert 0 < fp32_ms < 60_000 and 0 < bf16_ms < 60_000
 
 
@@ -96,7 +96,7 @@ def test_the_trainer_runs_what_auto_chose(tmp_path, monkeypatch, forced, dtype):
     from dlm.testing import save_tiny
     from dlm.train.loop import train
 
-    monkeypatch.setenv(precision.ENV, forced)
+    monkeypatch.setenv(precision.BF16_ENV, forced)
     model = save_tiny(tmp_path / "tiny")
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i} plus {i}?", "response": f"{2 * i}."}) + "\n" for i in range(8)))
@@ -120,5 +120,5 @@ def test_the_trainer_runs_what_auto_chose(tmp_path, monkeypatch, forced, dtype):
     assert seen and set(seen) == {dtype}
     start = json.loads((out / "train_log.jsonl").read_text().splitlines()[0])
     assert start["mixed_precision"] == ("bf16" if forced == "1" else "no")
-    assert precision.ENV in start["mixed_precision_why"]
+    assert precision.BF16_ENV in start["mixed_precision_why"]
     assert all(p.dtype == torch.float32 for p in dlm.parameters())

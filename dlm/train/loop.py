@@ -523,15 +523,14 @@ class Trainer:
 
         from accelerate import Accelerator
 
-        from dlm.device import get_device
-        from dlm.train.precision import auto_precision
+        from dlm.device import get_device, training_precision
 
         cfg = self.cfg
         device = get_device()
         mp = cfg.train.mixed_precision
         self.precision_note = f"{mp}: set by train.mixed_precision"
         if mp == "auto":
-            mp, self.precision_note = auto_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
+            mp, self.precision_note = training_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
         self.mixed_precision = mp
         launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or os.environ.get(
             "ACCELERATE_USE_FSDP", ""

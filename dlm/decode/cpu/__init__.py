@@ -43,9 +43,10 @@ from torch import nn
 
 from dlm.decode.cpu import choice as _choice
 from dlm.decode.cpu import fused, packing
-from dlm.decode.cpu.build import ENV, ISA_ENV, cpu_name, extension, isa, mode, set_isa
+from dlm.decode.cpu.build import ENV, ISA_ENV, extension, isa, mode, set_isa
 from dlm.decode.cpu.fused import ATTEND_MAX_QUERIES, MAX_ROWS, active, adapter_delta, attend
 from dlm.decode.cpu.packing import QUANT_ENV
+from dlm.device import cpu_name
 
 __all__ = [
     "ATTEND_MAX_QUERIES",

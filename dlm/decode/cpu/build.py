@@ -115,16 +115,3 @@ def isa() -> str | None:
     """The instruction set whose kernels are in use, or None where there are none."""
     ops = extension()
     return ops.isa() if ops is not None else None
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; the platform's processor string elsewhere)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()

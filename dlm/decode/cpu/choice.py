@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dlm.device import cpu_name
+from dlm.fsutil import read_records, write_record
 
 ROWS = (1, 4)
 REPEATS = 5
@@ -52,13 +52,6 @@ class Choice:
         )
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("DLM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm"
-
-
 def signature(layers: list[nn.Module]) -> list[tuple]:
     """(out, in, bias, weight form, count) of each distinct layer shape; the form ("q4_1", "q8_0", "f32") from the
     first rows of the group's first weight (a cheap probe: the packing checks every block)."""
@@ -75,37 +68,10 @@ def signature(layers: list[nn.Module]) -> list[tuple]:
 
 
 def cache_key(layers: list[nn.Module], isa: str) -> str:
-    from dlm.decode.cpu.build import cpu_name
-
     sig = json.dumps(signature(layers))
     return "|".join(
         [cpu_name(), isa, torch.__version__, str(torch.get_num_threads()), hashlib.sha1(sig.encode()).hexdigest()[:12]]
     )
-
-
-def read_records(file: str) -> dict:
-    """The measured verdicts cached in ``file`` under :func:`cache_dir` ({} if none or unreadable)."""
-    try:
-        data = json.loads((cache_dir() / file).read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_record(file: str, key: str, record: dict) -> None:
-    """Add ``record`` under ``key`` to ``file`` (written to a temporary file, then renamed: never a half-written
-    cache); a read-only home is not an error: the verdict is measured again next time."""
-    try:
-        d = cache_dir()
-        d.mkdir(parents=True, exist_ok=True)
-        data = read_records(file)
-        data[key] = record
-        fd, tmp = tempfile.mkstemp(dir=d, prefix=".choice-")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, sort_keys=True)
-        os.replace(tmp, d / file)
-    except OSError:
-        pass
 
 
 def _write_cache(key: str, choice: Choice) -> None:

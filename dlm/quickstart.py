@@ -509,6 +509,16 @@ def read_train_log(path: Path) -> tuple[list[dict], dict | None]:
     return steps, end
 
 
+def _precision(path: Path) -> str:
+    """The precision a stage trained at (its last start or resume event): "bf16" or "fp32"."""
+    mp = "no"
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") in ("start", "resume"):
+            mp = rec.get("mixed_precision", mp)
+    return "fp32" if mp == "no" else mp
+
+
 def _agreement(rec: dict) -> float:
     """How often the masks' argmax matched the clean pass's in one logged step."""
     return rec.get("parts", {}).get("mask_greedy_agree", float("nan"))
@@ -535,6 +545,7 @@ def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
                 "seconds": round(steps[-1]["elapsed_s"], 1),
                 "finished": end is not None,
                 "train_agreement_last50": round(sum(last) / len(last), 4),
+                "precision": _precision(path),
             }
         )
     return stages
@@ -592,7 +603,8 @@ def write_report(cfg: QuickstartConfig, results: dict, out: Path, seconds: dict)
     for st in results.get("training", []):
         lines += [
             f"Training b{st['block_size']}: {st['steps']} optimizer steps, {st['tokens']} trained tokens in "
-            f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step); mask argmax == clean "
+            f"{st['seconds']:.0f} s ({st['seconds'] / max(st['steps'], 1):.2f} s/step, {st.get('precision', 'fp32')}); "
+            f"mask argmax == clean "
             f"argmax on {st['train_agreement_last50']:.2f} of the last 50 steps' training targets."
         ]
     if results.get("training"):

@@ -56,6 +56,7 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
         last = [json.loads(x) for x in log if '"loss"' in x][-1]
         assert st["steps"] == last["step"] >= 1 and st["tokens"] > 0 and 0.0 <= st["train_agreement_last50"] <= 1.0
         assert f"Training b{st['block_size']}: {st['steps']} optimizer steps" in report
+        assert st["precision"] == "fp32" and "s/step, fp32)" in report  # the tests pin fp32 (conftest)
     assert (out / "data" / "self_distill.jsonl").is_file()
     assert (out / "train_b1" / "DONE").is_file() and (out / "train_b2" / "DONE").is_file()
     cfg = json.loads((out / "train_b2" / "config.json").read_text())

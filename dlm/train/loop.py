@@ -499,6 +499,12 @@ class Trainer:
             )
             print(f"dlm train: warning: {note}")
             self.log.write({"event": "warning", "message": note})
+        # what each replica's forward runs at: the trainer's own autocast, else accelerate's (they must agree)
+        precision_by_rank = ["bf16" if self.autocast_dtype is not None else str(self.accelerator.mixed_precision)]
+        if self.world > 1:
+            from accelerate.utils import gather_object
+
+            precision_by_rank = gather_object(precision_by_rank)
         if self.main and cfg.train.progress and cfg.train.mixed_precision == "auto":
             print(f"dlm train: precision {self.precision_note}", file=sys.stderr)
         self.log.write(
@@ -510,6 +516,7 @@ class Trainer:
                 "world_size": self.world,
                 "mixed_precision": self.mixed_precision,
                 "mixed_precision_why": self.precision_note,
+                "mixed_precision_by_rank": precision_by_rank,
                 "device": str(self.accelerator.device),
             }
         )
@@ -529,12 +536,14 @@ class Trainer:
         device = get_device()
         mp = cfg.train.mixed_precision
         self.precision_note = f"{mp}: set by train.mixed_precision"
-        if mp == "auto":
-            mp, self.precision_note = training_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
-        self.mixed_precision = mp
         launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or os.environ.get(
             "ACCELERATE_USE_FSDP", ""
         ).lower() in ("1", "true")
+        if mp == "auto" and launcher_managed and device.type == "cpu":
+            # the launcher fixes the precision before the processes could agree on a measured one
+            mp, self.precision_note = "no", "fp32: auto under DeepSpeed / FSDP on a CPU"
+        elif mp == "auto":
+            mp, self.precision_note = training_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
         in_accelerate = mp == "fp16" or launcher_managed
         self.autocast_dtype = torch.bfloat16 if mp == "bf16" and not in_accelerate else None
         try:
@@ -547,6 +556,13 @@ class Trainer:
             raise DLMError(f"train.mixed_precision={mp}: {e}; run this training in a new process") from e
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.main = self.accelerator.is_main_process
+        if cfg.train.mixed_precision == "auto" and self.world > 1 and not in_accelerate:
+            # each process measured on its own (and may have read a different cache): all take the main one's verdict
+            from accelerate.utils import broadcast_object_list
+
+            mp, self.precision_note = broadcast_object_list([(mp, self.precision_note)], from_process=0)[0]
+            self.autocast_dtype = torch.bfloat16 if mp == "bf16" else None
+        self.mixed_precision = mp
 
     def _setup_run_folder(self) -> None:
         cfg, acc = self.cfg, self.accelerator

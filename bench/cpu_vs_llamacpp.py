@@ -83,6 +83,25 @@ def llama_ms(llm, prompt: list[int], steps: int) -> float:
     return (time.perf_counter() - t) / steps * 1e3
 
 
+def llama_model(llama_cpp, gguf, n_ctx: int, threads: int, extra_bufts: bool):
+    """llama.cpp on ``gguf``; ``extra_bufts=False`` keeps the weights in plain CPU buffers (no AMX or repacked
+    buffer: the AMX buffer's matmul segfaults on some AMX machines, llama.cpp issue 20824)."""
+    low = llama_cpp.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        if not extra_bufts and hasattr(p, "use_extra_bufts"):
+            p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+    try:
+        return llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_batch=512, verbose=False)
+    finally:
+        low.llama_model_default_params = default
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="a dlm model alias (its GGUF file goes to llama.cpp)")
@@ -91,6 +110,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", type=int, default=32, help="timed decode steps per run")
     ap.add_argument("--repeats", type=int, default=3, help="runs per method (best kept)")
     ap.add_argument("--batch", type=int, default=16, help="rows for the engine's batched AR row (0: skip)")
+    ap.add_argument(
+        "--llamacpp-extra-bufts",
+        default="auto",
+        choices=["auto", "on", "off"],
+        help="llama.cpp's extra weight buffers (AMX, repacked); auto: off on a CPU with AMX, where its AMX matmul "
+        "can segfault",
+    )
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -110,6 +136,10 @@ def main(argv=None) -> int:
         import llama_cpp
     except ImportError:
         llama_cpp = None
+    from dlm.device import cpu_bf16_isa
+
+    amx = "amx" in cpu_bf16_isa()
+    extra_bufts = args.llamacpp_extra_bufts == "on" or (args.llamacpp_extra_bufts == "auto" and not amx)
     threads = [int(t) for t in args.threads.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = []
@@ -118,9 +148,7 @@ def main(argv=None) -> int:
         ar, isd = Engine(dlm, tok, decoder="ar"), Engine(dlm, tok, decoder="isd", stride=2)
         llm = None
         if llama_cpp is not None and gguf is not None:
-            llm = llama_cpp.Llama(
-                str(gguf), n_ctx=max(contexts) + args.tokens + 8, n_threads=th, n_batch=512, verbose=False
-            )
+            llm = llama_model(llama_cpp, gguf, max(contexts) + args.tokens + 8, th, extra_bufts)
         for ctx in contexts:
             prompt = prompt_ids(tok, ctx, DEFAULT_DATA)
             fns = {
@@ -164,6 +192,7 @@ def main(argv=None) -> int:
         f"model={args.model} gguf={gguf.name if gguf else '-'} tokens={args.tokens} repeats={args.repeats} "
         f"load average={' '.join(f'{x:.2f}' for x in os.getloadavg())}"
         f"{'' if llama_cpp else ' (llama-cpp-python not installed: no llama.cpp rows)'}"
+        f"{'' if extra_bufts or not llama_cpp else ' llama.cpp: extra buffers (AMX, repack) off'}"
     )
     hdr = f"{'threads':>7} {'ctx':>5} {'method':<28} {'ms/step':>8} {'tok/s':>8} {'x hf':>6} {'x llama.cpp':>11}"
     print(hdr)

@@ -149,9 +149,9 @@ def run_trainer(a, precision: str) -> dict:
     }
 
 
-# mode -> (label, runner)
+# the modes a subprocess runs: name -> runner
 MODES = {
-    "plain": lambda a: run_plain(a),
+    "plain": run_plain,
     "trainer": lambda a: run_trainer(a, "no" if a.fp32 else "auto"),
     "trainer-fp32": lambda a: run_trainer(a, "no"),
     "trainer-bf16": lambda a: run_trainer(a, "bf16"),

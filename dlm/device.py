@@ -164,9 +164,7 @@ def cpu_bf16_choice(tokens: int = 512) -> Bf16Choice:
 def training_precision(device: torch.device, tokens: int = 512) -> tuple[str, str]:
     """``train.mixed_precision: auto`` resolved for ``device``: ("bf16" or "no", why); ``tokens`` per micro-batch."""
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return "bf16", "bf16: this GPU has bf16"
-        return "no", "fp32: this GPU has no bf16"
+        return ("bf16", "bf16: this GPU has bf16") if supports_bf16(device) else ("no", "fp32: this GPU has no bf16")
     if device.type == "cpu":
         choice = cpu_bf16_choice(tokens)
         return ("bf16" if choice.use else "no"), choice.why

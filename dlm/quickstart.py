@@ -447,7 +447,7 @@ def plots(results: dict, out: Path) -> list[str]:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     offset = 0
     for stage in sorted(out.glob("train_b*/train_log.jsonl")):
-        records, _ = read_train_log(stage)
+        records, _, _ = read_train_log(stage)
         steps = [offset + rec["step"] for rec in records]
         losses = [rec["loss"] for rec in records]
         agree = [_agreement(rec) for rec in records]
@@ -497,25 +497,24 @@ def plots(results: dict, out: Path) -> list[str]:
     return made
 
 
-def read_train_log(path: Path) -> tuple[list[dict], dict | None]:
-    """A stage's ``train_log.jsonl``: its per-step records, and its end event (None if the stage did not finish)."""
-    steps, end = [], None
+def read_train_log(path: Path) -> tuple[list[dict], dict | None, dict | None]:
+    """A stage's ``train_log.jsonl``: its per-step records, its end event (None if the stage did not finish) and its
+    last start or resume event (None if there is none)."""
+    steps, end, started = [], None, None
     for line in path.read_text().splitlines():
         rec = json.loads(line)
         if "loss" in rec and "step" in rec:
             steps.append(rec)
         elif rec.get("event") == "end":
             end = rec
-    return steps, end
+        elif rec.get("event") in ("start", "resume"):
+            started = rec
+    return steps, end, started
 
 
-def _precision(path: Path) -> str:
-    """The precision a stage trained at (its last start or resume event): "bf16" or "fp32"."""
-    mp = "no"
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("event") in ("start", "resume"):
-            mp = rec.get("mixed_precision", mp)
+def _precision(started: dict | None) -> str:
+    """The precision a stage trained at, from its start or resume event: "bf16" or "fp32"."""
+    mp = (started or {}).get("mixed_precision", "no")
     return "fp32" if mp == "no" else mp
 
 
@@ -533,7 +532,7 @@ def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
         path = out / f"train_b{b}" / "train_log.jsonl"
         if not path.is_file():
             continue
-        steps, end = read_train_log(path)
+        steps, end, started = read_train_log(path)
         if not steps:
             continue
         last = [_agreement(rec) for rec in steps[-50:]]
@@ -545,7 +544,7 @@ def training_summary(cfg: QuickstartConfig, out: Path) -> list[dict]:
                 "seconds": round(steps[-1]["elapsed_s"], 1),
                 "finished": end is not None,
                 "train_agreement_last50": round(sum(last) / len(last), 4),
-                "precision": _precision(path),
+                "precision": _precision(started),
             }
         )
     return stages

@@ -545,7 +545,6 @@ class Trainer:
         elif mp == "auto":
             mp, self.precision_note = training_precision(device, tokens=cfg.train.batch_size * cfg.data.seq_length)
         in_accelerate = mp == "fp16" or launcher_managed
-        self.autocast_dtype = torch.bfloat16 if mp == "bf16" and not in_accelerate else None
         try:
             self.accelerator = Accelerator(
                 gradient_accumulation_steps=cfg.train.gradient_accumulate_every,
@@ -561,8 +560,8 @@ class Trainer:
             from accelerate.utils import broadcast_object_list
 
             mp, self.precision_note = broadcast_object_list([(mp, self.precision_note)], from_process=0)[0]
-            self.autocast_dtype = torch.bfloat16 if mp == "bf16" else None
         self.mixed_precision = mp
+        self.autocast_dtype = torch.bfloat16 if mp == "bf16" and not in_accelerate else None
 
     def _setup_run_folder(self) -> None:
         cfg, acc = self.cfg, self.accelerator

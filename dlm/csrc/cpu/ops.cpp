@@ -87,8 +87,7 @@ inline void rows_n(int64_t M, const float* x, int64_t ldx, const WB& w, int64_t 
 
 // out[M, N] (row stride ldo) = x @ W.T (+ bias) or += alpha * x @ W.T; column blocks past NB come from tail
 void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N, const float* bp, float* op,
-                 int64_t ldo, float alpha, bool accumulate, const WB* tail = nullptr, int64_t NBT = 0,
-                 bool threads = true) {
+                 int64_t ldo, float alpha, bool accumulate, const WB* tail = nullptr, int64_t NBT = 0) {
   auto blocks = [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; nb++) {
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
@@ -97,8 +96,7 @@ void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N,
              alpha, accumulate);
     }
   };
-  if (threads) parallel_chunks(NB + NBT, blocks, chunks_per_thread(M));
-  else blocks(0, NB + NBT);
+  parallel_chunks(NB + NBT, blocks, chunks_per_thread(M));
 }
 
 const float* opt_ptr(const c10::optional<at::Tensor>& t) {
@@ -156,9 +154,12 @@ at::Tensor linear(at::Tensor x, at::Tensor packed, int64_t N, c10::optional<at::
 }
 
 namespace {
-// outs[i] [M, ns[i]] = x [M, K] @ W_i.T (+ bias_i): one threaded pass over all the weights' column blocks
-void linears_into(const float* xp, int64_t M, int64_t K, const std::vector<WB>& ws, const std::vector<int64_t>& nbs,
-                  const std::vector<int64_t>& ns, const std::vector<const float*>& bp, const std::vector<float*>& op) {
+// outs[i] [ms[i], ns[i]] = xs[i] [ms[i], K] @ W_i.T (+ bias_i): one threaded pass over all the weights' column
+// blocks (inputs of K columns, each weight its own input and rows: a layer's q / k / v projections of all rows and
+// its adapters' A of the mask rows in the same pass)
+void linears_into(const std::vector<const float*>& xs, const std::vector<int64_t>& ms, int64_t K,
+                  const std::vector<WB>& ws, const std::vector<int64_t>& nbs, const std::vector<int64_t>& ns,
+                  const std::vector<const float*>& bp, const std::vector<float*>& op) {
   const int64_t P = (int64_t)ws.size();
   std::vector<int64_t> start(P + 1, 0);
   for (int64_t i = 0; i < P; i++) start[i + 1] = start[i] + nbs[i];
@@ -166,10 +167,15 @@ void linears_into(const float* xp, int64_t M, int64_t K, const std::vector<WB>& 
     for (int64_t blk = b0; blk < b1; blk++) {
       int64_t i = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1;
       int64_t nb = blk - start[i], N = ns[i];
-      rows_n(M, xp, K, ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
+      rows_n(ms[i], xs[i], K, ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
              bp[i] ? bp[i] + nb * COLS : nullptr, 1.0f, false);
     }
-  }, chunks_per_thread(M));
+  }, chunks_per_thread(ms[0]));
+}
+
+void linears_into(const float* xp, int64_t M, int64_t K, const std::vector<WB>& ws, const std::vector<int64_t>& nbs,
+                  const std::vector<int64_t>& ns, const std::vector<const float*>& bp, const std::vector<float*>& op) {
+  linears_into(std::vector<const float*>(ws.size(), xp), std::vector<int64_t>(ws.size(), M), K, ws, nbs, ns, bp, op);
 }
 }  // namespace
 
@@ -211,10 +217,11 @@ namespace {
 // out[M, N] (row stride ldo) += scale * (x[M, K] @ A.T) @ B.T: a low-rank adapter's delta on M rows
 void lora_into(const float* xp, int64_t M, const WB& wa, int64_t nba, int64_t r, const WB& wb, int64_t nbb,
                int64_t N, float* op, int64_t ldo, float scale) {
+  // threaded even for one row: the adapter's weights, not its arithmetic, are the cost (in a decode forward, where
+  // they come from memory, one thread streaming them alone cost more than handing half to the other)
   std::vector<float> h(M * r);
-  bool threads = M * (wa.K * r + r * N) > (1 << 18);  // a few mask rows: one thread (starting two costs more)
-  linear_into(xp, M, wa, nba, r, nullptr, h.data(), r, 1.0f, false, nullptr, 0, threads);
-  linear_into(h.data(), M, wb, nbb, N, nullptr, op, ldo, scale, true, nullptr, 0, threads);
+  linear_into(xp, M, wa, nba, r, nullptr, h.data(), r, 1.0f, false);
+  linear_into(h.data(), M, wb, nbb, N, nullptr, op, ldo, scale, true);
 }
 }  // namespace
 
@@ -361,22 +368,48 @@ std::vector<at::Tensor> layer_in_impl(at::Tensor x, at::Tensor nw, double eps, a
     TORCH_CHECK(!bp[i] || biases[i].numel() == ns[i], "dlm_cpu.layer_in: bad bias");
     op[i] = lin[i].data_ptr<float>();
   }
-  linears_into(hp, M, D, ws, nbs, ns, bp, op);
-  if (lora) {  // each adapter's delta on the mask rows, one run of consecutive rows at a time (as lora_add)
-    const int64_t n = lora->rows->numel();
+  if (!lora) {
+    linears_into(hp, M, D, ws, nbs, ns, bp, op);
+  } else {
+    // Each adapter's delta scale * B(A(h)) on the mask rows, the same kernels on the same data as lora_add on each
+    // run of consecutive mask rows: the mask rows of h gathered (a row's products do not depend on the rows beside
+    // it), their A products computed in the projections' threaded pass, then one threaded pass over the B blocks
+    // adding each run's delta to its rows (at batch 1 a few rows: the adapters' weights, not the arithmetic, are
+    // the cost, and one thread streaming them alone left the other idle)
+    const int64_t n = lora->rows->numel(), r = lora->r;
     const int64_t* ri = lora->rows->data_ptr<int64_t>();
+    std::vector<int64_t> runs;  // (first mask row, first row of h, length) per run of consecutive rows
     for (int64_t lo = 0; lo < n;) {
       int64_t hi = lo + 1;
       while (hi < n && ri[hi] == ri[hi - 1] + 1) hi++;
-      const int64_t row = ri[lo], len = hi - lo;
-      TORCH_CHECK(0 <= row && row + len <= M && (lo == 0 || row > ri[lo - 1]),
+      TORCH_CHECK(0 <= ri[lo] && ri[lo] + (hi - lo) <= M && (lo == 0 || ri[lo] > ri[lo - 1]),
                   "dlm_cpu.layer_in_gated: mask rows out of range or not ascending");
-      for (int i = 0; i < 3; i++)
-        if (lora->has[i])
-          lora_into(hp + row * D, len, lora->a[i], lora->nba[i], lora->r, lora->b[i], lora->nbb[i], ns[i],
-                    op[i] + row * ns[i], ns[i], lora->scale);
+      runs.insert(runs.end(), {lo, ri[lo], hi - lo});
       lo = hi;
     }
+    std::vector<float> hm(n * D), u(3 * n * r);
+    for (int64_t m = 0; m < n; m++) std::copy(hp + ri[m] * D, hp + (ri[m] + 1) * D, hm.data() + m * D);
+    std::vector<const float*> xs(3, hp);
+    std::vector<int64_t> ms(3, M);
+    std::vector<int64_t> adapters;
+    for (int i = 0; i < 3; i++)
+      if (lora->has[i]) {
+        adapters.push_back(i);
+        xs.push_back(hm.data()), ms.push_back(n), ws.push_back(lora->a[i]), nbs.push_back(lora->nba[i]);
+        ns.push_back(r), bp.push_back(nullptr), op.push_back(u.data() + i * n * r);
+      }
+    linears_into(xs, ms, D, ws, nbs, ns, bp, op);
+    std::vector<int64_t> start(1, 0);
+    for (int64_t i : adapters) start.push_back(start.back() + lora->nbb[i]);
+    parallel_chunks(start.back(), [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; blk++) {
+        int64_t j = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1, i = adapters[j];
+        int64_t nb = blk - start[j], N = ns[i];
+        for (size_t x = 0; x < runs.size(); x += 3)
+          rows_n(runs[x + 2], u.data() + (i * n + runs[x]) * r, r, lora->b[i], nb, op[i] + runs[x + 1] * N + nb * COLS,
+                 N, std::min<int64_t>(COLS, N - nb * COLS), nullptr, lora->scale, true);
+      }
+    }, chunks_per_thread(n));
   }
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();

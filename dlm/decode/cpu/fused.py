@@ -778,21 +778,28 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
         or out_rows.stride(-1) != 1
     ):
         return False
-    pa, pb = _adapter_packed(adapter)
+    packed = _adapter_packed(adapter)
+    if packed is None:
+        return False
+    pa, pb = packed
     _OPS[0].lora_add(out_rows, rows.contiguous(), pa, adapter.A.shape[0], pb, float(scale))
     return True
 
 
 def _adapter_packed(adapter: nn.Module):
-    """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes)."""
+    """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes), or None where they are
+    not fp32 (the kernels' adapters are)."""
     a, b = adapter._parameters["A"], adapter._parameters["B"]  # (nn.Module.__getattr__ costs more than the rest)
     key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
-        with torch.no_grad():
-            packed = (key, _OPS[0].pack(a.detach(), False), _OPS[0].pack(b.detach(), False))
+        if a.dtype != torch.float32 or b.dtype != torch.float32:  # (a new dtype is a new tensor: a new key)
+            packed = (key, None)
+        else:
+            with torch.no_grad():
+                packed = (key, (_OPS[0].pack(a.detach(), False), _OPS[0].pack(b.detach(), False)))
         adapter.__dict__["_dlm_packed"] = packed
-    return packed[1], packed[2]
+    return packed[1]
 
 
 def _qkv_deltas(projs, rows: int):
@@ -812,11 +819,10 @@ def _qkv_deltas(projs, rows: int):
         if g is None:
             a.append(_NO_BIAS), b.append(_NO_BIAS)
             continue
-        adapter = g[0].adapters[g[1]]
-        if g[0].lora is not lora or any(w.dtype != torch.float32 for w in adapter._parameters.values()):
+        packed = _adapter_packed(g[0].adapters[g[1]]) if g[0].lora is lora else None
+        if packed is None:
             return None
-        pa, pb = _adapter_packed(adapter)
-        a.append(pa), b.append(pb)
+        a.append(packed[0]), b.append(packed[1])
     return lora._idx, a, b, lora.settings.r, float(lora.scale)
 
 

@@ -578,3 +578,55 @@ def test_engine_isd_with_a_sync_free_gate_is_the_base_model(static_cache):
         res = eng.generate(prompts, SamplingParams(12, ignore_eos=True))
         assert dlm.gated_lora._n_gated == -1  # the forwards went through the uncounted gate
     assert [r.token_ids for r in res] == want
+
+
+@pytest.mark.parametrize("isa", _isas())
+@pytest.mark.parametrize("acting", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, isa, monkeypatch):
+    """With the engine's growing KV cache, a decode chunk whose every layer takes its two kernel calls runs as one
+    ``decode_stack`` call (the layers and the cache writes in C++). On a prefill of 2 rows, a 4-token chunk with a
+    hole in one row's cache and masks closing both rows (the gated q/v adapters acting on them, or idle), then a
+    1-token step without a mask: logits and every layer's cached keys and values bit for bit the per-layer loop's
+    (one call per forward there, none of the loop's per-layer calls); Qwen2's q/k/v biases included."""
+    from dlm.decode.cpu import fused
+    from dlm.decode.engine import KVBatch
+
+    cpu = _kernels()
+    dlm, _, _ = _pair(arch, targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=7)
+    hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
+    ids = _ids(2, 11, [(0, 8), (0, 9), (1, 9)], m, seed=8)
+    if not acting:
+        g.mask_token_id = -1
+    mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
+    mask[1, ..., 3] = False  # a hole in row 1's cache
+    mask[..., 6:] = torch.ones(4, 4, dtype=torch.bool).tril_()
+    assert cpu.attach(dlm)
+    cpu.set_isa(isa)
+    ext_ = fused._OPS[0]
+
+    def run(one: bool):
+        monkeypatch.setattr(fused, "ONE_CALL", [one])
+        counting = CallCounter(ext_)
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        kv = KVBatch()
+        with torch.no_grad(), cpu.active():
+            hf(input_ids=ids[:, :6], past_key_values=kv.cache, use_cache=True)
+            pos = torch.arange(6, 10)[None].expand(2, 4)
+            chunk = hf(input_ids=ids[:, 6:10], past_key_values=kv.cache, attention_mask=mask, position_ids=pos)
+            step = hf(input_ids=ids[:, 10:], past_key_values=kv.cache, position_ids=torch.tensor([[10], [10]]))
+        return chunk.logits, step.logits, kv.cache, counting.calls
+
+    try:
+        chunk, step, cache, calls = run(True)
+        chunk_l, step_l, cache_l, calls_l = run(False)
+    finally:
+        cpu.set_isa("auto")
+        cpu.detach(dlm)
+        g.mask_token_id = m
+    assert calls.get("decode_stack") == 2 and "layer_out" not in calls and "layer_in_gated" not in calls
+    assert "decode_stack" not in calls_l and calls_l.get("layer_out") == 2 * hf.config.num_hidden_layers
+    assert calls_l.get("layer_in_gated", 0) == (hf.config.num_hidden_layers if acting else 0)
+    assert torch.equal(chunk, chunk_l) and torch.equal(step, step_l)
+    for a, b in zip(cache.layers, cache_l.layers):
+        assert a.keys.shape[2] == 11 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

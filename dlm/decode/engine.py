@@ -107,13 +107,15 @@ def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
+        def room(self, b: int, h: int, t: int, d: int, dv: int, like_k: torch.Tensor, like_v: torch.Tensor):
+            """``(key buffer, value buffer, n)``: buffers [b, h, >= n + t, d | dv] whose first n slots hold the n
+            cached keys / values, with room for t more (a new buffer, twice as long, where the old one is too short
+            or was replaced); ``like_k`` / ``like_v`` give a new buffer's dtype and device."""
             k, v = self.keys, self.values
-            b, h, t, d = key_states.shape
+            if k is None or v is None:
+                raise RuntimeError("GrowingLayer.room: the layer is not initialized")
             buf = getattr(self, "_buf", None)
-            if buf is not None and k is buf[2] and v is buf[3]:  # the views this method made: in the buffer
+            if buf is not None and k is buf[2] and v is buf[3]:  # the views this layer made: in the buffer
                 n = k.shape[2]
             else:  # replaced: still the buffer's own start (a crop from the right) or not
                 n = k.shape[-2] if k.dim() == 4 else 0
@@ -132,16 +134,27 @@ def _growing_layer_class():
                     buf = None
             if buf is None:
                 cap = max(2 * (n + t), 64)
-                kb = key_states.new_empty(b, h, cap, d)
-                vb = value_states.new_empty(b, h, cap, value_states.shape[-1])
+                kb = like_k.new_empty(b, h, cap, d)
+                vb = like_v.new_empty(b, h, cap, dv)
                 if n:
                     kb.narrow(2, 0, n).copy_(k)
                     vb.narrow(2, 0, n).copy_(v)
-            kb.narrow(2, n, t).copy_(key_states)
-            vb.narrow(2, n, t).copy_(value_states)
-            self.keys, self.values = kb.narrow(2, 0, n + t), vb.narrow(2, 0, n + t)
+            return kb, vb, n
+
+        def extended(self, kb: torch.Tensor, vb: torch.Tensor, n: int):
+            """The layer's keys / values become the first n slots of the buffers (after writing into them)."""
+            self.keys, self.values = kb.narrow(2, 0, n), vb.narrow(2, 0, n)
             self._buf = (kb, vb, self.keys, self.values)
             return self.keys, self.values
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            b, h, t, d = key_states.shape
+            kb, vb, n = self.room(b, h, t, d, value_states.shape[-1], key_states, value_states)
+            kb.narrow(2, n, t).copy_(key_states)
+            vb.narrow(2, n, t).copy_(value_states)
+            return self.extended(kb, vb, n + t)
 
     _growing_layer.append(GrowingLayer)
     return GrowingLayer

@@ -441,11 +441,10 @@ std::vector<at::Tensor> layer_in(at::Tensor x, at::Tensor nw, double eps, at::Te
 // added to its output's mask rows (`rows`: int64 indices into the B * T rows, ascending) before the rotary
 // embedding - the same kernels on the same data as rms_norm / linears / lora_add (each run of consecutive mask
 // rows one lora_add) / rope. a[i], b[i]: projection i's packed A [r, D] and B [N_i, r], or empty tensors for none.
-std::vector<at::Tensor> layer_in_gated(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
-                                       at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
-                                       at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd, at::Tensor rows,
-                                       std::vector<at::Tensor> a, std::vector<at::Tensor> b, int64_t r,
-                                       double scale) {
+namespace {
+// the adapters' arguments of layer_in_gated checked and gathered
+Deltas deltas_of(const at::Tensor& x, const at::Tensor& rows, const std::vector<at::Tensor>& a,
+                 const std::vector<at::Tensor>& b, const std::vector<int64_t>& ns, int64_t r, double scale) {
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.dim() == 1 && rows.is_contiguous() && a.size() == 3 &&
               b.size() == 3 && ns.size() == 3 && r > 0, "dlm_cpu.layer_in_gated: bad adapter arguments");
   Deltas d;
@@ -461,6 +460,16 @@ std::vector<at::Tensor> layer_in_gated(at::Tensor x, at::Tensor nw, double eps, 
     TORCH_CHECK(d.a[i].K == x.size(1) && d.nba[i] * COLS >= r && d.b[i].K == r && d.nbb[i] * COLS >= ns[i],
                 "dlm_cpu.layer_in_gated: bad adapter shapes");
   }
+  return d;
+}
+}  // namespace
+
+std::vector<at::Tensor> layer_in_gated(at::Tensor x, at::Tensor nw, double eps, at::Tensor pq, at::Tensor pk,
+                                       at::Tensor pv, std::vector<int64_t> ns, std::vector<at::Tensor> biases,
+                                       at::Tensor cos, at::Tensor sin, int64_t B, int64_t hd, at::Tensor rows,
+                                       std::vector<at::Tensor> a, std::vector<at::Tensor> b, int64_t r,
+                                       double scale) {
+  Deltas d = deltas_of(x, rows, a, b, ns, r, scale);
   return layer_in_impl(x, nw, eps, pq, pk, pv, ns, biases, cos, sin, B, hd, &d);
 }
 
@@ -486,6 +495,51 @@ at::Tensor layer_out(at::Tensor x, at::Tensor q, at::Tensor k, at::Tensor v, c10
   return y;
 }
 
+// A decoder stack's decode chunk in one call: for each layer, layer_in (layer_in_gated where the layer's q / k / v
+// adapters are given), the chunk's keys and values written into the layer's KV buffers after the n cached ones,
+// then layer_out over the n + T keys - the calls (and the cache update) the per-layer loop makes, in its order on
+// its data, without returning to Python between layers. x [B * T, D] contiguous (not modified); mask as attend's
+// (over the n + T keys) or none. Per layer, STACK_TENSORS tensors in `ts`: input norm weight, packed q, k, v, their
+// biases (empty: none), packed o_proj, post-attention norm weight, packed gate, up, down, the key and value buffers
+// [B, Hk, >= n + T, hd] (written in place), then the adapters' packed A and B of q, k, v (empty: none); 3 doubles in
+// `fs` (input norm eps, post-attention norm eps, attention scale); 4 ints in `is` (q, k, v widths, MLP width).
+// `rows`, `r`, `lscale`: the mask rows and the adapters' rank and scale (rows empty: no adapters act).
+constexpr int64_t STACK_TENSORS = 20;
+
+at::Tensor decode_stack(at::Tensor x, at::Tensor cos, at::Tensor sin, c10::optional<at::Tensor> mask, int64_t B,
+                        int64_t hd, int64_t n, std::vector<at::Tensor> ts, std::vector<double> fs,
+                        std::vector<int64_t> is, at::Tensor rows, int64_t r, double lscale) {
+  const int64_t L = (int64_t)ts.size() / STACK_TENSORS;
+  TORCH_CHECK(L > 0 && (int64_t)ts.size() == L * STACK_TENSORS && (int64_t)fs.size() == 3 * L &&
+              (int64_t)is.size() == 4 * L && x.dim() == 2 && x.size(0) % B == 0 && n >= 0,
+              "dlm_cpu.decode_stack: bad arguments");
+  const int64_t Tn = x.size(0) / B;
+  at::Tensor h = x;
+  for (int64_t l = 0; l < L; l++) {
+    const at::Tensor* t = ts.data() + l * STACK_TENSORS;
+    std::vector<int64_t> ns = {is[4 * l], is[4 * l + 1], is[4 * l + 2]};
+    std::vector<at::Tensor> biases = {t[4], t[5], t[6]};
+    std::vector<at::Tensor> a = {t[14], t[15], t[16]}, b = {t[17], t[18], t[19]};
+    const bool gated = rows.numel() > 0 && (a[0].numel() || a[1].numel() || a[2].numel());
+    std::vector<at::Tensor> qkv;
+    if (gated) {
+      Deltas d = deltas_of(h, rows, a, b, ns, r, lscale);
+      qkv = layer_in_impl(h, t[0], fs[3 * l], t[1], t[2], t[3], ns, biases, cos, sin, B, hd, &d);
+    } else {
+      qkv = layer_in_impl(h, t[0], fs[3 * l], t[1], t[2], t[3], ns, biases, cos, sin, B, hd, nullptr);
+    }
+    at::Tensor kb = t[12], vb = t[13];
+    TORCH_CHECK(kb.dim() == 4 && vb.dim() == 4 && kb.size(0) == B && vb.size(0) == B && kb.size(2) >= n + Tn &&
+                vb.size(2) >= n + Tn && kb.size(1) == qkv[1].size(1) && vb.size(1) == qkv[2].size(1) &&
+                kb.size(3) == hd && vb.size(3) == qkv[2].size(3), "dlm_cpu.decode_stack: bad KV buffers");
+    kb.narrow(2, n, Tn).copy_(qkv[1]);
+    vb.narrow(2, n, Tn).copy_(qkv[2]);
+    h = layer_out(h, qkv[0], kb.narrow(2, 0, n + Tn), vb.narrow(2, 0, n + Tn), mask, fs[3 * l + 2], t[7], t[8],
+                  fs[3 * l + 1], t[9], t[10], is[4 * l + 3], t[11]);
+  }
+  return h;
+}
+
 TORCH_LIBRARY(dlm_cpu, m) {
   m.def("isa", &isa);
   m.def("isas", &isas);
@@ -502,4 +556,5 @@ TORCH_LIBRARY(dlm_cpu, m) {
   m.def("layer_in", &layer_in);
   m.def("layer_in_gated", &layer_in_gated);
   m.def("layer_out", &layer_out);
+  m.def("decode_stack", &decode_stack);
 }

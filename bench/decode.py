@@ -15,7 +15,8 @@ acceptance, ratio to transformers and to ``ar``, "hit" (ISD: the share of verify
 in the chunk, so the next step verified again instead of cold-starting; ``--fallbacks`` compares the modes) and
 whether the tokens equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``). ``--candidates 2,3`` adds
 ISD at stride 2 with K draft candidates per position (``--isd-candidates``; rows 'isd N=2 K=k', default fallback
-mode).
+mode). ``--layer-loop`` adds each engine row again with the CPU kernels' per-layer loop instead of their one
+``decode_stack`` call for all layers (rows '... (loop)', interleaved with the others; tokens equal).
 """
 
 from __future__ import annotations
@@ -97,6 +98,12 @@ def main(argv=None) -> int:
         "request; the outputs then differ between methods by construction and are not compared)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0 = leave as is)")
+    ap.add_argument(
+        "--layer-loop",
+        action="store_true",
+        help="also run ar and each isd row through the CPU kernels' per-layer loop (rows '... (loop)') instead of "
+        "one decode_stack call for all layers: what the one call saves",
+    )
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     if args.groups < 1:
@@ -105,6 +112,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from dlm.decode.cpu import fused
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.model.convert import load_any
@@ -142,6 +150,8 @@ def main(argv=None) -> int:
         + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
         + [f"isd N=2 K={c}" for c in cands]
     )
+    if args.layer_loop:  # the same engines with the CPU kernels' per-layer loop instead of one decode_stack call
+        methods += [f"{m} (loop)" for m in methods[1:]]
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
@@ -168,11 +178,14 @@ def main(argv=None) -> int:
             out = hf.generate(ids, attention_mask=att, max_new_tokens=k, min_new_tokens=k, **extra)
             s = time.perf_counter() - t
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
-        engine = engines[b][method]
+        loop = method.endswith(" (loop)")
+        engine = engines[b][method.removesuffix(" (loop)")]
         engine.total_forwards = 0
+        fused.ONE_CALL[0] = not loop
         t = time.perf_counter()
         res = engine.generate(batch, params)
         s = time.perf_counter() - t
+        fused.ONE_CALL[0] = True
         return (
             [r.token_ids for r in res],
             s,

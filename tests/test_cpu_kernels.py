@@ -334,6 +334,39 @@ def _prefill_chunk_step(model, ids, mask):
 
 
 @needs_kernel
+@pytest.mark.parametrize("decoder", ["ar", "isd"])
+def test_engine_decode_steps_take_the_stack_in_one_call(tiny_model_dir, decoder, monkeypatch):
+    """The engine's decode steps (its growing KV cache, 2 requests batched, ISD's masked chunks) run the decoder
+    stack as one decode_stack call each - the prefills, of a fresh cache, the layer loop - and decode the same
+    tokens as with the loop."""
+    from dlm.decode.configs import ISDConfig
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import load_any
+
+    model = load_any(tiny_model_dir("llama"), "idlm")
+    config = ISDConfig(stride=2) if decoder == "isd" else decoder
+    prompts = [[3, 4, 5, 6], [7, 8, 9]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+
+    def run(one: bool):
+        monkeypatch.setattr(fused, "ONE_CALL", [one])
+        with Engine(model, decoder=config, max_batch_size=2) as engine:
+            counting = CallCounter(fused._OPS[0])
+            monkeypatch.setattr(fused, "_OPS", [counting])
+            out = [r.token_ids for r in engine.generate(prompts, params)]
+            monkeypatch.setattr(fused, "_OPS", [counting.mod])
+            return out, counting.calls, engine.total_forwards
+
+    out, calls, forwards = run(True)
+    out_l, calls_l, _ = run(False)
+    assert out == out_l and all(len(o) == 6 for o in out)
+    assert 0 < calls.get("decode_stack", 0) and "layer_out" in calls  # the prefills: the loop
+    assert calls["decode_stack"] + calls["layer_out"] // model.base_model_hf.config.num_hidden_layers == forwards
+    assert "decode_stack" not in calls_l
+
+
+@needs_kernel
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, monkeypatch, each_isa):
     """Without hooks on its projections a fused layer runs as two kernel calls around the cache update (layer_in:

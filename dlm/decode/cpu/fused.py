@@ -757,7 +757,7 @@ def _one_call(fwds, h, cos, sin, mask, cache):
     layers = getattr(cache, "layers", None)
     b, t, d = h.shape
     rows = b * t
-    if layers is None or len(layers) != len(fwds):
+    if layers is None or len(layers) != len(fwds) or getattr(cache, "offloading", False):
         return None
     for layer in layers:  # the engine's growing layers, each holding this batch's keys (a prefill's: not yet)
         keys = getattr(layer, "keys", None)

@@ -59,6 +59,34 @@ def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
     assert p.bucket_of(1) != p.bucket_of(8) and p.bucket_of(5) == p.bucket_of(8) and p.bucket_of(9) != p.bucket_of(8)
 
 
+def test_exploration_of_a_far_slower_mode_backs_off_until_it_costs_little():
+    """Drafting 3 candidates at 32 requests on a 2-core CPU runs at ~0.2x AR's tokens/s. Bursts of it every
+    max_period (96) steps cost ~13% of the throughput; backing off until a burst costs explore_cost (3%) of the
+    time between bursts keeps >= 0.94x pure AR's tokens/s (the back-off's first doublings included). Where the loser
+    is only somewhat slower (drafting at 2x cost) the period stays capped at max_period."""
+
+    def goodput(policy, draft_cost):
+        rows, rng, verifying, time, tokens = 32, random.Random(0), [False] * 32, 0.0, 0
+        for step in range(3000):
+            d = policy.drafting(rows)
+            cost = (draft_cost if d else 1.0) * (1 + rng.uniform(-0.1, 0.1))
+            n = 0
+            for i in range(rows):
+                if not d or not verifying[i]:
+                    n, verifying[i] = n + 1, d
+                else:
+                    ok = rng.random() < 0.46
+                    n, verifying[i] = n + (2 if ok else 1), ok
+            policy.observe(rows, d, cost, n)
+            if step >= 500:
+                time, tokens = time + cost, tokens + n
+        return tokens / time / rows  # tokens/s against pure AR's (1 token a row per unit of time)
+
+    assert goodput(MeasuredDraft(), 5.0) >= 0.94
+    assert goodput(MeasuredDraft(explore_cost=1e9), 5.0) < 0.9  # capped at max_period: the cost this avoids
+    assert goodput(MeasuredDraft(), 2.0) == goodput(MeasuredDraft(explore_cost=1e9), 2.0)
+
+
 def test_measured_policy_stops_drafting_when_acceptance_drops():
     p = MeasuredDraft()
     before = simulate(p, 400, 2, draft_cost=1.1, acceptance=0.6)
@@ -80,6 +108,13 @@ def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
     simulate(p, 200, 4, draft_cost=1.1, acceptance=0.6, seed=3)
     small = simulate(p, 200, 1, draft_cost=1.05, acceptance=0.6, seed=4)
     assert all(small[: p.base_period - 1]) and sum(small) / len(small) > 0.8
+    # ... and how far the neighbour's exploration backed off: its period, not the first one, before the first burst
+    p = MeasuredDraft()
+    simulate(p, 600, 8, draft_cost=2.5, acceptance=0.46)
+    backed_off = p.buckets[p.bucket_of(8)].period
+    assert backed_off > p.base_period
+    big = simulate(p, 300, 32, draft_cost=5.0, acceptance=0.46)
+    assert not any(big[: backed_off - 1]) and any(big)
 
 
 def test_policy_values_and_errors():

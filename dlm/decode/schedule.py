@@ -103,7 +103,7 @@ class MeasuredDraft(AlwaysDraft):
       ``max_period``) each time the burst confirms the choice and falls back to ``period`` when it flips it. Where
       the loser is far slower, the period may double past ``max_period``, until one burst costs at most
       ``explore_cost`` of the time between bursts (drafting 3 candidates at 32 requests on a 2-core CPU runs at
-      ~0.2x AR: a 4-step burst every 96 steps cost 15% of the throughput, every ~400 steps 3%).
+      ~0.2x AR: a 4-step burst every 96 steps cost 13% of the throughput, every ~400 steps 3%).
     - ``margin``: drafting must beat AR by this fraction (drafting changes the sampling draws and costs memory;
       at parity AR is the safer pick).
     """

@@ -59,6 +59,22 @@ def test_generate_json_ar_and_isd_on_the_fly(tiny_dir, tmp_path, capsys):
     assert len(mdm) == 1 and mdm[0]["forwards"] == 3
 
 
+def test_generate_logprobs(tiny_dir, capsys):
+    common = ["--model", str(tiny_dir), "--prompt", "The quick brown fox", "--max-new-tokens", "7", "--logprobs", "2"]
+    ar = run_json(capsys, *common, "--decode", "ar")[0]
+    isd = run_json(capsys, *common, "--decode", "isd", "--stride", "3")[0]
+    assert [t["token_id"] for t in ar["logprobs"]] == ar["token_ids"] == isd["token_ids"]
+    for a, b in zip(ar["logprobs"], isd["logprobs"]):  # ISD's tokens carry the AR model's probabilities
+        assert abs(a["logprob"] - b["logprob"]) < 1e-4 and len(a["top"]) == 2 and a["top"][0][0] == a["token_id"]
+        assert isinstance(a["token"], str)
+    assert main(["generate", *common]) == 0
+    assert "log-probability -" in capsys.readouterr().out
+    assert main(["generate", *common, "--decode", "mdm"]) == 2
+    assert "--logprobs needs --decode ar or isd" in capsys.readouterr().err
+    assert main(["generate", *common[:-1], "21"]) == 2
+    assert "logprobs must be an integer in 0..20" in capsys.readouterr().err
+
+
 def test_generate_text_output_and_errors(tiny_dir, tmp_path, capsys):
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "The cat", "--max-new-tokens", "4", "--chat"]) == 0
     out = capsys.readouterr().out

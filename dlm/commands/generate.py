@@ -39,6 +39,14 @@ def add_arguments(p) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
+    p.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        metavar="K",
+        help="each new token's log-probability under the model and its K most likely alternatives (0..20; "
+        "--decode ar or isd): a 'logprobs' list in --json output, their sum in the summary line",
+    )
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
@@ -99,7 +107,13 @@ def run(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         stop_strings=tuple(args.stop),
+        logprobs=args.logprobs,
     )
+    if args.logprobs is not None and args.decode not in ("ar", "isd"):
+        raise DLMError(
+            f"--logprobs needs --decode ar or isd; --decode {args.decode} commits tokens out of order, not from "
+            f"the model's next-token distribution"
+        )
     device = get_device()
     folder = resolve_model_path(args.model)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
@@ -175,12 +189,18 @@ def run(args) -> int:
                 "finish_reason": r.finish_reason,
                 "decode": args.decode,
             }
+            if r.logprobs is not None:
+                rec["logprobs"] = [
+                    {"token_id": t.token_id, "token": tok.decode([t.token_id]), "logprob": t.logprob, "top": t.top}
+                    for t in r.logprobs
+                ]
             print(json.dumps(rec, ensure_ascii=False))
         else:
             acc = " ".join(f"{a:.2f}" for a in s.acceptance) or "-"
+            lp = "" if r.logprobs is None else f", log-probability {sum(t.logprob for t in r.logprobs):.3f}"
             print(f"=== {prompt!r}\n{r.text}")
             print(
                 f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, acceptance per draft "
-                f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason})"
+                f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason}{lp})"
             )
     return 0

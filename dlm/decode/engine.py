@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
-from dlm.decode.sampling import RequestStats, SamplingParams
+from dlm.decode.sampling import RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
@@ -282,11 +282,13 @@ class KVBatch:
 # -- requests -----------------------------------------------------------------------------------------------
 @dataclass
 class StepEvent:
-    """What one request got from one step: its newly committed token ids, and whether it finished."""
+    """What one request got from one step: its newly committed token ids, and whether it finished (with
+    ``SamplingParams.logprobs``: the new tokens' :class:`~dlm.decode.sampling.TokenLogprob`)."""
 
     request_id: object
     new_token_ids: list[int]
     finished: bool
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -297,6 +299,8 @@ class GenerationResult:
     text: str | None
     finish_reason: str  # "stop" (stop token/string) | "length" (max_new_tokens or context end) | "abort"
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token, None for the first
 
     def to_dict(self) -> dict:
         d = {
@@ -305,6 +309,10 @@ class GenerationResult:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
         }
+        if self.logprobs is not None:
+            d["logprobs"] = [t.to_dict() for t in self.logprobs]
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = [None if t is None else t.to_dict() for t in self.prompt_logprobs]
         d.update(self.stats.to_dict())
         return d
 
@@ -332,6 +340,9 @@ class Row:
     text_cut: int | None = None  # character cut from a stop string
     suffix: list[int] = field(default_factory=list)  # fed after the prompt in the prefill (Decoder.prefill_suffix)
     fresh: bool = False  # this step re-feeds from an earlier position: the row's cached KV goes first
+    src: list[int] | None = None  # set by consume: the logits row of each committed token (None: 0, 1, ...)
+    logprobs: list[TokenLogprob] | None = None  # the committed tokens' (SamplingParams.logprobs)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class Decoder:
@@ -348,7 +359,9 @@ class Decoder:
       prefill it may be negative: the prompt's tail then keeps no KV either); ``row.pos`` advances by ``keep``.
       A decode step of a tree-shaped chunk (``chunk_layout``) may instead give the chunk indices that keep their
       KV (a list, in position order: e.g. ISD's accepted candidate among several at the same position); the
-      others become holes and ``row.pos`` advances by their number. Committed ids are appended in order. A decode
+      others become holes and ``row.pos`` advances by their number. Committed ids are appended in order; a
+      causal decoder that took a committed token from another logits row than its index in the committed list
+      says so in ``row.src`` (the logits row of each, for the tokens' log-probabilities). A decode
       step calls ``consume_batch(engine, rows, logits [B, Q, V], lengths)`` once, which calls ``consume`` per row
       unless the decoder judges all rows in one call;
     - ``plan_step`` / ``step_done``: once per decode step, before the chunks and after the commits (with the
@@ -553,6 +566,13 @@ class Engine:
             on_tokens=on_tokens,
             stats=RequestStats(prompt_tokens=len(prompt_ids)),
         )
+        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.decoder.causal:
+            raise DLMError(
+                f"logprobs need a left-to-right decoder (--decode ar or isd); {self.decoder.name!r} commits "
+                f"tokens out of order, not from the model's next-token distribution"
+            )
+        if params.logprobs is not None:
+            row.logprobs = []
         self.decoder.check_request(self, row)
         if self._static is not None:  # KV room for the whole request from the start (+ a chunk's headroom)
             self._static.kv.plan(min(len(prompt_ids) + params.max_new_tokens, self.max_positions) + SPAN_GRANULE)
@@ -631,9 +651,13 @@ class Engine:
             mask = mask.to(self.device)
         kv = KVBatch()
         n_out = n - len(rows[0].prompt_ids) + 1
-        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=n_out)
+        every = any(r.params.prompt_logprobs is not None for r in rows)  # the logits of every prompt position
+        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=0 if every else n_out)
+        if every:
+            self._prompt_logprobs(rows, logits)
+            logits = logits[:, n - n_out :]
         keep_mask = torch.zeros(len(rows), n, dtype=torch.bool)
-        events = []
+        consumed = []
         for i, row in enumerate(rows):
             row.stats.forwards += 1
             committed, keep = self.decoder.consume(self, row, logits[i])
@@ -641,7 +665,9 @@ class Engine:
                 raise RuntimeError(f"decoder {self.decoder.name!r} kept chunk indices in a prefill (a count is due)")
             keep_mask[i, : max(len(row.prompt_ids) - 1 + keep, 0)] = True
             row.pos += keep
-            events.append(self._commit(row, committed))
+            consumed.append(committed)
+        scored = self._logprobs(rows, logits, consumed)
+        events = [self._commit(row, c, lp) for row, c, lp in zip(rows, consumed, scored)]
         kv.after_extend(keep_mask.to(self.device))
         done = [i for i, r in enumerate(rows) if r.finished]
         for i in done:
@@ -689,6 +715,7 @@ class Engine:
         for row in rows:
             row.stats.forwards += 1
         consumed = self.decoder.consume_batch(self, rows, logits, [len(c) for c in chunks])
+        scored = self._logprobs(rows, logits, [c for c, _ in consumed])
         for i, (row, (committed, kept)) in enumerate(zip(rows, consumed)):
             tokens += len(committed)
             if isinstance(kept, int):
@@ -697,7 +724,7 @@ class Engine:
             else:  # chunk indices of a tree chunk (Decoder.consume)
                 keep[i, list(kept)] = True
                 row.pos += len(kept)
-            events.append(self._commit(row, committed))
+            events.append(self._commit(row, committed, scored[i]))
         self.kv.after_extend(keep.to(self.device))
         self.decoder.step_done(self, rows, time.perf_counter() - t0, tokens)
         if any(r.finished for r in rows):
@@ -751,8 +778,54 @@ class Engine:
                 mask[i, 0, n:, k + n :] = torch.eye(q - n, dtype=torch.bool)
         return mask.to(self.device)
 
+    # -- log-probabilities --------------------------------------------------------------------------------
+    def _logprobs(
+        self, rows: list[Row], logits: torch.Tensor, committed: list[list[int]]
+    ) -> list[list[TokenLogprob] | None]:
+        """The committed tokens' log-probabilities for the rows that asked (``logits [B, Q, V]``, the step's; each
+        token's row from ``row.src``, set by consume), in one batched call; clears ``row.src``."""
+        want = [i for i, r in enumerate(rows) if r.params.logprobs is not None and committed[i]]
+        out: list[list[TokenLogprob] | None] = [None] * len(rows)
+        if want:
+            bi: list[int] = []
+            qi: list[int] = []
+            tokens: list[int] = []
+            for i in want:
+                given = rows[i].src
+                src = given if given is not None else list(range(len(committed[i])))
+                if len(src) != len(committed[i]):
+                    raise RuntimeError(
+                        f"decoder {self.decoder.name!r} gave {len(src)} logits rows for {len(committed[i])} tokens"
+                    )
+                bi += [i] * len(src)
+                qi += list(src)
+                tokens += committed[i]
+            k = max(int(rows[i].params.logprobs or 0) for i in want)
+            dev = logits.device
+            flat = token_logprobs(
+                logits[torch.tensor(bi, device=dev), torch.tensor(qi, device=dev)], tokens, k, self.mask_token_id
+            )
+            at = 0
+            for i in want:
+                n, kr = len(committed[i]), int(rows[i].params.logprobs or 0)
+                out[i] = [TokenLogprob(t.token_id, t.logprob, t.top[:kr]) for t in flat[at : at + n]]
+                at += n
+        for r in rows:
+            r.src = None
+        return out
+
+    def _prompt_logprobs(self, rows: list[Row], logits: torch.Tensor) -> None:
+        """The prompt tokens' log-probabilities of the rows that asked, from a prefill's logits of every position
+        (``logits [G, n, V]``: position j's logits give the prompt's token j + 1)."""
+        for i, row in enumerate(rows):
+            k = row.params.prompt_logprobs
+            if k is None:
+                continue
+            ids = row.prompt_ids
+            row.prompt_logprobs = [None, *token_logprobs(logits[i, : len(ids) - 1], ids[1:], k, self.mask_token_id)]
+
     # -- bookkeeping --------------------------------------------------------------------------------------
-    def _commit(self, row: Row, committed: list[int]) -> StepEvent:
+    def _commit(self, row: Row, committed: list[int], logprobs: list[TokenLogprob] | None = None) -> StepEvent:
         """Append committed tokens, applying stop tokens, max_new_tokens, the context end and stop strings."""
         new: list[int] = []
         p = row.params
@@ -767,6 +840,10 @@ class Engine:
         if new and not row.out:
             row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
+        if logprobs is not None:
+            logprobs = logprobs[: len(new)]
+            if row.logprobs is not None:
+                row.logprobs.extend(logprobs)
         if not row.finished and row.pos + 1 >= self.max_positions:
             row.finished, row.finish_reason = True, "length"
         if p.stop_strings and self.tokenizer is not None and new:
@@ -778,7 +855,7 @@ class Engine:
         row.stats.new_tokens = len(row.out)
         if row.on_tokens is not None:
             row.on_tokens(row.request_id, new, row.finished)
-        return StepEvent(row.request_id, new, row.finished)
+        return StepEvent(row.request_id, new, row.finished, logprobs)
 
     def _finalize(self, row: Row) -> None:
         row.stats.end_time = time.perf_counter()
@@ -788,7 +865,14 @@ class Engine:
             if row.text_cut is not None:
                 text = text[: row.text_cut]
         self.results[row.request_id] = GenerationResult(
-            row.request_id, row.prompt_ids, list(row.out), text, row.finish_reason, row.stats
+            row.request_id,
+            row.prompt_ids,
+            list(row.out),
+            text,
+            row.finish_reason,
+            row.stats,
+            logprobs=None if row.logprobs is None else list(row.logprobs),
+            prompt_logprobs=row.prompt_logprobs,
         )
 
     def _drop_finished(self) -> None:

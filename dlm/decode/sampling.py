@@ -9,11 +9,14 @@ logit is -inf everywhere, so it is never emitted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from dlm.errors import DLMError
+
+MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit; vLLM's default cap)
 
 
 @dataclass
@@ -24,6 +27,11 @@ class SamplingParams:
     depend on its batch neighbours (``None``: a random seed). ``stop_token_ids`` defaults to the tokenizer's EOS
     (unless ``ignore_eos``); the stop token is kept in ``token_ids`` (as ``transformers.generate`` does) and dropped
     from the text. ``stop_strings`` cut the text at the first occurrence.
+
+    ``logprobs`` k (None: off): each new token's log-probability under the model and the k most likely tokens at
+    its position (:class:`TokenLogprob`); ``prompt_logprobs`` k the same for the prompt's tokens after the first
+    (the prefill then computes the logits of every prompt position). Both need a left-to-right decoder (``ar``,
+    ``isd``).
     """
 
     max_new_tokens: int = 64
@@ -34,6 +42,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -44,6 +54,10 @@ class SamplingParams:
             raise DLMError(f"--top-k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise DLMError(f"--top-p must be in (0, 1], got {self.top_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
+                raise DLMError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None: off), got {k!r}")
         self.stop_strings = tuple(self.stop_strings or ())
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -121,6 +135,42 @@ def next_token(
     if params.greedy:
         return suppress(logits, mask_token_id).argmax(-1)
     return sample(probs_from_logits(logits, params, mask_token_id), generator)
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model at its position - the log-softmax of the logits there, the mask
+    token excluded, before temperature, top-k and top-p (the distribution the model gives, whichever way the token
+    was chosen) - and the ``top`` most likely tokens there as (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"token_id": self.token_id, "logprob": self.logprob, "top": [list(t) for t in self.top]}
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], k: int, mask_token_id: int | None
+) -> list[TokenLogprob]:
+    """``logits [T, V]``, row t the model's output where ``tokens[t]`` was chosen -> each token's
+    :class:`TokenLogprob` with its ``k`` most likely alternatives: one log-softmax, one gather, one top-k and one
+    transfer to the host. The token's log-probability and its alternatives' come from the same tensor, so a token
+    that is the most likely one has exactly the first alternative's value."""
+    if logits.shape[0] != len(tokens):
+        raise ValueError(f"{logits.shape[0]} rows of logits for {len(tokens)} tokens")
+    if not len(tokens):
+        return []
+    lp = suppress(logits, mask_token_id).log_softmax(-1)
+    ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
+    chosen = lp.gather(-1, ids[:, None]).squeeze(-1)
+    if k > 0:
+        top = lp.topk(min(k, lp.shape[-1]), dim=-1)
+        vals, idx = top.values.tolist(), top.indices.tolist()
+    else:
+        vals = idx = [[] for _ in tokens]
+    return [TokenLogprob(int(t), float(c), list(zip(i, v))) for t, c, i, v in zip(tokens, chosen.tolist(), idx, vals)]
 
 
 @dataclass

@@ -327,6 +327,7 @@ class ISDDecoder(Decoder):
             self._draft(engine, row, logits[1 + k + hit : 2 + k + hit], row.pos + 3)
             st.mode = "verify"
             row.last = free
+            row.src = [0, 1 + hit]  # free came from the accepted candidate's logits
             return [token, free], [0, 1 + hit]
         with_f = logits.shape[0] > 1 + 2 * k  # F: the masks of the rejection branch
         self.counts.verify(with_f)

@@ -393,7 +393,14 @@ BAD = [
     ("/v1/completions", b'{"model": "tiny", "prompt": [5, 99999]}', 400, "prompt"),  # not in vocab
     ("/v1/completions", b'{"model": "tiny", "prompt": [320]}', 400, "prompt"),  # the mask token
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ""}', 400, "stop"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true}', 400, "echo"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true, "stream": true}', 400, "echo"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 21}', 400, "logprobs"),
+    (
+        "/v1/chat/completions",
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),  # unknown model
     ("/v1/chat/completions", b'{"model": "tiny", "messages": []}', 400, "messages"),  # empty messages
     ("/v1/chat/completions", b'{"model": "tiny", "messages": "hi"}', 400, "messages"),

@@ -42,7 +42,10 @@ def test_completion_refusals(validator):
     c = validator.completion
     refused(c, CompletionRequest(model="other", prompt="x"), 404, "model", "model_not_found")
     refused(c, CompletionRequest(model="tiny", prompt="x", max_tokens=33), 400, "max_tokens", "invalid_value")
-    refused(c, CompletionRequest(model="tiny", prompt="x", echo=True), 400, "echo", "unsupported_parameter")
+    refused(
+        c, CompletionRequest(model="tiny", prompt="x", echo=True, stream=True), 400, "echo", "unsupported_parameter"
+    )
+    refused(c, CompletionRequest(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens", "unsupported_parameter")
     refused(c, CompletionRequest(model="tiny", prompt=[]), 400, "prompt")
     refused(c, CompletionRequest(model="tiny", prompt=[[]]), 400, "prompt")
     refused(c, CompletionRequest(model="tiny", prompt=[320]), 400, "prompt")  # outside the vocabulary
@@ -68,3 +71,37 @@ def test_sampling_params_per_choice():
     assert first.max_new_tokens == 6 and first.temperature == 0.5 and first.top_k == 0 and first.top_p == 1.0
     assert first.stop_strings == ("\n",)
     assert sampling_params(CompletionRequest(model="tiny", prompt="x"), 1, 3).seed is None
+
+
+def test_logprobs_fields(validator, tiny_tokenizer):
+    """Completions: ``logprobs`` k (0..20), with ``echo`` for the prompt too, ``max_tokens`` 0 with echo (the prompt
+    only, one engine token); chat: ``logprobs`` true with ``top_logprobs`` k. A decoder without left-to-right tokens
+    refuses them, naming the field."""
+    from pydantic import ValidationError
+
+    from dlm.decode.sampling import MAX_LOGPROBS
+    from dlm.serve.schemas import MAX_LOGPROBS as API_MAX
+
+    assert API_MAX == MAX_LOGPROBS
+    body = CompletionRequest(model="tiny", prompt=[1, 2, 3], echo=True, logprobs=1, max_tokens=0)
+    parsed = validator.completion(body)
+    assert (parsed.logprobs, parsed.echo, parsed.max_tokens) == (1, True, 0)
+    sp = sampling_params(body, parsed.max_tokens, 0, parsed.logprobs, parsed.echo)
+    assert (sp.logprobs, sp.prompt_logprobs, sp.max_new_tokens) == (1, 1, 1)
+    plain = validator.completion(CompletionRequest(model="tiny", prompt="x"))
+    assert (plain.logprobs, plain.echo) == (None, False)
+    assert sampling_params(CompletionRequest(model="tiny", prompt="x"), 3, 0).logprobs is None
+    for bad in (-1, 21):
+        with pytest.raises(ValidationError):
+            CompletionRequest(model="tiny", prompt="x", logprobs=bad)
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert validator.chat(ChatCompletionRequest(model="tiny", messages=msgs, logprobs=True)).logprobs == 0
+    chat = validator.chat(ChatCompletionRequest(model="tiny", messages=msgs, logprobs=True, top_logprobs=4))
+    assert chat.logprobs == 4 and not chat.echo
+    assert validator.chat(ChatCompletionRequest(model="tiny", messages=msgs, logprobs=False)).logprobs is None
+    refused(validator.chat, ChatCompletionRequest(model="tiny", messages=msgs, top_logprobs=2), 400, "top_logprobs")
+    mdm = RequestValidator(validator.settings, tiny_tokenizer, 320, 40, MASK, decoder="mdm", left_to_right=False)
+    e = refused(mdm.completion, CompletionRequest(model="tiny", prompt="x", logprobs=0), 400, "logprobs")
+    assert "--decode ar or isd" in e.message
+    refused(mdm.chat, ChatCompletionRequest(model="tiny", messages=msgs, logprobs=True), 400, "logprobs")
+    assert mdm.completion(CompletionRequest(model="tiny", prompt="x", echo=True)).echo  # echo alone needs no scores

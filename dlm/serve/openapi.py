@@ -145,11 +145,8 @@ def _request_limits(comps: dict[str, Any], settings: ServeSettings, vocab: int) 
                 branch["items"]["minLength"] = 1
         elif branch.get("type") == "string":
             branch["minLength"] = 1
-    for field, value in (("echo", False), ("logprobs", None), ("suffix", None)):
-        if field in completion:
-            completion[field] = {"const": value} if value is not None else {"type": "null"}
+    if "suffix" in completion:
+        completion["suffix"] = {"type": "null"}
     chat = comps.get("ChatCompletionRequest", {}).get("properties", {})
-    if "logprobs" in chat:
-        chat["logprobs"] = {"anyOf": [{"const": False}, {"type": "null"}]}
     if "tools" in chat:
         chat["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}

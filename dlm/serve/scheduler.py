@@ -10,7 +10,8 @@ client: a client that does not read just accumulates items in its own queue, and
 
 Items put on a request's queue (``tag`` is the caller's, e.g. the choice index)::
 
-    (tag, "tokens", [ids])            newly committed token ids (may be several per step with ISD)
+    (tag, "tokens", ([ids], logprobs))  newly committed token ids (may be several per step with ISD) and their
+                                      TokenLogprob list (None unless the request asked for log-probabilities)
     (tag, "done", GenerationResult)   the request finished (finish_reason "stop" | "length")
     (tag, "error", (status, message)) the request failed (bad prompt: 400; engine failure: 500)
 """
@@ -212,7 +213,7 @@ class Scheduler:
             if ev.new_token_ids:
                 if handle.first_token is None:
                     handle.first_token = now
-                handle.push("tokens", list(ev.new_token_ids))
+                handle.push("tokens", (list(ev.new_token_ids), ev.logprobs))
             if ev.finished:
                 result = self.engine.pop_result(ev.request_id)
                 handle.done = True

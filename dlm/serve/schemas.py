@@ -12,6 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+MAX_LOGPROBS = 20  # alternatives per token (= dlm.decode.sampling.MAX_LOGPROBS, without importing torch here)
 MAX_N = 16  # choices per request
 MAX_STOP = 8  # stop strings per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -68,15 +69,16 @@ class SamplingRequest(_Body):
 class CompletionRequest(SamplingRequest):
     # a string, a list of strings, a list of token ids, or a list of token-id lists (OpenAI's four forms)
     prompt: StrictStr | list[StrictStr] | list[StrictInt] | list[list[StrictInt]]
-    echo: StrictBool = False
-    logprobs: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(None, ge=0)  # 0: with echo, the prompt (and its logprobs) only
+    echo: StrictBool = False  # the prompt's text (and, with logprobs, its tokens' log-probabilities) first
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: StrictStr | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.echo:
-            return "echo", "echo is not supported by dlm serve; set it to false"
-        if self.logprobs is not None:
-            return "logprobs", "logprobs are not supported by dlm serve; leave the field out"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens=0 returns the prompt only and needs echo=true; ask for at least 1 token"
+        if self.echo and self.stream:
+            return "echo", "echo is not supported with stream=true; set stream to false (or echo to false)"
         if self.suffix:
             return "suffix", "suffix (insertion) is not supported by dlm serve; leave it out"
         if isinstance(self.prompt, list) and len(self.prompt) > MAX_PROMPTS:
@@ -106,13 +108,13 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: StrictInt | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
     response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
-        if self.logprobs:
-            return "logprobs", "logprobs are not supported by dlm serve; leave the field out"
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.tools:
             return "tools", "tool calling is not supported by dlm serve; leave 'tools' out"
         if self.response_format and self.response_format.get("type", "text") != "text":
@@ -197,11 +199,21 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class CompletionLogprobs(BaseModel):
+    """Per token of the choice's text (with echo: the prompt's first, the very first without a log-probability):
+    its text, log-probability, the most likely tokens there with the chosen one, and where its text starts."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -219,11 +231,26 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"] | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dlm.serve.error_handlers import error_response
+from dlm.serve.logprobs import Scored, Scorer, kept
 from dlm.serve.schemas import APIError, SamplingRequest, error_body
 from dlm.serve.settings import ServeSettings
 from dlm.serve.streaming import SSE_DONE, SSE_KEEPALIVE, TextStream, sse
@@ -47,15 +48,27 @@ class OpenAIServing:
         self.metrics = scheduler.metrics
 
     # -- what a subclass says ---------------------------------------------------------------------------
-    def choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
+    def choice(self, index: int, result: GenerationResult, parsed: ParsedRequest) -> dict[str, Any]:
         """Choice ``index`` of the JSON answer."""
         raise NotImplementedError
 
     def chunk_choice(
-        self, index: int, text: str | None, finish_reason: str | None, role: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: list[Scored] | None = None,
     ) -> dict[str, Any]:
-        """The choice of one stream chunk: new ``text`` (None: none), the ``finish_reason`` of the last one."""
+        """The choice of one stream chunk: new ``text`` (None: none), the ``finish_reason`` of the last one, the
+        log-probabilities of the tokens whose text it carries (None: not asked for)."""
         raise NotImplementedError
+
+    def scored(self, result: GenerationResult, offset: int = 0) -> list[Scored]:
+        """The answer's tokens with their log-probabilities, those its text reaches (:mod:`dlm.serve.logprobs`);
+        ``offset``: where its text starts in the choice's text."""
+        entries = Scorer(self.validator.tokenizer, offset=offset).feed(result.token_ids, result.logprobs)
+        return kept(entries, offset + len(result.text or ""), result.finish_reason)
 
     # -- the shared path ------------------------------------------------------------------------------------
     async def generate(self, request: Request, body: SamplingRequest, parsed: ParsedRequest) -> Any:
@@ -66,18 +79,18 @@ class OpenAIServing:
         handles = []
         for pi, ids in enumerate(parsed.prompts):
             for j in range(n):
-                params = sampling_params(body, parsed.max_tokens, j)
+                params = sampling_params(body, parsed.max_tokens, j, parsed.logprobs, parsed.echo)
                 handles.append(self.scheduler.submit(ids, params, tag=pi * n + j, out=out, loop=loop))
         rid = self.id_prefix + uuid.uuid4().hex[:24]
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = self.stream(handles, out, rid, parsed.prompt_tokens, include_usage, body.stop_list())
+            events = self.stream(handles, out, rid, parsed, include_usage, body.stop_list())
             return StreamingResponse(
                 events,
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await self.collect(request, handles, out, rid, parsed.prompt_tokens)
+        return await self.collect(request, handles, out, rid, parsed)
 
     def abort_all(self, handles: list[Handle]) -> None:
         for h in handles:
@@ -91,7 +104,7 @@ class OpenAIServing:
         }
 
     async def collect(
-        self, request: Request, handles: list[Handle], out: asyncio.Queue[Item], rid: str, prompt_tokens: int
+        self, request: Request, handles: list[Handle], out: asyncio.Queue[Item], rid: str, parsed: ParsedRequest
     ) -> dict[str, Any] | JSONResponse:
         """Wait for every choice (aborting them if the client goes away) and answer them in one JSON body."""
         results: dict[int, GenerationResult] = {}
@@ -111,15 +124,16 @@ class OpenAIServing:
         finally:
             if len(results) < len(handles):
                 self.abort_all(handles)
-        completion_tokens = sum(len(r.token_ids) for r in results.values())
+        # max_tokens 0 (echo): the one token the engine ran is not part of the answer
+        completion_tokens = sum(len(r.token_ids) for r in results.values()) if parsed.max_tokens else 0
         return {
             "id": rid,
             "object": self.object,
             "created": int(time.time()),
             "model": self.settings.model_name,
-            "choices": [self.choice(i, results[i]) for i in range(len(handles))],
+            "choices": [self.choice(i, results[i], parsed) for i in range(len(handles))],
             "system_fingerprint": None,
-            "usage": self.usage(prompt_tokens, completion_tokens),
+            "usage": self.usage(parsed.prompt_tokens, completion_tokens),
         }
 
     async def stream(
@@ -127,15 +141,18 @@ class OpenAIServing:
         handles: list[Handle],
         out: asyncio.Queue[Item],
         rid: str,
-        prompt_tokens: int,
+        parsed: ParsedRequest,
         include_usage: bool,
         stop: list[str],
     ) -> AsyncIterator[str]:
-        """The server-sent events of a streamed answer: text deltas as the engine commits tokens, each choice's
-        finish, the usage (``stream_options.include_usage``) and ``[DONE]``; an engine error ends the stream
-        with an error event. Leaving early (client gone) aborts the engine requests."""
+        """The server-sent events of a streamed answer: text deltas as the engine commits tokens (with the
+        log-probabilities of the tokens whose text each carries), each choice's finish, the usage
+        (``stream_options.include_usage``) and ``[DONE]``; an engine error ends the stream with an error event.
+        Leaving early (client gone) aborts the engine requests."""
         created_at = int(time.time())
         texts = [TextStream(self.validator.tokenizer, stop) for _ in handles]
+        scorers = [Scorer(self.validator.tokenizer) for _ in handles] if parsed.logprobs is not None else None
+        pending: list[list[Scored]] = [[] for _ in handles]  # scored tokens whose text is not sent yet
         finished = 0
         completion_tokens = 0
 
@@ -154,22 +171,33 @@ class OpenAIServing:
                     yield SSE_KEEPALIVE
                     continue
                 if kind == "tokens":
-                    delta = texts[tag].feed(payload)
+                    ids, logprobs = payload
+                    delta = texts[tag].feed(ids)
+                    if scorers is not None:
+                        pending[tag] += scorers[tag].feed(ids, logprobs)
                     if delta:
-                        yield chunk([self.chunk_choice(tag, delta, None)])
+                        lps = None
+                        if scorers is not None:  # the tokens whose text starts in what is sent by now
+                            lps = [e for e in pending[tag] if e.offset < texts[tag].sent]
+                            pending[tag] = pending[tag][len(lps) :]
+                        yield chunk([self.chunk_choice(tag, delta, None, logprobs=lps)])
                 elif kind == "done":
                     finished += 1
                     completion_tokens += len(payload.token_ids)
                     tail = texts[tag].finish(payload.text)
+                    rest = None
+                    if scorers is not None:
+                        rest = kept(pending[tag], len(payload.text or ""), payload.finish_reason)
                     if tail:
-                        yield chunk([self.chunk_choice(tag, tail, None)])
-                    yield chunk([self.chunk_choice(tag, self.final_text, payload.finish_reason)])
+                        yield chunk([self.chunk_choice(tag, tail, None, logprobs=rest)])
+                        rest = [] if rest is not None else None
+                    yield chunk([self.chunk_choice(tag, self.final_text, payload.finish_reason, logprobs=rest)])
                 else:  # error: tell the client in the stream (headers are gone already) and stop
                     self.metrics.on_error(payload[0])
                     yield sse(error_body(payload[0], payload[1]))
                     return
             if include_usage:
-                yield chunk([], usage=self.usage(prompt_tokens, completion_tokens))
+                yield chunk([], usage=self.usage(parsed.prompt_tokens, completion_tokens))
             yield SSE_DONE
         finally:
             # normal end: all handles are done and this is a no-op; client gone / cancelled: free the batch slots

@@ -6,11 +6,13 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
+from dlm.serve.logprobs import Scored, chat_logprobs
 from dlm.serve.schemas import ChatCompletionRequest
 from dlm.serve.serving_base import OpenAIServing
 
 if TYPE_CHECKING:
     from dlm.decode.engine import GenerationResult
+    from dlm.serve.validation import ParsedRequest
 
 
 class ChatHandler(OpenAIServing):
@@ -25,16 +27,23 @@ class ChatHandler(OpenAIServing):
     async def create(self, request: Request, body: ChatCompletionRequest) -> Any:
         return await self.generate(request, body, self.validator.chat(body))
 
-    def choice(self, index: int, result: GenerationResult) -> dict[str, Any]:
+    def choice(self, index: int, result: GenerationResult, parsed: ParsedRequest) -> dict[str, Any]:
         message = {"role": "assistant", "content": result.text or ""}
-        return {"index": index, "message": message, "finish_reason": result.finish_reason, "logprobs": None}
+        logprobs = chat_logprobs(self.scored(result)) if parsed.logprobs is not None else None
+        return {"index": index, "message": message, "finish_reason": result.finish_reason, "logprobs": logprobs}
 
     def chunk_choice(
-        self, index: int, text: str | None, finish_reason: str | None, role: bool = False
+        self,
+        index: int,
+        text: str | None,
+        finish_reason: str | None,
+        role: bool = False,
+        logprobs: list[Scored] | None = None,
     ) -> dict[str, Any]:
         delta: dict[str, str] = {}
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        lps = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": lps}

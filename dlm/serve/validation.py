@@ -24,24 +24,34 @@ if TYPE_CHECKING:
 
 @dataclass
 class ParsedRequest:
-    """A checked request: the prompts (token ids; one per completion prompt, one for a chat) and the new-token
-    limit of each choice."""
+    """A checked request: the prompts (token ids; one per completion prompt, one for a chat), the new-token limit
+    of each choice (0: the prompt only, a completion with echo), the alternatives per token of the answer's
+    log-probabilities (None: none), whether the answer starts with the prompt (``echo``, with the prompt tokens'
+    log-probabilities when ``logprobs`` is set)."""
 
     prompts: list[list[int]]
     max_tokens: int
+    logprobs: int | None = None
+    echo: bool = False
 
     @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
 
 
-def sampling_params(body: SamplingRequest, max_tokens: int, choice: int) -> SamplingParams:
-    """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``)."""
+def sampling_params(
+    body: SamplingRequest, max_tokens: int, choice: int, logprobs: int | None = None, echo: bool = False
+) -> SamplingParams:
+    """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``);
+    ``logprobs``: alternatives per token (None: none), for the prompt's tokens too with ``echo``. ``max_tokens``
+    0 (the prompt only) runs one token, which the answer leaves out."""
     from dlm.decode.sampling import SamplingParams
 
     seed = None if body.seed is None else body.seed + choice
     return SamplingParams(
-        max_new_tokens=max_tokens,
+        max_new_tokens=max(max_tokens, 1),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if echo else None,
         temperature=1.0 if body.temperature is None else float(body.temperature),
         top_p=1.0 if body.top_p is None else float(body.top_p),
         top_k=max(body.top_k or 0, 0),
@@ -61,12 +71,16 @@ class RequestValidator:
         vocab_size: int,
         max_positions: int,
         mask_token_id: int | None = None,
+        decoder: str | None = None,
+        left_to_right: bool = True,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_positions = max_positions
         self.mask_token_id = mask_token_id
+        self.decoder = decoder  # the engine's decoder name (for messages)
+        self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
 
     @classmethod
     def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
@@ -77,6 +91,8 @@ class RequestValidator:
             int(engine.config.vocab_size),
             int(engine.max_positions),
             engine.mask_token_id,
+            engine.decoder.name,
+            bool(engine.decoder.causal),
         )
 
     # -- the two request kinds -------------------------------------------------------------------------------
@@ -94,7 +110,8 @@ class RequestValidator:
             prompts = [list(p)]  # type: ignore[arg-type]
         else:
             raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids", param="prompt")
-        return ParsedRequest([self.prompt_ids(x) for x in prompts], max_tokens)
+        self.scored(body.logprobs, "logprobs")
+        return ParsedRequest([self.prompt_ids(x) for x in prompts], max_tokens, body.logprobs, body.echo)
 
     def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
@@ -114,7 +131,9 @@ class RequestValidator:
             text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
-        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self.scored(logprobs, "logprobs")
+        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens, logprobs)
 
     # -- the checks ---------------------------------------------------------------------------------------
     def model(self, name: str) -> None:
@@ -146,6 +165,17 @@ class RequestValidator:
                 code="invalid_value",
             )
         return max_tokens
+
+    def scored(self, logprobs: int | None, param: str) -> None:
+        """400 for log-probabilities from a decoder whose tokens have none."""
+        if logprobs is not None and not self.left_to_right:
+            raise APIError(
+                400,
+                f"logprobs need a left-to-right decoder (dlm serve --decode ar or isd); this server decodes "
+                f"with {self.decoder!r}, which commits tokens out of order",
+                param=param,
+                code="unsupported_parameter",
+            )
 
     def prompt_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """``ids`` if the model can take them as a prompt: non-empty, shorter than the context, in the vocabulary,

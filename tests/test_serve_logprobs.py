@@ -1,0 +1,190 @@
+"""Log-probabilities through ``dlm serve`` (ISD, stride 3, on a tiny random I-DLM): completions' ``logprobs`` (with
+``echo`` the prompt's too - what lm-evaluation-harness's ``local-completions`` model asks for), chat's ``logprobs``
+/ ``top_logprobs``, streamed and not; the numbers are the model's (teacher forcing), the token texts add up to
+the answer's text."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from dlm.decode.sampling import token_logprobs  # noqa: E402
+from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
+from dlm.serve.scheduler import Scheduler  # noqa: E402
+
+MODEL = "tiny"
+TOL = 1e-4
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:--stride 3:UserWarning"),
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from dlm.testing import save_tiny
+
+    folder = save_tiny(tmp_path_factory.mktemp("serve-lp") / "tiny-llama", "llama")
+    return load_engine(str(folder), decode="isd", stride=3, max_batch_size=8)
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=48))
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def teacher(engine, prompt, out):
+    """The model's log-probabilities of ``out`` after ``prompt`` from one plain forward (and the argmax there)."""
+    with torch.no_grad():
+        logits = engine.model(input_ids=torch.tensor([prompt + out])).logits[0]
+    return token_logprobs(logits[len(prompt) - 1 : len(prompt) + len(out) - 1], out, 1, engine.mask_token_id)
+
+
+def assert_spans(text, tokens, offsets):
+    """Each token's text starts at its offset, and the spans between offsets make up the text (a token that adds
+    no text - a special token, part of a character - spans nothing)."""
+    spans = [text[a:b] for a, b in zip(offsets, offsets[1:] + [len(text)])]
+    assert "".join(spans) == text and offsets == sorted(offsets)
+    assert all(sp in (t, "") for sp, t in zip(spans, tokens)), list(zip(spans, tokens))
+
+
+def encode(engine, text):
+    return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_completion_logprobs_are_the_models_and_add_up_to_the_text(client, engine):
+    prompt = "The cat sat on the"
+    r = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=12, logprobs=2, temperature=0, extra_body={"ignore_eos": True}
+    )
+    c = r.choices[0]
+    lp = c.logprobs
+    assert len(lp.tokens) == r.usage.completion_tokens == 12
+    assert_spans(c.text, lp.tokens, lp.text_offset)
+    ids = encode(engine, prompt)
+    out = engine.tokenizer(c.text, add_special_tokens=False)["input_ids"]
+    want = teacher(engine, ids, out) if len(out) == 12 else None
+    for i, (tok, val, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        assert 2 <= len(top) <= 3 and top[tok] == val  # the 2 most likely and the chosen one
+        assert val == max(top.values())  # greedy: the chosen token is the most likely, to the last bit
+        if want is not None:
+            assert abs(val - want[i].logprob) < TOL
+
+
+def test_chat_logprobs_streamed_equal_collected(client, engine):
+    msgs = [{"role": "user", "content": "Tell me about the dog"}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=16, logprobs=True, top_logprobs=3, temperature=0)
+    whole = client.chat.completions.create(**kw)
+    content = whole.choices[0].logprobs.content
+    special = set(engine.tokenizer.all_special_tokens)
+    text = bytes(b for t in content if t.token not in special for b in t.bytes).decode(errors="replace")
+    assert text == whole.choices[0].message.content  # the tokens' own bytes make up the text
+    for t in content:
+        assert len(t.top_logprobs) == 3
+        assert t.top_logprobs[0].logprob == t.logprob and t.top_logprobs[0].token == t.token  # greedy
+    streamed = []
+    text = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        ch = chunk.choices[0]
+        text += ch.delta.content or ""
+        if ch.logprobs is not None:
+            streamed += ch.logprobs.content
+    assert text == whole.choices[0].message.content
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+
+
+def streamed_tokens(client, **kw):
+    got = []
+    for chunk in client.completions.create(**kw, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            got += chunk.choices[0].logprobs.tokens
+    return got
+
+
+def test_logprobs_stop_where_the_text_stops(client):
+    """A stop string: the log-probabilities cover the tokens of the returned text only, streamed or not; text held
+    back in a stream (a possible start of a stop string) carries its tokens' log-probabilities when it is sent."""
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, logprobs=0)
+    free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
+    toks, offs, text = free.logprobs.tokens, free.logprobs.text_offset, free.text
+    assert len(toks) == 20
+    # a stop string that is exactly token j's text, first found where token j starts
+    j = next(
+        j
+        for j in range(2, 20)
+        if toks[j].strip() and text[offs[j] :].startswith(toks[j]) and text.find(toks[j]) == offs[j]
+    )
+    r = client.completions.create(**kw, stop=[toks[j]], extra_body={"ignore_eos": True}).choices[0]
+    assert r.finish_reason == "stop" and r.text == text[: offs[j]]
+    cut = sum(o < offs[j] for o in offs)  # token j, and the bytes of its character before it, are the stop string
+    assert r.logprobs.tokens == toks[:cut] and r.logprobs.text_offset == offs[:cut]
+    assert streamed_tokens(client, **kw, stop=[toks[j]], extra_body={"ignore_eos": True}) == toks[:cut]
+    # a stop string that never completes, starting with the text's last character: the stream holds that back
+    # until the end, then sends it with its tokens' log-probabilities
+    never = [text[-1] + "\u2603\u2603"]
+    whole = client.completions.create(**kw, stop=never, extra_body={"ignore_eos": True}).choices[0]
+    assert whole.finish_reason == "length" and whole.logprobs.tokens == toks
+    assert streamed_tokens(client, **kw, stop=never, extra_body={"ignore_eos": True}) == toks
+
+
+def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, engine):
+    """lm-evaluation-harness's ``local-completions`` loglikelihood request (token ids, echo, logprobs 1, max_tokens
+    1) and its own parser: the continuation's log-likelihood is the model's, greedy when every continuation token is
+    the argmax; ``max_tokens`` 0 answers the prompt alone."""
+    ctx = encode(engine, "The cat sat on")
+    cont = encode(engine, " the mat")
+    body = {"model": MODEL, "prompt": [ctx + cont], "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    resp = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    lp = resp["choices"][0]["logprobs"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert len(lp["tokens"]) == len(ctx) + len(cont) + 1
+    want = teacher(engine, ctx[:1], ctx[1:] + cont)
+    for got, w in zip(lp["token_logprobs"][1:], want):
+        assert abs(got - w.logprob) < TOL
+    assert resp["choices"][0]["text"].startswith(engine.tokenizer.decode(ctx + cont))
+    lm_eval_api = pytest.importorskip("lm_eval.models.openai_completions")
+    ((ll, greedy),) = lm_eval_api.LocalCompletionsAPI.parse_logprobs(resp, ctxlens=[len(ctx)])
+    tail = want[len(ctx) - 1 :]
+    assert abs(ll - sum(t.logprob for t in tail)) < TOL * len(tail)
+    assert greedy == all(t.top[0][0] == t.token_id for t in tail)
+    with torch.no_grad():
+        nxt = int(engine.model(input_ids=torch.tensor([ctx])).logits[0, -1].argmax())
+    body["prompt"] = [ctx + [nxt]]
+    again = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    assert lm_eval_api.LocalCompletionsAPI.parse_logprobs(again, ctxlens=[len(ctx)])[0][1] is True
+    only = httpx.post(server.url + "/v1/completions", json=dict(body, max_tokens=0), timeout=60).json()
+    c = only["choices"][0]
+    assert c["text"] == engine.tokenizer.decode(ctx + [nxt]) and c["finish_reason"] == "length"
+    assert len(c["logprobs"]["tokens"]) == len(ctx) + 1 and only["usage"]["completion_tokens"] == 0
+    echo_only = httpx.post(
+        server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi there", "echo": True, "max_tokens": 3}
+    ).json()["choices"][0]
+    assert echo_only["text"].startswith("Hi there") and echo_only["logprobs"] is None
+
+
+def test_refused_with_a_diffusion_decoder(tmp_path):
+    from dlm.testing import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", "llama")
+    eng = load_engine(str(folder), decode="mdm", max_batch_size=2, steps=4)
+    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=8))
+    with ServerThread(app) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 1}, timeout=60)
+        assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "logprobs"
+        assert "--decode ar or isd" in r.json()["error"]["message"]

@@ -6,8 +6,8 @@
 
 It starts `python -m dlm serve` on a free loopback port (or drives --url; --pid then gives the process whose RSS
 is read) and keeps N clients busy (N cycles through --clients, a new level every minute) with a mix of requests:
-non-streamed and streamed completions and chat completions, n > 1, stop strings, streams the client cancels
-after a few chunks, and malformed requests (bad JSON, wrong types, unknown model, an over-limit body, an
+non-streamed and streamed completions and chat completions, n > 1, stop strings, log-probabilities (with echo),
+streams the client cancels after a few chunks, and malformed requests (bad JSON, wrong types, unknown model, an over-limit body, an
 unknown route) that must get a 4xx in the OpenAI error shape. Reported: requests served by kind, answers by
 status code, anything unexpected (a 5xx, a 4xx to a well-formed request, a 2xx to a malformed one, an error body
 not in the OpenAI shape, a dropped connection), p50/p99 latency of the well-formed requests, and the server's RSS
@@ -118,8 +118,9 @@ def openai_error(r) -> bool:
 
 
 class Soak:
-    def __init__(self, url: str, model: str, max_tokens: int, seed: int = 0):
+    def __init__(self, url: str, model: str, max_tokens: int, seed: int = 0, scored: bool = True):
         self.url, self.model, self.max_tokens = url, model, max_tokens
+        self.scored = scored  # the server's decoder gives log-probabilities (ar, isd)
         self.rng = random.Random(seed)
         self.kinds = Counter()
         self.status = Counter()
@@ -151,16 +152,22 @@ class Soak:
     async def well_formed(self, client, kind: str) -> None:
         chat = self.rng.random() < 0.5
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        extra = (
+        extra: dict = (
             {"n": self.rng.randint(2, 4)}
             if kind == "n"
             else {"stop": [self.rng.choice([" the", ".", "\n", "e"])]}
             if kind == "stop"
             else {}
         )
+        streamed = kind in ("stream", "cancel") or (kind == "logprobs" and self.rng.random() < 0.5)
+        if kind == "logprobs":
+            k = self.rng.randint(0, 5)
+            extra = {"logprobs": True, "top_logprobs": k} if chat else {"logprobs": k}
+            if not chat and not streamed and self.rng.random() < 0.5:
+                extra["echo"] = True
         body = self.body(chat, **extra)
         t0 = time.perf_counter()
-        if kind in ("stream", "cancel"):
+        if streamed:
             body["stream"] = True
             stop_after = self.rng.randint(0, 3) if kind == "cancel" else None
             async with client.stream("POST", self.url + path, json=body, timeout=300) as r:
@@ -192,6 +199,8 @@ class Soak:
             choices = r.json().get("choices", [])
             if len(choices) != body.get("n", 1):
                 self.note(f"{kind} {path}: {len(choices)} choices for n={body.get('n', 1)}")
+            if kind == "logprobs" and any(c.get("logprobs") is None for c in choices):
+                self.note(f"{kind} {path}: a choice without logprobs")
         self.latency.append(time.perf_counter() - t0)
 
     async def malformed(self, client) -> None:
@@ -233,7 +242,9 @@ class Soak:
             self.note(f"malformed case {case} {path}: not the OpenAI error shape: {r.text[:200]}")
 
     async def one(self, client) -> None:
-        kind = self.rng.choices(["plain", "stream", "cancel", "n", "stop", "malformed"], weights=[3, 3, 2, 1, 1, 2])[0]
+        kinds = ["plain", "stream", "cancel", "n", "stop", "logprobs", "malformed"]
+        weights = [3, 3, 2, 1, 1, 1 if self.scored else 0, 2]
+        kind = self.rng.choices(kinds, weights=weights)[0]
         self.kinds[kind] += 1
         try:
             if kind == "malformed":
@@ -259,7 +270,7 @@ async def run(args) -> dict:
     try:
         async with httpx.AsyncClient(limits=limits) as client:
             await wait_ready(client, url, proc)
-            soak = Soak(url, model, args.max_tokens, seed=args.seed)
+            soak = Soak(url, model, args.max_tokens, seed=args.seed, scored=args.decode in ("ar", "isd"))
             rss = {"start": rss_kib(pid) if pid else None}
             t0 = time.monotonic()
             end = t0 + args.minutes * 60

@@ -117,8 +117,8 @@ def streamed_tokens(client, **kw):
     return got
 
 
-def test_logprobs_stop_where_the_text_stops(client):
-    """A stop string: the log-probabilities cover the tokens of the returned text only, streamed or not; text held
+def test_logprobs_with_stop_strings(client):
+    """A stop string: every generated token keeps its entry (the stop string's too), streamed or not; text held
     back in a stream (a possible start of a stop string) carries its tokens' log-probabilities when it is sent."""
     kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=20, temperature=0, logprobs=0)
     free = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0]
@@ -130,11 +130,12 @@ def test_logprobs_stop_where_the_text_stops(client):
         for j in range(2, 20)
         if toks[j].strip() and text[offs[j] :].startswith(toks[j]) and text.find(toks[j]) == offs[j]
     )
-    r = client.completions.create(**kw, stop=[toks[j]], extra_body={"ignore_eos": True}).choices[0]
+    resp = client.completions.create(**kw, stop=[toks[j]], extra_body={"ignore_eos": True})
+    r, m = resp.choices[0], resp.usage.completion_tokens
     assert r.finish_reason == "stop" and r.text == text[: offs[j]]
-    cut = sum(o < offs[j] for o in offs)  # token j, and the bytes of its character before it, are the stop string
-    assert r.logprobs.tokens == toks[:cut] and r.logprobs.text_offset == offs[:cut]
-    assert streamed_tokens(client, **kw, stop=[toks[j]], extra_body={"ignore_eos": True}) == toks[:cut]
+    # one entry per generated token, the stop string's included (a step may commit a few past it)
+    assert j < m and r.logprobs.tokens == toks[:m] and r.logprobs.text_offset == offs[:m]
+    assert streamed_tokens(client, **kw, stop=[toks[j]], extra_body={"ignore_eos": True}) == toks[:m]
     # a stop string that never completes, starting with the text's last character: the stream holds that back
     # until the end, then sends it with its tokens' log-probabilities
     never = [text[-1] + "\u2603\u2603"]
@@ -163,6 +164,20 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, engine):
     tail = want[len(ctx) - 1 :]
     assert abs(ll - sum(t.logprob for t in tail)) < TOL * len(tail)
     assert greedy == all(t.top[0][0] == t.token_id for t in tail)
+    # the one generated token a stop (here a stop string; end-of-text alike): still its entry, the same scores
+    for cont in [encode(engine, c) for c in (" the mat", " the dog", " a log", " the", " 1 2 3")]:
+        q = dict(body, prompt=[ctx + cont])
+        first = httpx.post(server.url + "/v1/completions", json=q, timeout=60).json()
+        gen = first["choices"][0]["logprobs"]["tokens"][-1]
+        if gen.strip() and first["choices"][0]["text"].endswith(gen):  # a token with text of its own
+            break
+    else:
+        raise AssertionError("no continuation whose next token has text of its own")
+    stopped = httpx.post(server.url + "/v1/completions", json=dict(q, stop=[gen]), timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["choices"][0]["logprobs"]["token_logprobs"] == first["choices"][0]["logprobs"]["token_logprobs"]
+    parse = lm_eval_api.LocalCompletionsAPI.parse_logprobs
+    assert parse(stopped, ctxlens=[len(ctx)]) == parse(first, ctxlens=[len(ctx)])
     with torch.no_grad():
         nxt = int(engine.model(input_ids=torch.tensor([ctx])).logits[0, -1].argmax())
     body["prompt"] = [ctx + [nxt]]

@@ -9,8 +9,8 @@ a token that ends inside a multi-byte character adds nothing, the token that com
 The pieces of an answer add up to its text, and each token's ``text_offset`` is where its piece starts. A token
 is *shown* as its piece, or - where it adds no text (a special token, part of a character) - as its vocabulary
 entry (``<|im_end|>``, ``<0xE2>``), so that distinct tokens do not look alike; its ``bytes`` are its own bytes.
-Tokens the answer's text does not reach - a stop token, tokens after a stop string's cut - are left out, so the
-log-probabilities cover the tokens of the returned text.
+Every generated token has its entry, the stop token and a stop string's tokens included (as vLLM answers: a client
+such as lm-evaluation-harness counts on one entry per generated token after the echoed prompt).
 """
 
 from __future__ import annotations
@@ -119,14 +119,6 @@ class Scorer:
             self.offset += len(texts[0])
             self.ids.append(int(t))
         return out
-
-
-def kept(entries: list[Scored], text_end: int, finish_reason: str | None) -> list[Scored]:
-    """The entries whose tokens the answer's text reaches: after a stop (token or string) those starting at or past
-    the text's end are dropped; otherwise all."""
-    if finish_reason != "stop":
-        return entries
-    return [e for e in entries if e.offset < text_end]
 
 
 def completion_logprobs(entries: list[Scored]) -> dict[str, Any]:

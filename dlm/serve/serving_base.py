@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from dlm.serve.error_handlers import error_response
-from dlm.serve.logprobs import Scored, Scorer, kept
+from dlm.serve.logprobs import Scored, Scorer
 from dlm.serve.schemas import APIError, SamplingRequest, error_body
 from dlm.serve.settings import ServeSettings
 from dlm.serve.streaming import SSE_DONE, SSE_KEEPALIVE, TextStream, sse
@@ -65,10 +65,9 @@ class OpenAIServing:
         raise NotImplementedError
 
     def scored(self, result: GenerationResult, offset: int = 0) -> list[Scored]:
-        """The answer's tokens with their log-probabilities, those its text reaches (:mod:`dlm.serve.logprobs`);
-        ``offset``: where its text starts in the choice's text."""
-        entries = Scorer(self.validator.tokenizer, offset=offset).feed(result.token_ids, result.logprobs)
-        return kept(entries, offset + len(result.text or ""), result.finish_reason)
+        """The answer's tokens with their log-probabilities (:mod:`dlm.serve.logprobs`); ``offset``: where its text
+        starts in the choice's text."""
+        return Scorer(self.validator.tokenizer, offset=offset).feed(result.token_ids, result.logprobs)
 
     # -- the shared path ------------------------------------------------------------------------------------
     async def generate(self, request: Request, body: SamplingRequest, parsed: ParsedRequest) -> Any:
@@ -185,9 +184,7 @@ class OpenAIServing:
                     finished += 1
                     completion_tokens += len(payload.token_ids)
                     tail = texts[tag].finish(payload.text)
-                    rest = None
-                    if scorers is not None:
-                        rest = kept(pending[tag], len(payload.text or ""), payload.finish_reason)
+                    rest = pending[tag] if scorers is not None else None  # tokens not sent yet (a stop's too)
                     if tail:
                         yield chunk([self.chunk_choice(tag, tail, None, logprobs=rest)])
                         rest = [] if rest is not None else None

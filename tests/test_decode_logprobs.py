@@ -162,3 +162,16 @@ def test_logprobs_are_refused_for_the_diffusion_decoders():
         eng.add(PROMPTS[0], SamplingParams(8, logprobs=1))
     with pytest.raises(DLMError, match="logprobs must be an integer in 0..20"):
         SamplingParams(8, logprobs=21)
+
+
+def test_token_logprobs_of_a_long_prompt_go_a_slice_at_a_time(monkeypatch):
+    """Slicing the positions (a long prompt's temporaries) changes nothing: each row's numbers are its own."""
+    from dlm.decode import sampling
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1300, 50, generator=g)
+    tokens = torch.randint(0, 50, (1300,), generator=g).tolist()
+    sliced = token_logprobs(logits, tokens, 3, 7)
+    monkeypatch.setattr(sampling, "LOGPROB_ROWS", 1 << 20)
+    assert token_logprobs(logits, tokens, 3, 7) == sliced and len(sliced) == 1300
+    assert not any(i == 7 for t in sliced for i, _ in t.top)  # the mask token is never an alternative

@@ -17,6 +17,7 @@ import torch
 from dlm.errors import DLMError
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit; vLLM's default cap)
+LOGPROB_ROWS = 512  # positions scored at once by token_logprobs (a vocabulary of 150k: 300 MB of fp32 per slice)
 
 
 @dataclass
@@ -162,6 +163,12 @@ def token_logprobs(
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(tokens)} tokens")
     if not len(tokens):
         return []
+    if len(tokens) > LOGPROB_ROWS:  # a long prompt: its temporaries (float copy, log-softmax) a slice at a time
+        return [
+            t
+            for at in range(0, len(tokens), LOGPROB_ROWS)
+            for t in token_logprobs(logits[at : at + LOGPROB_ROWS], tokens[at : at + LOGPROB_ROWS], k, mask_token_id)
+        ]
     lp = suppress(logits, mask_token_id).log_softmax(-1)
     ids = torch.tensor(list(tokens), dtype=torch.long, device=lp.device)
     chosen = lp.gather(-1, ids[:, None]).squeeze(-1)

@@ -203,3 +203,38 @@ def test_refused_with_a_diffusion_decoder(tmp_path):
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 1}, timeout=60)
         assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "logprobs"
         assert "--decode ar or isd" in r.json()["error"]["message"]
+
+
+def test_tokenizer_endpoints_are_the_served_tokenizer(server, engine):
+    """``/tokenize``, ``/detokenize`` and ``/tokenizer_info`` (vLLM's) give the engine's tokenizer to a client without
+    a copy of it: lm-evaluation-harness's remote tokenizer encodes, decodes and templates exactly as it does."""
+    tok = engine.tokenizer
+    text = "The cat sat on the mat. Numbers: 1 2 3"
+    post = lambda path, body: httpx.post(server.url + path, json=body, timeout=60)  # noqa: E731
+    r = post("/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    assert r["tokens"] == ids and r["count"] == len(ids) and r["max_model_len"] == engine.max_positions
+    assert r["token_strs"] == tok.convert_ids_to_tokens(ids)
+    msgs = [{"role": "user", "content": "Hi there"}]
+    chat = post("/tokenize", {"messages": msgs, "model": MODEL}).json()["tokens"]
+    templated = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert chat == tok(templated, add_special_tokens=False)["input_ids"]  # as /v1/chat/completions tokenizes
+    assert post("/detokenize", {"tokens": ids}).json() == {"prompt": tok.decode(ids)}
+    info = httpx.get(server.url + "/tokenizer_info", timeout=60).json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    for path, body, status, param in [
+        ("/tokenize", {"prompt": "x", "messages": msgs}, 400, "prompt"),
+        ("/tokenize", {}, 400, "prompt"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model"),
+        ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+        ("/detokenize", {"tokens": "1 2"}, 400, "tokens"),
+    ]:
+        bad = post(path, body)
+        assert bad.status_code == status and bad.json()["error"]["param"] == param, (path, body, bad.text)
+    lm_eval_utils = pytest.importorskip("lm_eval.utils")
+    url = server.url + "/v1/completions"
+    assert lm_eval_utils.check_remote_tokenizer_support(url)
+    remote = lm_eval_utils.RemoteTokenizer(url)
+    assert remote.encode(text) == ids and remote.decode(ids) == tok.decode(ids)
+    assert remote.eos_token_id == tok.eos_token_id
+    assert remote.apply_chat_template(msgs) == templated

@@ -54,10 +54,20 @@ def create_app(scheduler: Scheduler, settings: ServeSettings | None = None) -> L
     from dlm.serve.error_handlers import install_error_handlers
     from dlm.serve.middleware import LimitAndAuth
     from dlm.serve.openapi import errors, ok, openapi_schema, streamed
-    from dlm.serve.schemas import ChatCompletion, Completion, Health, ModelCard, ModelList
+    from dlm.serve.schemas import (
+        ChatCompletion,
+        Completion,
+        DetokenizeResponse,
+        Health,
+        ModelCard,
+        ModelList,
+        TokenizeResponse,
+        TokenizerInfo,
+    )
     from dlm.serve.serving_chat import ChatHandler
     from dlm.serve.serving_completion import CompletionHandler
     from dlm.serve.serving_info import InfoHandler
+    from dlm.serve.serving_tokenize import TokenizeHandler
     from dlm.serve.validation import RequestValidator
 
     settings = settings or ServeSettings()
@@ -67,6 +77,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings | None = None) -> L
     info = InfoHandler(scheduler, settings, validator)
     completion = CompletionHandler(scheduler, settings, validator)
     chat = ChatHandler(scheduler, settings, validator)
+    tokenize = TokenizeHandler(validator)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -128,5 +139,29 @@ def create_app(scheduler: Scheduler, settings: ServeSettings | None = None) -> L
             **streamed(ChatCompletion, "a chat completion, or with stream=true server-sent events"),
             **generating,
         },
+    )
+    app.add_api_route(
+        "/tokenize",
+        tokenize.tokenize,
+        methods=post,
+        name="tokenize",
+        response_model=None,
+        responses={**ok(TokenizeResponse), **errors(400, 404)},
+    )
+    app.add_api_route(
+        "/detokenize",
+        tokenize.detokenize,
+        methods=post,
+        name="detokenize",
+        response_model=None,
+        responses={**ok(DetokenizeResponse), **errors(400, 404)},
+    )
+    app.add_api_route(
+        "/tokenizer_info",
+        tokenize.tokenizer_info,
+        methods=get,
+        name="tokenizer_info",
+        response_model=None,
+        responses=ok(TokenizerInfo),
     )
     return LimitAndAuth(app, settings, scheduler.metrics)

@@ -122,6 +122,23 @@ class ChatCompletionRequest(SamplingRequest):
         return super().unsupported()
 
 
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a ``prompt``, or chat ``messages`` through the chat template; ``model`` may be
+    left out."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for messages (vLLM's)
+    add_generation_prompt: StrictBool = True
+    return_token_strs: StrictBool = False
+
+
+class DetokenizeRequest(_Body):
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
+
+
 # -- errors ---------------------------------------------------------------------------------------------------
 ERROR_TYPES = {
     400: "invalid_request_error",
@@ -191,6 +208,30 @@ class Health(BaseModel):
     model: str
     waiting: int
     running: int
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class TokenizerInfo(BaseModel):
+    """``GET /tokenizer_info`` (vLLM's): what a client needs to tokenize as the server does (lm-evaluation-harness's
+    ``tokenizer_backend=remote``)."""
+
+    tokenizer_class: str
+    eos_token: str | None
+    bos_token: str | None
+    pad_token: str | None
+    unk_token: str | None
+    chat_template: str | None
+    model_max_length: int
 
 
 class Usage(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from dlm.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from dlm.serve.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from dlm.serve.settings import ServeSettings
 
 if TYPE_CHECKING:
@@ -117,7 +117,15 @@ class RequestValidator:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
         limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         max_tokens = self.common(body, limit, self.settings.max_tokens_limit)
-        if not body.messages:
+        text = self.chat_text(body.messages)
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        self.scored(logprobs, "logprobs")
+        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens, logprobs)
+
+    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The messages through the model's chat template (400 naming ``messages`` for none, no template, or a
+        template that refuses them)."""
+        if not messages:
             raise APIError(400, "'messages' is empty; send at least one message", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
@@ -126,14 +134,14 @@ class RequestValidator:
                 f"/v1/completions with a plain prompt",
                 param="messages",
             )
-        msgs = [{"role": m.role, "content": m.text()} for m in body.messages]
+        msgs = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            text: str = self.tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e
-        logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        self.scored(logprobs, "logprobs")
-        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens, logprobs)
+        return text
 
     # -- the checks ---------------------------------------------------------------------------------------
     def model(self, name: str) -> None:

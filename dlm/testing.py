@@ -115,6 +115,45 @@ def oracle_isd(truth: dict, accept: float, seed: int = 0, **settings):
     return _oracle_class()(truth, accept, seed, **settings)
 
 
+def oracle_candidates(truth: dict, miss: float, seed: int = 0, **settings):
+    """An ISD decoder with draft candidates (``candidates`` K in ``settings``, stride 2) that are wrong tokens with the
+    true next one (``truth``: request id -> AR tokens, prompt included) in a random slot, or missing with probability
+    ``miss``: candidate hits - whose second token comes from the hit candidate's own row of a tree-shaped chunk -
+    happen on most steps. The target still verifies, so the output stays the AR output."""
+    return _oracle_candidates_class()(truth, miss, seed, **settings)
+
+
+def _oracle_candidates_class():
+    if len(_ORACLE) > 1:
+        return _ORACLE[1]
+    import torch
+
+    from dlm.decode.isd import ISDDecoder
+
+    class OracleCandidates(ISDDecoder):
+        def __init__(self, truth, miss, seed, **kw):
+            super().__init__(**kw)
+            self.truth, self.miss = truth, miss
+            self.rng = torch.Generator().manual_seed(seed)
+
+        def _draft(self, engine, row, mask_logits, first_pos):
+            super()._draft(engine, row, mask_logits, first_pos)
+            seq = self.truth[row.request_id]
+            true = seq[first_pos] if first_pos < len(seq) else 0
+            vocab, mask = engine.config.vocab_size, engine.mask_token_id
+            cands = []
+            for j in range(self.candidates):
+                wrong = (true + 1 + j) % vocab
+                cands.append(wrong if wrong != mask else (wrong + self.candidates) % vocab)
+            if float(torch.rand(1, generator=self.rng)) >= self.miss:
+                cands[int(torch.randint(self.candidates, (1,), generator=self.rng))] = true
+            row.state.cands = cands
+
+    _oracle_class()
+    _ORACLE.append(OracleCandidates)
+    return OracleCandidates
+
+
 _ORACLE: list = []
 
 

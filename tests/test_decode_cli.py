@@ -70,7 +70,16 @@ def test_generate_logprobs(tiny_dir, capsys):
     assert main(["generate", *common]) == 0
     assert "log-probability -" in capsys.readouterr().out
     assert main(["generate", *common, "--decode", "mdm"]) == 2
-    assert "--logprobs needs --decode ar or isd" in capsys.readouterr().err
+    assert "--logprobs need --decode ar or isd" in capsys.readouterr().err
+    longer = [*common[:-4], "--max-new-tokens", "24"]
+    plain = run_json(capsys, *longer, "--decode", "isd")[0]["token_ids"]
+    rp = ["--repetition-penalty", "3", "--frequency-penalty", "2", "--presence-penalty", "2"]
+    pen = run_json(capsys, *longer, "--decode", "isd", *rp)[0]["token_ids"]
+    assert pen == run_json(capsys, *longer, "--decode", "ar", *rp)[0]["token_ids"] and pen != plain
+    assert main(["generate", *longer, "--decode", "mdm", *rp]) == 2
+    assert "the penalties need --decode ar or isd" in capsys.readouterr().err
+    assert main(["generate", *longer, "--presence-penalty", "3"]) == 2
+    assert "--presence-penalty must be in [-2, 2]" in capsys.readouterr().err
     assert main(["generate", *common[:-1], "21"]) == 2
     assert "logprobs must be an integer in 0..20" in capsys.readouterr().err
 

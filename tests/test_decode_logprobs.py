@@ -7,10 +7,9 @@ import torch
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
-from dlm.decode.isd import ISDDecoder
 from dlm.decode.sampling import SamplingParams, token_logprobs
 from dlm.errors import DLMError
-from dlm.testing import make_model, make_tokenizer, oracle_isd
+from dlm.testing import make_model, make_tokenizer, oracle_candidates, oracle_isd
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
 TOL = 1e-4  # the engine's CPU kernels vs the plain forward of the reference: float32 rounding only
@@ -38,25 +37,6 @@ def assert_same(got, want):
         assert all(abs(a - b) < TOL for (_, a), (_, b) in zip(g.top, w.top)), (g, w)
 
 
-class OracleCandidates(ISDDecoder):
-    """Draft candidates with the true next-next token in a random slot (or missing): candidate hits, whose second
-    token comes from the accepted candidate's logits row, happen on most steps."""
-
-    def __init__(self, truth, miss, seed=0, **kw):
-        super().__init__(**kw)
-        self.truth, self.miss = truth, miss
-        self.rng = torch.Generator().manual_seed(seed)
-
-    def _draft(self, engine, row, mask_logits, first_pos):
-        super()._draft(engine, row, mask_logits, first_pos)
-        seq = self.truth[row.request_id]
-        true = seq[first_pos] if first_pos < len(seq) else 0
-        cands = [(true + 1 + j) % 300 for j in range(self.candidates)]
-        if float(torch.rand(1, generator=self.rng)) >= self.miss:
-            cands[int(torch.randint(self.candidates, (1,), generator=self.rng))] = true
-        row.state.cands = cands
-
-
 def decoders(model, params):
     """name -> a decoder (or name) and its settings; the oracles draft the AR output at a set acceptance."""
     truth = {}
@@ -75,7 +55,7 @@ def decoders(model, params):
         "isd-n3-batched": (batched, {}),
         "isd-n3-static": (oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
         "isd-n2-predict": (oracle_isd(truth, 0.6, stride=2, fallback="predict"), {}),
-        "isd-candidates": (OracleCandidates(truth, 0.3, candidates=2), {}),
+        "isd-candidates": (oracle_candidates(truth, 0.3, candidates=2), {}),
     }
 
 

@@ -424,10 +424,14 @@ BAD = [
     ),
     (
         "/v1/chat/completions",
-        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 1.0}',
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 2.5}',
         400,
         "presence_penalty",
     ),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"99999": 1}}', 400, "logit_bias"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty"),
     ("/v1/nope", b"{}", 404, None),
 ]
 

@@ -104,4 +104,20 @@ def test_logprobs_fields(validator, tiny_tokenizer):
     e = refused(mdm.completion, CompletionRequest(model="tiny", prompt="x", logprobs=0), 400, "logprobs")
     assert "--decode ar or isd" in e.message
     refused(mdm.chat, ChatCompletionRequest(model="tiny", messages=msgs, logprobs=True), 400, "logprobs")
+    for field, value in (("presence_penalty", 0.5), ("repetition_penalty", 1.2), ("logit_bias", {"3": 1.0})):
+        body = CompletionRequest(model="tiny", prompt="x", **{field: value})
+        refused(mdm.completion, body, 400, field)
+        validator.completion(body)  # a left-to-right decoder takes it
+    refused(validator.completion, CompletionRequest(model="tiny", prompt="x", logit_bias={"320": 1}), 400, "logit_bias")
+    sp = sampling_params(
+        CompletionRequest(model="tiny", prompt="x", logit_bias={"3": 2}, frequency_penalty=0.5, repetition_penalty=1.1),
+        4,
+        0,
+    )
+    assert (sp.logit_bias, sp.frequency_penalty, sp.repetition_penalty, sp.presence_penalty) == (
+        ((3, 2.0),),
+        0.5,
+        1.1,
+        0.0,
+    )
     assert mdm.completion(CompletionRequest(model="tiny", prompt="x", echo=True)).echo  # echo alone needs no scores

@@ -37,6 +37,22 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide positive logits / multiply negative ones of tokens already in the prompt or output (1 = off; "
+        "--decode ar or isd)",
+    )
+    p.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract from tokens already in the output (-2..2)"
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="subtract this times a token's count in the output so far (-2..2)",
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
     p.add_argument(
@@ -108,12 +124,17 @@ def run(args) -> int:
         seed=args.seed,
         stop_strings=tuple(args.stop),
         logprobs=args.logprobs,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
     )
-    if args.logprobs is not None and args.decode not in ("ar", "isd"):
-        raise DLMError(
-            f"--logprobs needs --decode ar or isd; --decode {args.decode} commits tokens out of order, not from "
-            f"the model's next-token distribution"
-        )
+    if args.decode not in ("ar", "isd"):
+        used = [f for f, on in (("--logprobs", params.logprobs is not None), ("the penalties", params.adjusts)) if on]
+        if used:
+            raise DLMError(
+                f"{' and '.join(used)} need --decode ar or isd; --decode {args.decode} commits tokens out of order, "
+                f"not from the model's next-token distribution"
+            )
     device = get_device()
     folder = resolve_model_path(args.model)
     fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
-from dlm.decode.sampling import RequestStats, SamplingParams, TokenLogprob, token_logprobs
+from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
@@ -343,6 +343,7 @@ class Row:
     src: list[int] | None = None  # set by consume: the logits row of each committed token (None: 0, 1, ...)
     logprobs: list[TokenLogprob] | None = None  # the committed tokens' (SamplingParams.logprobs)
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    adjust: LogitAdjust | None = None  # the request's logit bias and penalties (SamplingParams.adjusts)
 
 
 class Decoder:
@@ -573,6 +574,17 @@ class Engine:
             )
         if params.logprobs is not None:
             row.logprobs = []
+        if params.adjusts:
+            if not self.decoder.causal:
+                raise DLMError(
+                    f"logit_bias and the repetition / presence / frequency penalties need a left-to-right decoder "
+                    f"(--decode ar or isd), not {self.decoder.name!r}"
+                )
+            vocab = int(self.config.vocab_size)
+            bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
+            if bad:
+                raise DLMError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
+            row.adjust = LogitAdjust(params, prompt_ids, vocab)
         self.decoder.check_request(self, row)
         if self._static is not None:  # KV room for the whole request from the start (+ a chunk's headroom)
             self._static.kv.plan(min(len(prompt_ids) + params.max_new_tokens, self.max_positions) + SPAN_GRANULE)
@@ -656,11 +668,19 @@ class Engine:
         if every:
             self._prompt_logprobs(rows, logits)
             logits = logits[:, n - n_out :]
+        adjusted = logits
+        if any(r.adjust is not None for r in rows):  # row j of the kept logits follows the suffix's first j tokens
+            tails = ids[:, n - n_out + 1 :].tolist()
+            extra = [
+                [[t for t in tail[:j] if t != self.mask_token_id] for j in range(n_out)] if r.adjust else None
+                for r, tail in zip(rows, tails)
+            ]
+            adjusted = self._adjusted(rows, logits, extra)
         keep_mask = torch.zeros(len(rows), n, dtype=torch.bool)
         consumed = []
         for i, row in enumerate(rows):
             row.stats.forwards += 1
-            committed, keep = self.decoder.consume(self, row, logits[i])
+            committed, keep = self.decoder.consume(self, row, adjusted[i])
             if not isinstance(keep, int):
                 raise RuntimeError(f"decoder {self.decoder.name!r} kept chunk indices in a prefill (a count is due)")
             keep_mask[i, : max(len(row.prompt_ids) - 1 + keep, 0)] = True
@@ -714,7 +734,12 @@ class Engine:
         tokens = 0
         for row in rows:
             row.stats.forwards += 1
-        consumed = self.decoder.consume_batch(self, rows, logits, [len(c) for c in chunks])
+        adjusted = logits
+        if any(r.adjust is not None for r in rows):
+            adjusted = self._adjusted(
+                rows, logits, [self._chunk_history(r, c, trees.get(i)) for i, (r, c) in enumerate(zip(rows, chunks))]
+            )
+        consumed = self.decoder.consume_batch(self, rows, adjusted, [len(c) for c in chunks])
         scored = self._logprobs(rows, logits, [c for c, _ in consumed])
         for i, (row, (committed, kept)) in enumerate(zip(rows, consumed)):
             tokens += len(committed)
@@ -778,6 +803,30 @@ class Engine:
                 mask[i, 0, n:, k + n :] = torch.eye(q - n, dtype=torch.bool)
         return mask.to(self.device)
 
+    # -- logit bias and penalties ---------------------------------------------------------------------------
+    def _chunk_history(self, row: Row, chunk: list[int], tree) -> list[list[int]] | None:
+        """For a row with a logit bias or penalties: per chunk position, the chunk's tokens before it that count as
+        output there - its ancestors in the chunk (all earlier tokens; a tree chunk's attention says which), less
+        the pending token (already in the output) and masks."""
+        if row.adjust is None:
+            return None
+        attn = None if tree is None else tree[1]
+        m = self.mask_token_id
+        return [
+            [chunk[k] for k in range(1, j + 1) if chunk[k] != m and (attn is None or bool(attn[j, k]))]
+            for j in range(len(chunk))
+        ]
+
+    def _adjusted(self, rows: list[Row], logits: torch.Tensor, extra: list[list[list[int]] | None]) -> torch.Tensor:
+        """``logits [B, Q, V]`` with each adjusting row's bias and penalties applied (a copy; the raw logits stay
+        for the log-probabilities)."""
+        out = logits.clone()
+        for i, (row, ex) in enumerate(zip(rows, extra)):
+            if row.adjust is not None and ex is not None:
+                n = len(ex)
+                out[i, :n] = row.adjust.apply(logits[i, :n], ex).to(out.dtype)
+        return out
+
     # -- log-probabilities --------------------------------------------------------------------------------
     def _logprobs(
         self, rows: list[Row], logits: torch.Tensor, committed: list[list[int]]
@@ -840,6 +889,8 @@ class Engine:
         if new and not row.out:
             row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
+        if row.adjust is not None:
+            row.adjust.add(new)
         if logprobs is not None:
             logprobs = logprobs[: len(new)]
             if row.logprobs is not None:

@@ -33,6 +33,12 @@ class SamplingParams:
     its position (:class:`TokenLogprob`); ``prompt_logprobs`` k the same for the prompt's tokens after the first
     (the prefill then computes the logits of every prompt position). Both need a left-to-right decoder (``ar``,
     ``isd``).
+
+    Logit adjustments, applied where a token's distribution is formed, in vLLM's order, before temperature /
+    top-k / top-p (so ISD's output is exactly the adjusted AR distribution): ``logit_bias`` ((token id, bias)
+    pairs) added; ``repetition_penalty`` r divides a positive logit by r and multiplies a negative one by r for
+    every token of the prompt or the output so far; ``frequency_penalty`` subtracts f x the token's count in the
+    output so far and ``presence_penalty`` p once if it occurs there (OpenAI's). ``ar`` and ``isd`` only.
     """
 
     max_new_tokens: int = 64
@@ -45,6 +51,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -59,6 +69,15 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise DLMError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None: off), got {k!r}")
+        if not self.repetition_penalty > 0:
+            raise DLMError(f"--repetition-penalty must be > 0 (1 = off), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise DLMError(f"--{name.replace('_', '-')} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        bias = dict(self.logit_bias) if isinstance(self.logit_bias, dict) else dict(tuple(b) for b in self.logit_bias)
+        if any(not -100.0 <= float(v) <= 100.0 for v in bias.values()):
+            raise DLMError("logit_bias values must be in [-100, 100]")
+        self.logit_bias = tuple(sorted((int(k), float(v)) for k, v in bias.items()))
         self.stop_strings = tuple(self.stop_strings or ())
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
@@ -67,6 +86,13 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether a logit bias or a penalty changes the model's logits (see the class docstring)."""
+        return bool(
+            self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+        )
+
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)
         if self.seed is None:
@@ -74,6 +100,58 @@ class SamplingParams:
         else:
             g.manual_seed(int(self.seed))
         return g
+
+
+class LogitAdjust:
+    """A request's logit bias and penalties over its history (see :class:`SamplingParams`): the prompt's tokens,
+    the output's counts (updated as tokens are committed), a dense bias vector."""
+
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab: int):
+        self.params, self.vocab = params, vocab
+        ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
+        self.in_prompt = torch.zeros(vocab, dtype=torch.bool)
+        self.in_prompt[ids] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32)
+        self.bias = None
+        if params.logit_bias:
+            self.bias = torch.zeros(vocab, dtype=torch.float32)
+            for t, b in params.logit_bias:
+                if 0 <= t < vocab:
+                    self.bias[t] = b
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Committed output tokens."""
+        for t in tokens:
+            if 0 <= t < self.vocab:
+                self.counts[t] += 1
+
+    def apply(self, logits: torch.Tensor, extra: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``logits [n, V]`` adjusted, row j as if ``extra[j]`` (tokens of the chunk before row j's position, e.g.
+        ISD's drafts) were already in the output; float32, out of place."""
+        p, n = self.params, logits.shape[0]
+        dev = logits.device
+        out = logits.float().clone()
+        if out.shape[-1] != self.vocab:
+            raise ValueError(f"logits of {out.shape[-1]} tokens for a vocabulary of {self.vocab}")
+        counts = self.counts.to(dev)[None].expand(n, -1).clone()
+        pairs = [(j, t) for j, ts in enumerate(extra) for t in ts if 0 <= t < self.vocab]
+        if pairs:
+            rows = torch.tensor([j for j, _ in pairs], device=dev)
+            cols = torch.tensor([t for _, t in pairs], device=dev)
+            counts.index_put_((rows, cols), torch.ones(len(pairs), device=dev), accumulate=True)
+        if self.bias is not None:
+            out += self.bias.to(dev)[None]
+        if p.repetition_penalty != 1.0:
+            seen = self.in_prompt.to(dev)[None] | (counts > 0)
+            r = p.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        if p.frequency_penalty:
+            out -= p.frequency_penalty * counts
+        if p.presence_penalty:
+            out -= p.presence_penalty * (counts > 0).float()
+        # an extreme repetition penalty (5e-324 divides a logit into +inf) must not turn the softmax into NaN
+        big = torch.finfo(torch.float32).max
+        return out.nan_to_num(nan=-big, posinf=big, neginf=-big) if not bool(out.isfinite().all()) else out
 
 
 def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:

@@ -105,7 +105,7 @@ def openapi_schema(app: FastAPI, settings: ServeSettings) -> dict[str, Any]:
 def _request_limits(comps: dict[str, Any], settings: ServeSettings, vocab: int) -> None:
     """Write into the request schemas what the app checks beyond the pydantic types: the served model name (as
     the example), --max-tokens-limit, the stop-string and prompt limits, token ids within the vocabulary, and the
-    fields accepted only at their neutral value."""
+    logit bias's shape."""
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         props = comps.get(name, {}).get("properties", {})
         if "model" in props:
@@ -120,14 +120,18 @@ def _request_limits(comps: dict[str, Any], settings: ServeSettings, vocab: int) 
                 branch.setdefault("items", {})["minLength"] = 1
             elif branch.get("type") == "string":
                 branch["minLength"] = 1
-        for field in ("presence_penalty", "frequency_penalty"):  # accepted only at their neutral value
-            if field in props:
-                props[field] = {
-                    "anyOf": [{"type": "number", "minimum": 0, "maximum": 0}, {"type": "null"}],
-                    "title": props[field].get("title", field),
-                }
-        if "logit_bias" in props:
-            props["logit_bias"] = {"anyOf": [{"type": "object", "maxProperties": 0}, {"type": "null"}]}
+        if "logit_bias" in props:  # token ids (as strings) of this model -> a bias in [-100, 100]
+            props["logit_bias"] = {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "propertyNames": {"pattern": "^[0-9]+$"},
+                        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                    },
+                    {"type": "null"},
+                ],
+                "title": "Logit Bias",
+            }
     completion = comps.get("CompletionRequest", {}).get("properties", {})
 
     def ids_schema(node: dict[str, Any]) -> None:  # token ids: 0 .. vocab-1 (the mask token is refused too, by message)

@@ -40,10 +40,10 @@ class SamplingRequest(_Body):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
-    # accepted for compatibility, only at their neutral values (checked in unsupported())
-    presence_penalty: StrictFloat | None = None
-    frequency_penalty: StrictFloat | None = None
-    logit_bias: dict | None = None
+    presence_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat | None = Field(None, gt=0.0)  # vLLM extension; 1 = off
+    logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: StrictBool = False  # vLLM extension (benchmarks use it to get fixed-length outputs)
 
     def stop_list(self) -> list[str]:
@@ -53,12 +53,6 @@ class SamplingRequest(_Body):
 
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a known field set to something this server cannot do, else None."""
-        if self.presence_penalty not in (None, 0, 0.0):
-            return "presence_penalty", "presence_penalty is not supported by dlm serve; leave it at 0"
-        if self.frequency_penalty not in (None, 0, 0.0):
-            return "frequency_penalty", "frequency_penalty is not supported by dlm serve; leave it at 0"
-        if self.logit_bias:
-            return "logit_bias", "logit_bias is not supported by dlm serve; leave it empty"
         if len(self.stop_list()) > MAX_STOP:
             return "stop", f"at most {MAX_STOP} stop strings are allowed, got {len(self.stop_list())}"
         if any(s == "" for s in self.stop_list()):

@@ -50,6 +50,10 @@ def sampling_params(
     seed = None if body.seed is None else body.seed + choice
     return SamplingParams(
         max_new_tokens=max(max_tokens, 1),
+        repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
+        presence_penalty=float(body.presence_penalty or 0.0),
+        frequency_penalty=float(body.frequency_penalty or 0.0),
+        logit_bias=tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items()),
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
         temperature=1.0 if body.temperature is None else float(body.temperature),
@@ -162,6 +166,7 @@ class RequestValidator:
         bad = body.unsupported()
         if bad is not None:
             raise APIError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        self.adjustments(body)
         if max_tokens is None:
             return default_max
         if max_tokens > self.settings.max_tokens_limit:
@@ -173,6 +178,31 @@ class RequestValidator:
                 code="invalid_value",
             )
         return max_tokens
+
+    def adjustments(self, body: SamplingRequest) -> None:
+        """400 naming the field for a logit bias outside the vocabulary or out of range, or any bias or penalty with
+        a decoder that does not draw tokens left to right."""
+        for key, value in (body.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"logit_bias key {key!r} is not a token id of this model (0..{self.vocab_size - 1})",
+                    param="logit_bias",
+                )
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+        if self.left_to_right:
+            return
+        for field in ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(body, field)
+            if value not in (None, 0, 0.0, {}) and not (field == "repetition_penalty" and value == 1):
+                raise APIError(
+                    400,
+                    f"{field} needs a left-to-right decoder (dlm serve --decode ar or isd); this server decodes "
+                    f"with {self.decoder!r}",
+                    param=field,
+                    code="unsupported_parameter",
+                )
 
     def scored(self, logprobs: int | None, param: str) -> None:
         """400 for log-probabilities from a decoder whose tokens have none."""

@@ -1,7 +1,8 @@
-"""Log-probabilities through ``dlm serve`` (ISD, stride 3, on a tiny random I-DLM): completions' ``logprobs`` (with
-``echo`` the prompt's too - what lm-evaluation-harness's ``local-completions`` model asks for), chat's ``logprobs``
-/ ``top_logprobs``, streamed and not; the numbers are the model's (teacher forcing), the token texts add up to
-the answer's text."""
+"""The OpenAI fields beyond plain sampling through ``dlm serve`` (ISD, stride 3, on a tiny random I-DLM):
+completions' ``logprobs`` (with ``echo`` the prompt's too - what lm-evaluation-harness's ``local-completions``
+model asks for), chat's ``logprobs`` / ``top_logprobs``, streamed and not - the numbers the model's (teacher
+forcing), the token texts adding up to the answer's text; the penalties and ``logit_bias``; vLLM's tokenizer
+routes."""
 
 import json
 
@@ -238,3 +239,31 @@ def test_tokenizer_endpoints_are_the_served_tokenizer(server, engine):
     assert remote.encode(text) == ids and remote.decode(ids) == tok.decode(ids)
     assert remote.eos_token_id == tok.eos_token_id
     assert remote.apply_chat_template(msgs) == templated
+
+
+def test_penalties_and_logit_bias_reach_the_engine(client, engine):
+    """The served text with penalties and a logit bias is the engine's for the same settings, and differs from the
+    plain one; a bias of -100 on a token keeps it out."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
+    prompt = "The cat sat on the"
+    ids = encode(engine, prompt)
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=16, temperature=0)
+    plain = client.completions.create(**kw, extra_body={"ignore_eos": True}).choices[0].text
+    first = engine.tokenizer(plain, add_special_tokens=False)["input_ids"][0]
+    extra = {"ignore_eos": True, "repetition_penalty": 1.5}
+    adjusted = client.completions.create(
+        **kw, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={str(first): -100}, extra_body=extra
+    ).choices[0]
+    params = SamplingParams(
+        16,
+        ignore_eos=True,
+        presence_penalty=1.0,
+        frequency_penalty=0.5,
+        repetition_penalty=1.5,
+        logit_bias={first: -100.0},
+    )
+    alone = Engine(engine.model, engine.tokenizer, decoder="isd", stride=3).generate([ids], params)[0]
+    assert adjusted.text == alone.text != plain
+    assert alone.token_ids[0] != first

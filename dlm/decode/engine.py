@@ -672,7 +672,9 @@ class Engine:
         if any(r.adjust is not None for r in rows):  # row j of the kept logits follows the suffix's first j tokens
             tails = ids[:, n - n_out + 1 :].tolist()
             extra = [
-                [[t for t in tail[:j] if t != self.mask_token_id] for j in range(n_out)] if r.adjust else None
+                [[t for t in tail[:j] if t != self.mask_token_id] for j in range(n_out)]
+                if r.adjust is not None
+                else None
                 for r, tail in zip(rows, tails)
             ]
             adjusted = self._adjusted(rows, logits, extra)

@@ -31,6 +31,9 @@ def penalized(logits, prompt, out, p):
         x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
     for t in set(out):
         x[t] -= p.frequency_penalty * out.count(t) + p.presence_penalty
+    if len(out) < p.min_tokens:
+        for t in p.stop_token_ids or ():
+            x[t] = float("-inf")
     return x
 
 
@@ -45,6 +48,8 @@ def reference_greedy(model, prompt, params):
         if m is not None:
             x[m] = float("-inf")
         out.append(int(x.argmax()))
+        if out[-1] in (params.stop_token_ids or ()):
+            break
     return out
 
 
@@ -80,6 +85,27 @@ def test_ar_and_every_isd_path_equal_the_reference_with_penalties():
         assert [r.token_ids for r in res] == ref, name
         if name.startswith("isd-n") or name == "isd-candidates":
             assert any(r.stats.tpf > 1.5 for r in res), name  # drafts accepted: later rows saw earlier drafts
+
+
+def test_min_tokens_holds_the_stop_tokens_back_on_every_path():
+    model = idlm()
+    free = Engine(model).generate(PROMPTS, SamplingParams(14, ignore_eos=True))
+    stops = tuple({r.token_ids[2] for r in free})  # each request would stop at its 3rd token
+    params = SamplingParams(14, stop_token_ids=stops, min_tokens=6)
+    ref = [reference_greedy(model, p, params) for p in PROMPTS]
+    assert all(len(r) >= 6 for r in ref) and any(len(r) < 14 for r in ref)  # held back, then a stop
+    assert [r.token_ids for r in Engine(model, max_batch_size=3).generate(PROMPTS, params)] == ref
+    truth = {i: p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, free))}
+    for name, dec, kw in [
+        ("isd-n3", oracle_isd(truth, 0.7, stride=3), {}),
+        ("isd-candidates", oracle_candidates(truth, 0.3, candidates=2), {}),
+        ("isd-untrained", "isd", {"stride": 4}),
+    ]:
+        eng = Engine(model, decoder=dec, max_batch_size=3, **kw)
+        ids = [eng.add(p, params, request_id=i) for i, p in enumerate(PROMPTS)]
+        while eng.has_unfinished():
+            eng.step()
+        assert [eng.pop_result(i).token_ids for i in ids] == ref, name
 
 
 def test_logprobs_stay_the_models_own_under_penalties():
@@ -119,7 +145,8 @@ def exact_distribution(dlm, prompt, k, params):
 def test_sampled_isd_has_the_adjusted_ar_distribution():
     dlm = tiny_idlm()
     prompt, k, n = [1, 2, 3, 0], 3, 2000  # 3 tokens: a verify row whose history holds a draft
-    params = dict(temperature=1.0, ignore_eos=True, logit_bias=((2, 1.5),), **STRONG)
+    # token 0 stops, but not before the 2nd new token: a 3-token continuation either way
+    params = dict(temperature=1.0, stop_token_ids=(0,), min_tokens=2, logit_bias=((2, 1.5),), **STRONG)
     exact = exact_distribution(dlm, prompt, k, SamplingParams(k, **params))
     plain = exact_distribution(dlm, prompt, k, SamplingParams(k, temperature=1.0))
     m = dlm.mask_token_id
@@ -135,6 +162,7 @@ def test_sampled_isd_has_the_adjusted_ar_distribution():
             [prompt] * n, [SamplingParams(k, seed=s, **params) for s in range(n)]
         )
         counts = torch.zeros(K)
+        assert all(len(r.token_ids) == k and 0 not in r.token_ids[:2] for r in res), name
         for r in res:
             counts[sum(t * m ** (k - 1 - j) for j, t in enumerate(r.token_ids))] += 1
         tv = 0.5 * float((counts / n - exact).abs().sum())
@@ -153,6 +181,9 @@ def test_refusals():
         SamplingParams(4, logit_bias={5: 200.0})
     assert SamplingParams(4, logit_bias={7: 1.0, 3: -2}).logit_bias == ((3, -2.0), (7, 1.0))
     assert not SamplingParams(4).adjusts and SamplingParams(4, presence_penalty=0.1).adjusts
+    assert SamplingParams(4, min_tokens=2).adjusts
+    with pytest.raises(DLMError, match="--min-tokens must be an integer from 0 to --max-new-tokens"):
+        SamplingParams(4, min_tokens=5)
     model = idlm()
     with pytest.raises(DLMError, match="outside the vocabulary"):
         Engine(model).add(PROMPTS[0], SamplingParams(4, logit_bias={10_000: 1.0}))

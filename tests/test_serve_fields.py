@@ -267,3 +267,26 @@ def test_penalties_and_logit_bias_reach_the_engine(client, engine):
     alone = Engine(engine.model, engine.tokenizer, decoder="isd", stride=3).generate([ids], params)[0]
     assert adjusted.text == alone.text != plain
     assert alone.token_ids[0] != first
+
+
+def test_stop_token_ids_and_min_tokens(client, engine):
+    """vLLM's ``stop_token_ids`` (besides end-of-sequence) and ``min_tokens`` (no stop token before that many)."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
+    prompt = "Once upon a time"
+    free = Engine(engine.model, engine.tokenizer, decoder="isd", stride=3).generate(
+        [encode(engine, prompt)], SamplingParams(12, ignore_eos=True)
+    )[0]
+    stop = free.token_ids[1]
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(**kw, extra_body={"stop_token_ids": [stop]})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == 2
+    held = client.completions.create(**kw, extra_body={"stop_token_ids": [stop], "min_tokens": 5})
+    assert held.usage.completion_tokens >= 5
+    bad = httpx.post(
+        str(client.base_url).rstrip("/") + "/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 3, "min_tokens": 4},
+        timeout=60,
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"

@@ -48,6 +48,9 @@ def add_arguments(p) -> None:
         "--presence-penalty", type=float, default=0.0, help="subtract from tokens already in the output (-2..2)"
     )
     p.add_argument(
+        "--min-tokens", type=int, default=0, help="no end-of-sequence before this many new tokens (--decode ar or isd)"
+    )
+    p.add_argument(
         "--frequency-penalty",
         type=float,
         default=0.0,
@@ -127,6 +130,7 @@ def run(args) -> int:
         repetition_penalty=args.repetition_penalty,
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
+        min_tokens=args.min_tokens,
     )
     if args.decode not in ("ar", "isd"):
         used = [f for f, on in (("--logprobs", params.logprobs is not None), ("the penalties", params.adjusts)) if on]

@@ -577,14 +577,14 @@ class Engine:
         if params.adjusts:
             if not self.decoder.causal:
                 raise DLMError(
-                    f"logit_bias and the repetition / presence / frequency penalties need a left-to-right decoder "
-                    f"(--decode ar or isd), not {self.decoder.name!r}"
+                    f"logit_bias, min_tokens and the repetition / presence / frequency penalties need a "
+                    f"left-to-right decoder (--decode ar or isd), not {self.decoder.name!r}"
                 )
             vocab = int(self.config.vocab_size)
             bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
             if bad:
                 raise DLMError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
-            row.adjust = LogitAdjust(params, prompt_ids, vocab)
+            row.adjust = LogitAdjust(params, prompt_ids, vocab, stop_ids)
         self.decoder.check_request(self, row)
         if self._static is not None:  # KV room for the whole request from the start (+ a chunk's headroom)
             self._static.kv.plan(min(len(prompt_ids) + params.max_new_tokens, self.max_positions) + SPAN_GRANULE)

@@ -9,7 +9,7 @@ logit is -inf everywhere, so it is never emitted.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +38,8 @@ class SamplingParams:
     top-k / top-p (so ISD's output is exactly the adjusted AR distribution): ``logit_bias`` ((token id, bias)
     pairs) added; ``repetition_penalty`` r divides a positive logit by r and multiplies a negative one by r for
     every token of the prompt or the output so far; ``frequency_penalty`` subtracts f x the token's count in the
-    output so far and ``presence_penalty`` p once if it occurs there (OpenAI's). ``ar`` and ``isd`` only.
+    output so far and ``presence_penalty`` p once if it occurs there (OpenAI's); ``min_tokens`` n: the stop tokens
+    cannot be drawn before the n-th new token (vLLM's). ``ar`` and ``isd`` only.
     """
 
     max_new_tokens: int = 64
@@ -55,6 +56,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -69,6 +71,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_LOGPROBS):
                 raise DLMError(f"{name} must be an integer in 0..{MAX_LOGPROBS} (or None: off), got {k!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise DLMError(
+                f"--min-tokens must be an integer from 0 to --max-new-tokens ({self.max_new_tokens}), "
+                f"got {self.min_tokens}"
+            )
         if not self.repetition_penalty > 0:
             raise DLMError(f"--repetition-penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -90,7 +97,11 @@ class SamplingParams:
     def adjusts(self) -> bool:
         """Whether a logit bias or a penalty changes the model's logits (see the class docstring)."""
         return bool(
-            self.logit_bias or self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.min_tokens
         )
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
@@ -103,11 +114,14 @@ class SamplingParams:
 
 
 class LogitAdjust:
-    """A request's logit bias and penalties over its history (see :class:`SamplingParams`): the prompt's tokens,
-    the output's counts (updated as tokens are committed), a dense bias vector."""
+    """A request's logit bias, penalties and minimum length over its history (see :class:`SamplingParams`): the
+    prompt's tokens, the output's counts (updated as tokens are committed), a dense bias vector, the stop tokens
+    held back until ``min_tokens``."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab: int):
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab: int, stop_ids: Iterable[int] = ()):
         self.params, self.vocab = params, vocab
+        self.produced = 0  # output tokens committed
+        self.stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab), dtype=torch.long)
         ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
         self.in_prompt = torch.zeros(vocab, dtype=torch.bool)
         self.in_prompt[ids] = True
@@ -122,6 +136,7 @@ class LogitAdjust:
     def add(self, tokens: Sequence[int]) -> None:
         """Committed output tokens."""
         for t in tokens:
+            self.produced += 1
             if 0 <= t < self.vocab:
                 self.counts[t] += 1
 
@@ -149,6 +164,10 @@ class LogitAdjust:
             out -= p.frequency_penalty * counts
         if p.presence_penalty:
             out -= p.presence_penalty * (counts > 0).float()
+        if p.min_tokens and self.stops.numel():  # row j's token is new token number produced + len(extra[j]) + 1
+            early = [j for j, ts in enumerate(extra) if self.produced + len(ts) < p.min_tokens]
+            if early:
+                out[torch.tensor(early, device=dev)[:, None], self.stops.to(dev)[None]] = float("-inf")
         # an extreme repetition penalty (5e-324 divides a logit into +inf) must not turn the softmax into NaN
         big = torch.finfo(torch.float32).max
         return out.nan_to_num(nan=-big, posinf=big, neginf=-big) if not bool(out.isfinite().all()) else out

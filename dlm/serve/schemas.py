@@ -45,6 +45,8 @@ class SamplingRequest(_Body):
     repetition_penalty: StrictFloat | None = Field(None, gt=0.0)  # vLLM extension; 1 = off
     logit_bias: dict[str, StrictFloat | StrictInt] | None = None  # token id (as a string) -> bias in [-100, 100]
     ignore_eos: StrictBool = False  # vLLM extension (benchmarks use it to get fixed-length outputs)
+    min_tokens: StrictInt = Field(0, ge=0)  # vLLM extension: no stop token before this many new tokens
+    stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP)  # vLLM extension: stops besides EOS
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -40,14 +40,23 @@ class ParsedRequest:
 
 
 def sampling_params(
-    body: SamplingRequest, max_tokens: int, choice: int, logprobs: int | None = None, echo: bool = False
+    body: SamplingRequest,
+    max_tokens: int,
+    choice: int,
+    logprobs: int | None = None,
+    echo: bool = False,
+    eos_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``);
     ``logprobs``: alternatives per token (None: none), for the prompt's tokens too with ``echo``. ``max_tokens``
-    0 (the prompt only) runs one token, which the answer leaves out."""
+    0 (the prompt only) runs one token, which the answer leaves out; ``eos_ids``: the model's end-of-sequence
+    tokens, which ``stop_token_ids`` add to."""
     from dlm.decode.sampling import SamplingParams
 
     seed = None if body.seed is None else body.seed + choice
+    stop_ids = None  # the engine's default: end-of-sequence (none with ignore_eos)
+    if body.stop_token_ids:  # vLLM's: in addition to end-of-sequence
+        stop_ids = sorted(set(body.stop_token_ids) | (set() if body.ignore_eos else set(eos_ids)))
     return SamplingParams(
         max_new_tokens=max(max_tokens, 1),
         repetition_penalty=1.0 if body.repetition_penalty is None else float(body.repetition_penalty),
@@ -62,7 +71,15 @@ def sampling_params(
         seed=seed,
         stop_strings=tuple(body.stop_list()),
         ignore_eos=body.ignore_eos,
+        stop_token_ids=None if stop_ids is None else tuple(stop_ids),
+        min_tokens=min(body.min_tokens, max(max_tokens, 1)),
     )
+
+
+def max_tokens_of(body: SamplingRequest) -> int | None:
+    """The new-token limit a body gives (chat: ``max_completion_tokens`` first), None where it gives none."""
+    limit = getattr(body, "max_completion_tokens", None)
+    return limit if limit is not None else body.max_tokens
 
 
 class RequestValidator:
@@ -77,6 +94,7 @@ class RequestValidator:
         mask_token_id: int | None = None,
         decoder: str | None = None,
         left_to_right: bool = True,
+        eos_ids: tuple[int, ...] = (),
     ):
         self.settings = settings
         self.tokenizer = tokenizer
@@ -85,6 +103,7 @@ class RequestValidator:
         self.mask_token_id = mask_token_id
         self.decoder = decoder  # the engine's decoder name (for messages)
         self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
+        self.eos_ids = eos_ids  # the engine's default stop tokens
 
     @classmethod
     def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
@@ -97,6 +116,7 @@ class RequestValidator:
             engine.mask_token_id,
             engine.decoder.name,
             bool(engine.decoder.causal),
+            tuple(sorted(engine.default_stop)),
         )
 
     # -- the two request kinds -------------------------------------------------------------------------------
@@ -182,6 +202,19 @@ class RequestValidator:
     def adjustments(self, body: SamplingRequest) -> None:
         """400 naming the field for a logit bias outside the vocabulary or out of range, or any bias or penalty with
         a decoder that does not draw tokens left to right."""
+        for t in body.stop_token_ids or []:
+            if not 0 <= t < self.vocab_size:
+                raise APIError(
+                    400,
+                    f"stop_token_ids: {t} is outside the vocabulary (0..{self.vocab_size - 1})",
+                    param="stop_token_ids",
+                )
+        if body.min_tokens and max_tokens_of(body) is not None and body.min_tokens > (max_tokens_of(body) or 0):
+            raise APIError(
+                400,
+                f"min_tokens={body.min_tokens} is more than max_tokens={max_tokens_of(body)}",
+                param="min_tokens",
+            )
         for key, value in (body.logit_bias or {}).items():
             if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
                 raise APIError(
@@ -193,7 +226,7 @@ class RequestValidator:
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
         if self.left_to_right:
             return
-        for field in ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+        for field in ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"):
             value = getattr(body, field)
             if value not in (None, 0, 0.0, {}) and not (field == "repetition_penalty" and value == 1):
                 raise APIError(

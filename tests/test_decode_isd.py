@@ -261,6 +261,13 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
             prompts, params
         )
         assert [r.token_ids for r in batch] == ar
+    # with penalties (each verify row's history holds the drafts before it): still AR's output, and a different one
+    adjusted = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
+    ar_adj = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(prompts, adjusted)]
+    assert ar_adj != ar
+    for stride in (2, 3):
+        batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, adjusted)
+        assert [r.token_ids for r in batch] == ar_adj
 
 
 def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():

@@ -333,3 +333,35 @@ def test_ar_batched_greedy_step_equals_row_by_row(monkeypatch):
     want = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
     assert got == want
     assert all(dlm.mask_token_id not in t for t in got)
+
+
+@pytest.mark.parametrize("decoder", ["ar", "isd"])
+def test_identical_prompts_are_prefilled_once(decoder):
+    """``n`` choices of one prompt (or a prompt sent several times) joining together: one prefill row per distinct
+    prompt, its KV and logits copied; every request's output is what it gets alone (greedy and seeded sampling)."""
+    dlm = idlm("llama")
+    prompts = [PROMPTS[0], PROMPTS[0], [30, 31, 32, 33, 34], PROMPTS[0], PROMPTS[1]]
+    params = [
+        SamplingParams(9, ignore_eos=True),
+        SamplingParams(9, ignore_eos=True, temperature=1.0, seed=3),
+        SamplingParams(9, ignore_eos=True),
+        SamplingParams(9, ignore_eos=True, temperature=1.0, seed=4, prompt_logprobs=1),
+        SamplingParams(9, ignore_eos=True),
+    ]
+    kw = {"stride": 3} if decoder == "isd" else {}
+    eng = Engine(dlm, decoder=decoder, max_batch_size=8, **kw)
+    rows_fed = []
+    forward = eng._forward
+
+    def spy(ids, *a, **k):
+        rows_fed.append(tuple(ids.shape))
+        return forward(ids, *a, **k)
+
+    eng._forward = spy
+    got = eng.generate(prompts, params)
+    prefills = [s for s in rows_fed if s[1] >= 5]  # the prompts of length 5 (+ ISD's masks) in one forward
+    assert prefills[0][0] == 2  # two distinct prompts of length 5, four requests
+    for p, sp, r in zip(prompts, params, got):
+        alone = Engine(dlm, decoder=decoder, **kw).generate([p], sp)[0]
+        assert r.token_ids == alone.token_ids
+    assert got[3].prompt_logprobs is not None and len(got[3].prompt_logprobs) == len(PROMPTS[0])

@@ -233,6 +233,13 @@ class KVBatch:
         self._apply(lambda t: t.index_select(0, rows))
         self._trim()
 
+    def repeat_rows(self, rows: torch.Tensor) -> None:
+        """Rows of the cache as ``rows`` lists them, repeats allowed (a prefill computed once for identical prompts;
+        before its ``after_extend``)."""
+        self._apply(lambda t: t.index_select(0, rows))
+        if self.valid is not None:
+            self.valid = self.valid.index_select(0, rows)
+
     def merge(self, other: KVBatch) -> None:
         """Append ``other``'s rows; the shorter side is left-padded with holes so the columns line up."""
         if other.valid is None:
@@ -648,29 +655,31 @@ class Engine:
 
     def _prefill(self, rows: list[Row]) -> list[StepEvent]:
         """One forward for new rows whose prompt+suffix have the same length (no padding needed): the prompt's KV
-        goes into a fresh cache that is then merged into the running one."""
+        goes into a fresh cache that is then merged into the running one. Rows with the same tokens (``n`` choices
+        of one prompt, a prompt sent several times) are computed once and their KV and logits copied."""
         n = len(rows[0].prompt_ids) + len(rows[0].suffix)
-        ids = torch.tensor([r.prompt_ids + r.suffix for r in rows], device=self.device)
+        seqs = [r.prompt_ids + r.suffix for r in rows]
         for r in rows:
             r.suffix = []
-        pos = torch.arange(n, device=self.device)[None].expand(len(rows), n)
-        mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
-        if not self.decoder.causal:
-            offsets = [self.decoder.chunk_positions(self, r, n) for r in rows]
-            rel = [torch.arange(n) if o is None else torch.tensor(o) for o in offsets]
-            pos = torch.stack(rel).to(self.device)
-            mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
-            mask = mask.to(self.device)
-        kv = KVBatch()
         n_out = n - len(rows[0].prompt_ids) + 1
         every = any(r.params.prompt_logprobs is not None for r in rows)  # the logits of every prompt position
-        logits = self._forward(ids, pos, mask, kv.cache, logits_to_keep=0 if every else n_out)
+        keep_logits = 0 if every else n_out
+        first: dict[tuple[int, ...], int] = {}
+        src = [first.setdefault(tuple(s), len(first)) for s in seqs] if self.decoder.causal else []
+        if src and len(first) < len(rows):  # causal: a row's KV and logits depend on its own tokens only
+            unique = [seqs[src.index(u)] for u in range(len(first))]
+            logits, kv = self._prefill_forward(rows, unique, n, keep_logits)
+            at = torch.tensor(src, device=self.device)
+            logits = logits.index_select(0, at)
+            kv.repeat_rows(at)
+        else:
+            logits, kv = self._prefill_forward(rows, seqs, n, keep_logits)
         if every:
             self._prompt_logprobs(rows, logits)
             logits = logits[:, n - n_out :]
         adjusted = logits
         if any(r.adjust is not None for r in rows):  # row j of the kept logits follows the suffix's first j tokens
-            tails = ids[:, n - n_out + 1 :].tolist()
+            tails = [s[n - n_out + 1 :] for s in seqs]
             extra = [
                 [[t for t in tail[:j] if t != self.mask_token_id] for j in range(n_out)]
                 if r.adjust is not None
@@ -700,6 +709,23 @@ class Engine:
         self.kv.merge(kv)
         self.rows.extend(r for r in rows if not r.finished)
         return events
+
+    def _prefill_forward(
+        self, rows: list[Row], seqs: list[list[int]], n: int, logits_to_keep: int
+    ) -> tuple[torch.Tensor, KVBatch]:
+        """The prefill forward of ``seqs`` (equal lengths ``n``; ``rows``' own when the decoder is not causal) into a
+        fresh cache: its logits and the cache."""
+        ids = torch.tensor(seqs, device=self.device)
+        pos = torch.arange(n, device=self.device)[None].expand(len(seqs), n)
+        mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
+        if not self.decoder.causal:
+            offsets = [self.decoder.chunk_positions(self, r, n) for r in rows]
+            rel = [torch.arange(n) if o is None else torch.tensor(o) for o in offsets]
+            pos = torch.stack(rel).to(self.device)
+            mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
+            mask = mask.to(self.device)
+        kv = KVBatch()
+        return self._forward(ids, pos, mask, kv.cache, logits_to_keep=logits_to_keep), kv
 
     def _decode_step(self) -> list[StepEvent]:
         t0 = time.perf_counter()

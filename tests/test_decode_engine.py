@@ -365,3 +365,48 @@ def test_identical_prompts_are_prefilled_once(decoder):
         alone = Engine(dlm, decoder=decoder, **kw).generate([p], sp)[0]
         assert r.token_ids == alone.token_ids
     assert got[3].prompt_logprobs is not None and len(got[3].prompt_logprobs) == len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("decoder,static", [("ar", False), ("isd", False), ("isd", True)])
+def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
+    """A prompt that starts like one prefilled before feeds only its new tokens (the cached KV first), and every
+    request's output is what it gets without the cache (greedy and seeded); eviction keeps the token budget."""
+    from dlm.decode.prefix import PrefixCache
+
+    dlm = idlm("llama")
+    base = list(range(40, 80))  # 40 shared tokens (a system prompt, a document, a conversation so far)
+    prompts = [base + [90, 91], base + [92, 93, 94, 95], base[:30] + [96], base + [90, 91, 97], [5, 6, 7]]
+    params = [
+        SamplingParams(8, ignore_eos=True),
+        SamplingParams(8, ignore_eos=True, temperature=1.0, seed=5),
+        SamplingParams(8, ignore_eos=True),
+        SamplingParams(8, ignore_eos=True, logprobs=1),
+        SamplingParams(8, ignore_eos=True),
+    ]
+    kw = {"stride": 3} if decoder == "isd" else {}
+    want = [Engine(dlm, decoder=decoder, **kw).generate([p], sp)[0] for p, sp in zip(prompts, params)]
+    eng = Engine(dlm, decoder=decoder, max_batch_size=2, prefix_cache=1000, static_cache=static, **kw)
+    fed = []
+    forward = eng._forward
+
+    def spy(ids, *a, **k):
+        fed.append(ids.shape[1])
+        return forward(ids, *a, **k)
+
+    eng._forward = spy
+    got = eng.generate(prompts, params)
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+    assert abs(got[3].logprobs[0].logprob - want[3].logprobs[0].logprob) < 1e-4
+    # each prompt's KV but its last token is stored: prompt 1 reuses the 40 shared tokens of prompt 0, prompt 2 its
+    # 30, prompt 3 all 41 stored of prompt 0; their prefills feed only the rest (ISD: and its 2 masks)
+    assert eng.prefix.hits == 3 and eng.prefix.reused_tokens == 40 + 30 + 41
+    masks = 2 if decoder == "isd" else 0
+    assert {42 + masks, 4 + masks, 1 + masks, 2 + masks, 3 + masks} <= set(fed)
+    cache = PrefixCache(max_tokens=60, min_tokens=4)
+    kv = [(torch.zeros(1, 1, 50, 2), torch.zeros(1, 1, 50, 2))]
+    cache.store(list(range(31)), kv)
+    cache.store(list(range(100, 131)), kv)  # 30 + 30 tokens: both fit
+    assert len(cache) == 2 and cache.lookup(list(range(10)) + [7])[0] == 10
+    cache.store(list(range(200, 211)), kv)  # 70 > 60: the least recently used (the second) goes
+    assert len(cache) == 2 and cache.lookup(list(range(100, 120))) is None and cache.stored_tokens == 40

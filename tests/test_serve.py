@@ -545,6 +545,8 @@ def test_cli_registers_serve():
     )
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
+    assert args.prefix_cache_tokens == 4096  # the prefix cache is on by default
+    assert build_parser().parse_args(["serve", "--prefix-cache-tokens", "0"]).prefix_cache_tokens == 0
     from dlm.commands.serve import SERVE_DEFAULTS
     from dlm.decode.configs import ARConfig, config_from_args
 

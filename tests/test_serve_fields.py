@@ -290,3 +290,31 @@ def test_stop_token_ids_and_min_tokens(client, engine):
         timeout=60,
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "min_tokens"
+
+
+def test_prefix_cache_serves_a_conversations_next_turn(tmp_path):
+    """With ``--prefix-cache-tokens``, a chat's next turn reuses the KV of the conversation so far (counted in
+    /metrics) and answers what the server without the cache answers."""
+    from dlm.testing import save_tiny
+
+    folder = save_tiny(tmp_path / "tiny", "llama")
+    turn1 = [{"role": "system", "content": "You are a careful assistant. " * 4}, {"role": "user", "content": "Hi"}]
+    answers = {}
+    for tokens in (0, 2048):
+        eng = load_engine(str(folder), "isd", max_batch_size=4, prefix_cache=tokens)
+        app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=16))
+        with ServerThread(app) as srv:
+            c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+            first = c.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, temperature=0)
+            turn2 = turn1 + [
+                {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And then?"},
+            ]
+            second = c.chat.completions.create(model=MODEL, messages=turn2, max_tokens=8, temperature=0)
+            metrics = httpx.get(srv.url + "/metrics", timeout=30).text
+        cached = [line for line in metrics.splitlines() if line.startswith("dlm_prompt_tokens_cached_total")]
+        answers[tokens] = (first.choices[0].message.content, second.choices[0].message.content)
+        assert (float(cached[0].split()[-1]) > 20) == (tokens > 0), cached  # the system prompt and the first turn
+    assert answers[0] == answers[2048]
+    with pytest.raises(Exception, match="prefix-cache-tokens must be an integer"):
+        load_engine(str(folder), "isd", prefix_cache=-1)

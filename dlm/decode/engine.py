@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
+from dlm.decode.prefix import PrefixCache
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
@@ -464,6 +465,7 @@ class Engine:
         threads=None,
         static_cache: bool = False,
         cuda_graphs: bool | None = None,
+        prefix_cache: int = 0,
         **decoder_kw,
     ):
         from dlm.decode.attention import use_for_decoding
@@ -501,6 +503,9 @@ class Engine:
         # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never)
         self._static = StaticDecode(self, graphs=cuda_graphs) if static_cache else None
         self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
+        # prefix_cache N: the KV of recent prompts (up to N tokens) reused by prompts that start the same way
+        # (dlm.decode.prefix; causal decoders only)
+        self.prefix = PrefixCache(prefix_cache) if prefix_cache and self.decoder.causal else None
         self.rows: list[Row] = []
         self.waiting: list[Row] = []
         self.results: dict = {}
@@ -637,8 +642,21 @@ class Engine:
                 row.suffix = suffix
                 groups.setdefault((len(row.prompt_ids), len(suffix)), []).append(row)
             for group in groups.values():
-                events += self._prefill(group)
+                # looked up group by group, so that a prompt can reuse one prefilled just before it
+                hits = {id(r): self._lookup(r) for r in group}
+                plain = [r for r in group if hits[id(r)] is None]
+                if plain:
+                    events += self._prefill(plain)
+                for r in group:
+                    if hits[id(r)] is not None:
+                        events += self._prefill([r], past=hits[id(r)])
         return events
+
+    def _lookup(self, row: Row):
+        """The prefix cache's hit for a joining row (None: prefill in full)."""
+        if self.prefix is None or row.params.prompt_logprobs is not None:
+            return None
+        return self.prefix.lookup(row.prompt_ids)
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
@@ -653,10 +671,11 @@ class Engine:
             )
         return out.logits
 
-    def _prefill(self, rows: list[Row]) -> list[StepEvent]:
+    def _prefill(self, rows: list[Row], past=None) -> list[StepEvent]:
         """One forward for new rows whose prompt+suffix have the same length (no padding needed): the prompt's KV
         goes into a fresh cache that is then merged into the running one. Rows with the same tokens (``n`` choices
-        of one prompt, a prompt sent several times) are computed once and their KV and logits copied."""
+        of one prompt, a prompt sent several times) are computed once and their KV and logits copied. ``past``
+        (one row): the prefix cache's ``(c, KV)``, the forward then feeds the tokens after the first c."""
         n = len(rows[0].prompt_ids) + len(rows[0].suffix)
         seqs = [r.prompt_ids + r.suffix for r in rows]
         for r in rows:
@@ -666,7 +685,10 @@ class Engine:
         keep_logits = 0 if every else n_out
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(s), len(first)) for s in seqs] if self.decoder.causal else []
-        if src and len(first) < len(rows):  # causal: a row's KV and logits depend on its own tokens only
+        if past is not None:
+            logits, kv = self._prefill_forward(rows, seqs, n, keep_logits, past)
+            rows[0].stats.cached_tokens = past[0]
+        elif src and len(first) < len(rows):  # causal: a row's KV and logits depend on its own tokens only
             unique = [seqs[src.index(u)] for u in range(len(first))]
             logits, kv = self._prefill_forward(rows, unique, n, keep_logits)
             at = torch.tensor(src, device=self.device)
@@ -674,6 +696,13 @@ class Engine:
             kv.repeat_rows(at)
         else:
             logits, kv = self._prefill_forward(rows, seqs, n, keep_logits)
+        if self.prefix is not None:
+            layers = kv._layers()
+            done_keys = set()
+            for i, row in enumerate(rows):
+                if tuple(row.prompt_ids) not in done_keys:
+                    done_keys.add(tuple(row.prompt_ids))
+                    self.prefix.store(row.prompt_ids, [(la.keys[i : i + 1], la.values[i : i + 1]) for la in layers])
         if every:
             self._prompt_logprobs(rows, logits)
             logits = logits[:, n - n_out :]
@@ -699,6 +728,9 @@ class Engine:
             consumed.append(committed)
         scored = self._logprobs(rows, logits, consumed)
         events = [self._commit(row, c, lp) for row, c, lp in zip(rows, consumed, scored)]
+        if past is not None:  # the cached prefix's slots are live; the forward's columns follow them
+            kv.valid = torch.ones(1, past[0], dtype=torch.bool, device=self.device)
+            keep_mask = keep_mask[:, past[0] :]
         kv.after_extend(keep_mask.to(self.device))
         done = [i for i, r in enumerate(rows) if r.finished]
         for i in done:
@@ -711,20 +743,26 @@ class Engine:
         return events
 
     def _prefill_forward(
-        self, rows: list[Row], seqs: list[list[int]], n: int, logits_to_keep: int
+        self, rows: list[Row], seqs: list[list[int]], n: int, logits_to_keep: int, past=None
     ) -> tuple[torch.Tensor, KVBatch]:
         """The prefill forward of ``seqs`` (equal lengths ``n``; ``rows``' own when the decoder is not causal) into a
-        fresh cache: its logits and the cache."""
-        ids = torch.tensor(seqs, device=self.device)
-        pos = torch.arange(n, device=self.device)[None].expand(len(seqs), n)
-        mask = None  # same length, fresh cache: plain causal attention, which the model builds itself
+        fresh cache: its logits and the cache. ``past`` ``(c, per-layer KV)``: one sequence whose first c tokens'
+        KV is given; the cache starts with it and the forward feeds the rest."""
+        kv = KVBatch()
+        c = 0
+        if past is not None:
+            c, layers = past
+            for i, (k, v) in enumerate(layers):
+                kv.cache.update(k[:, :, :c].to(self.device), v[:, :, :c].to(self.device), i)
+        ids = torch.tensor([s[c:] for s in seqs], device=self.device)
+        pos = torch.arange(c, n, device=self.device)[None].expand(len(seqs), n - c)
+        mask = None  # same length, no holes: plain causal attention (after the given prefix), built by the model
         if not self.decoder.causal:
             offsets = [self.decoder.chunk_positions(self, r, n) for r in rows]
             rel = [torch.arange(n) if o is None else torch.tensor(o) for o in offsets]
             pos = torch.stack(rel).to(self.device)
             mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
             mask = mask.to(self.device)
-        kv = KVBatch()
         return self._forward(ids, pos, mask, kv.cache, logits_to_keep=logits_to_keep), kv
 
     def _decode_step(self) -> list[StepEvent]:

@@ -285,6 +285,7 @@ class RequestStats:
     forwards: int = 0
     new_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     start_time: float = 0.0

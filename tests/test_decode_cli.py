@@ -80,6 +80,10 @@ def test_generate_logprobs(tiny_dir, capsys):
     assert "the penalties need --decode ar or isd" in capsys.readouterr().err
     assert main(["generate", *longer, "--presence-penalty", "3"]) == 2
     assert "--presence-penalty must be in [-2, 2]" in capsys.readouterr().err
+    cached = run_json(capsys, *longer, "--decode", "isd", "--prefix-cache-tokens", "0")[0]["token_ids"]
+    assert cached == plain  # the prefix cache (on by default) changes nothing in the output
+    assert main(["generate", *longer, "--prefix-cache-tokens", "-1"]) == 2
+    assert "--prefix-cache-tokens must be an integer >= 0" in capsys.readouterr().err
     assert main(["generate", *common[:-1], "21"]) == 2
     assert "logprobs must be an integer in 0..20" in capsys.readouterr().err
 

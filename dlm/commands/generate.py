@@ -71,6 +71,13 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
     p.add_argument("--static-cache", action="store_true", help=STATIC_CACHE_HELP)
     p.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=4096,
+        help="keep the KV of earlier prompts, up to this many tokens, for prompts that start the same way (a shared "
+        "system prompt or chat template, a document); 0 = off (default 4096; ar and isd)",
+    )
+    p.add_argument(
         "--quiet",
         action="store_true",
         help="no progress bar over the prompts (shown for more than one prompt, only when stderr is a terminal)",
@@ -118,6 +125,8 @@ def run(args) -> int:
 
     decoder = config_from_args(args)  # bad values fail before the model loads
     parse_threads(args.threads)  # a bad value fails before the model loads
+    if args.prefix_cache_tokens < 0:
+        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {args.prefix_cache_tokens}")
     prompts = read_prompts(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
@@ -196,6 +205,7 @@ def run(args) -> int:
             threads=parse_threads(args.threads),
             static_cache=args.static_cache,
             progress=len(ids) > 1 and wanted(args.quiet),
+            prefix_cache=args.prefix_cache_tokens,
         )
     for w in caught:
         if issubclass(w.category, UserWarning):

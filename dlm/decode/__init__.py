@@ -55,6 +55,7 @@ def generate(
     threads=None,
     static_cache: bool = False,
     progress=None,
+    prefix_cache: int = 0,
     **settings,
 ):
     """Decode token-id prompts with ``decoder`` (a config, :mod:`dlm.decode.configs`, e.g. ``ISDConfig(stride=3)``;
@@ -63,7 +64,8 @@ def generate(
     generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/acceptance). ``threads``: CPU
     threads while decoding (None: torch's setting; an int; ``'auto'``: the cores other processes leave idle,
     :mod:`dlm.decode.threads`). ``progress``: ``None``, ``True`` (a bar on stderr: prompts done, rate, ETA) or an
-    object with ``update(n)``, told of each finished prompt. ``settings``: the decoder's fields as keywords
+    object with ``update(n)``, told of each finished prompt. ``prefix_cache``: tokens of recent prompts' KV kept for
+    prompts that start the same way (0: off; :mod:`dlm.decode.prefix`). ``settings``: the decoder's fields as keywords
     (``generate(model, prompts, "isd", stride=3)``), deprecated: pass a config."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
@@ -84,7 +86,13 @@ def generate(
     bar = progress_bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
     try:
         with Engine(
-            model, tokenizer, decoder=config, max_batch_size=batch_size, threads=threads, static_cache=static_cache
+            model,
+            tokenizer,
+            decoder=config,
+            max_batch_size=batch_size,
+            threads=threads,
+            static_cache=static_cache,
+            prefix_cache=prefix_cache,
         ) as engine:
             return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)
     finally:

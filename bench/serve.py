@@ -32,6 +32,8 @@ import statistics
 import sys
 import time
 
+PREFIX_CACHE_DEFAULT = 4096  # = dlm serve's --prefix-cache-tokens default (dlm.commands.serve)
+
 PROMPTS = [
     "What is the capital of France?",
     "Give me three tips for staying focused.",
@@ -149,6 +151,12 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch-size", type=int, help="engine batch (default: the largest concurrency)")
     ap.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     ap.add_argument(
+        "--prefix-cache-tokens",
+        type=int,
+        default=PREFIX_CACHE_DEFAULT,
+        help=f"the engines' prefix cache (default {PREFIX_CACHE_DEFAULT}, as dlm serve; 0 = off)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=1,
@@ -194,7 +202,9 @@ def main(argv=None) -> int:
                     kw["candidates"] = int(opt[1:])
                 else:
                     kw["draft_budget"] = opt
-            engine = Engine(dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, **kw)
+            engine = Engine(
+                dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, prefix_cache=args.prefix_cache_tokens, **kw
+            )
             app = create_app(
                 Scheduler(engine, threads=args.threads),
                 ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens),

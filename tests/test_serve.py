@@ -4,6 +4,7 @@ in-process on a loopback port with a tiny random model (converted on the fly to 
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -545,7 +546,11 @@ def test_cli_registers_serve():
     )
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
-    assert args.prefix_cache_tokens == 4096  # the prefix cache is on by default
+    from dlm.commands.serve import PREFIX_CACHE_DEFAULT
+
+    assert args.prefix_cache_tokens == PREFIX_CACHE_DEFAULT == 4096  # the prefix cache is on by default
+    bench = (Path(__file__).resolve().parents[1] / "bench" / "serve.py").read_text()
+    assert f"PREFIX_CACHE_DEFAULT = {PREFIX_CACHE_DEFAULT}" in bench  # the benchmark serves with the same default
     assert build_parser().parse_args(["serve", "--prefix-cache-tokens", "0"]).prefix_cache_tokens == 0
     from dlm.commands.serve import SERVE_DEFAULTS
     from dlm.decode.configs import ARConfig, config_from_args

@@ -9,8 +9,8 @@ longest common prefix (at least ``min_tokens``; at most the new prompt's length 
 feeds one token and gets its logits) and evicts the least recently used prompts beyond ``max_tokens`` stored tokens.
 
 The engine (``Engine(prefix_cache=N)``, ``dlm serve --prefix-cache-tokens N``) stores each prefilled prompt and
-each finished request's prompt + output (its live cache slots), starts a prefill from the cached KV and feeds only
-the rest of the prompt; decoders that are not causal, and requests that ask for the
+each finished request's prompt + output (its live cache slots; not with ``static_cache``, whose buffers are laid out
+differently), starts a prefill from the cached KV and feeds only the rest of the prompt; decoders that are not causal, and requests that ask for the
 prompt's log-probabilities (which need the logits of every prompt position), always prefill in full.
 """
 

@@ -551,6 +551,9 @@ def test_cli_registers_serve():
     assert args.prefix_cache_tokens == PREFIX_CACHE_DEFAULT == 4096  # the prefix cache is on by default
     bench = (Path(__file__).resolve().parents[1] / "bench" / "serve.py").read_text()
     assert f"PREFIX_CACHE_DEFAULT = {PREFIX_CACHE_DEFAULT}" in bench  # the benchmark serves with the same default
+    from dlm.decode.prefix import DEFAULT_TOKENS
+
+    assert DEFAULT_TOKENS == PREFIX_CACHE_DEFAULT  # the CLI's copy (it parses without importing torch)
     assert build_parser().parse_args(["serve", "--prefix-cache-tokens", "0"]).prefix_cache_tokens == 0
     from dlm.commands.serve import SERVE_DEFAULTS
     from dlm.decode.configs import ARConfig, config_from_args

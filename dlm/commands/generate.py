@@ -17,6 +17,7 @@ from pathlib import Path
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
 
+PREFIX_CACHE_DEFAULT = 4096  # = dlm.decode.prefix.DEFAULT_TOKENS (the CLI does not import torch to parse)
 STATIC_CACHE_HELP = (
     "decode steps with fixed shapes over a preallocated KV cache (dlm.decode.static), captured as CUDA "
     "graphs on CUDA where the model has no forward hooks; off by default (on CPU: same tokens, slower)"
@@ -73,9 +74,9 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=4096,
+        default=PREFIX_CACHE_DEFAULT,
         help="keep the KV of earlier prompts, up to this many tokens, for prompts that start the same way (a shared "
-        "system prompt or chat template, a document); 0 = off (default 4096; ar and isd)",
+        f"system prompt or chat template, a document); 0 = off (default {PREFIX_CACHE_DEFAULT}; ar and isd)",
     )
     p.add_argument(
         "--quiet",

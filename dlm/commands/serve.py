@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import argparse
 
-from dlm.commands.generate import STATIC_CACHE_HELP
+from dlm.commands.generate import PREFIX_CACHE_DEFAULT, STATIC_CACHE_HELP
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
-
-PREFIX_CACHE_DEFAULT = 4096  # tokens of recent prompts' KV kept (SmolLM2-135M in fp32: 45 KB a token, 180 MB)
 
 SERVE_DEFAULTS = {
     "draft_budget": "auto"

@@ -21,6 +21,7 @@ from collections import OrderedDict
 import torch
 
 MIN_TOKENS = 16  # shorter common prefixes are not worth a lookup hit's copy
+DEFAULT_TOKENS = 4096  # the commands' default budget (SmolLM2-135M's KV in fp32: 45 KB a token, 180 MB)
 
 
 class PrefixCache:

@@ -47,6 +47,7 @@ def generate_tokens(
     tokens for prompt i (fewer if the model stops at EOS). One engine run: requests of different lengths share the
     batch. ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
     from dlm.decode import generate
+    from dlm.decode.prefix import DEFAULT_TOKENS
     from dlm.decode.sampling import SamplingParams
 
     config = resolve_decoder(em, decoder)
@@ -60,6 +61,7 @@ def generate_tokens(
         tokenizer=em.tokenizer,
         batch_size=batch_size,
         progress=progress,
+        prefix_cache=DEFAULT_TOKENS,  # prompts under one chat template or few-shot preamble prefill what differs
     )
     return [list(r.token_ids) for r in results]
 

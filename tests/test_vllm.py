@@ -265,6 +265,7 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     assert json.loads(open(os.path.join(spec["model"], "config.json")).read())["dlm_drafter"]
     runs = next(line for line in out.splitlines() if "runs  " in line)
     assert "-m vllm.entrypoints.openai.api_server --model " + served in runs and "--enforce-eager" in runs
+    assert "--no-enable-prefix-caching" not in runs  # vLLM's own prefix cache, on as dlm's is
     # K given by hand
     assert (
         main(
@@ -280,12 +281,15 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
                 str(tmp_path / "gated"),
                 "--num-speculative-tokens",
                 "2",
+                "--prefix-cache-tokens",
+                "0",
                 "--print-command",
             ]
         )
         == 0
     )
-    assert '"num_speculative_tokens":2' in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert '"num_speculative_tokens":2' in out and "--no-enable-prefix-caching" in out  # --prefix-cache-tokens 0
 
 
 def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch):

@@ -150,6 +150,7 @@ def run_vllm(args) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_batch_size,
         dtype=dtype,
+        prefix_caching=args.prefix_cache_tokens > 0,
         extra=args.vllm_arg,
     )
     cmd = vllm.server_command(python, server)

@@ -146,6 +146,7 @@ def server_args(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     dtype: str = "auto",
+    prefix_caching: bool = True,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The flags both ``python -m vllm.entrypoints.openai.api_server`` and ``vllm serve`` take (model first)."""
@@ -170,6 +171,8 @@ def server_args(
         args += ["--max-model-len", str(max_model_len)]
     if max_num_seqs:
         args += ["--max-num-seqs", str(max_num_seqs)]
+    if not prefix_caching:  # vLLM's own prefix cache is on by default (its KV blocks, sized by its cache)
+        args += ["--no-enable-prefix-caching"]
     return args + list(extra or [])
 
 

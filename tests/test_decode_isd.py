@@ -529,3 +529,31 @@ def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     got = Engine(small, decoder=dec, max_batch_size=2).generate([[1, 2, 3], [3, 1]], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     assert len({key[1][1] for key in dec._trees.layouts}) >= 2, dec._trees.layouts  # chunks of more than one size ran
+
+
+@pytest.mark.slow
+def test_prefix_cache_changes_no_token_on_smollm2(smollm2_path):
+    """Chat prompts under SmolLM2's template (its system prompt shared), a next turn repeating an answer: greedy
+    ar and isd with the prefix cache give the tokens of full prefills."""
+    from dlm.model.convert import load_any
+
+    dlm = load_any(smollm2_path, "idlm", block_size=2)
+    tok = dlm.tokenizer
+
+    def chat(*turns):
+        msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+        return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    first = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?"]
+    for decoder in ("ar", "isd"):
+        eng = Engine(dlm, decoder=decoder, max_batch_size=3, prefix_cache=4096)
+        ids = [tok(chat(q), add_special_tokens=False)["input_ids"] for q in first]
+        got = eng.generate(ids, params)
+        answer = tok.decode(got[0].token_ids, skip_special_tokens=True)
+        follow = tok(chat(first[0], answer, "And of Italy?"), add_special_tokens=False)["input_ids"]
+        again = eng.generate([follow], params)[0]
+        assert eng.prefix.hits >= 3 and again.stats.cached_tokens > len(ids[0])
+        plain = Engine(dlm, decoder=decoder, max_batch_size=3)
+        assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(ids, params)]
+        assert again.token_ids == plain.generate([follow], params)[0].token_ids

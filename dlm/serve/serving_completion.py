@@ -38,7 +38,8 @@ class CompletionHandler(OpenAIServing):
             entries += prompt
         if parsed.max_tokens > 0:
             text = head + (result.text or "")
-            entries += self.scored(result, offset=len(head))
+            if parsed.logprobs is not None:  # token texts cost a few decodes a token: only when asked for
+                entries += self.scored(result, offset=len(head))
             finish = result.finish_reason
         else:  # the prompt only: the token the engine ran is not part of the answer
             text, finish = head, "length"

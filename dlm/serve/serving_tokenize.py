@@ -41,11 +41,7 @@ class TokenizeHandler:
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self._model(body.model)
-        bad = [t for t in body.tokens if not 0 <= t < self.validator.vocab_size]
-        if bad:
-            raise APIError(
-                400, f"token id {bad[0]} is outside the vocabulary (0..{self.validator.vocab_size - 1})", param="tokens"
-            )
+        self.validator.in_vocabulary(body.tokens, "tokens")
         return {"prompt": self.tokenizer.decode(body.tokens)}
 
     async def tokenizer_info(self) -> dict[str, Any]:

@@ -139,8 +139,7 @@ class RequestValidator:
 
     def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
-        limit = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        max_tokens = self.common(body, limit, self.settings.max_tokens_limit)
+        max_tokens = self.common(body, max_tokens_of(body), self.settings.max_tokens_limit)
         text = self.chat_text(body.messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.scored(logprobs, "logprobs")
@@ -200,21 +199,13 @@ class RequestValidator:
         return max_tokens
 
     def adjustments(self, body: SamplingRequest) -> None:
-        """400 naming the field for a logit bias outside the vocabulary or out of range, or any bias or penalty with
-        a decoder that does not draw tokens left to right."""
-        for t in body.stop_token_ids or []:
-            if not 0 <= t < self.vocab_size:
-                raise APIError(
-                    400,
-                    f"stop_token_ids: {t} is outside the vocabulary (0..{self.vocab_size - 1})",
-                    param="stop_token_ids",
-                )
-        if body.min_tokens and max_tokens_of(body) is not None and body.min_tokens > (max_tokens_of(body) or 0):
-            raise APIError(
-                400,
-                f"min_tokens={body.min_tokens} is more than max_tokens={max_tokens_of(body)}",
-                param="min_tokens",
-            )
+        """400 naming the field for stop tokens or a logit bias outside the vocabulary, a bias out of range,
+        ``min_tokens`` over the limit, or any bias or penalty with a decoder that does not draw tokens left to
+        right."""
+        self.in_vocabulary(body.stop_token_ids or [], "stop_token_ids")
+        limit = max_tokens_of(body)
+        if body.min_tokens and limit is not None and body.min_tokens > limit:
+            raise APIError(400, f"min_tokens={body.min_tokens} is more than max_tokens={limit}", param="min_tokens")
         for key, value in (body.logit_bias or {}).items():
             if not key.strip().lstrip("-").isdigit() or not 0 <= int(key) < self.vocab_size:
                 raise APIError(
@@ -224,26 +215,24 @@ class RequestValidator:
                 )
             if not -100 <= value <= 100:
                 raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
-        if self.left_to_right:
-            return
         for field in ("logit_bias", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens"):
             value = getattr(body, field)
             if value not in (None, 0, 0.0, {}) and not (field == "repetition_penalty" and value == 1):
-                raise APIError(
-                    400,
-                    f"{field} needs a left-to-right decoder (dlm serve --decode ar or isd); this server decodes "
-                    f"with {self.decoder!r}",
-                    param=field,
-                    code="unsupported_parameter",
-                )
+                self.left_to_right_only(field)
 
     def scored(self, logprobs: int | None, param: str) -> None:
         """400 for log-probabilities from a decoder whose tokens have none."""
-        if logprobs is not None and not self.left_to_right:
+        if logprobs is not None:
+            self.left_to_right_only(param)
+
+    def left_to_right_only(self, param: str) -> None:
+        """400 naming ``param`` (log-probabilities, a bias, a penalty) unless the decoder draws tokens left to
+        right."""
+        if not self.left_to_right:
             raise APIError(
                 400,
-                f"logprobs need a left-to-right decoder (dlm serve --decode ar or isd); this server decodes "
-                f"with {self.decoder!r}, which commits tokens out of order",
+                f"{param} needs a left-to-right decoder (dlm serve --decode ar or isd); this server decodes with "
+                f"{self.decoder!r}, which commits tokens out of order",
                 param=param,
                 code="unsupported_parameter",
             )
@@ -261,14 +250,18 @@ class RequestValidator:
                 param=param,
                 code="context_length_exceeded",
             )
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
+        self.in_vocabulary(ids, param)
         if self.mask_token_id is not None and self.mask_token_id in ids:
             raise APIError(
                 400, f"the prompt contains the model's mask token (id {self.mask_token_id}); remove it", param=param
             )
         return ids
+
+    def in_vocabulary(self, ids: list[int], param: str) -> None:
+        """400 naming ``param`` for a token id outside the model's vocabulary."""
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", param=param)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self.tokenizer(text, add_special_tokens=False)["input_ids"]

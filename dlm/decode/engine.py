@@ -700,24 +700,20 @@ class Engine:
             logits, kv = self._prefill_forward(rows, seqs, n, keep_logits)
         if self.prefix is not None:
             layers = kv._layers()
-            done_keys = set()
+            stored: set[tuple[int, ...]] = set()
             for i, row in enumerate(rows):
-                if tuple(row.prompt_ids) not in done_keys:
-                    done_keys.add(tuple(row.prompt_ids))
+                key = tuple(row.prompt_ids)
+                if key not in stored:
+                    stored.add(key)
                     self.prefix.store(row.prompt_ids, [(la.keys[i : i + 1], la.values[i : i + 1]) for la in layers])
         if every:
             self._prompt_logprobs(rows, logits)
             logits = logits[:, n - n_out :]
         adjusted = logits
-        if any(r.adjust is not None for r in rows):  # row j of the kept logits follows the suffix's first j tokens
-            tails = [s[n - n_out + 1 :] for s in seqs]
-            extra = [
-                [[t for t in tail[:j] if t != self.mask_token_id] for j in range(n_out)]
-                if r.adjust is not None
-                else None
-                for r, tail in zip(rows, tails)
-            ]
-            adjusted = self._adjusted(rows, logits, extra)
+        if any(r.adjust is not None for r in rows):  # the kept logits: a chunk from the last prompt token on
+            adjusted = self._adjusted(
+                rows, logits, [self._chunk_history(r, s[n - n_out :], None) for r, s in zip(rows, seqs)]
+            )
         keep_mask = torch.zeros(len(rows), n, dtype=torch.bool)
         consumed = []
         for i, row in enumerate(rows):
@@ -875,7 +871,7 @@ class Engine:
     def _chunk_history(self, row: Row, chunk: list[int], tree) -> list[list[int]] | None:
         """For a row with a logit bias or penalties: per chunk position, the chunk's tokens before it that count as
         output there - its ancestors in the chunk (all earlier tokens; a tree chunk's attention says which), less
-        the pending token (already in the output) and masks."""
+        its first token (the pending token, or in a prefill the prompt's last: already in the history) and masks."""
         if row.adjust is None:
             return None
         attn = None if tree is None else tree[1]

@@ -117,6 +117,7 @@ def run(args) -> int:
 
     from dlm.decode import generate
     from dlm.decode.configs import config_from_args
+    from dlm.decode.prefix import check_tokens
     from dlm.decode.sampling import SamplingParams
     from dlm.device import get_device, get_dtype
     from dlm.errors import DLMError
@@ -126,8 +127,7 @@ def run(args) -> int:
 
     decoder = config_from_args(args)  # bad values fail before the model loads
     parse_threads(args.threads)  # a bad value fails before the model loads
-    if args.prefix_cache_tokens < 0:
-        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {args.prefix_cache_tokens}")
+    check_tokens(args.prefix_cache_tokens)  # a bad value fails before the model loads
     prompts = read_prompts(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,

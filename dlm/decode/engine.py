@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
-from dlm.decode.prefix import PrefixCache
+from dlm.decode.prefix import PrefixCache, check_tokens
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
 from dlm.decode.threads import ThreadPolicy
@@ -505,8 +505,7 @@ class Engine:
         self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
         # prefix_cache N: the KV of recent prompts (up to N tokens) reused by prompts that start the same way
         # (dlm.decode.prefix; causal decoders only)
-        if not isinstance(prefix_cache, int) or prefix_cache < 0:
-            raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {prefix_cache}")
+        check_tokens(prefix_cache)
         self.prefix = PrefixCache(prefix_cache) if prefix_cache and self.decoder.causal else None
         self.rows: list[Row] = []
         self.waiting: list[Row] = []

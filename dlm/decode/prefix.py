@@ -20,8 +20,17 @@ from collections import OrderedDict
 
 import torch
 
+from dlm.errors import DLMError
+
 MIN_TOKENS = 16  # shorter common prefixes are not worth a lookup hit's copy
 DEFAULT_TOKENS = 4096  # the commands' default budget (SmolLM2-135M's KV in fp32: 45 KB a token, 180 MB)
+
+
+def check_tokens(n) -> int:
+    """``n`` as a prefix-cache budget (``--prefix-cache-tokens``), or a DLMError naming the flag."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {n}")
+    return n
 
 
 class PrefixCache:

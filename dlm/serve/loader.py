@@ -31,6 +31,7 @@ def load_engine(
     :mod:`dlm.decode.prefix`). ``settings`` (the config's fields as keywords) and the old ``decode=`` / ``isd_token_budget=``
     keywords are deprecated: pass a config."""
     from dlm.decode.engine import Engine
+    from dlm.decode.prefix import check_tokens
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
 
@@ -55,8 +56,7 @@ def load_engine(
         dtype=get_dtype(dtype, dev),
         device=dev,
     )
-    if not isinstance(prefix_cache, int) or prefix_cache < 0:
-        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {prefix_cache}")
+    check_tokens(prefix_cache)  # before the model loads
     return Engine(
         dlm,
         dlm.tokenizer,

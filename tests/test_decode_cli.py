@@ -96,3 +96,31 @@ def test_generate_text_output_and_errors(tiny_dir, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny_dir), "--prompt", "x " * 600]) == 2
     assert "context" in capsys.readouterr().err
+
+
+def test_generate_structured_outputs(tiny_dir, tmp_path, capsys):
+    pytest.importorskip("llguidance")
+    common = ["--model", str(tiny_dir), "--prompt", "The cat", "--max-new-tokens", "40"]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    ar = run_json(capsys, *common, "--json-schema", str(tmp_path / "s.json"), "--compact-json")[0]
+    isd = run_json(capsys, *common, "--json-schema", json.dumps(schema), "--compact-json", "--decode", "isd")[0]
+    assert ar["token_ids"] == isd["token_ids"] and ar["finish_reason"] == "stop"
+    assert isinstance(json.loads(ar["text"])["n"], int)
+    for flags, ok in [
+        (["--regex", "[0-9]{3}"], lambda t: t.isdigit() and len(t) == 3),
+        (["--choice", "yes", "--choice", "no"], lambda t: t in ("yes", "no")),
+        (["--json-object"], lambda t: t.startswith("{")),  # a random model's object may not close in 40 tokens
+        (["--grammar", 'start: "a" "b"+'], lambda t: t[0] == "a" and set(t[1:]) == {"b"}),
+    ]:
+        out = run_json(capsys, *common, "--decode", "isd", "--temperature", "1", *flags)[0]
+        assert ok(out["text"]), (flags, out["text"])
+    for flags, message in [
+        (["--regex", "("], "--regex: the regex of the structured output is invalid"),
+        (["--json-schema", "missing.json"], "--json-schema 'missing.json' is no file"),
+        (["--json-schema", "{nope"], "--json-schema: the JSON schema is not valid JSON"),
+        (["--compact-json"], "--compact-json needs --json-schema or --json-object"),
+        (["--choice", "a", "--decode", "mdm"], "a structured output need --decode ar or isd"),
+    ]:
+        assert main(["generate", *common, *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags

@@ -57,6 +57,26 @@ def add_arguments(p) -> None:
         default=0.0,
         help="subtract this times a token's count in the output so far (-2..2)",
     )
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="SCHEMA",
+        help="structured output: a JSON value valid under this JSON schema (a file, or the schema itself); "
+        "--decode ar or isd",
+    )
+    shape.add_argument("--json-object", action="store_true", help="structured output: any JSON object")
+    shape.add_argument("--regex", help="structured output: text matching this regular expression in full")
+    shape.add_argument(
+        "--choice", action="append", default=None, help="structured output: exactly one of these (repeatable)"
+    )
+    shape.add_argument(
+        "--grammar", metavar="LARK", help="structured output: a Lark grammar, start rule 'start' (a file, or the text)"
+    )
+    p.add_argument(
+        "--compact-json",
+        action="store_true",
+        help="with --json-schema / --json-object: no free whitespace in the JSON (small models may loop on it)",
+    )
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--json", action="store_true", help="one JSON object per line and prompt")
     p.add_argument(
@@ -112,6 +132,44 @@ def read_prompts(args) -> list[str]:
     return prompts
 
 
+def structured_from_args(args):
+    """The --json-schema / --json-object / --regex / --choice / --grammar request (None without one), checked."""
+    from dlm.decode.structured import StructuredOutput
+    from dlm.errors import DLMError
+
+    def text(value: str, flag: str, opening: str) -> str:
+        """A file's text, or the value itself where it is the schema / grammar (not a missing file's name)."""
+        path = Path(value)
+        if path.is_file():
+            return path.read_text()
+        if not value.lstrip().startswith(opening):
+            raise DLMError(f"{flag} '{value}' is no file (give a file, or the {flag[2:].replace('-', ' ')} itself)")
+        return value
+
+    fields: dict = {}
+    if args.json_schema is not None:
+        fields["json"] = text(args.json_schema, "--json-schema", "{")
+    elif args.json_object:
+        fields["json_object"] = True
+    elif args.regex is not None:
+        fields["regex"] = args.regex
+    elif args.choice is not None:
+        fields["choice"] = tuple(args.choice)
+    elif args.grammar is not None:
+        fields["grammar"] = text(args.grammar, "--grammar", "")
+    if not fields:
+        if args.compact_json:
+            raise DLMError("--compact-json needs --json-schema or --json-object")
+        return None
+    flag = {"json": "--json-schema", "json_object": "--json-object", "regex": "--regex", "choice": "--choice"}
+    try:
+        spec = StructuredOutput(**fields, disable_any_whitespace=args.compact_json)
+        spec.check()
+    except DLMError as e:
+        raise DLMError(f"{flag.get(next(iter(fields)), '--grammar')}: {e}") from e
+    return spec
+
+
 def run(args) -> int:
     import warnings
 
@@ -129,6 +187,7 @@ def run(args) -> int:
     parse_threads(args.threads)  # a bad value fails before the model loads
     check_tokens(args.prefix_cache_tokens)  # a bad value fails before the model loads
     prompts = read_prompts(args)
+    structured = structured_from_args(args)
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -141,9 +200,18 @@ def run(args) -> int:
         presence_penalty=args.presence_penalty,
         frequency_penalty=args.frequency_penalty,
         min_tokens=args.min_tokens,
+        structured=structured,
     )
     if args.decode not in ("ar", "isd"):
-        used = [f for f, on in (("--logprobs", params.logprobs is not None), ("the penalties", params.adjusts)) if on]
+        used = [
+            f
+            for f, on in (
+                ("--logprobs", params.logprobs is not None),
+                ("a structured output", structured is not None),
+                ("the penalties", params.adjusts and structured is None),
+            )
+            if on
+        ]
         if used:
             raise DLMError(
                 f"{' and '.join(used)} need --decode ar or isd; --decode {args.decode} commits tokens out of order, "

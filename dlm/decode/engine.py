@@ -48,6 +48,7 @@ from dlm.decode import cpu as cpu_kernels
 from dlm.decode.prefix import PrefixCache, check_tokens
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
+from dlm.decode.structured import GrammarBook
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
@@ -414,6 +415,10 @@ class Decoder:
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:
         """Called once before each decode step's ``chunk`` calls (e.g. ISD decides whether this step drafts)."""
 
+    def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
+        """After a commit: the next ``tokens`` that the row's structured output forces (its grammar allows nothing
+        else there, up to tokenization). A drafting decoder may propose them; they are verified as any draft."""
+
     def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
         """Called after each decode step with its wall time (chunks, forward, consume) and committed tokens."""
 
@@ -519,6 +524,7 @@ class Engine:
         if eos is None:
             eos = getattr(self.config, "eos_token_id", None)
         self.default_stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        self._grammars: GrammarBook | None = None  # structured outputs' compiler, on first use
 
     @property
     def mask_id(self) -> int:
@@ -590,20 +596,29 @@ class Engine:
         if params.adjusts:
             if not self.decoder.causal:
                 raise DLMError(
-                    f"logit_bias, min_tokens and the repetition / presence / frequency penalties need a "
-                    f"left-to-right decoder (--decode ar or isd), not {self.decoder.name!r}"
+                    f"logit_bias, min_tokens, structured outputs and the repetition / presence / frequency "
+                    f"penalties need a left-to-right decoder (--decode ar or isd), not {self.decoder.name!r}"
                 )
             vocab = int(self.config.vocab_size)
             bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
             if bad:
                 raise DLMError(f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{vocab - 1})")
-            row.adjust = LogitAdjust(params, prompt_ids, vocab, stop_ids)
+            constraint = None
+            if params.structured is not None:
+                constraint = self.grammars().constraint(params.structured, stop_ids)
+            row.adjust = LogitAdjust(params, prompt_ids, vocab, stop_ids, constraint)
         self.decoder.check_request(self, row)
         if self._static is not None:  # KV room for the whole request from the start (+ a chunk's headroom)
             self._static.kv.plan(min(len(prompt_ids) + params.max_new_tokens, self.max_positions) + SPAN_GRANULE)
         row.stats.start_time = time.perf_counter()
         self.waiting.append(row)
         return request_id
+
+    def grammars(self) -> GrammarBook:
+        """The structured-output compiler of this engine's tokenizer and vocabulary (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarBook(self.tokenizer, int(self.config.vocab_size), self.default_stop)
+        return self._grammars
 
     def abort(self, request_id) -> None:
         """Stop a request now (it leaves before the next step)."""
@@ -710,9 +725,7 @@ class Engine:
             logits = logits[:, n - n_out :]
         adjusted = logits
         if any(r.adjust is not None for r in rows):  # the kept logits: a chunk from the last prompt token on
-            adjusted = self._adjusted(
-                rows, logits, [self._chunk_history(r, s[n - n_out :], None) for r, s in zip(rows, seqs)]
-            )
+            adjusted = self._adjusted(rows, logits, [s[n - n_out :] for s in seqs], {})
         keep_mask = torch.zeros(len(rows), n, dtype=torch.bool)
         consumed = []
         for i, row in enumerate(rows):
@@ -799,9 +812,7 @@ class Engine:
             row.stats.forwards += 1
         adjusted = logits
         if any(r.adjust is not None for r in rows):
-            adjusted = self._adjusted(
-                rows, logits, [self._chunk_history(r, c, trees.get(i)) for i, (r, c) in enumerate(zip(rows, chunks))]
-            )
+            adjusted = self._adjusted(rows, logits, chunks, trees)
         consumed = self.decoder.consume_batch(self, rows, adjusted, [len(c) for c in chunks])
         scored = self._logprobs(rows, logits, [c for c, _ in consumed])
         for i, (row, (committed, kept)) in enumerate(zip(rows, consumed)):
@@ -866,11 +877,11 @@ class Engine:
                 mask[i, 0, n:, k + n :] = torch.eye(q - n, dtype=torch.bool)
         return mask.to(self.device)
 
-    # -- logit bias and penalties ---------------------------------------------------------------------------
+    # -- logit bias, penalties, structured outputs ---------------------------------------------------------
     def _chunk_history(self, row: Row, chunk: list[int], tree) -> list[list[int]] | None:
-        """For a row with a logit bias or penalties: per chunk position, the chunk's tokens before it that count as
-        output there - its ancestors in the chunk (all earlier tokens; a tree chunk's attention says which), less
-        its first token (the pending token, or in a prefill the prompt's last: already in the history) and masks."""
+        """For a row with logit adjustments: per chunk position, the chunk's tokens before it that count as output
+        there - its ancestors in the chunk (all earlier tokens; a tree chunk's attention says which), less its first
+        token (the pending token, or in a prefill the prompt's last: already in the history) and masks."""
         if row.adjust is None:
             return None
         attn = None if tree is None else tree[1]
@@ -880,14 +891,19 @@ class Engine:
             for j in range(len(chunk))
         ]
 
-    def _adjusted(self, rows: list[Row], logits: torch.Tensor, extra: list[list[list[int]] | None]) -> torch.Tensor:
-        """``logits [B, Q, V]`` with each adjusting row's bias and penalties applied (a copy; the raw logits stay
-        for the log-probabilities)."""
+    def _adjusted(self, rows: list[Row], logits: torch.Tensor, chunks: list[list[int]], trees: dict) -> torch.Tensor:
+        """``logits [B, Q, V]`` of the step's ``chunks`` (their tree layouts in ``trees``, by row) with each
+        adjusting row's bias, penalties and grammar applied (a copy; the raw logits stay for the log-probabilities).
+        A mask's logits only propose drafts for a position whose history is not known yet: the grammar leaves them
+        as they are."""
         out = logits.clone()
-        for i, (row, ex) in enumerate(zip(rows, extra)):
+        m = self.mask_token_id
+        for i, (row, chunk) in enumerate(zip(rows, chunks)):
+            ex = self._chunk_history(row, chunk, trees.get(i))
             if row.adjust is not None and ex is not None:
                 n = len(ex)
-                out[i, :n] = row.adjust.apply(logits[i, :n], ex).to(out.dtype)
+                drafting = [j for j in range(n) if chunk[j] == m]
+                out[i, :n] = row.adjust.apply(logits[i, :n], ex, drafting).to(out.dtype)
         return out
 
     # -- log-probabilities --------------------------------------------------------------------------------
@@ -943,7 +959,12 @@ class Engine:
         p = row.params
         for t in committed:
             new.append(int(t))
+            if row.adjust is not None:
+                row.adjust.add(new[-1:])
             if int(t) in row.stop_ids:
+                row.finished, row.finish_reason = True, "stop"
+                break
+            if row.adjust is not None and row.adjust.done:  # a complete structured output admits nothing more
                 row.finished, row.finish_reason = True, "stop"
                 break
             if len(row.out) + len(new) >= p.max_new_tokens:
@@ -952,8 +973,10 @@ class Engine:
         if new and not row.out:
             row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
-        if row.adjust is not None:
-            row.adjust.add(new)
+        if row.adjust is not None and row.adjust.constraint is not None and not row.finished:
+            ahead = row.adjust.constraint.forced()
+            if ahead:
+                self.decoder.forced(self, row, ahead)
         if logprobs is not None:
             logprobs = logprobs[: len(new)]
             if row.logprobs is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlm.decode.structured import Constraint, StructuredOutput
 from dlm.errors import DLMError
 
 MAX_LOGPROBS = 20  # most likely alternatives reported per token (OpenAI's chat limit; vLLM's default cap)
@@ -39,7 +40,9 @@ class SamplingParams:
     pairs) added; ``repetition_penalty`` r divides a positive logit by r and multiplies a negative one by r for
     every token of the prompt or the output so far; ``frequency_penalty`` subtracts f x the token's count in the
     output so far and ``presence_penalty`` p once if it occurs there (OpenAI's); ``min_tokens`` n: the stop tokens
-    cannot be drawn before the n-th new token (vLLM's). ``ar`` and ``isd`` only.
+    cannot be drawn before the n-th new token (vLLM's). ``structured`` (:class:`StructuredOutput`): the output
+    must match a JSON schema, a regular expression, one of several strings or a grammar; the tokens it does not
+    allow get no probability at each position. ``ar`` and ``isd`` only.
     """
 
     max_new_tokens: int = 64
@@ -57,6 +60,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -88,6 +92,8 @@ class SamplingParams:
         self.stop_strings = tuple(self.stop_strings or ())
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise DLMError(f"structured must be a dlm.decode.structured.StructuredOutput, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:
@@ -95,9 +101,11 @@ class SamplingParams:
 
     @property
     def adjusts(self) -> bool:
-        """Whether a logit bias or a penalty changes the model's logits (see the class docstring)."""
+        """Whether a logit bias, a penalty or a structured output changes the model's logits (see the class
+        docstring)."""
         return bool(
-            self.logit_bias
+            self.structured is not None
+            or self.logit_bias
             or self.repetition_penalty != 1.0
             or self.presence_penalty
             or self.frequency_penalty
@@ -114,12 +122,21 @@ class SamplingParams:
 
 
 class LogitAdjust:
-    """A request's logit bias, penalties and minimum length over its history (see :class:`SamplingParams`): the
-    prompt's tokens, the output's counts (updated as tokens are committed), a dense bias vector, the stop tokens
-    held back until ``min_tokens``."""
+    """A request's logit bias, penalties, minimum length and structured output over its history (see
+    :class:`SamplingParams`): the prompt's tokens, the output's counts (updated as tokens are committed), a dense
+    bias vector, the stop tokens held back until ``min_tokens``, the grammar's state (a
+    :class:`~dlm.decode.structured.Constraint`)."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], vocab: int, stop_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        params: SamplingParams,
+        prompt_ids: Sequence[int],
+        vocab: int,
+        stop_ids: Iterable[int] = (),
+        constraint: Constraint | None = None,
+    ):
         self.params, self.vocab = params, vocab
+        self.constraint = constraint
         self.produced = 0  # output tokens committed
         self.stops = torch.tensor(sorted(t for t in stop_ids if 0 <= t < vocab), dtype=torch.long)
         ids = torch.tensor([t for t in prompt_ids if 0 <= t < vocab], dtype=torch.long)
@@ -139,38 +156,57 @@ class LogitAdjust:
             self.produced += 1
             if 0 <= t < self.vocab:
                 self.counts[t] += 1
+        if self.constraint is not None:
+            self.constraint.add(tokens)
 
-    def apply(self, logits: torch.Tensor, extra: Sequence[Sequence[int]]) -> torch.Tensor:
+    @property
+    def done(self) -> bool:
+        """The structured output is complete (the request ends)."""
+        return self.constraint is not None and self.constraint.done
+
+    def apply(self, logits: torch.Tensor, extra: Sequence[Sequence[int]], drafting: Sequence[int] = ()) -> torch.Tensor:
         """``logits [n, V]`` adjusted, row j as if ``extra[j]`` (tokens of the chunk before row j's position, e.g.
-        ISD's drafts) were already in the output; float32, out of place."""
+        ISD's drafts) were already in the output; float32, out of place. The rows in ``drafting`` (a mask's: they
+        propose drafts for a position after tokens not chosen yet) get no grammar mask - any proposal is verified
+        against the grammar - and would get one under a history they do not have."""
         p, n = self.params, logits.shape[0]
         dev = logits.device
         out = logits.float().clone()
         if out.shape[-1] != self.vocab:
             raise ValueError(f"logits of {out.shape[-1]} tokens for a vocabulary of {self.vocab}")
-        counts = self.counts.to(dev)[None].expand(n, -1).clone()
-        pairs = [(j, t) for j, ts in enumerate(extra) for t in ts if 0 <= t < self.vocab]
-        if pairs:
-            rows = torch.tensor([j for j, _ in pairs], device=dev)
-            cols = torch.tensor([t for _, t in pairs], device=dev)
-            counts.index_put_((rows, cols), torch.ones(len(pairs), device=dev), accumulate=True)
         if self.bias is not None:
             out += self.bias.to(dev)[None]
-        if p.repetition_penalty != 1.0:
-            seen = self.in_prompt.to(dev)[None] | (counts > 0)
-            r = p.repetition_penalty
-            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
-        if p.frequency_penalty:
-            out -= p.frequency_penalty * counts
-        if p.presence_penalty:
-            out -= p.presence_penalty * (counts > 0).float()
+        if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            counts = self.counts.to(dev)[None].expand(n, -1).clone()
+            pairs = [(j, t) for j, ts in enumerate(extra) for t in ts if 0 <= t < self.vocab]
+            if pairs:
+                rows = torch.tensor([j for j, _ in pairs], device=dev)
+                cols = torch.tensor([t for _, t in pairs], device=dev)
+                counts.index_put_((rows, cols), torch.ones(len(pairs), device=dev), accumulate=True)
+            if p.repetition_penalty != 1.0:
+                seen = self.in_prompt.to(dev)[None] | (counts > 0)
+                r = p.repetition_penalty
+                out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+            if p.frequency_penalty:
+                out -= p.frequency_penalty * counts
+            if p.presence_penalty:
+                out -= p.presence_penalty * (counts > 0).float()
+        allowed = self.constraint.allowed(extra, drafting) if self.constraint is not None else None
         if p.min_tokens and self.stops.numel():  # row j's token is new token number produced + len(extra[j]) + 1
             early = [j for j, ts in enumerate(extra) if self.produced + len(ts) < p.min_tokens]
+            if allowed is not None:  # where the grammar allows only stop tokens, the grammar wins
+                others = allowed.clone()
+                others[:, self.stops] = False
+                early = [j for j in early if bool(others[j].any())]
             if early:
                 out[torch.tensor(early, device=dev)[:, None], self.stops.to(dev)[None]] = float("-inf")
         # an extreme repetition penalty (5e-324 divides a logit into +inf) must not turn the softmax into NaN
         big = torch.finfo(torch.float32).max
-        return out.nan_to_num(nan=-big, posinf=big, neginf=-big) if not bool(out.isfinite().all()) else out
+        if not bool(out.isfinite().all()):
+            out = out.nan_to_num(nan=-big, posinf=big, neginf=-big)
+        if allowed is not None:  # after the clamp: a refused token has no probability, however large its logit
+            out = out.masked_fill(~allowed.to(dev), float("-inf"))
+        return out
 
 
 def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:

@@ -232,6 +232,25 @@ class ISDDecoder(Decoder):
         """Called once a row's next drafts are in its state (either path); d_1 sits at ``first_pos``. A subclass may
         replace them (tests: oracle drafts)."""
 
+    def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
+        """Tokens the row's grammar forces next replace the first drafts (structured outputs: a JSON schema's keys
+        and punctuation). Each is proposed with certainty (q one-hot), so it is accepted with the probability the
+        constrained model gives it - almost always - and the verify rule keeps the output exact."""
+        st = state_of(row)
+        if st.mode != "verify" or st.drafts is None or self.candidates > 1:
+            return
+        k = min(len(tokens), len(st.drafts))
+        if st.drafts[:k] == tokens[:k] and st.q is None:
+            return
+        st.drafts = tokens[:k] + st.drafts[k:]
+        if st.q is not None:  # the later drafts keep their own distributions (drawn independently of these)
+            q = st.q.clone()
+            q[:k] = 0.0
+            q[torch.arange(k, device=q.device), torch.tensor(tokens[:k], device=q.device)] = 1.0
+            st.q, st.q_src = q, None
+        if st.conf is not None:
+            st.conf = [1.0] * k + list(st.conf[k:])
+
     def _candidate_count(self, top_probs: torch.Tensor) -> int:
         """How many candidates this step verifies (:func:`~dlm.decode.isd.policy.candidate_count`)."""
         return policy.candidate_count(top_probs, self.candidate_min_prob)

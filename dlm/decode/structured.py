@@ -1,0 +1,214 @@
+"""Structured outputs: a JSON schema, any JSON object, a regular expression, one of several strings, or a Lark
+grammar constrains what a request may generate.
+
+The grammar engine is `llguidance <https://github.com/guidance-ai/llguidance>`_ (the library behind vLLM's
+``guidance`` backend and llama.cpp's ``%llguidance`` grammars: a Rust lexer/parser with full JSON-schema support,
+tens of microseconds per token mask, no other dependency). dlm adds what speculative decoding needs around it: a
+token mask for every position of a decode chunk, each under that position's own history (the output so far plus
+the chunk's earlier tokens it attends to - ISD's drafts), by consuming those tokens, computing the mask and rolling
+back. The constrained distribution is then the model's with the disallowed tokens at -inf at every position; ISD
+verifies its drafts against exactly that distribution, so greedy ISD equals greedy constrained AR and sampled ISD
+has its distribution.
+
+A request ends with ``finish_reason="stop"`` as soon as its grammar is complete and admits nothing more (a closed
+JSON object, the last character of a choice); a grammar that may go on (``[0-9]+``) also lets the model end it
+with its end-of-sequence token.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import threading
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlm.errors import DLMError
+
+INSTALL = "pip install llguidance (or pip install 'dlm[structured]')"
+KINDS = ("json", "json_object", "regex", "choice", "grammar")
+COMPILED = 64  # compiled grammars kept per tokenizer (a JSON schema compiles in about a millisecond)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must match - exactly one of: ``json`` a JSON schema (a dict or its JSON text; the
+    output is a JSON value valid under it), ``json_object`` any JSON object, ``regex`` a regular expression (Rust
+    ``regex`` syntax, matched in full), ``choice`` one of these strings exactly, ``grammar`` a Lark grammar
+    (llguidance's dialect; the start rule is ``start``). ``disable_any_whitespace``: JSON without free whitespace
+    (``", "`` and ``": "`` between items; small models can otherwise loop on whitespace). vLLM's
+    ``StructuredOutputsParams`` fields."""
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.json, dict):
+            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+        elif self.json is not None:
+            if not isinstance(self.json, str):
+                raise DLMError(f"a JSON schema must be a dict or its JSON text, got {type(self.json).__name__}")
+            try:
+                schema = json.loads(self.json)
+            except ValueError as e:
+                raise DLMError(f"the JSON schema is not valid JSON: {e}") from e
+            if not isinstance(schema, (dict, bool)):
+                raise DLMError("a JSON schema must be a JSON object (or true / false)")
+        if self.choice is not None:
+            choice = (self.choice,) if isinstance(self.choice, str) else tuple(self.choice)
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise DLMError("choice must be a non-empty list of non-empty strings")
+            object.__setattr__(self, "choice", choice)
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise DLMError(
+                f"a structured output takes exactly one of {', '.join(KINDS)}; got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def describe(self) -> str:
+        return self.kind if self.kind != "choice" else f"choice of {len(self.choice or ())}"
+
+    def check(self) -> None:
+        """DLMError naming what is wrong for an invalid schema, regex or grammar (no tokenizer needed: bad values
+        fail before a model loads); DLMError with the install line without llguidance."""
+        try:
+            from llguidance import LLMatcher
+        except ImportError as e:
+            raise DLMError(f"structured outputs need the llguidance package: {INSTALL}") from e
+        try:
+            grammar = self.llguidance_grammar()
+        except ValueError as e:
+            raise DLMError(f"the {self.kind} of the structured output is invalid: {e}") from e
+        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+        if failed:
+            raise DLMError(f"the {self.kind} of the structured output is invalid: {messages[0].strip()}")
+
+    def llguidance_grammar(self) -> str:
+        """The request as an llguidance grammar (its JSON text)."""
+        from llguidance import LLMatcher
+
+        fixed: Any = {"whitespace_flexible": False} if self.disable_any_whitespace else None  # JsonCompileOptions
+        if self.json is not None:
+            return LLMatcher.grammar_from_json_schema(self.json, overrides=fixed)
+        if self.json_object:
+            return LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=fixed)
+        if self.regex is not None:
+            return LLMatcher.grammar_from_regex(self.regex)
+        if self.choice is not None:  # Lark string literals take JSON's escapes
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
+        return LLMatcher.grammar_from_lark(self.grammar or "")
+
+
+def _unpack(bitmask: bytes, vocab: int) -> torch.Tensor:
+    """llguidance's token bitmask (one bit per token, little-endian 32-bit words) -> [vocab] bool."""
+    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
+    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+class Constraint:
+    """One request's grammar state: the output committed so far, consumed by an llguidance matcher."""
+
+    def __init__(self, matcher: Any, vocab: int, stop_ids: Iterable[int] = ()):
+        self.matcher, self.vocab = matcher, vocab
+        self.stop_ids = frozenset(stop_ids)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and admits nothing but the end of the sequence."""
+        return bool(self.matcher.is_stopped())
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Committed output tokens (a stop token ends the request: it is not fed)."""
+        m = self.matcher
+        for t in tokens:
+            if int(t) in self.stop_ids:
+                continue
+            if not m.consume_token(int(t)):
+                raise RuntimeError(f"token {t} was committed against the request's grammar: {m.get_error()}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward tokens: the canonical tokenization of the
+        bytes it allows nothing else for), empty where it leaves a choice."""
+        return [int(t) for t in self.matcher.compute_ff_tokens()]
+
+    def allowed(self, extra: Sequence[Sequence[int]], free: Iterable[int] = ()) -> torch.Tensor:
+        """``[n, V]`` bool: the tokens the grammar allows at each chunk position, position j as if ``extra[j]`` (the
+        chunk's tokens before it) were already in the output. A position after a token the grammar refuses allows
+        everything: a decoder never commits from it (the refused token is rejected first); so do the positions in
+        ``free``."""
+        m = self.matcher
+        out = torch.ones(len(extra), self.vocab, dtype=torch.bool)
+        seen: dict[tuple[int, ...], torch.Tensor | None] = {}
+        skip = set(free)
+        for j, ts in enumerate(extra):
+            if j in skip:
+                continue
+            key = tuple(int(t) for t in ts)
+            if key not in seen:
+                k = m.try_consume_tokens(list(key)) if key else 0
+                seen[key] = _unpack(m.compute_bitmask(), self.vocab) if k == len(key) else None
+                if k and not m.rollback(k):
+                    raise RuntimeError(f"the grammar matcher could not roll back {k} tokens: {m.get_error()}")
+            row = seen[key]
+            if row is not None:
+                out[j] = row
+        return out
+
+
+class GrammarBook:
+    """Compiles structured outputs for one tokenizer and vocabulary (llguidance's tokenizer is built once, compiled
+    grammars are kept and copied for each request)."""
+
+    def __init__(self, tokenizer: Any, vocab: int, eos_ids: Iterable[int] = ()):
+        if tokenizer is None:
+            raise DLMError("structured outputs need the model's tokenizer (load the model with its tokenizer)")
+        try:
+            import llguidance.hf
+        except ImportError as e:
+            raise DLMError(f"structured outputs need the llguidance package: {INSTALL}") from e
+        eos = sorted(int(t) for t in eos_ids)
+        try:
+            self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos or None)
+        except ValueError as e:  # a slow (Python) tokenizer
+            raise DLMError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from e
+        self.vocab = vocab
+        self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()  # the server validates requests on its event loop, the engine runs apart
+
+    def matcher(self, spec: StructuredOutput):
+        """A fresh matcher for ``spec`` (DLMError naming the problem for an invalid schema, regex or grammar)."""
+        from llguidance import LLMatcher
+
+        try:
+            grammar = spec.llguidance_grammar()
+        except ValueError as e:
+            raise DLMError(f"the {spec.kind} of the structured output is invalid: {e}") from e
+        with self._lock:
+            template = self._compiled.get(grammar)
+            if template is not None:
+                self._compiled.move_to_end(grammar)
+                return template.deep_copy()
+        template = LLMatcher(self.lltok, grammar, log_level=0)
+        if template.is_error():
+            raise DLMError(f"the {spec.kind} of the structured output is invalid: {template.get_error().strip()}")
+        with self._lock:
+            self._compiled[grammar] = template
+            while len(self._compiled) > COMPILED:
+                self._compiled.popitem(last=False)
+        return template.deep_copy()
+
+    def constraint(self, spec: StructuredOutput, stop_ids: Iterable[int] = ()) -> Constraint:
+        return Constraint(self.matcher(spec), self.vocab, stop_ids)

@@ -1,0 +1,253 @@
+"""Structured outputs (``SamplingParams(structured=StructuredOutput(...))``): AR decoding equals a plain
+teacher-forced loop that masks each position's logits by the grammar; ISD's greedy output equals it on every path
+(drafts the grammar refuses, drafts verified under earlier drafts); sampled ISD has exactly the constrained AR
+distribution; the request ends when the grammar is complete."""
+
+import json
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("llguidance")
+
+from llguidance import LLMatcher  # noqa: E402
+
+from dlm import convert_ar_to_dlm  # noqa: E402
+from dlm.decode.engine import Engine  # noqa: E402
+from dlm.decode.sampling import SamplingParams, token_logprobs  # noqa: E402
+from dlm.decode.structured import GrammarBook, StructuredOutput  # noqa: E402
+from dlm.errors import DLMError  # noqa: E402
+from dlm.testing import make_model, make_tokenizer, oracle_candidates, oracle_isd  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TOK = make_tokenizer()
+SCHEMA = {
+    "type": "object",
+    "properties": {"n": {"type": "integer"}, "s": {"type": "string", "maxLength": 6}},
+    "required": ["n", "s"],
+    "additionalProperties": False,
+}
+SPECS = {
+    "json": StructuredOutput(json=SCHEMA, disable_any_whitespace=True),
+    "json_object": StructuredOutput(json_object=True),
+    "regex": StructuredOutput(regex=r"[0-9]{2,4} (cats|dogs)"),
+    "choice": StructuredOutput(choice=("yes", "no", "the cat sat")),
+    "grammar": StructuredOutput(grammar='start: "(" item ("," item)* ")"\nitem: /[a-c]/'),
+}
+
+
+def prompts():
+    return [TOK(t, add_special_tokens=False)["input_ids"] for t in ("The cat", "Numbers: 1 2", "Once upon")]
+
+
+def idlm(seed=1):
+    return convert_ar_to_dlm(make_model("llama", seed=seed), "idlm", block_size=3, tokenizer=TOK)
+
+
+def grammar_mask(matcher, vocab):
+    """The allowed tokens by llguidance's byte-per-token API (not the bitmask the engine unpacks)."""
+    return torch.frombuffer(bytearray(matcher.compute_logit_bias()), dtype=torch.uint8)[:vocab] > 0
+
+
+def reference_greedy(model, prompt, spec, max_new, stop_ids):
+    """Greedy decoding by full forwards, each position's logits masked by a matcher that has seen the output."""
+    book = GrammarBook(TOK, int(Engine(model).config.vocab_size), stop_ids)
+    matcher = LLMatcher(book.lltok, spec.llguidance_grammar(), log_level=0)
+    out: list[int] = []
+    for _ in range(max_new):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + out])).logits[0, -1].float()
+        logits[~grammar_mask(matcher, logits.shape[-1])] = float("-inf")
+        logits[model.mask_token_id] = float("-inf")
+        t = int(logits.argmax())
+        out.append(t)
+        if t in stop_ids:
+            break
+        assert matcher.consume_token(t)
+        if matcher.is_stopped():
+            break
+    return out
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_ar_and_every_isd_path_equal_the_constrained_reference(kind):
+    model = idlm()
+    spec = SPECS[kind]
+    stop = Engine(model).default_stop
+    ps = prompts()
+    params = SamplingParams(24, structured=spec)
+    ref = [reference_greedy(model, p, spec, 24, stop) for p in ps]
+    free = [r.token_ids for r in Engine(model, max_batch_size=3).generate(ps, SamplingParams(24))]
+    assert ref != free  # the grammar changes the output, so a decoder that ignored it would fail
+    assert [r.token_ids for r in Engine(model, max_batch_size=2).generate(ps, params)] == ref
+    truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
+    batched = oracle_isd(truth, 0.7, stride=3)
+    batched.batch_verify = True
+    for name, dec, kw in [
+        ("isd-n3", oracle_isd(truth, 0.7, stride=3), {}),
+        ("isd-n2", oracle_isd(truth, 0.6, stride=2), {}),
+        ("isd-all", oracle_isd(truth, 0.5, stride=3, fallback="all"), {}),
+        ("isd-batched", batched, {}),
+        ("isd-static", oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
+        ("isd-candidates", oracle_candidates(truth, 0.3, candidates=3, candidate_min_prob=0.0), {}),
+        ("isd-untrained", "isd", {"stride": 4}),
+    ]:
+        eng = Engine(model, decoder=dec, max_batch_size=2, **kw)
+        ids = [eng.add(p, params, request_id=i) for i, p in enumerate(ps)]
+        while eng.has_unfinished():
+            eng.step()
+        res = [eng.pop_result(i) for i in ids]
+        assert [r.token_ids for r in res] == ref, name
+        if name in ("isd-n3", "isd-candidates") and min(len(r) for r in ref) >= 8:
+            assert any(r.stats.tpf > 1.3 for r in res), name  # drafts accepted: later rows saw earlier drafts
+
+
+def test_outputs_match_their_grammar_and_end_with_it():
+    model = idlm()
+    ps = prompts()
+    for decoder, kw in [("ar", {}), ("isd", {"stride": 3})]:
+        eng = Engine(model, decoder=decoder, max_batch_size=3, **kw)
+        for temperature in (0.0, 1.0):
+            choice = eng.generate(ps, SamplingParams(16, temperature=temperature, seed=0, structured=SPECS["choice"]))
+            for r in choice:
+                assert r.text in ("yes", "no", "the cat sat") and r.finish_reason == "stop", r.text
+                assert r.token_ids[-1] not in eng.default_stop  # ended by the grammar, without an EOS step
+            js = eng.generate(ps, SamplingParams(48, temperature=temperature, seed=1, structured=SPECS["json"]))
+            for r in js:
+                assert r.finish_reason == "stop", r.text
+                value = json.loads(r.text)
+                assert set(value) == {"n", "s"} and isinstance(value["n"], int) and len(value["s"]) <= 6
+            rx = eng.generate(ps, SamplingParams(16, temperature=temperature, seed=2, structured=SPECS["regex"]))
+            for r in rx:
+                digits, animal = r.text.split(" ")
+                assert digits.isdigit() and 2 <= len(digits) <= 4 and animal in ("cats", "dogs"), r.text
+
+
+def test_constraint_masks_each_position_under_its_own_history_and_rolls_back():
+    book = GrammarBook(TOK, 330, [0])
+    c = book.constraint(SPECS["choice"], [0])
+    yes, no = (TOK(w, add_special_tokens=False)["input_ids"] for w in ("yes", "no"))
+    c.add(yes[:1])
+    before = c.allowed([[]])
+    rows = c.allowed([[], yes[1:], [no[0]], yes[1:]])
+    assert torch.equal(rows[0], before[0]) and torch.equal(rows[1], rows[3])
+    assert rows[1].sum() == 1 and bool(rows[1][0])  # "yes" complete: only the end of the sequence
+    assert bool(rows[2].all())  # after a refused token: never committed from, so nothing is masked
+    assert torch.equal(c.allowed([[]])[0], before[0])  # rolled back
+    assert not bool(rows[0][330 - 1])  # ids past the tokenizer's vocabulary are never allowed
+    assert not c.done
+    c.add(yes[1:])
+    assert c.done
+    with pytest.raises(RuntimeError, match="against the request's grammar"):
+        book.constraint(SPECS["choice"], [0]).add(TOK("maybe", add_special_tokens=False)["input_ids"])
+
+
+def small_idlm():
+    model = make_model("llama", seed=0)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    return convert_ar_to_dlm(model, "idlm", block_size=3, tokenizer=TOK)
+
+
+def exact_distribution(model, prompt, spec, stop_ids):
+    """The constrained model's exact distribution over whole outputs, by enumerating the grammar's token paths."""
+    book = GrammarBook(TOK, int(Engine(model).config.vocab_size), stop_ids)
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(matcher, seq, logp):
+        if matcher.is_stopped():
+            out[tuple(seq)] = math.exp(logp)
+            return
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + seq])).logits[0, -1].float()
+        allowed = grammar_mask(matcher, logits.shape[-1])
+        allowed[model.mask_token_id] = False
+        logits[~allowed] = float("-inf")
+        lp = logits.log_softmax(-1)
+        for t in allowed.nonzero().flatten().tolist():
+            assert t not in stop_ids  # the grammar below always ends by completing, not by an EOS
+            m = matcher.deep_copy()
+            assert m.consume_token(t)
+            walk(m, seq + [t], logp + float(lp[t]))
+
+    walk(LLMatcher(book.lltok, spec.llguidance_grammar(), log_level=0), [], 0.0)
+    return out
+
+
+def test_sampled_isd_has_the_constrained_ar_distribution():
+    model = small_idlm()
+    spec = StructuredOutput(regex=r"[xy] cat[qz]k?[jw]")  # each position its own allowed set; forced " cat"
+    prompt = TOK("The cat sat on", add_special_tokens=False)["input_ids"]
+    stop = Engine(model).default_stop
+    exact = exact_distribution(model, prompt, spec, stop)
+    keys = sorted(exact)
+    assert 8 <= len(keys) <= 40 and abs(sum(exact.values()) - 1) < 1e-5
+    p = torch.tensor([exact[k] for k in keys])
+    n = 2000
+    eps = math.sqrt((len(keys) * math.log(2) + math.log(1e4)) / (2 * n))  # Bretagnolle-Huber-Carol, delta 1e-4
+    assert float(p.max()) < 0.6  # not one outcome: the test sees the distribution
+    for name, kw in [
+        ("ar", dict(decoder="ar")),
+        ("isd2", dict(decoder="isd", stride=2)),
+        ("isd3", dict(decoder="isd", stride=3)),
+    ]:
+        res = Engine(model, max_batch_size=n, **kw).generate(
+            [prompt] * n, [SamplingParams(8, temperature=1.0, seed=s, structured=spec) for s in range(n)]
+        )
+        counts = torch.zeros(len(keys))
+        for r in res:
+            assert r.finish_reason == "stop", (name, r.text)
+            counts[keys.index(tuple(r.token_ids))] += 1
+        tv = 0.5 * float((counts / n - p).abs().sum())
+        assert tv < eps, (name, tv, eps)
+        if name != "ar":
+            acc = sum(r.stats.accepted[0] for r in res) / max(1, sum(r.stats.proposed[0] for r in res))
+            assert 0.05 < acc < 0.999, (name, acc)  # both accept and reject were exercised
+
+
+def test_logprobs_stay_the_models_own_under_a_grammar():
+    model = idlm()
+    ps = prompts()
+    params = SamplingParams(12, logprobs=1, structured=SPECS["json"])
+    r = Engine(model, decoder="isd", stride=3).generate([ps[0]], params)[0]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ps[0] + r.token_ids])).logits[0]
+    want = token_logprobs(logits[len(ps[0]) - 1 : -1], r.token_ids, 1, model.mask_token_id)
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(r.logprobs, want))
+
+
+def test_refusals():
+    with pytest.raises(DLMError, match="exactly one of"):
+        StructuredOutput(regex="a", choice=("a",))
+    with pytest.raises(DLMError, match="exactly one of"):
+        StructuredOutput()
+    with pytest.raises(DLMError, match="not valid JSON"):
+        StructuredOutput(json="{nope")
+    with pytest.raises(DLMError, match="non-empty strings"):
+        StructuredOutput(choice=("a", ""))
+    with pytest.raises(DLMError, match="structured must be"):
+        SamplingParams(4, structured={"regex": "a"})
+    assert SamplingParams(4, structured=SPECS["regex"]).adjusts
+    model = idlm()
+    eng = Engine(model)
+    with pytest.raises(DLMError, match="regex of the structured output is invalid"):
+        eng.add(prompts()[0], SamplingParams(4, structured=StructuredOutput(regex="(")))
+    with pytest.raises(DLMError, match="grammar of the structured output is invalid"):
+        eng.add(prompts()[0], SamplingParams(4, structured=StructuredOutput(grammar="start: nope")))
+    mdm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=TOK)
+    with pytest.raises(DLMError, match="need a left-to-right decoder"):
+        Engine(mdm, decoder="mdm", steps=4).add(prompts()[0], SamplingParams(4, structured=SPECS["choice"]))
+    bare = idlm()
+    bare.tokenizer = None
+    with pytest.raises(DLMError, match="need the model's tokenizer"):
+        Engine(bare).add([5, 6], SamplingParams(4, structured=SPECS["choice"]))
+
+
+def test_a_compiled_grammar_is_reused_not_shared():
+    book = GrammarBook(TOK, 330, [0])
+    a, b = book.constraint(SPECS["choice"], [0]), book.constraint(SPECS["choice"], [0])
+    assert len(book._compiled) == 1 and a.matcher is not b.matcher
+    a.add(TOK("no", add_special_tokens=False)["input_ids"])
+    assert a.done and not b.done

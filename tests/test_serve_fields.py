@@ -2,7 +2,7 @@
 completions' ``logprobs`` (with ``echo`` the prompt's too - what lm-evaluation-harness's ``local-completions``
 model asks for), chat's ``logprobs`` / ``top_logprobs``, streamed and not - the numbers the model's (teacher
 forcing), the token texts adding up to the answer's text; the penalties and ``logit_bias``; vLLM's tokenizer
-routes."""
+routes; structured outputs (``response_format``, vLLM's ``structured_outputs``)."""
 
 import json
 
@@ -204,6 +204,9 @@ def test_refused_with_a_diffusion_decoder(tmp_path):
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 1}, timeout=60)
         assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "logprobs"
         assert "--decode ar or isd" in r.json()["error"]["message"]
+        body = {"model": MODEL, "prompt": "x", "response_format": {"type": "json_object"}}
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
 
 
 def test_tokenizer_endpoints_are_the_served_tokenizer(server, engine):
@@ -318,3 +321,69 @@ def test_prefix_cache_serves_a_conversations_next_turn(tmp_path):
     assert answers[0] == answers[2048]
     with pytest.raises(Exception, match="prefix-cache-tokens must be an integer"):
         load_engine(str(folder), "isd", prefix_cache=-1)
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer"}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_answer_what_the_engine_gives(client, engine):
+    """``response_format`` (json_schema, json_object) on chat and completions and vLLM's ``structured_outputs``
+    (regex, choice, grammar, json) answer the engine's own constrained output, which matches the grammar; streamed
+    the same; a bad schema, regex or grammar is a 400 naming the field."""
+    pytest.importorskip("llguidance")
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.decode.structured import StructuredOutput
+
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    messages = [{"role": "user", "content": "Who?"}]
+    chat = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=40, temperature=0, response_format=fmt
+    )
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    alone = Engine(engine.model, engine.tokenizer, decoder="isd", stride=3).generate(
+        [encode(engine, text)], SamplingParams(40, structured=StructuredOutput(json=SCHEMA))
+    )[0]
+    assert chat.choices[0].message.content == alone.text and alone.text.startswith("{")
+    if alone.finish_reason == "stop":
+        value = json.loads(alone.text)
+        assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+    kw = dict(model=MODEL, prompt="The cat sat on the", max_tokens=24, temperature=0)
+    for extra, ok in [
+        (
+            {"structured_outputs": {"regex": "[0-9]{2} (cats|dogs)"}},
+            lambda t: t[:2].isdigit() and t[3:] in ("cats", "dogs"),
+        ),
+        ({"structured_outputs": {"choice": ["mat", "log", "hat"]}}, lambda t: t in ("mat", "log", "hat")),
+        ({"structured_outputs": {"grammar": 'start: "(" /[a-c]/ ")"'}}, lambda t: len(t) == 3 and t[0] == "("),
+        ({"structured_outputs": {"json": json.dumps(SCHEMA), "disable_any_whitespace": True}}, lambda t: t[:2] == '{"'),
+        ({"response_format": {"type": "json_object"}}, lambda t: t[:1] == "{"),
+    ]:
+        got = client.completions.create(**kw, extra_body=extra).choices[0]
+        assert ok(got.text), (extra, got.text)
+        streamed = "".join(
+            c.choices[0].text for c in client.completions.create(**kw, extra_body=extra, stream=True) if c.choices
+        )
+        assert streamed == got.text, extra
+    url = str(client.base_url).rstrip("/")
+    for extra, param, message in [
+        ({"structured_outputs": {"regex": "("}}, "structured_outputs", "regex of the structured output is invalid"),
+        ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "exactly one of"),
+        ({"structured_outputs": {"grammar": "start: nope"}}, "structured_outputs", "grammar"),
+        ({"response_format": {"type": "json_schema"}}, "response_format", "needs json_schema.schema"),
+        (
+            {"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+            "structured_outputs",
+            "not both",
+        ),
+    ]:
+        r = httpx.post(url + "/completions", json={"model": MODEL, "prompt": "x", **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+        assert message in r.json()["error"]["message"], (extra, r.text)
+    plain = client.completions.create(**kw, extra_body={"response_format": {"type": "text"}}).choices[0].text
+    assert plain == client.completions.create(**kw).choices[0].text

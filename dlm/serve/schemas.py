@@ -26,6 +26,39 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Body):
+    """``response_format.json_schema`` (OpenAI's): the schema under ``schema``; ``name``, ``description`` and
+    ``strict`` are accepted (the schema is always enforced)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's ``response_format``: ``{"type": "text"}`` (the default), ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema, as an object or its text),
+    ``json_object``, ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's dialect)."""
+
+    json_: dict | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    disable_any_whitespace: StrictBool = False
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
 class SamplingRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -47,6 +80,8 @@ class SamplingRequest(_Body):
     ignore_eos: StrictBool = False  # vLLM extension (benchmarks use it to get fixed-length outputs)
     min_tokens: StrictInt = Field(0, ge=0)  # vLLM extension: no stop token before this many new tokens
     stop_token_ids: list[StrictInt] | None = Field(None, max_length=MAX_STOP)  # vLLM extension: stops besides EOS
+    response_format: ResponseFormat | None = None  # OpenAI's structured outputs (vLLM takes it on completions too)
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -106,15 +141,12 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list | None = None
-    response_format: dict | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
         if self.tools:
             return "tools", "tool calling is not supported by dlm serve; leave 'tools' out"
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            return "response_format", "only response_format {'type': 'text'} is supported by dlm serve"
         return super().unsupported()
 
 

@@ -79,7 +79,7 @@ class OpenAIServing:
         for pi, ids in enumerate(parsed.prompts):
             for j in range(n):
                 params = sampling_params(
-                    body, parsed.max_tokens, j, parsed.logprobs, parsed.echo, self.validator.eos_ids
+                    body, parsed.max_tokens, j, parsed.logprobs, parsed.echo, self.validator.eos_ids, parsed.structured
                 )
                 handles.append(self.scheduler.submit(ids, params, tag=pi * n + j, out=out, loop=loop))
         rid = self.id_prefix + uuid.uuid4().hex[:24]

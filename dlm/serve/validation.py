@@ -20,6 +20,7 @@ from dlm.serve.settings import ServeSettings
 
 if TYPE_CHECKING:
     from dlm.decode.sampling import SamplingParams
+    from dlm.decode.structured import StructuredOutput
 
 
 @dataclass
@@ -27,12 +28,14 @@ class ParsedRequest:
     """A checked request: the prompts (token ids; one per completion prompt, one for a chat), the new-token limit
     of each choice (0: the prompt only, a completion with echo), the alternatives per token of the answer's
     log-probabilities (None: none), whether the answer starts with the prompt (``echo``, with the prompt tokens'
-    log-probabilities when ``logprobs`` is set)."""
+    log-probabilities when ``logprobs`` is set), what the answer must match (``response_format`` /
+    ``structured_outputs``; None: free text)."""
 
     prompts: list[list[int]]
     max_tokens: int
     logprobs: int | None = None
     echo: bool = False
+    structured: StructuredOutput | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -46,11 +49,12 @@ def sampling_params(
     logprobs: int | None = None,
     echo: bool = False,
     eos_ids: tuple[int, ...] = (),
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``);
     ``logprobs``: alternatives per token (None: none), for the prompt's tokens too with ``echo``. ``max_tokens``
     0 (the prompt only) runs one token, which the answer leaves out; ``eos_ids``: the model's end-of-sequence
-    tokens, which ``stop_token_ids`` add to."""
+    tokens, which ``stop_token_ids`` add to; ``structured``: the checked structured output."""
     from dlm.decode.sampling import SamplingParams
 
     seed = None if body.seed is None else body.seed + choice
@@ -73,6 +77,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         stop_token_ids=None if stop_ids is None else tuple(stop_ids),
         min_tokens=min(body.min_tokens, max(max_tokens, 1)),
+        structured=structured,
     )
 
 
@@ -135,7 +140,8 @@ class RequestValidator:
         else:
             raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids", param="prompt")
         self.scored(body.logprobs, "logprobs")
-        return ParsedRequest([self.prompt_ids(x) for x in prompts], max_tokens, body.logprobs, body.echo)
+        prompt_ids = [self.prompt_ids(x) for x in prompts]
+        return ParsedRequest(prompt_ids, max_tokens, body.logprobs, body.echo, self.structured(body))
 
     def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
@@ -143,7 +149,8 @@ class RequestValidator:
         text = self.chat_text(body.messages)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.scored(logprobs, "logprobs")
-        return ParsedRequest([self.prompt_ids(self.encode(text), param="messages")], max_tokens, logprobs)
+        prompt_ids = [self.prompt_ids(self.encode(text), param="messages")]
+        return ParsedRequest(prompt_ids, max_tokens, logprobs, structured=self.structured(body))
 
     def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
         """The messages through the model's chat template (400 naming ``messages`` for none, no template, or a
@@ -219,6 +226,45 @@ class RequestValidator:
             value = getattr(body, field)
             if value not in (None, 0, 0.0, {}) and not (field == "repetition_penalty" and value == 1):
                 self.left_to_right_only(field)
+
+    def structured(self, body: SamplingRequest) -> StructuredOutput | None:
+        """What the answer must match: ``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's), checked
+        (400 naming the field for both at once, an invalid schema, regex or grammar, or a decoder that does not
+        draw tokens left to right); None for free text."""
+        from dlm.decode.structured import StructuredOutput
+        from dlm.errors import DLMError
+
+        fmt, so = body.response_format, body.structured_outputs
+        if fmt is not None and fmt.type == "text":
+            fmt = None
+        if fmt is not None and so is not None:
+            raise APIError(400, "give response_format or structured_outputs, not both", param="structured_outputs")
+        if fmt is None and so is None:
+            return None
+        param = "response_format" if fmt is not None else "structured_outputs"
+        self.left_to_right_only(param)
+        try:
+            if fmt is not None and fmt.type == "json_object":
+                spec = StructuredOutput(json_object=True)
+            elif fmt is not None:
+                schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+                if schema is None:
+                    raise DLMError("type 'json_schema' needs json_schema.schema (a JSON schema object)")
+                spec = StructuredOutput(json=schema)
+            else:
+                assert so is not None
+                spec = StructuredOutput(
+                    json=so.json_,
+                    json_object=bool(so.json_object),
+                    regex=so.regex,
+                    choice=None if so.choice is None else tuple(so.choice),
+                    grammar=so.grammar,
+                    disable_any_whitespace=so.disable_any_whitespace,
+                )
+            spec.check()
+        except DLMError as e:
+            raise APIError(400, f"{param}: {e}", param=param) from e
+        return spec
 
     def scored(self, logprobs: int | None, param: str) -> None:
         """400 for log-probabilities from a decoder whose tokens have none."""

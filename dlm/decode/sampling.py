@@ -171,12 +171,14 @@ class LogitAdjust:
         against the grammar - and would get one under a history they do not have."""
         p, n = self.params, logits.shape[0]
         dev = logits.device
-        out = logits.float().clone()
+        out = logits.float()  # every step below is out of place
         if out.shape[-1] != self.vocab:
             raise ValueError(f"logits of {out.shape[-1]} tokens for a vocabulary of {self.vocab}")
+        changed = False  # whether a bias or penalty may have pushed a logit out of float32's range
         if self.bias is not None:
-            out += self.bias.to(dev)[None]
+            out, changed = out + self.bias.to(dev)[None], True
         if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty:
+            changed = True
             counts = self.counts.to(dev)[None].expand(n, -1).clone()
             pairs = [(j, t) for j, ts in enumerate(extra) for t in ts if 0 <= t < self.vocab]
             if pairs:
@@ -188,9 +190,9 @@ class LogitAdjust:
                 r = p.repetition_penalty
                 out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
             if p.frequency_penalty:
-                out -= p.frequency_penalty * counts
+                out = out - p.frequency_penalty * counts
             if p.presence_penalty:
-                out -= p.presence_penalty * (counts > 0).float()
+                out = out - p.presence_penalty * (counts > 0).float()
         allowed = self.constraint.allowed(extra, drafting) if self.constraint is not None else None
         if p.min_tokens and self.stops.numel():  # row j's token is new token number produced + len(extra[j]) + 1
             early = [j for j, ts in enumerate(extra) if self.produced + len(ts) < p.min_tokens]
@@ -199,10 +201,11 @@ class LogitAdjust:
                 others[:, self.stops] = False
                 early = [j for j in early if bool(others[j].any())]
             if early:
+                out, changed = out.clone(), True
                 out[torch.tensor(early, device=dev)[:, None], self.stops.to(dev)[None]] = float("-inf")
         # an extreme repetition penalty (5e-324 divides a logit into +inf) must not turn the softmax into NaN
-        big = torch.finfo(torch.float32).max
-        if not bool(out.isfinite().all()):
+        if changed and not bool(out.isfinite().all()):
+            big = torch.finfo(torch.float32).max
             out = out.nan_to_num(nan=-big, posinf=big, neginf=-big)
         if allowed is not None:  # after the clamp: a refused token has no probability, however large its logit
             out = out.masked_fill(~allowed.to(dev), float("-inf"))

@@ -20,10 +20,12 @@ from __future__ import annotations
 import collections
 import json
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from dlm.errors import DLMError
@@ -51,7 +53,7 @@ class StructuredOutput:
 
     def __post_init__(self):
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            object.__setattr__(self, "json", json.dumps(self.json))  # key order kept: the output follows it
         elif self.json is not None:
             if not isinstance(self.json, str):
                 raise DLMError(f"a JSON schema must be a dict or its JSON text, got {type(self.json).__name__}")
@@ -113,9 +115,8 @@ class StructuredOutput:
 
 def _unpack(bitmask: bytes, vocab: int) -> torch.Tensor:
     """llguidance's token bitmask (one bit per token, little-endian 32-bit words) -> [vocab] bool."""
-    words = torch.frombuffer(bytearray(bitmask), dtype=torch.int32)
-    bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    return bits.flatten()[:vocab].bool()
+    bits = np.unpackbits(np.frombuffer(bitmask, dtype=np.uint8), bitorder="little")[:vocab]
+    return torch.from_numpy(bits.view(np.bool_))
 
 
 class Constraint:
@@ -168,6 +169,10 @@ class Constraint:
         return out
 
 
+# llguidance's tokenizer of each Hugging Face tokenizer, by (vocabulary size, end-of-sequence ids)
+_LLTOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = weakref.WeakKeyDictionary()
+
+
 class GrammarBook:
     """Compiles structured outputs for one tokenizer and vocabulary (llguidance's tokenizer is built once, compiled
     grammars are kept and copied for each request)."""
@@ -179,11 +184,14 @@ class GrammarBook:
             import llguidance.hf
         except ImportError as e:
             raise DLMError(f"structured outputs need the llguidance package: {INSTALL}") from e
-        eos = sorted(int(t) for t in eos_ids)
-        try:
-            self.lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=eos or None)
-        except ValueError as e:  # a slow (Python) tokenizer
-            raise DLMError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from e
+        eos = tuple(sorted(int(t) for t in eos_ids))
+        built = _LLTOKENIZERS.setdefault(tokenizer, {})
+        if (vocab, eos) not in built:  # about 0.3 s for a 49k vocabulary: once per tokenizer, not per engine
+            try:
+                built[vocab, eos] = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab, eos_token=list(eos) or None)
+            except ValueError as e:  # a slow (Python) tokenizer
+                raise DLMError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from e
+        self.lltok = built[vocab, eos]
         self.vocab = vocab
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()  # the server validates requests on its event loop, the engine runs apart

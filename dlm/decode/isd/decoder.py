@@ -233,14 +233,24 @@ class ISDDecoder(Decoder):
         replace them (tests: oracle drafts)."""
 
     def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
-        """Tokens the row's grammar forces next replace the first drafts (structured outputs: a JSON schema's keys
-        and punctuation). Each is proposed with certainty (q one-hot), so it is accepted with the probability the
-        constrained model gives it - almost always - and the verify rule keeps the output exact."""
+        """Tokens the row's grammar forces next become its first drafts (structured outputs: a JSON schema's keys
+        and punctuation), replacing the masks' own, or drafts of a row that would cold-start (a forced token is
+        known without a forward). Each is proposed with certainty (q one-hot), so it is accepted with the
+        probability the constrained model gives it - almost always - and the verify rule keeps the output exact."""
         st = state_of(row)
-        if st.mode != "verify" or st.drafts is None or self.candidates > 1:
+        n1 = self.n - 1
+        if self.candidates > 1 or not tokens or st.mode == "ar":
             return
-        k = min(len(tokens), len(st.drafts))
-        if st.drafts[:k] == tokens[:k] and st.q is None:
+        k = min(len(tokens), n1)
+        if st.mode == "cold":  # the drafts after the forced ones: the last forced token again, also with certainty
+            st.drafts, st.q, st.q_src, st.mode = tokens[:k] + [tokens[k - 1]] * (n1 - k), None, None, "verify"
+            if not row.params.greedy:
+                vocab = int(engine.config.vocab_size)
+                st.q = torch.zeros(n1, vocab, device=engine.device)
+                st.q[torch.arange(n1, device=engine.device), torch.tensor(st.drafts, device=engine.device)] = 1.0
+            st.conf = [1.0] * k + [0.0] * (n1 - k)
+            return
+        if st.drafts is None or (st.drafts[:k] == tokens[:k] and st.q is None):
             return
         st.drafts = tokens[:k] + st.drafts[k:]
         if st.q is not None:  # the later drafts keep their own distributions (drawn independently of these)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--threads", default="auto")
     ap.add_argument("--compact", action="store_true", help="the schema without free whitespace")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate the decoders this many times (median)")
     args = ap.parse_args()
 
     from dlm.decode import ARConfig, ISDConfig, generate
@@ -116,21 +118,31 @@ def main() -> None:
             ISDDecoder.forced = own_forced
 
     load = os.getloadavg()[0]
-    print(f"{machine()}; {args.model}; greedy, batch 1, {len(prompts)} prompts x <= {args.max_new_tokens} tokens")
+    print(
+        f"{machine()}; {args.model}; greedy, batch 1, {len(prompts)} prompts x <= {args.max_new_tokens} tokens, "
+        f"median of {args.rounds} alternated rounds"
+    )
     print(f"schema: {len(SCHEMA['properties'])} required keys{', compact' if args.compact else ''}; load {load:.1f}")
     rows = [("AR, free text", ARConfig(), free, True), ("AR + schema", ARConfig(), shaped, True)]
     for n in strides:
         rows.append((f"ISD N={n} + schema, forced drafts", ISDConfig(stride=n), shaped, True))
         rows.append((f"ISD N={n} + schema, own drafts", ISDConfig(stride=n), shaped, False))
+    rates: list[list[tuple[float, float]]] = [[] for _ in rows]
+    outputs: list = [None] * len(rows)
+    for _ in range(args.rounds):  # the decoders alternate, so drift in the machine's speed hits each alike
+        for i, (_name, config, params, forced) in enumerate(rows):
+            res, seconds = run(config, params, forced)
+            # the decode phase: after each request's first token (the prefill), so that outputs of other lengths
+            # (free text runs to the limit, a record ends sooner) weigh their prefill alike
+            decode_s = sum(r.stats.end_time - r.stats.first_token_time for r in res)
+            tokens = sum(len(r.token_ids) for r in res)
+            rates[i].append((tokens / seconds, sum(len(r.token_ids) - 1 for r in res) / decode_s))
+            outputs[i] = res
     measured = []
-    for name, config, params, forced in rows:
-        res, seconds = run(config, params, forced)
-        tokens = sum(len(r.token_ids) for r in res)
-        forwards = sum(r.stats.forwards for r in res)
-        # the decode phase: after each request's first token (the prefill), so that outputs of other lengths
-        # (free text runs to the limit, a record ends sooner) weigh their prefill alike
-        steady = sum(len(r.token_ids) - 1 for r in res) / sum(r.stats.end_time - r.stats.first_token_time for r in res)
-        measured.append((name, res, tokens / seconds, steady, tokens / max(forwards, 1)))
+    for (name, *_), res, rs in zip(rows, outputs, rates):
+        tpf = sum(len(r.token_ids) for r in res) / max(sum(r.stats.forwards for r in res), 1)
+        rate, steady = statistics.median(r for r, _ in rs), statistics.median(d for _, d in rs)
+        measured.append((name, res, rate, steady, tpf))
     free_rate, ref = measured[0][3], measured[1]
     print(
         "\n| decoder | TPF | decode tokens/s | vs free AR | vs AR + schema | request tokens/s | valid JSON | == AR + schema |"
@@ -150,7 +162,7 @@ def main() -> None:
     lengths = [sum(len(r.token_ids) for r in m[1]) / len(m[1]) for m in measured[:2]]
     print(f"\nmean output tokens: free text {lengths[0]:.0f}, with the schema {lengths[1]:.0f}")
     print(f"\nload after: {os.getloadavg()[0]:.1f}")
-    print(f"example: {ref[1][0].text}")
+    print(f"example: {ref[1][0].text!r}")
 
 
 if __name__ == "__main__":

@@ -123,6 +123,31 @@ def oracle_candidates(truth: dict, miss: float, seed: int = 0, **settings):
     return _oracle_candidates_class()(truth, miss, seed, **settings)
 
 
+def every_isd_path(model, prompts, params, truth: dict, max_batch_size: int = 3):
+    """Decode ``prompts`` (request i has id i) on every ISD path - oracle drafts at stride 3 and 2 (``truth``: request
+    id -> AR tokens, prompt included), fallback ``all``, the batched verify, the static cache, oracle candidates,
+    untrained masks at stride 4 - and yield ``(name, results)``: tests check each against the AR output they
+    promise (greedy logit adjustments, structured outputs)."""
+    from dlm.decode.engine import Engine
+
+    batched = oracle_isd(truth, 0.7, stride=3)
+    batched.batch_verify = True
+    for name, dec, kw in [
+        ("isd-n3", oracle_isd(truth, 0.7, stride=3), {}),
+        ("isd-n2", oracle_isd(truth, 0.6, stride=2), {}),
+        ("isd-all", oracle_isd(truth, 0.5, stride=3, fallback="all"), {}),
+        ("isd-batched", batched, {}),
+        ("isd-static", oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
+        ("isd-candidates", oracle_candidates(truth, 0.3, candidates=3, candidate_min_prob=0.0), {}),
+        ("isd-untrained", "isd", {"stride": 4}),
+    ]:
+        eng = Engine(model, decoder=dec, max_batch_size=max_batch_size, **kw)
+        ids = [eng.add(p, params, request_id=i) for i, p in enumerate(prompts)]
+        while eng.has_unfinished():
+            eng.step()
+        yield name, [eng.pop_result(i) for i in ids]
+
+
 def _oracle_candidates_class():
     if len(_ORACLE) > 1:
         return _ORACLE[1]

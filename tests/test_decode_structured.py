@@ -18,7 +18,7 @@ from dlm.decode.engine import Engine  # noqa: E402
 from dlm.decode.sampling import SamplingParams, token_logprobs  # noqa: E402
 from dlm.decode.structured import GrammarBook, StructuredOutput  # noqa: E402
 from dlm.errors import DLMError  # noqa: E402
-from dlm.testing import make_model, make_tokenizer, oracle_candidates, oracle_isd  # noqa: E402
+from dlm.testing import every_isd_path, make_model, make_tokenizer  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -83,22 +83,7 @@ def test_ar_and_every_isd_path_equal_the_constrained_reference(kind):
     assert ref != free  # the grammar changes the output, so a decoder that ignored it would fail
     assert [r.token_ids for r in Engine(model, max_batch_size=2).generate(ps, params)] == ref
     truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
-    batched = oracle_isd(truth, 0.7, stride=3)
-    batched.batch_verify = True
-    for name, dec, kw in [
-        ("isd-n3", oracle_isd(truth, 0.7, stride=3), {}),
-        ("isd-n2", oracle_isd(truth, 0.6, stride=2), {}),
-        ("isd-all", oracle_isd(truth, 0.5, stride=3, fallback="all"), {}),
-        ("isd-batched", batched, {}),
-        ("isd-static", oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
-        ("isd-candidates", oracle_candidates(truth, 0.3, candidates=3, candidate_min_prob=0.0), {}),
-        ("isd-untrained", "isd", {"stride": 4}),
-    ]:
-        eng = Engine(model, decoder=dec, max_batch_size=2, **kw)
-        ids = [eng.add(p, params, request_id=i) for i, p in enumerate(ps)]
-        while eng.has_unfinished():
-            eng.step()
-        res = [eng.pop_result(i) for i in ids]
+    for name, res in every_isd_path(model, ps, params, truth, max_batch_size=2):
         assert [r.token_ids for r in res] == ref, name
         if name in ("isd-n3", "isd-candidates") and min(len(r) for r in ref) >= 8:
             assert any(r.stats.tpf > 1.3 for r in res), name  # drafts accepted: later rows saw earlier drafts

@@ -387,3 +387,66 @@ def test_structured_outputs_answer_what_the_engine_gives(client, engine):
         assert message in r.json()["error"]["message"], (extra, r.text)
     plain = client.completions.create(**kw, extra_body={"response_format": {"type": "text"}}).choices[0].text
     assert plain == client.completions.create(**kw).choices[0].text
+
+
+def test_tool_calls_are_the_constrained_arguments(client, engine):
+    """A named ``tool_choice`` answers one call whose arguments are the engine's output under the function's
+    parameter schema; ``"required"`` answers calls of the listed functions (``finish_reason: tool_calls``); a
+    conversation that carries earlier calls and tool answers is accepted; ``"auto"`` is a 400 naming the field."""
+    pytest.importorskip("llguidance")
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.decode.structured import StructuredOutput
+
+    params = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 3},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    }
+    tools = [
+        {"type": "function", "function": {"name": "forecast", "parameters": params}},
+        {
+            "type": "function",
+            "function": {"name": "now", "parameters": {"type": "object", "additionalProperties": False}},
+        },
+    ]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "forecast"}}
+    kw = dict(model=MODEL, messages=messages, max_tokens=40, temperature=0, tools=tools)
+    r = client.chat.completions.create(**kw, tool_choice=named).choices[0]
+    text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    alone = Engine(engine.model, engine.tokenizer, decoder="isd", stride=3).generate(
+        [encode(engine, text)],
+        SamplingParams(40, structured=StructuredOutput(json=params, disable_any_whitespace=True)),
+    )[0]
+    assert alone.finish_reason == "stop"  # the arguments closed within max_tokens (greedy: always the same)
+    assert r.finish_reason == "stop" and r.message.content is None
+    (call,) = r.message.tool_calls
+    assert call.type == "function" and call.function.name == "forecast" and call.id.startswith("call_")
+    assert call.function.arguments == alone.text and set(json.loads(alone.text)) == {"city", "days"}
+    cut = client.chat.completions.create(**{**kw, "max_tokens": 3}, tool_choice=named).choices[0]
+    assert cut.finish_reason == "length" and cut.message.content and not cut.message.tool_calls  # the text as it is
+    # one short call (this tokenizer spells JSON a character a token)
+    req = client.chat.completions.create(**{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
+    req = req.choices[0]
+    assert req.finish_reason == "tool_calls" and req.message.content is None
+    assert [(c.function.name, c.function.arguments) for c in req.message.tool_calls] == [("now", "{}")]
+    history = messages + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "now", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "12:00", "tool_call_id": "c1"},
+    ]
+    ok = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, tools=tools, tool_choice="none")
+    assert ok.choices[0].message.content is not None
+    url = str(client.base_url).rstrip("/")
+    auto = httpx.post(
+        url + "/chat/completions", json={"model": MODEL, "messages": messages, "tools": tools}, timeout=60
+    )
+    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"

@@ -121,3 +121,78 @@ def test_logprobs_fields(validator, tiny_tokenizer):
         0.0,
     )
     assert mdm.completion(CompletionRequest(model="tiny", prompt="x", echo=True)).echo  # echo alone needs no scores
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_tool_choice_makes_the_arguments_the_structured_output(validator):
+    pytest.importorskip("llguidance")
+    chat = validator.chat
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    p = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice=named))
+    assert p.tool_call == "get_weather" and p.structured is not None
+    assert p.structured.json is not None and '"city"' in p.structured.json
+    req = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="required"))
+    assert req.tool_call == "required" and '"minItems": 1' in (req.structured.json or "")
+    none = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="none"))
+    assert none.tool_call is None and none.structured is None
+    for body, param, words in [
+        (dict(tools=[WEATHER]), "tool_choice", "tool_choice 'auto' needs a parser"),  # OpenAI's default with tools
+        (dict(tool_choice="required"), "tool_choice", "needs 'tools'"),
+        (
+            dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
+            "tool_choice",
+            "not among",
+        ),
+        (dict(tools=[WEATHER], tool_choice="required", stream=True), "stream", "answered whole"),
+        (
+            dict(tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"}),
+            "tool_choice",
+            "drop response_format",
+        ),
+    ]:
+        e = refused(chat, ChatCompletionRequest(model="tiny", messages=msgs, **body), param=param)
+        assert words in e.message, e.message
+
+
+def test_tools_and_earlier_calls_reach_the_chat_template(validator):
+    """The functions reach the template as ``tools``; an assistant's earlier call its arguments as an object."""
+    tok = validator.tokenizer
+    saved = tok.chat_template
+    tok.chat_template = (
+        "{% for t in tools or [] %}[tool {{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[call {{ c.function.name }} city={{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id %}[id {{ m.tool_call_id }}]{% endif %}{% endfor %}"
+    )
+    try:
+        msgs = [
+            {"role": "user", "content": "Weather in Paris?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "c1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+        ]
+        body = ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="none")
+        text = validator.chat_text(body.messages, tools=[t.model_dump(exclude_none=True) for t in body.tools])
+        assert text.startswith("[tool get_weather]<user>Weather in Paris?")
+        assert "[call get_weather city=Paris]" in text and "<tool>sunny[id c1]" in text
+    finally:
+        tok.chat_template = saved

@@ -151,6 +151,3 @@ def _request_limits(comps: dict[str, Any], settings: ServeSettings, vocab: int) 
             branch["minLength"] = 1
     if "suffix" in completion:
         completion["suffix"] = {"type": "null"}
-    chat = comps.get("ChatCompletionRequest", {}).get("properties", {})
-    if "tools" in chat:
-        chat["tools"] = {"anyOf": [{"type": "array", "maxItems": 0}, {"type": "null"}]}

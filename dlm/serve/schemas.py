@@ -126,6 +126,8 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (given to the chat template)
+    tool_call_id: StrictStr | None = None  # a tool message's answer to that call
 
     def text(self) -> str:
         if self.content is None:
@@ -135,18 +137,41 @@ class ChatMessage(_Body):
         return "".join(p.text for p in self.content)
 
 
+class FunctionDefinition(_Body):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object (None: any object)
+
+
+class ToolDefinition(_Body):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Body):
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    """``tool_choice`` naming the function the answer must call."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list | None = None
+    tools: list[ToolDefinition] | None = None
+    # "required" or a named function: the answer is a call, constrained to the functions' parameter schemas;
+    # "none": plain text; "auto" (OpenAI's default with tools) would need a model-specific parser: refused
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
-        if self.tools:
-            return "tools", "tool calling is not supported by dlm serve; leave 'tools' out"
         return super().unsupported()
 
 

@@ -29,13 +29,14 @@ class ParsedRequest:
     of each choice (0: the prompt only, a completion with echo), the alternatives per token of the answer's
     log-probabilities (None: none), whether the answer starts with the prompt (``echo``, with the prompt tokens'
     log-probabilities when ``logprobs`` is set), what the answer must match (``response_format`` /
-    ``structured_outputs``; None: free text)."""
+    ``structured_outputs``, or a tool call's arguments; None: free text)."""
 
     prompts: list[list[int]]
     max_tokens: int
     logprobs: int | None = None
     echo: bool = False
     structured: StructuredOutput | None = None
+    tool_call: str | None = None  # chat: the function the answer calls (a named tool_choice), or "required"
 
     @property
     def prompt_tokens(self) -> int:
@@ -79,6 +80,32 @@ def sampling_params(
         min_tokens=min(body.min_tokens, max(max_tokens, 1)),
         structured=structured,
     )
+
+
+def _template_message(m: ChatMessage) -> dict[str, Any]:
+    """A message as chat templates read it: role and content; an assistant's ``tool_calls`` with their arguments
+    as objects (transformers' convention; OpenAI sends them as JSON text) and a tool message's ``tool_call_id``."""
+    import json
+
+    out: dict[str, Any] = {"role": m.role, "content": m.text()}
+    if m.name is not None:
+        out["name"] = m.name
+    if m.tool_calls:
+        calls = []
+        for call in m.tool_calls:
+            call = dict(call)
+            fn = dict(call.get("function") or {})
+            if isinstance(fn.get("arguments"), str):
+                try:
+                    fn["arguments"] = json.loads(fn["arguments"])
+                except ValueError:
+                    pass  # the template gets the text as it came
+            call["function"] = fn
+            calls.append(call)
+        out["tool_calls"] = calls
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    return out
 
 
 def max_tokens_of(body: SamplingRequest) -> int | None:
@@ -146,15 +173,93 @@ class RequestValidator:
     def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""
         max_tokens = self.common(body, max_tokens_of(body), self.settings.max_tokens_limit)
-        text = self.chat_text(body.messages)
+        tool_call, calls = self.tool_call(body)
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
+        text = self.chat_text(body.messages, tools=tools or None)
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.scored(logprobs, "logprobs")
         prompt_ids = [self.prompt_ids(self.encode(text), param="messages")]
-        return ParsedRequest(prompt_ids, max_tokens, logprobs, structured=self.structured(body))
+        structured = self.structured(body)
+        if calls is not None:
+            if structured is not None:
+                raise APIError(
+                    400,
+                    "a tool call's arguments are the structured output: drop response_format / "
+                    "structured_outputs, or set tool_choice to 'none'",
+                    param="tool_choice",
+                )
+            structured = calls
+        return ParsedRequest(prompt_ids, max_tokens, logprobs, structured=structured, tool_call=tool_call)
 
-    def chat_text(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The messages through the model's chat template (400 naming ``messages`` for none, no template, or a
-        template that refuses them)."""
+    def tool_call(self, body: ChatCompletionRequest) -> tuple[str | None, StructuredOutput | None]:
+        """A chat's ``tool_choice`` over its ``tools``: (the named function or ``"required"``, the structured output
+        its arguments must match), or (None, None) for plain text. 400 naming the field for ``"auto"`` (it needs a
+        parser of the model's own tool-call format), a function that is not among the tools, tools with
+        ``stream`` (calls are answered whole) or with a decoder that does not draw tokens left to right."""
+        from dlm.decode.structured import StructuredOutput
+        from dlm.errors import DLMError
+
+        choice, tools = body.tool_choice, body.tools or []
+        if choice is None:
+            choice = "auto" if tools else "none"
+        if choice == "none":
+            return None, None
+        if not tools:
+            raise APIError(400, "tool_choice needs 'tools' (the functions the answer may call)", param="tool_choice")
+        if choice == "auto":
+            raise APIError(
+                400,
+                "tool_choice 'auto' needs a parser of the model's own tool-call format, which dlm serve does not "
+                "have; set tool_choice to 'required' (the answer calls one or more of the tools), to "
+                "{'type': 'function', 'function': {'name': ...}} (it calls that one) or to 'none'",
+                param="tool_choice",
+                code="unsupported_parameter",
+            )
+        self.left_to_right_only("tool_choice")
+        if body.stream:
+            raise APIError(400, "tool calls are answered whole: set stream to false", param="stream")
+        by_name = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
+        if choice == "required":  # vLLM's shape: a list of {"name": ..., "parameters": {...}}
+            schema = {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "anyOf": [
+                        {
+                            "type": "object",
+                            "properties": {"name": {"type": "string", "enum": [name]}, "parameters": params},
+                            "required": ["name", "parameters"],
+                            "additionalProperties": False,
+                        }
+                        for name, params in by_name.items()
+                    ]
+                },
+            }
+            name = "required"
+        else:
+            assert not isinstance(choice, str)
+            name = choice.function.name
+            if name not in by_name:
+                raise APIError(
+                    400,
+                    f"tool_choice names '{name}', which is not among the tools ({', '.join(by_name)})",
+                    param="tool_choice",
+                )
+            schema = by_name[name]
+        try:
+            spec = StructuredOutput(json=schema, disable_any_whitespace=True)  # read by programs: no free space
+            spec.check()
+        except DLMError as e:
+            raise APIError(
+                400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
+            ) from e
+        return name, spec
+
+    def chat_text(
+        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> str:
+        """The messages (with ``tools``, the functions the model may call) through the model's chat template (400
+        naming ``messages`` for none, no template, or a template that refuses them)."""
         if not messages:
             raise APIError(400, "'messages' is empty; send at least one message", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -164,10 +269,10 @@ class RequestValidator:
                 f"/v1/completions with a plain prompt",
                 param="messages",
             )
-        msgs = [{"role": m.role, "content": m.text()} for m in messages]
+        msgs = [_template_message(m) for m in messages]
         try:
             text: str = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=False
+                msgs, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e

@@ -7,7 +7,8 @@
 It starts `python -m dlm serve` on a free loopback port (or drives --url; --pid then gives the process whose RSS
 is read) and keeps N clients busy (N cycles through --clients, a new level every minute) with a mix of requests:
 non-streamed and streamed completions and chat completions, n > 1, stop strings, log-probabilities (with echo),
-streams the client cancels after a few chunks, and malformed requests (bad JSON, wrong types, unknown model, an over-limit body, an
+structured outputs (a JSON schema, any object, a regex, a choice, a grammar; and one that does not compile), streams
+the client cancels after a few chunks, and malformed requests (bad JSON, wrong types, unknown model, an over-limit body, an
 unknown route) that must get a 4xx in the OpenAI error shape. Reported: requests served by kind, answers by
 status code, anything unexpected (a 5xx, a 4xx to a well-formed request, a 2xx to a malformed one, an error body
 not in the OpenAI shape, a dropped connection), p50/p99 latency of the well-formed requests, and the server's RSS
@@ -29,6 +30,12 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+
+SOAK_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0}},
+    "required": ["name", "n"],
+}
 
 PROMPTS = [
     "The cat sat on the",
@@ -159,7 +166,17 @@ class Soak:
             if kind == "stop"
             else {}
         )
-        streamed = kind in ("stream", "cancel") or (kind == "logprobs" and self.rng.random() < 0.5)
+        streamed = kind in ("stream", "cancel") or (kind in ("logprobs", "structured") and self.rng.random() < 0.5)
+        if kind == "structured":  # a JSON schema, any object, a regex, a choice or a grammar
+            extra = self.rng.choice(
+                [
+                    {"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": SOAK_SCHEMA}}},
+                    {"response_format": {"type": "json_object"}},
+                    {"structured_outputs": {"regex": "[0-9]{1,4}( (cats|dogs))?"}},
+                    {"structured_outputs": {"choice": ["yes", "no", "maybe not"]}},
+                    {"structured_outputs": {"grammar": 'start: "(" /[a-z]+/ ("," /[a-z]+/)* ")"'}},
+                ]
+            )
         if kind == "logprobs":
             k = self.rng.randint(0, 5)
             extra = {"logprobs": True, "top_logprobs": k} if chat else {"logprobs": k}
@@ -204,7 +221,7 @@ class Soak:
         self.latency.append(time.perf_counter() - t0)
 
     async def malformed(self, client) -> None:
-        case = self.rng.randrange(7)
+        case = self.rng.randrange(8 if self.scored else 7)
         path = self.rng.choice(["/v1/completions", "/v1/chat/completions"])
         if case == 0:
             r = await client.post(
@@ -233,6 +250,9 @@ class Soak:
             r = await client.post(
                 self.url + path, json=self.body(path.endswith("chat/completions"), max_tokens=10**9), timeout=60
             )
+        elif case == 7:  # a regex that does not compile
+            bad = self.body(path.endswith("chat/completions"), structured_outputs={"regex": "([a-z"})
+            r = await client.post(self.url + path, json=bad, timeout=60)
         else:
             r = await client.post(self.url + path, json=[1, 2, 3], timeout=60)
         self.status[r.status_code] += 1
@@ -242,8 +262,8 @@ class Soak:
             self.note(f"malformed case {case} {path}: not the OpenAI error shape: {r.text[:200]}")
 
     async def one(self, client) -> None:
-        kinds = ["plain", "stream", "cancel", "n", "stop", "logprobs", "malformed"]
-        weights = [3, 3, 2, 1, 1, 1 if self.scored else 0, 2]
+        kinds = ["plain", "stream", "cancel", "n", "stop", "logprobs", "structured", "malformed"]
+        weights = [3, 3, 2, 1, 1, 1 if self.scored else 0, 1 if self.scored else 0, 2]
         kind = self.rng.choices(kinds, weights=weights)[0]
         self.kinds[kind] += 1
         try:

@@ -56,3 +56,36 @@ def test_gpu_checks_names_each_failed_step_and_exits_non_zero(tmp_path):
     failed = [line for line in run.stdout.splitlines() if line.startswith("failed: ")]
     assert [line.split("failed: ")[1].rsplit(" (", 1)[0] for line in failed] == STEPS, run.stdout[-3000:]
     assert "every step ran" not in run.stdout
+
+
+@pytest.mark.integration
+def test_structured_bench_runs_and_checks_equality(tmp_path):
+    """bench/structured.py on a tiny model: its table, with every constrained decoder's output equal to
+    constrained AR's (the script's own check)."""
+    pytest.importorskip("llguidance")
+    model = save_tiny(tmp_path / "tiny")
+    run = subprocess.run(
+        [
+            "python",
+            "bench/structured.py",
+            "--model",
+            str(model),
+            "--prompts",
+            "2",
+            "--max-new-tokens",
+            "12",
+            "--strides",
+            "2",
+            "--threads",
+            "1",
+            "--compact",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ISD") or line.startswith("| AR + schema")]
+    assert len(rows) == 3 and all(line.rstrip().endswith("| 2/2 |") for line in rows), run.stdout

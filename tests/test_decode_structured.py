@@ -81,7 +81,12 @@ def test_ar_and_every_isd_path_equal_the_constrained_reference(kind):
     ref = [reference_greedy(model, p, spec, 24, stop) for p in ps]
     free = [r.token_ids for r in Engine(model, max_batch_size=3).generate(ps, SamplingParams(24))]
     assert ref != free  # the grammar changes the output, so a decoder that ignored it would fail
-    assert [r.token_ids for r in Engine(model, max_batch_size=2).generate(ps, params)] == ref
+    ar = Engine(model, max_batch_size=2).generate(ps, params)
+    assert [r.token_ids for r in ar] == ref
+    if kind == "json":  # the schema's forced keys and punctuation verified in one forward (jump-forward)
+        assert sum(len(r.token_ids) for r in ar) > 1.2 * sum(r.stats.forwards for r in ar)
+    static = Engine(model, max_batch_size=2, static_cache=True).generate(ps, params)
+    assert [r.token_ids for r in static] == ref
     truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
     for name, res in every_isd_path(model, ps, params, truth, max_batch_size=2):
         assert [r.token_ids for r in res] == ref, name
@@ -199,11 +204,13 @@ def test_logprobs_stay_the_models_own_under_a_grammar():
     model = idlm()
     ps = prompts()
     params = SamplingParams(12, logprobs=1, structured=SPECS["json"])
-    r = Engine(model, decoder="isd", stride=3).generate([ps[0]], params)[0]
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([ps[0] + r.token_ids])).logits[0]
-    want = token_logprobs(logits[len(ps[0]) - 1 : -1], r.token_ids, 1, model.mask_token_id)
-    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(r.logprobs, want))
+    for decoder, kw in [("ar", {}), ("isd", {"stride": 3})]:  # AR verifies forced tokens several at a step too
+        r = Engine(model, decoder=decoder, **kw).generate([ps[0]], params)[0]
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ps[0] + r.token_ids])).logits[0]
+        want = token_logprobs(logits[len(ps[0]) - 1 : -1], r.token_ids, 1, model.mask_token_id)
+        assert len(r.logprobs) == len(want) == len(r.token_ids)
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(r.logprobs, want)), decoder
 
 
 def test_refusals():

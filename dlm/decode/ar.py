@@ -1,6 +1,13 @@
 """Plain autoregressive decoding on the engine: feed the pending token, sample the next one, keep its KV.
 
 Greedy output equals ``transformers`` ``generate(do_sample=False)`` token for token (tested).
+
+Under a structured output the grammar often forces the next tokens (a JSON schema's keys and punctuation). They are
+fed with the pending token in one chunk and verified as speculative drafts proposed with certainty (q one-hot):
+each is kept with the probability the constrained model gives it - greedy: if it is the argmax - and the first
+one refused is replaced by a draw from the rest of the distribution, so the output is exactly the one-token-a-step
+output while a forward commits up to ``MAX_AHEAD`` + 1 tokens (jump-forward decoding, without appending anything
+unverified).
 """
 
 from __future__ import annotations
@@ -8,24 +15,48 @@ from __future__ import annotations
 import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
-from dlm.decode.sampling import next_token, suppress
+from dlm.decode.isd.accept import verify_greedy, verify_sampled
+from dlm.decode.sampling import next_token, probs_from_logits, sample, suppress
+
+MAX_AHEAD = 8  # forced tokens fed with the pending one in a step
 
 
 class ARDecoder(Decoder):
     name = "ar"
 
+    # row.state (the decoder's own): {"ahead": the forced tokens the row's next chunk verifies}
+
     def chunk(self, engine: Engine, row: Row) -> list[int]:
-        return [row.last]
+        return [row.last, *row.state.get("ahead", ())]
+
+    def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
+        room = engine.max_positions - row.pos - 1  # the chunk's positions row.pos .. must fit the context
+        row.state["ahead"] = tokens[: max(0, min(MAX_AHEAD, room))]
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
-        token = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
-        row.last = token
-        return [token], 1
+        ahead = row.state.pop("ahead", [])
+        if not ahead or logits.shape[0] <= len(ahead):  # a plain step (or a prefill: one logit)
+            token = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
+            row.last = token
+            return [token], 1
+        k, m, p = len(ahead), engine.mask_token_id, row.params
+        if p.greedy:
+            target = suppress(logits[: k + 1], m).argmax(-1).tolist()
+            accepted, correction = verify_greedy(ahead, target)
+            last = correction if correction is not None else target[k]
+        else:
+            probs = probs_from_logits(logits[: k + 1], p, m)
+            q = torch.zeros(k, probs.shape[-1], device=probs.device)
+            q[torch.arange(k, device=probs.device), torch.tensor(ahead, device=probs.device)] = 1.0
+            accepted, correction = verify_sampled(probs, q, ahead, row.generator)
+            last = correction if correction is not None else int(sample(probs[k], row.generator))
+        row.last = last
+        return ahead[:accepted] + [last], accepted + 1
 
     def consume_batch(self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]):
         """The greedy rows' next tokens in one argmax over their logits and one host read (each row's argmax is
-        its own: the same tokens as row by row); sampled rows draw from their own generators as before."""
-        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        its own: the same tokens as row by row); sampled rows, and rows verifying forced tokens, one by one."""
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy and lengths[i] == 1]
         if len(greedy) < 2:
             return super().consume_batch(engine, rows, logits, lengths)
         idx = torch.tensor(greedy, device=logits.device) if len(greedy) < len(rows) else None
@@ -33,11 +64,9 @@ class ARDecoder(Decoder):
         tokens = dict(zip(greedy, suppress(last, engine.mask_token_id).argmax(-1).tolist()))
         out = []
         for i, row in enumerate(rows):
-            token = (
-                tokens[i]
-                if i in tokens
-                else int(next_token(logits[i, 0], row.params, engine.mask_token_id, row.generator))
-            )
-            row.last = token
-            out.append(([token], 1))
+            if i in tokens:
+                row.last = tokens[i]
+                out.append(([tokens[i]], 1))
+            else:
+                out.append(self.consume(engine, row, logits[i, : lengths[i]]))
         return out

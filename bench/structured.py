@@ -1,8 +1,9 @@
 """Structured outputs: what a JSON schema costs and what ISD makes of it, in the same run.
 
 Chat prompts asking for a JSON record, decoded greedily at batch 1: free-text AR (the baseline), AR constrained by
-the schema (the grammar's cost per token), ISD constrained by the schema with the grammar's forced tokens as drafts
-(the default) and without them (``forced`` turned off: the drafts are the masks' own). Every constrained decoder
+the schema one token a step (the grammar's cost per token; ``forced`` turned off) and with the grammar's forced
+tokens verified in the same forward (the default: jump-forward), ISD constrained by the schema with the forced
+tokens as drafts (the default) and without them (the drafts are the masks' own). Every constrained decoder
 must give constrained AR's tokens (checked); the table gives tokens per forward (TPF), tokens/s of the decode phase
 (after each request's first token: free text runs to the limit while a record ends sooner, so whole-request rates
 would weigh the prefill differently) with ratios to free AR and to constrained AR, whole-request tokens/s, and the
@@ -86,6 +87,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from dlm.decode import ARConfig, ISDConfig, generate
+    from dlm.decode.ar import ARDecoder
     from dlm.decode.isd.decoder import ISDDecoder
     from dlm.decode.sampling import SamplingParams
     from dlm.decode.structured import StructuredOutput
@@ -105,17 +107,19 @@ def main() -> None:
     free = SamplingParams(args.max_new_tokens)
     shaped = SamplingParams(args.max_new_tokens, structured=spec)
     threads = parse_threads(args.threads)
-    own_forced = ISDDecoder.forced
+    own = {cls: cls.forced for cls in (ARDecoder, ISDDecoder)}
 
     def run(config, params, forced=True):
-        ISDDecoder.forced = own_forced if forced else (lambda self, engine, row, tokens: None)
+        for cls, fn in own.items():
+            cls.forced = fn if forced else (lambda self, engine, row, tokens: None)
         try:
             generate(model, prompts[:1], config, params, batch_size=1, threads=threads)  # warm-up
             t0 = time.perf_counter()
             res = generate(model, prompts, config, params, batch_size=1, threads=threads)
             return res, time.perf_counter() - t0
         finally:
-            ISDDecoder.forced = own_forced
+            for cls, fn in own.items():
+                cls.forced = fn
 
     load = os.getloadavg()[0]
     print(
@@ -123,7 +127,11 @@ def main() -> None:
         f"median of {args.rounds} alternated rounds"
     )
     print(f"schema: {len(SCHEMA['properties'])} required keys{', compact' if args.compact else ''}; load {load:.1f}")
-    rows = [("AR, free text", ARConfig(), free, True), ("AR + schema", ARConfig(), shaped, True)]
+    rows = [
+        ("AR, free text", ARConfig(), free, True),
+        ("AR + schema, a token a step", ARConfig(), shaped, False),
+        ("AR + schema, forced tokens verified", ARConfig(), shaped, True),
+    ]
     for n in strides:
         rows.append((f"ISD N={n} + schema, forced drafts", ISDConfig(stride=n), shaped, True))
         rows.append((f"ISD N={n} + schema, own drafts", ISDConfig(stride=n), shaped, False))

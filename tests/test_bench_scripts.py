@@ -88,4 +88,4 @@ def test_structured_bench_runs_and_checks_equality(tmp_path):
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ISD") or line.startswith("| AR + schema")]
-    assert len(rows) == 3 and all(line.rstrip().endswith("| 2/2 |") for line in rows), run.stdout
+    assert len(rows) == 4 and all(line.rstrip().endswith("| 2/2 |") for line in rows), run.stdout

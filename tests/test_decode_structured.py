@@ -184,7 +184,7 @@ def test_sampled_isd_has_the_constrained_ar_distribution():
         ("ar", dict(decoder="ar")),
         ("isd2", dict(decoder="isd", stride=2)),
         ("isd3", dict(decoder="isd", stride=3)),
-        ("isd3-cold", dict(decoder="isd", stride=3, fallback="off")),  # cold starts: forced drafts fill them
+        ("isd3-cold", dict(decoder="isd", stride=3, fallback="off")),  # cold starts after every rejection
     ]:
         res = Engine(model, max_batch_size=n, **kw).generate(
             [prompt] * n, [SamplingParams(8, temperature=1.0, seed=s, structured=spec) for s in range(n)]
@@ -195,9 +195,12 @@ def test_sampled_isd_has_the_constrained_ar_distribution():
             counts[keys.index(tuple(r.token_ids))] += 1
         tv = 0.5 * float((counts / n - p).abs().sum())
         assert tv < eps, (name, tv, eps)
-        if name != "ar":
-            acc = sum(r.stats.accepted[0] for r in res) / max(1, sum(r.stats.proposed[0] for r in res))
-            assert 0.05 < acc < 0.999, (name, acc)  # both accept and reject were exercised
+        # the forced " cat" verified with the pending token: more than a token a forward on average
+        assert sum(len(r.token_ids) for r in res) > 1.1 * sum(r.stats.forwards for r in res), name
+        if name != "ar":  # both outcomes of ISD's own verify were exercised
+            accepted = sum(r.stats.accepted[0] for r in res)
+            rejected = sum(r.stats.proposed[0] for r in res) - accepted
+            assert accepted >= 5 and rejected >= 5, (name, accepted, rejected)
 
 
 def test_logprobs_stay_the_models_own_under_a_grammar():

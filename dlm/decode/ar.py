@@ -15,10 +15,8 @@ from __future__ import annotations
 import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
-from dlm.decode.isd.accept import verify_greedy, verify_sampled
-from dlm.decode.sampling import next_token, probs_from_logits, sample, suppress
-
-MAX_AHEAD = 8  # forced tokens fed with the pending one in a step
+from dlm.decode.isd.accept import MAX_AHEAD, verify_forced
+from dlm.decode.sampling import next_token, suppress
 
 
 class ARDecoder(Decoder):
@@ -39,19 +37,9 @@ class ARDecoder(Decoder):
             token = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
             row.last = token
             return [token], 1
-        k, m, p = len(ahead), engine.mask_token_id, row.params
-        if p.greedy:
-            target = suppress(logits[: k + 1], m).argmax(-1).tolist()
-            accepted, correction = verify_greedy(ahead, target)
-            last = correction if correction is not None else target[k]
-        else:
-            probs = probs_from_logits(logits[: k + 1], p, m)
-            q = torch.zeros(k, probs.shape[-1], device=probs.device)
-            q[torch.arange(k, device=probs.device), torch.tensor(ahead, device=probs.device)] = 1.0
-            accepted, correction = verify_sampled(probs, q, ahead, row.generator)
-            last = correction if correction is not None else int(sample(probs[k], row.generator))
-        row.last = last
-        return ahead[:accepted] + [last], accepted + 1
+        committed, keep = verify_forced(logits, ahead, row.params, engine.mask_token_id, row.generator)
+        row.last = committed[-1]
+        return committed, keep
 
     def consume_batch(self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]):
         """The greedy rows' next tokens in one argmax over their logits and one host read (each row's argmax is

@@ -5,7 +5,9 @@
 - :func:`greedy_candidate` / :func:`recursive_rejection`: K draft candidates for one position (greedy: the one
   equal to the AR token; sampling: recursive rejection over draws without replacement,
   :func:`draws_without_replacement`);
-- :func:`fallback_branches`: the fallback choice, which outcomes of a verify step get masks for the next drafts.
+- :func:`fallback_branches`: the fallback choice, which outcomes of a verify step get masks for the next drafts;
+- :func:`verify_forced`: tokens a structured output forces, fed after the pending token and verified as drafts
+  proposed with certainty (``ar`` and ``isd``).
 
 Each sampled rule emits a token with exactly the target distribution p, whatever q was.
 """
@@ -16,7 +18,9 @@ from collections.abc import Sequence
 
 import torch
 
-from dlm.decode.sampling import sample
+from dlm.decode.sampling import SamplingParams, probs_from_logits, sample, suppress
+
+MAX_AHEAD = 8  # tokens a structured output forces, fed after the pending token in one step (verify_forced)
 
 
 def accept_or_correct(p: torch.Tensor, q: torch.Tensor, d: int, u: float, generator: torch.Generator) -> int | None:
@@ -115,3 +119,29 @@ def fallback_branches(fallback: str, n: int, p_accept: Sequence[float]) -> tuple
             best, p_best = i, run * (1.0 - a)
         run *= a
     return (0,) if run >= p_best else (best,)
+
+
+def verify_forced(
+    logits: torch.Tensor,
+    ahead: list[int],
+    params: SamplingParams,
+    mask_token_id: int | None,
+    generator: torch.Generator,
+) -> tuple[list[int], int]:
+    """A chunk ``[c, f_1..f_k]`` of forced tokens after the pending token c: ``logits[j]`` is p at f_{j+1}'s position
+    (``logits[k]`` after f_k). The forced tokens are drafts proposed with certainty (q one-hot): greedy keeps the
+    leading ones that are the argmax, sampling accepts each with probability p(f), and the first refused is
+    replaced by a draw from p without it (the free token after all k). Returns (the committed tokens, how many
+    chunk tokens keep their KV)."""
+    k = len(ahead)
+    if params.greedy:
+        target = suppress(logits[: k + 1], mask_token_id).argmax(-1).tolist()
+        accepted, correction = verify_greedy(ahead, target)
+        last = correction if correction is not None else target[k]
+    else:
+        probs = probs_from_logits(logits[: k + 1], params, mask_token_id)
+        q = torch.zeros(k, probs.shape[-1], device=probs.device)
+        q[torch.arange(k, device=probs.device), torch.tensor(ahead, device=probs.device)] = 1.0
+        accepted, correction = verify_sampled(probs, q, ahead, generator)
+        last = correction if correction is not None else int(sample(probs[k], generator))
+    return ahead[:accepted] + [last], accepted + 1

@@ -12,6 +12,7 @@ import torch
 from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
 from dlm.decode.isd import accept, batch, policy
+from dlm.decode.isd.accept import MAX_AHEAD, verify_forced
 from dlm.decode.isd.draft import propose
 from dlm.decode.isd.state import ISDRowState
 from dlm.decode.isd.stats import StepCounts, record_verify
@@ -190,6 +191,8 @@ class ISDDecoder(Decoder):
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         n, st = self.n, state_of(row)
         st.branches = st.tree = None
+        if st.mode == "forced":  # a structured output's forced tokens, whatever the drafting policy says
+            return [row.last, *st.verify_drafts()]
         if not self._drafting or not self._room(engine, row):
             # the policy says drafting does not pay now, or near the end of the context: a plain AR step (exact)
             st.cold()
@@ -233,33 +236,16 @@ class ISDDecoder(Decoder):
         replace them (tests: oracle drafts)."""
 
     def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
-        """Tokens the row's grammar forces next become its first drafts (structured outputs: a JSON schema's keys
-        and punctuation), replacing the masks' own, or drafts of a row that would cold-start (a forced token is
-        known without a forward). Each is proposed with certainty (q one-hot), so it is accepted with the
-        probability the constrained model gives it - almost always - and the verify rule keeps the output exact."""
-        st = state_of(row)
-        n1 = self.n - 1
-        if self.candidates > 1 or not tokens or st.mode == "ar":
-            return
-        k = min(len(tokens), n1)
-        if st.mode == "cold":  # the drafts after the forced ones: the last forced token again, also with certainty
-            st.drafts, st.q, st.q_src, st.mode = tokens[:k] + [tokens[k - 1]] * (n1 - k), None, None, "verify"
-            if not row.params.greedy:
-                vocab = int(engine.config.vocab_size)
-                st.q = torch.zeros(n1, vocab, device=engine.device)
-                st.q[torch.arange(n1, device=engine.device), torch.tensor(st.drafts, device=engine.device)] = 1.0
-            st.conf = [1.0] * k + [0.0] * (n1 - k)
-            return
-        if st.drafts is None or (st.drafts[:k] == tokens[:k] and st.q is None):
-            return
-        st.drafts = tokens[:k] + st.drafts[k:]
-        if st.q is not None:  # the later drafts keep their own distributions (drawn independently of these)
-            q = st.q.clone()
-            q[:k] = 0.0
-            q[torch.arange(k, device=q.device), torch.tensor(tokens[:k], device=q.device)] = 1.0
-            st.q, st.q_src = q, None
-        if st.conf is not None:
-            st.conf = [1.0] * k + list(st.conf[k:])
+        """Tokens the row's grammar forces next (structured outputs: a JSON schema's keys and punctuation) make its
+        next chunk ``[c, f_1..f_k]`` without masks, verified as plain AR verifies them
+        (:func:`~dlm.decode.ar.verify_forced`: exact); the step after cold-starts. A forced token is known without a
+        forward, so this beats both the masks' own guess and a verify chunk that carries masks for them."""
+        room = engine.max_positions - row.pos - 1
+        k = max(0, min(len(tokens), MAX_AHEAD, room))
+        if k:
+            st = state_of(row)
+            st.cold()
+            st.mode, st.drafts = "forced", tokens[:k]
 
     def _candidate_count(self, top_probs: torch.Tensor) -> int:
         """How many candidates this step verifies (:func:`~dlm.decode.isd.policy.candidate_count`)."""
@@ -291,6 +277,11 @@ class ISDDecoder(Decoder):
     # -- consume ------------------------------------------------------------------------------------------
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], Keep]:
         st = state_of(row)
+        if st.mode == "forced" and logits.shape[0] > len(st.verify_drafts()):
+            committed, keep = verify_forced(logits, st.verify_drafts(), row.params, engine.mask_token_id, row.generator)
+            row.last = committed[-1]
+            st.cold()
+            return committed, keep
         # an AR step, or a prefill whose masks did not fit (the engine fed the prompt alone: one logit)
         if st.mode == "ar" or logits.shape[0] == 1:
             tok = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
@@ -390,7 +381,7 @@ class ISDDecoder(Decoder):
         (:func:`~dlm.decode.isd.batch.accept_rows`, one call per group of rows with the same sampling settings),
         then one transfer of a few numbers per row to the host; token for token :meth:`consume` row by row, with
         each row's random draws taken from its generator in the same order."""
-        if not self._batched(logits.device):
+        if not self._batched(logits.device) or any(state_of(r).mode == "forced" for r in rows):
             return super().consume_batch(engine, rows, logits, lengths)
         n = self.n
         kinds: list[str] = [

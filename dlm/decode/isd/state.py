@@ -8,13 +8,14 @@ from typing import Literal
 
 import torch
 
-Mode = Literal["cold", "verify", "ar"]
+Mode = Literal["cold", "verify", "ar", "forced"]
 
 
 @dataclass
 class ISDRowState:
     """``mode``: what the row's next chunk is: ``'cold'`` (``[t0, masks]``: no drafts to verify), ``'verify'``
-    (the drafts below, with masks for the next ones) or ``'ar'`` (this step runs without drafts: ``[t0]``)."""
+    (the drafts below, with masks for the next ones), ``'ar'`` (this step runs without drafts: ``[t0]``) or
+    ``'forced'`` (``[t0, drafts]``: tokens a structured output forces, verified without masks)."""
 
     mode: Mode = "cold"
     drafts: list[int] | None = None  # d_1..d_{N-1} to verify (d_1 of the candidates' path: the first draw)

@@ -87,6 +87,14 @@ def test_ar_and_every_isd_path_equal_the_constrained_reference(kind):
         assert sum(len(r.token_ids) for r in ar) > 1.2 * sum(r.stats.forwards for r in ar)
     static = Engine(model, max_batch_size=2, static_cache=True).generate(ps, params)
     assert [r.token_ids for r in static] == ref
+    long = [p + [5, 6, 7] * 6 for p in ps]  # over the prefix cache's 16-token minimum
+    for decoder in ("ar", "isd"):  # a forced start fed after a prompt whose KV comes from the prefix cache
+        eng = Engine(model, decoder=decoder, max_batch_size=1, prefix_cache=4096)
+        eng.generate(long, params)
+        again = eng.generate([p + [8, 9] for p in long], params)  # the stored prompts' KV reused
+        alone = Engine(model, decoder=decoder, max_batch_size=1).generate([p + [8, 9] for p in long], params)
+        assert [r.token_ids for r in again] == [r.token_ids for r in alone], decoder
+        assert eng.prefix.hits >= 3 and all(r.stats.cached_tokens > 0 for r in again), decoder
     truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
     for name, res in every_isd_path(model, ps, params, truth, max_batch_size=2):
         assert [r.token_ids for r in res] == ref, name

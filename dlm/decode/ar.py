@@ -27,6 +27,12 @@ class ARDecoder(Decoder):
     def chunk(self, engine: Engine, row: Row) -> list[int]:
         return [row.last, *row.state.get("ahead", ())]
 
+    def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
+        ahead = self.forced_first(row, MAX_AHEAD)  # verified in the prefill's forward (consume)
+        if ahead:
+            row.state["ahead"] = ahead
+        return ahead
+
     def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
         room = engine.max_positions - row.pos - 1  # the chunk's positions row.pos .. must fit the context
         row.state["ahead"] = tokens[: max(0, min(MAX_AHEAD, room))]

@@ -419,6 +419,13 @@ class Decoder:
         """After a commit: the next ``tokens`` that the row's structured output forces (its grammar allows nothing
         else there, up to tokenization). A drafting decoder may propose them; they are verified as any draft."""
 
+    @staticmethod
+    def forced_first(row: Row, limit: int) -> list[int]:
+        """The tokens a row's structured output forces before anything is generated (a schema's ``{"key":``), at
+        most ``limit``: a decoder may feed them after the prompt in the prefill."""
+        c = row.adjust.constraint if row.adjust is not None else None
+        return c.forced()[:limit] if c is not None else []
+
     def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
         """Called after each decode step with its wall time (chunks, forward, consume) and committed tokens."""
 

@@ -180,7 +180,12 @@ class ISDDecoder(Decoder):
         return row.pos + 2 * self.n - 1 <= engine.max_positions
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
-        state_of(row).cold()
+        st = state_of(row)
+        st.cold()
+        ahead = self.forced_first(row, MAX_AHEAD)
+        if ahead:  # a structured output's forced start, verified in the prefill's forward (consume)
+            st.mode, st.drafts = "forced", ahead
+            return ahead
         n = self.n
         if len(row.prompt_ids) + n - 1 > engine.max_positions:
             return []

@@ -7,7 +7,7 @@ pytest.importorskip("pydantic")
 
 from dlm.serve.app import ServeSettings  # noqa: E402
 from dlm.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest  # noqa: E402
-from dlm.serve.validation import RequestValidator, sampling_params  # noqa: E402
+from dlm.serve.validation import ANY_TOOL, RequestValidator, sampling_params  # noqa: E402
 
 MASK = 7
 
@@ -142,7 +142,12 @@ def test_tool_choice_makes_the_arguments_the_structured_output(validator):
     assert p.tool_call == "get_weather" and p.structured is not None
     assert p.structured.json is not None and '"city"' in p.structured.json
     req = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="required"))
-    assert req.tool_call == "required" and '"minItems": 1' in (req.structured.json or "")
+    assert req.tool_call == ANY_TOOL and '"minItems": 1' in (req.structured.json or "")
+    # a function named "required", called by name, is that function (not tool_choice "required")
+    called = dict(WEATHER, function=dict(WEATHER["function"], name="required"))
+    by_name = {"type": "function", "function": {"name": "required"}}
+    same = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[called], tool_choice=by_name))
+    assert same.tool_call == "required" != ANY_TOOL
     none = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="none"))
     assert none.tool_call is None and none.structured is None
     for body, param, words in [

@@ -11,6 +11,7 @@ from fastapi import Request
 from dlm.serve.logprobs import Scored, chat_logprobs
 from dlm.serve.schemas import ChatCompletionRequest
 from dlm.serve.serving_base import OpenAIServing
+from dlm.serve.validation import ANY_TOOL
 
 if TYPE_CHECKING:
     from dlm.decode.engine import GenerationResult
@@ -35,7 +36,7 @@ class ChatHandler(OpenAIServing):
         calls = tool_calls(result.text or "", parsed.tool_call) if parsed.tool_call and finish == "stop" else None
         if calls is not None:  # OpenAI's: the calls, no content; "tool_calls" unless the function was named
             message = {"role": "assistant", "content": None, "tool_calls": calls}
-            finish = "tool_calls" if parsed.tool_call == "required" else "stop"
+            finish = "tool_calls" if parsed.tool_call == ANY_TOOL else "stop"
         logprobs = chat_logprobs(self.scored(result)) if parsed.logprobs is not None else None
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
 
@@ -58,9 +59,10 @@ class ChatHandler(OpenAIServing):
 
 def tool_calls(text: str, tool_call: str) -> list[dict[str, Any]] | None:
     """The answer of a chat whose ``tool_choice`` named a function (``tool_call``: its name; the text is the
-    arguments) or was ``"required"`` (the text is a list of ``{"name", "parameters"}``) as OpenAI's ``tool_calls``;
+    arguments) or was ``"required"`` (``ANY_TOOL``; the text is a list of ``{"name", "parameters"}``) as OpenAI's
+    ``tool_calls``;
     None where the text does not parse (an answer cut short)."""
-    if tool_call != "required":
+    if tool_call != ANY_TOOL:
         calls = [(tool_call, text)]
     else:
         try:

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from dlm.decode.structured import StructuredOutput
 
 
+ANY_TOOL = "*"  # ParsedRequest.tool_call of tool_choice "required" (no function name has a "*")
+
+
 @dataclass
 class ParsedRequest:
     """A checked request: the prompts (token ids; one per completion prompt, one for a chat), the new-token limit
@@ -36,7 +39,7 @@ class ParsedRequest:
     logprobs: int | None = None
     echo: bool = False
     structured: StructuredOutput | None = None
-    tool_call: str | None = None  # chat: the function the answer calls (a named tool_choice), or "required"
+    tool_call: str | None = None  # chat: the function the answer calls (a named tool_choice), or ANY_TOOL
 
     @property
     def prompt_tokens(self) -> int:
@@ -192,7 +195,7 @@ class RequestValidator:
         return ParsedRequest(prompt_ids, max_tokens, logprobs, structured=structured, tool_call=tool_call)
 
     def tool_call(self, body: ChatCompletionRequest) -> tuple[str | None, StructuredOutput | None]:
-        """A chat's ``tool_choice`` over its ``tools``: (the named function or ``"required"``, the structured output
+        """A chat's ``tool_choice`` over its ``tools``: (the named function or :data:`ANY_TOOL`, the structured output
         its arguments must match), or (None, None) for plain text. 400 naming the field for ``"auto"`` (it needs a
         parser of the model's own tool-call format), a function that is not among the tools, tools with
         ``stream`` (calls are answered whole) or with a decoder that does not draw tokens left to right."""
@@ -235,7 +238,7 @@ class RequestValidator:
                     ]
                 },
             }
-            name = "required"
+            name = ANY_TOOL
         else:
             assert not isinstance(choice, str)
             name = choice.function.name

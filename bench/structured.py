@@ -14,7 +14,7 @@ outputs that parse and match the schema.
     python bench/structured.py --model runs/quickstart/train_b2 --strides 2 --prompts 16
 
 With untrained masks (a plain AR model converted on the fly) ISD's own drafts are rarely right: what it gains is
-the schema's forced text (keys, quotes, braces), proposed as drafts and accepted.
+the schema's forced text (keys, quotes, braces), verified in the same forward as AR verifies it.
 """
 
 from __future__ import annotations
@@ -88,11 +88,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from dlm.decode import ARConfig, ISDConfig, generate
-    from dlm.decode.ar import ARDecoder
-    from dlm.decode.engine import Decoder
-    from dlm.decode.isd.decoder import ISDDecoder
     from dlm.decode.sampling import SamplingParams
-    from dlm.decode.structured import StructuredOutput
+    from dlm.decode.structured import Constraint, StructuredOutput
     from dlm.decode.threads import parse as parse_threads
     from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
@@ -109,22 +106,17 @@ def main() -> None:
     free = SamplingParams(args.max_new_tokens)
     shaped = SamplingParams(args.max_new_tokens, structured=spec)
     threads = parse_threads(args.threads)
-    own = {cls: cls.forced for cls in (ARDecoder, ISDDecoder)}
-    own_first = Decoder.__dict__["forced_first"]  # the staticmethod itself
+    own_forced = Constraint.forced  # the one source of forced tokens, for the prefill and every step
 
     def run(config, params, forced=True):
-        for cls, fn in own.items():
-            cls.forced = fn if forced else (lambda self, engine, row, tokens: None)
-        Decoder.forced_first = own_first if forced else staticmethod(lambda row, limit: [])
+        Constraint.forced = own_forced if forced else (lambda self, limit=0: [])
         try:
             generate(model, prompts[:1], config, params, batch_size=1, threads=threads)  # warm-up
             t0 = time.perf_counter()
             res = generate(model, prompts, config, params, batch_size=1, threads=threads)
             return res, time.perf_counter() - t0
         finally:
-            for cls, fn in own.items():
-                cls.forced = fn
-            Decoder.forced_first = own_first
+            Constraint.forced = own_forced
 
     load = os.getloadavg()[0]
     print(

@@ -16,7 +16,7 @@ from llguidance import LLMatcher  # noqa: E402
 from dlm import convert_ar_to_dlm  # noqa: E402
 from dlm.decode.engine import Engine  # noqa: E402
 from dlm.decode.sampling import SamplingParams, token_logprobs  # noqa: E402
-from dlm.decode.structured import GrammarBook, StructuredOutput  # noqa: E402
+from dlm.decode.structured import Constraint, GrammarBook, StructuredOutput  # noqa: E402
 from dlm.errors import DLMError  # noqa: E402
 from dlm.testing import every_isd_path, make_model, make_tokenizer  # noqa: E402
 
@@ -264,7 +264,6 @@ def test_structured_outputs_on_smollm2(smollm2_path, monkeypatch):
     """The real model under a JSON schema, chat template and all: every ISD path gives constrained AR's tokens, the
     records parse and follow the schema, and the schema's forced text lifts ISD's tokens per forward above 1 even
     with untrained masks."""
-    from dlm.decode.isd.decoder import ISDDecoder
     from dlm.model.convert import load_any
 
     dlm = load_any(smollm2_path, "idlm", block_size=2)
@@ -300,7 +299,7 @@ def test_structured_outputs_on_smollm2(smollm2_path, monkeypatch):
             assert [r.token_ids for r in res] == [r.token_ids for r in ar], kw
             if compact and "candidates" not in kw:  # against the masks' own drafts alone
                 with monkeypatch.context() as m:
-                    m.setattr(ISDDecoder, "forced", lambda self, engine, row, tokens: None)
+                    m.setattr(Constraint, "forced", lambda self, limit=0: [])
                     own = Engine(dlm, decoder="isd", max_batch_size=3, **kw).generate(prompts, params)
                 assert [r.token_ids for r in own] == [r.token_ids for r in ar], kw
                 tpf = [sum(len(r.token_ids) for r in x) / sum(r.stats.forwards for r in x) for x in (res, own)]

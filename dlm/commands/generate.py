@@ -161,12 +161,18 @@ def structured_from_args(args):
         if args.compact_json:
             raise DLMError("--compact-json needs --json-schema or --json-object")
         return None
-    flag = {"json": "--json-schema", "json_object": "--json-object", "regex": "--regex", "choice": "--choice"}
+    flag = {
+        "json": "--json-schema",
+        "json_object": "--json-object",
+        "regex": "--regex",
+        "choice": "--choice",
+        "grammar": "--grammar",
+    }
     try:
         spec = StructuredOutput(**fields, disable_any_whitespace=args.compact_json)
         spec.check()
     except DLMError as e:
-        raise DLMError(f"{flag.get(next(iter(fields)), '--grammar')}: {e}") from e
+        raise DLMError(f"{flag[next(iter(fields))]}: {e}") from e
     return spec
 
 

@@ -6,7 +6,7 @@ Under a structured output the grammar often forces the next tokens (a JSON schem
 fed with the pending token in one chunk and verified as speculative drafts proposed with certainty (q one-hot):
 each is kept with the probability the constrained model gives it - greedy: if it is the argmax - and the first
 one refused is replaced by a draw from the rest of the distribution, so the output is exactly the one-token-a-step
-output while a forward commits up to ``MAX_AHEAD`` + 1 tokens (jump-forward decoding, without appending anything
+output while a forward commits up to ``dlm.decode.structured.MAX_AHEAD`` + 1 tokens (jump-forward decoding, without appending anything
 unverified).
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
-from dlm.decode.isd.accept import MAX_AHEAD, verify_forced
+from dlm.decode.isd.accept import verify_forced
 from dlm.decode.sampling import next_token, suppress
 
 
@@ -28,14 +28,13 @@ class ARDecoder(Decoder):
         return [row.last, *row.state.get("ahead", ())]
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
-        ahead = self.forced_first(row, MAX_AHEAD)  # verified in the prefill's forward (consume)
+        ahead = self.forced_first(row)  # verified in the prefill's forward (consume)
         if ahead:
             row.state["ahead"] = ahead
         return ahead
 
     def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
-        room = engine.max_positions - row.pos - 1  # the chunk's positions row.pos .. must fit the context
-        row.state["ahead"] = tokens[: max(0, min(MAX_AHEAD, room))]
+        row.state["ahead"] = tokens
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         ahead = row.state.pop("ahead", [])

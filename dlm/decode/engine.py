@@ -48,7 +48,7 @@ from dlm.decode import cpu as cpu_kernels
 from dlm.decode.prefix import PrefixCache, check_tokens
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
-from dlm.decode.structured import GrammarBook
+from dlm.decode.structured import MAX_AHEAD, GrammarBook
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
 
@@ -420,11 +420,11 @@ class Decoder:
         else there, up to tokenization). A drafting decoder may propose them; they are verified as any draft."""
 
     @staticmethod
-    def forced_first(row: Row, limit: int) -> list[int]:
-        """The tokens a row's structured output forces before anything is generated (a schema's ``{"key":``), at
-        most ``limit``: a decoder may feed them after the prompt in the prefill."""
+    def forced_first(row: Row) -> list[int]:
+        """The tokens a row's structured output forces before anything is generated (a schema's ``{"key":``): a
+        decoder may feed them after the prompt in the prefill (the engine drops a suffix the context cannot hold)."""
         c = row.adjust.constraint if row.adjust is not None else None
-        return c.forced()[:limit] if c is not None else []
+        return c.forced() if c is not None else []
 
     def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
         """Called after each decode step with its wall time (chunks, forward, consume) and committed tokens."""
@@ -981,7 +981,8 @@ class Engine:
             row.stats.first_token_time = time.perf_counter()  # diffusion decoders may emit nothing at first
         row.out.extend(new)
         if row.adjust is not None and row.adjust.constraint is not None and not row.finished:
-            ahead = row.adjust.constraint.forced()
+            # the next chunk [pending token, forced...] at positions row.pos .. must fit the context
+            ahead = row.adjust.constraint.forced(min(MAX_AHEAD, self.max_positions - row.pos - 1))
             if ahead:
                 self.decoder.forced(self, row, ahead)
         if logprobs is not None:

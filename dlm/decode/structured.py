@@ -33,6 +33,7 @@ from dlm.errors import DLMError
 INSTALL = "pip install llguidance (or pip install 'dlm[structured]')"
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 COMPILED = 64  # compiled grammars kept per tokenizer (a JSON schema compiles in about a millisecond)
+MAX_AHEAD = 8  # forced tokens a decoder feeds after the pending token (or the prompt) in one forward
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,6 @@ class StructuredOutput:
     @property
     def kind(self) -> str:
         return next(k for k in KINDS if getattr(self, k) not in (None, False))
-
-    def describe(self) -> str:
-        return self.kind if self.kind != "choice" else f"choice of {len(self.choice or ())}"
 
     def check(self) -> None:
         """DLMError naming what is wrong for an invalid schema, regex or grammar (no tokenizer needed: bad values
@@ -140,10 +138,10 @@ class Constraint:
             if not m.consume_token(int(t)):
                 raise RuntimeError(f"token {t} was committed against the request's grammar: {m.get_error()}")
 
-    def forced(self) -> list[int]:
-        """The tokens the grammar forces next (llguidance's fast-forward tokens: the canonical tokenization of the
-        bytes it allows nothing else for), empty where it leaves a choice."""
-        return [int(t) for t in self.matcher.compute_ff_tokens()]
+    def forced(self, limit: int = MAX_AHEAD) -> list[int]:
+        """The first ``limit`` tokens the grammar forces next (llguidance's fast-forward tokens: the canonical
+        tokenization of the bytes it allows nothing else for), empty where it leaves a choice."""
+        return [int(t) for t in self.matcher.compute_ff_tokens()[: max(limit, 0)]]
 
     def allowed(self, extra: Sequence[Sequence[int]], free: Iterable[int] = ()) -> torch.Tensor:
         """``[n, V]`` bool: the tokens the grammar allows at each chunk position, position j as if ``extra[j]`` (the

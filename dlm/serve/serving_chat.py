@@ -60,8 +60,7 @@ class ChatHandler(OpenAIServing):
 def tool_calls(text: str, tool_call: str) -> list[dict[str, Any]] | None:
     """The answer of a chat whose ``tool_choice`` named a function (``tool_call``: its name; the text is the
     arguments) or was ``"required"`` (``ANY_TOOL``; the text is a list of ``{"name", "parameters"}``) as OpenAI's
-    ``tool_calls``;
-    None where the text does not parse (an answer cut short)."""
+    ``tool_calls``; None where the text does not parse (an answer cut short)."""
     if tool_call != ANY_TOOL:
         calls = [(tool_call, text)]
     else:

@@ -20,8 +20,6 @@ import torch
 
 from dlm.decode.sampling import SamplingParams, probs_from_logits, sample, suppress
 
-MAX_AHEAD = 8  # tokens a structured output forces, fed after the pending token in one step (verify_forced)
-
 
 def accept_or_correct(p: torch.Tensor, q: torch.Tensor, d: int, u: float, generator: torch.Generator) -> int | None:
     """The single-draft rule (speculative sampling): draft ``d`` drawn from ``q`` [V] is accepted with probability

@@ -12,7 +12,7 @@ import torch
 from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
 from dlm.decode.isd import accept, batch, policy
-from dlm.decode.isd.accept import MAX_AHEAD, verify_forced
+from dlm.decode.isd.accept import verify_forced
 from dlm.decode.isd.draft import propose
 from dlm.decode.isd.state import ISDRowState
 from dlm.decode.isd.stats import StepCounts, record_verify
@@ -182,7 +182,7 @@ class ISDDecoder(Decoder):
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
         st = state_of(row)
         st.cold()
-        ahead = self.forced_first(row, MAX_AHEAD)
+        ahead = self.forced_first(row)
         if ahead:  # a structured output's forced start, verified in the prefill's forward (consume)
             st.mode, st.drafts = "forced", ahead
             return ahead
@@ -243,14 +243,11 @@ class ISDDecoder(Decoder):
     def forced(self, engine: Engine, row: Row, tokens: list[int]) -> None:
         """Tokens the row's grammar forces next (structured outputs: a JSON schema's keys and punctuation) make its
         next chunk ``[c, f_1..f_k]`` without masks, verified as plain AR verifies them
-        (:func:`~dlm.decode.ar.verify_forced`: exact); the step after cold-starts. A forced token is known without a
-        forward, so this beats both the masks' own guess and a verify chunk that carries masks for them."""
-        room = engine.max_positions - row.pos - 1
-        k = max(0, min(len(tokens), MAX_AHEAD, room))
-        if k:
-            st = state_of(row)
-            st.cold()
-            st.mode, st.drafts = "forced", tokens[:k]
+        (:func:`~dlm.decode.isd.accept.verify_forced`: exact); the step after cold-starts. A forced token is known
+        without a forward, so this beats both the masks' own guess and a verify chunk that carries masks for them."""
+        st = state_of(row)
+        st.cold()
+        st.mode, st.drafts = "forced", tokens
 
     def _candidate_count(self, top_probs: torch.Tensor) -> int:
         """How many candidates this step verifies (:func:`~dlm.decode.isd.policy.candidate_count`)."""

@@ -745,3 +745,51 @@ def test_sampling_distribution_is_a_distribution_for_any_settings(logits, temper
     assert torch.isfinite(p).all() and (p >= 0).all(), p
     assert abs(float(p.sum()) - 1.0) < 1e-5
     assert float(p[int(t.argmax())]) > 0
+
+
+# ============================================================================================ tool calls
+_TEXT = st.text(alphabet=st.sampled_from(list('ab <>/_tolc{}"\n ')), max_size=12).filter(
+    lambda s: "<tool_call>" not in s
+)
+_ARGS = st.dictionaries(st.sampled_from(["city", "n", "x"]), st.one_of(st.integers(-9, 99), _TEXT), max_size=3)
+
+
+@examples(25, 400)
+@given(
+    parts=st.lists(st.one_of(_TEXT, st.tuples(st.sampled_from(["now", "get_weather"]), _ARGS)), max_size=6),
+    layout=st.sampled_from(["{b}", "\n{b}\n"]),
+    cuts=st.lists(st.integers(0, 400), max_size=8),
+)
+def test_hermes_answers_read_the_same_however_streamed(parts, layout, cuts):
+    """An answer of text and ``<tool_call>`` blocks in any order: its calls, in order, and its text - each stretch
+    with the whitespace before a call (and, after the last call, at the end) left out - the same whether read
+    whole or fed in pieces cut anywhere."""
+    from dlm.serve.tool_calls import Call, read_all, reader
+
+    stretches: list = []  # adjacent text parts are one stretch of text
+    for p in parts:
+        if isinstance(p, str) and stretches and isinstance(stretches[-1], str):
+            stretches[-1] += p
+        else:
+            stretches.append(p)
+    hypothesis.assume(not any(isinstance(p, str) and "<tool_call>" in p for p in stretches))
+    called = any(not isinstance(p, str) for p in stretches)
+    text, want, content = "", [], ""
+    for i, p in enumerate(stretches):
+        if isinstance(p, str):
+            before_call = i + 1 < len(stretches)  # stretches alternate: the next one is a call
+            content += p.rstrip() if before_call or called else p
+            text += p
+        else:
+            body = json.dumps({"name": p[0], "arguments": p[1]}, ensure_ascii=False)
+            text += "<tool_call>" + layout.format(b=body) + "</tool_call>"
+            want.append(Call(p[0], json.dumps(p[1], ensure_ascii=False)))
+    whole = read_all(reader("hermes", frozenset({"now", "get_weather"})), text)
+    assert whole == (content, want)
+    r = reader("hermes", frozenset({"now", "get_weather"}))
+    pieces, bounds = [], [0, *sorted(min(c, len(text)) for c in cuts), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        pieces += r.feed(text[a:b])
+    pieces += r.finish()
+    got_calls = [v for k, v in pieces if k == "call"]
+    assert "".join(v for k, v in pieces if k == "content") == whole[0] and got_calls == want

@@ -5,6 +5,7 @@ forcing), the token texts adding up to the answer's text; the penalties and ``lo
 routes; structured outputs (``response_format``, vLLM's ``structured_outputs``)."""
 
 import json
+import re
 
 import httpx
 import pytest
@@ -38,7 +39,8 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=48))
+    settings = ServeSettings(model_name=MODEL, max_tokens_limit=160, tool_call_parser="hermes")
+    app = create_app(Scheduler(engine, threads=1), settings)
     with ServerThread(app) as srv:
         yield srv
 
@@ -389,10 +391,37 @@ def test_structured_outputs_answer_what_the_engine_gives(client, engine):
     assert plain == client.completions.create(**kw).choices[0].text
 
 
+def collect_stream(client, **kw):
+    """A streamed chat answer put together as a client does: (content or None, [(name, arguments)], finish,
+    log-probabilities' tokens); each call's first delta carries its id, type and name, later ones only arguments."""
+    content, calls, finish, lps = None, [], None, []
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        (ch,) = chunk.choices
+        if ch.delta.content:
+            content = (content or "") + ch.delta.content
+        for d in ch.delta.tool_calls or []:
+            if d.id is not None:
+                assert d.index == len(calls) and d.type == "function" and d.id.startswith("call_")
+                calls.append([d.function.name, d.function.arguments or ""])
+            else:
+                assert d.index == len(calls) - 1 and d.function.name is None
+                calls[-1][1] += d.function.arguments
+        if ch.logprobs is not None:
+            lps += [t.token for t in ch.logprobs.content]
+        finish = ch.finish_reason or finish
+    return content, [tuple(c) for c in calls], finish, lps
+
+
+def answered(choice):
+    m = choice.message
+    return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], choice.finish_reason
+
+
 def test_tool_calls_are_the_constrained_arguments(client, engine):
     """A named ``tool_choice`` answers one call whose arguments are the engine's output under the function's
-    parameter schema; ``"required"`` answers calls of the listed functions (``finish_reason: tool_calls``); a
-    conversation that carries earlier calls and tool answers is accepted; ``"auto"`` is a 400 naming the field."""
+    parameter schema (cut by ``max_tokens``: the arguments so far, ``finish_reason: length``, as OpenAI answers);
+    ``"required"`` answers calls of the listed functions (``finish_reason: tool_calls``); streamed answers carry
+    the same calls; a conversation that carries earlier calls and tool answers is accepted."""
     pytest.importorskip("llguidance")
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
@@ -428,13 +457,16 @@ def test_tool_calls_are_the_constrained_arguments(client, engine):
     (call,) = r.message.tool_calls
     assert call.type == "function" and call.function.name == "forecast" and call.id.startswith("call_")
     assert call.function.arguments == alone.text and set(json.loads(alone.text)) == {"city", "days"}
+    assert collect_stream(client, **kw, tool_choice=named)[:3] == (None, [("forecast", alone.text)], "stop")
     cut = client.chat.completions.create(**{**kw, "max_tokens": 3}, tool_choice=named).choices[0]
-    assert cut.finish_reason == "length" and cut.message.content and not cut.message.tool_calls  # the text as it is
+    content, ((name, args),), finish = answered(cut)
+    assert (content, name, finish) == (None, "forecast", "length") and alone.text.startswith(args) and args
+    assert collect_stream(client, **{**kw, "max_tokens": 3}, tool_choice=named)[:3] == answered(cut)
     # one short call (this tokenizer spells JSON a character a token)
     req = client.chat.completions.create(**{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
-    req = req.choices[0]
-    assert req.finish_reason == "tool_calls" and req.message.content is None
-    assert [(c.function.name, c.function.arguments) for c in req.message.tool_calls] == [("now", "{}")]
+    assert answered(req.choices[0]) == (None, [("now", "{}")], "tool_calls")
+    again = collect_stream(client, **{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
+    assert again[:3] == (None, [("now", "{}")], "tool_calls")
     history = messages + [
         {
             "role": "assistant",
@@ -445,8 +477,46 @@ def test_tool_calls_are_the_constrained_arguments(client, engine):
     ]
     ok = client.chat.completions.create(model=MODEL, messages=history, max_tokens=4, tools=tools, tool_choice="none")
     assert ok.choices[0].message.content is not None
-    url = str(client.base_url).rstrip("/")
-    auto = httpx.post(
-        url + "/chat/completions", json={"model": MODEL, "messages": messages, "tools": tools}, timeout=60
+
+
+def test_tool_choice_auto_reads_the_models_own_calls(client, engine):
+    """``tool_choice: "auto"`` (the default with tools) reads the answer in the model's format (``hermes`` here):
+    the text outside ``<tool_call>`` blocks is the content, each block a call (``finish_reason: tool_calls``), a
+    block naming a function that is not among the tools stays text; streamed (with log-probabilities) it carries
+    the same message and every token's log-probability. The random model is made to write a call by a regex."""
+    pytest.importorskip("llguidance")
+    tools = [
+        {"type": "function", "function": {"name": "forecast", "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}},
+    ]
+    call = '<tool_call>\n{"name": "forecast", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    other = '<tool_call>\n{"name": "launch", "arguments": {}}\n</tool_call>'
+    kw = dict(
+        model=MODEL, messages=[{"role": "user", "content": "Weather?"}], max_tokens=48, temperature=0, tools=tools
     )
-    assert auto.status_code == 400 and auto.json()["error"]["param"] == "tool_choice"
+
+    def forced(text):
+        return {"structured_outputs": {"regex": re.escape(text)}}
+
+    for text, want in [
+        ("Let me look.\n" + call, ("Let me look.", [("forecast", '{"city": "Oslo"}')], "tool_calls")),
+        (call + "\nDone", ("\nDone", [("forecast", '{"city": "Oslo"}')], "tool_calls")),
+        ("No " + other, ("No " + other, [], "stop")),  # not one of the tools: text
+        ("Sunny.", ("Sunny.", [], "stop")),
+    ]:
+        body = dict(kw, max_tokens=len(encode(engine, text)) + 2, extra_body=forced(text))
+        r = client.chat.completions.create(**body)
+        assert answered(r.choices[0]) == (want[0] or None, want[1], want[2]), text
+        ids = [r.choices[0].message.tool_calls[0].id] if want[1] else []
+        assert all(i.startswith("call_") for i in ids)
+        content, calls, finish, tokens = collect_stream(client, **body, logprobs=True)
+        assert (content, calls, finish) == (want[0] or None, want[1], want[2]), text
+        assert "".join(tokens) == text  # every token's log-probability, once, in order
+    inside = len(encode(engine, "Let me look.\n" + call[:24]))  # cut inside the block
+    cut = dict(kw, max_tokens=inside, extra_body=forced("Let me look.\n" + call))
+    r = client.chat.completions.create(**cut).choices[0]
+    assert r.finish_reason == "length" and not r.message.tool_calls and "<tool_call>" in r.message.content
+    assert collect_stream(client, **cut)[:3] == answered(r)
+    whole = len(encode(engine, call)) + 2
+    plain = client.chat.completions.create(**dict(kw, max_tokens=whole, tool_choice="none", extra_body=forced(call)))
+    assert answered(plain.choices[0]) == (call, [], "stop")  # no tools offered: the text as it is

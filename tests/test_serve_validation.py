@@ -7,7 +7,7 @@ pytest.importorskip("pydantic")
 
 from dlm.serve.app import ServeSettings  # noqa: E402
 from dlm.serve.schemas import APIError, ChatCompletionRequest, CompletionRequest  # noqa: E402
-from dlm.serve.validation import ANY_TOOL, RequestValidator, sampling_params  # noqa: E402
+from dlm.serve.validation import ANY_TOOL, NAMED_TOOL, RequestValidator, sampling_params  # noqa: E402
 
 MASK = 7
 
@@ -139,7 +139,7 @@ def test_tool_choice_makes_the_arguments_the_structured_output(validator):
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_weather"}}
     p = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice=named))
-    assert p.tool_call == "get_weather" and p.structured is not None
+    assert p.tool_call == NAMED_TOOL + "get_weather" and p.structured is not None
     assert p.structured.json is not None and '"city"' in p.structured.json
     req = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="required"))
     assert req.tool_call == ANY_TOOL and '"minItems": 1' in (req.structured.json or "")
@@ -147,18 +147,18 @@ def test_tool_choice_makes_the_arguments_the_structured_output(validator):
     called = dict(WEATHER, function=dict(WEATHER["function"], name="required"))
     by_name = {"type": "function", "function": {"name": "required"}}
     same = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[called], tool_choice=by_name))
-    assert same.tool_call == "required" != ANY_TOOL
+    assert same.tool_call == NAMED_TOOL + "required" != ANY_TOOL
     none = chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=[WEATHER], tool_choice="none"))
     assert none.tool_call is None and none.structured is None
     for body, param, words in [
-        (dict(tools=[WEATHER]), "tool_choice", "tool_choice 'auto' needs a parser"),  # OpenAI's default with tools
+        # OpenAI's default with tools, and this template shows no tool-call format
+        (dict(tools=[WEATHER]), "tool_choice", "--tool-call-parser hermes"),
         (dict(tool_choice="required"), "tool_choice", "needs 'tools'"),
         (
             dict(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "x"}}),
             "tool_choice",
             "not among",
         ),
-        (dict(tools=[WEATHER], tool_choice="required", stream=True), "stream", "answered whole"),
         (
             dict(tools=[WEATHER], tool_choice=named, response_format={"type": "json_object"}),
             "tool_choice",

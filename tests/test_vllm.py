@@ -266,6 +266,7 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     runs = next(line for line in out.splitlines() if "runs  " in line)
     assert "-m vllm.entrypoints.openai.api_server --model " + served in runs and "--enforce-eager" in runs
     assert "--no-enable-prefix-caching" not in runs  # vLLM's own prefix cache, on as dlm's is
+    assert "--enable-auto-tool-choice" not in runs  # this chat template shows no tool-call format
     # K given by hand
     assert (
         main(
@@ -283,6 +284,8 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
                 "2",
                 "--prefix-cache-tokens",
                 "0",
+                "--tool-call-parser",
+                "hermes",
                 "--print-command",
             ]
         )
@@ -290,6 +293,7 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     )
     out = capsys.readouterr().out
     assert '"num_speculative_tokens":2' in out and "--no-enable-prefix-caching" in out  # --prefix-cache-tokens 0
+    assert "--enable-auto-tool-choice --tool-call-parser hermes" in out  # tool_choice "auto" read by vLLM's parser
 
 
 def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch):

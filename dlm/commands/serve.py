@@ -23,6 +23,7 @@ import argparse
 from dlm.commands.generate import PREFIX_CACHE_DEFAULT, STATIC_CACHE_HELP
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
+from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
 
 SERVE_DEFAULTS = {
     "draft_budget": "auto"
@@ -60,6 +61,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=PREFIX_CACHE_DEFAULT,
         help="keep the KV of recent prompts, up to this many tokens, for prompts that start the same way (a chat's "
         f"next turn, a shared system prompt or document); 0 = off (default {PREFIX_CACHE_DEFAULT}; ar and isd)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default="auto",
+        choices=TOOL_PARSER_CHOICES,
+        help="the format the model writes tool calls in, read for tool_choice 'auto' (the default with tools): "
+        "hermes (<tool_call> tags: Qwen2.5/3, Dream, SDAR, I-DLM) or llama3_json; auto (default): the one its chat "
+        "template asks for, if any; none: tool_choice 'auto' refused",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from dlm.decode.configs import add_decoder_arguments
@@ -110,6 +119,7 @@ def run_vllm(args) -> int:
 
     from dlm.errors import DLMError
     from dlm.serve import vllm
+    from dlm.serve.tool_calls import resolve, template_in_folder
 
     if args.decode not in (None, "ar"):
         raise DLMError(
@@ -151,6 +161,7 @@ def run_vllm(args) -> int:
         max_num_seqs=args.max_batch_size,
         dtype=dtype,
         prefix_caching=args.prefix_cache_tokens > 0,
+        tool_call_parser=resolve(args.tool_call_parser, template_in_folder(folder)),
         extra=args.vllm_arg,
     )
     cmd = vllm.server_command(python, server)
@@ -212,6 +223,7 @@ def run(args) -> int:
         max_tokens_limit=args.max_tokens_limit,
         api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
+        tool_call_parser=args.tool_call_parser,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(
@@ -227,9 +239,11 @@ def run(args) -> int:
     app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)
     stride = getattr(engine.decoder, "stride", None)
     policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
+    parser = app.state.validator.tool_parser
     print(
         f"dlm serve: '{settings.model_name}' with {args.decode}"
         + (f" (stride {stride}, drafting: {policy})" if stride else "")
+        + (f", tool calls read as {parser}" if parser else "")
         + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1",
         flush=True,
     )

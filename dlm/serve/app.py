@@ -91,6 +91,7 @@ def create_app(scheduler: Scheduler, settings: ServeSettings | None = None) -> L
     app.openapi = lambda: openapi_schema(app, settings)  # type: ignore[method-assign]
     app.state.scheduler = scheduler
     app.state.settings = settings
+    app.state.validator = validator
     install_error_handlers(app, scheduler.metrics)
 
     # route names are the operation ids' stems (health_health_get, ...), as they were when these were closures

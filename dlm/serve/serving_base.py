@@ -24,6 +24,7 @@ from dlm.serve.validation import ParsedRequest, RequestValidator, sampling_param
 if TYPE_CHECKING:
     from dlm.decode.engine import GenerationResult
     from dlm.serve.scheduler import Handle, Scheduler
+    from dlm.serve.tool_calls import Piece, Reader
 
 KEEPALIVE_S = 5.0  # an SSE comment this often while a stream waits (also notices dead clients)
 DISCONNECT_POLL_S = 0.5  # non-streaming requests check for a gone client this often
@@ -63,6 +64,20 @@ class OpenAIServing:
         """The choice of one stream chunk: new ``text`` (None: none), the ``finish_reason`` of the last one, the
         log-probabilities of the tokens whose text it carries (None: not asked for)."""
         raise NotImplementedError
+
+    def reader(self, parsed: ParsedRequest) -> Reader | None:
+        """A fresh reader of one choice's text as message pieces (chat: tool calls), or None: all content."""
+        return None
+
+    def piece_choice(self, index: int, piece: Piece, logprobs: list[Scored] | None, calls: int) -> dict[str, Any]:
+        """The choice of the stream chunk that sends one piece of a reader (``calls``: the calls opened so far in
+        this choice, the new one included)."""
+        assert piece[0] == "content"
+        return self.chunk_choice(index, piece[1], None, logprobs=logprobs)
+
+    def finish_reason(self, parsed: ParsedRequest, finish: str, called: bool) -> str:
+        """A choice's ``finish_reason`` from the engine's (``called``: whether its answer holds tool calls)."""
+        return finish
 
     def scored(self, result: GenerationResult, offset: int = 0) -> list[Scored]:
         """The answer's tokens with their log-probabilities (:mod:`dlm.serve.logprobs`); ``offset``: where its text
@@ -152,6 +167,8 @@ class OpenAIServing:
         Leaving early (client gone) aborts the engine requests."""
         created_at = int(time.time())
         texts = [TextStream(self.validator.tokenizer, stop) for _ in handles]
+        readers = [self.reader(parsed) for _ in handles]
+        calls = [0] * len(handles)  # tool calls opened per choice
         scorers = [Scorer(self.validator.tokenizer) for _ in handles] if parsed.logprobs is not None else None
         pending: list[list[Scored]] = [[] for _ in handles]  # scored tokens whose text is not sent yet
         finished = 0
@@ -160,6 +177,24 @@ class OpenAIServing:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             head = {"id": rid, "object": self.chunk_object, "created": created_at, "model": self.settings.model_name}
             return sse({**head, "choices": choices, **extra})
+
+        def send(tag: int, text: str, lps: list[Scored] | None, final: bool = False) -> list[str]:
+            """The chunks of new ``text`` of choice ``tag`` (through its reader), ``lps`` with the first; the
+            log-probabilities go back to ``pending`` where the reader holds all of the text back."""
+            r = readers[tag]
+            pieces: list[Piece] = [] if r is None else r.feed(text) + (r.finish() if final else [])
+            if r is None and text:
+                pieces = [("content", text)]
+            if not pieces:
+                if lps:
+                    pending[tag] = lps + pending[tag]
+                return []
+            out = []
+            for piece in pieces:
+                calls[tag] += piece[0] == "call"
+                out.append(chunk([self.piece_choice(tag, piece, lps, calls[tag])]))
+                lps = [] if lps is not None else None
+            return out
 
         try:
             if self.opens_with_role:
@@ -181,16 +216,23 @@ class OpenAIServing:
                         if scorers is not None:  # the tokens whose text starts in what is sent by now
                             lps = [e for e in pending[tag] if e.offset < texts[tag].sent]
                             pending[tag] = pending[tag][len(lps) :]
-                        yield chunk([self.chunk_choice(tag, delta, None, logprobs=lps)])
+                        for c in send(tag, delta, lps):
+                            yield c
                 elif kind == "done":
                     finished += 1
                     completion_tokens += len(payload.token_ids)
                     tail = texts[tag].finish(payload.text)
                     rest = pending[tag] if scorers is not None else None  # tokens not sent yet (a stop's too)
-                    if tail:
-                        yield chunk([self.chunk_choice(tag, tail, None, logprobs=rest)])
+                    pending[tag] = []
+                    sent = send(tag, tail, rest, final=True)
+                    for c in sent:
+                        yield c
+                    if sent:
                         rest = [] if rest is not None else None
-                    yield chunk([self.chunk_choice(tag, self.final_text, payload.finish_reason, logprobs=rest)])
+                    elif rest is not None:
+                        rest = pending[tag]
+                    finish = self.finish_reason(parsed, payload.finish_reason, calls[tag] > 0)
+                    yield chunk([self.chunk_choice(tag, self.final_text, finish, logprobs=rest)])
                 else:  # error: tell the client in the stream (headers are gone already) and stop
                     self.metrics.on_error(payload[0])
                     yield sse(error_body(payload[0], payload[1]))

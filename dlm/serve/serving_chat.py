@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import TYPE_CHECKING, Any
 
@@ -11,10 +10,12 @@ from fastapi import Request
 from dlm.serve.logprobs import Scored, chat_logprobs
 from dlm.serve.schemas import ChatCompletionRequest
 from dlm.serve.serving_base import OpenAIServing
-from dlm.serve.validation import ANY_TOOL
+from dlm.serve.tool_calls import Call, read_all
+from dlm.serve.validation import NAMED_TOOL
 
 if TYPE_CHECKING:
     from dlm.decode.engine import GenerationResult
+    from dlm.serve.tool_calls import Piece, Reader
     from dlm.serve.validation import ParsedRequest
 
 
@@ -30,15 +31,46 @@ class ChatHandler(OpenAIServing):
     async def create(self, request: Request, body: ChatCompletionRequest) -> Any:
         return await self.generate(request, body, self.validator.chat(body))
 
+    def reader(self, parsed: ParsedRequest) -> Reader | None:
+        return parsed.tool_reader()
+
+    def finish_reason(self, parsed: ParsedRequest, finish: str, called: bool) -> str:
+        # OpenAI's: "tool_calls" for an answer that ends in calls, "stop" where the function was named
+        named = parsed.tool_call is not None and parsed.tool_call.startswith(NAMED_TOOL)
+        return "tool_calls" if called and finish == "stop" and not named else finish
+
     def choice(self, index: int, result: GenerationResult, parsed: ParsedRequest) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": result.text or ""}
-        finish = result.finish_reason
-        calls = tool_calls(result.text or "", parsed.tool_call) if parsed.tool_call and finish == "stop" else None
-        if calls is not None:  # OpenAI's: the calls, no content; "tool_calls" unless the function was named
-            message = {"role": "assistant", "content": None, "tool_calls": calls}
-            finish = "tool_calls" if parsed.tool_call == ANY_TOOL else "stop"
+        text = result.text or ""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        r = self.reader(parsed)
+        calls: list[Call] = []
+        if r is not None:
+            content, calls = read_all(r, text)
+            message["content"] = content or (None if calls else "")
+        if calls:  # OpenAI's shape; the arguments are JSON text
+            message["tool_calls"] = [
+                {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
+        finish = self.finish_reason(parsed, result.finish_reason, bool(calls))
         logprobs = chat_logprobs(self.scored(result)) if parsed.logprobs is not None else None
         return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+    def piece_choice(self, index: int, piece: Piece, logprobs: list[Scored] | None, calls: int) -> dict[str, Any]:
+        kind, value = piece
+        if kind == "content":
+            return self.chunk_choice(index, value, None, logprobs=logprobs)
+        if kind == "call":  # a call opens: its id, name and the arguments known so far
+            delta = {
+                "index": calls - 1,
+                "id": call_id(),
+                "type": "function",
+                "function": {"name": value.name, "arguments": value.arguments},
+            }
+        else:  # more arguments of the open call
+            delta = {"index": calls - 1, "function": {"arguments": value}}
+        lps = None if logprobs is None else chat_logprobs(logprobs)
+        return {"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": lps}
 
     def chunk_choice(
         self,
@@ -57,19 +89,6 @@ class ChatHandler(OpenAIServing):
         return {"index": index, "delta": delta, "finish_reason": finish_reason, "logprobs": lps}
 
 
-def tool_calls(text: str, tool_call: str) -> list[dict[str, Any]] | None:
-    """The answer of a chat whose ``tool_choice`` named a function (``tool_call``: its name; the text is the
-    arguments) or was ``"required"`` (``ANY_TOOL``; the text is a list of ``{"name", "parameters"}``) as OpenAI's
-    ``tool_calls``; None where the text does not parse (an answer cut short)."""
-    if tool_call != ANY_TOOL:
-        calls = [(tool_call, text)]
-    else:
-        try:
-            items = json.loads(text)
-        except ValueError:
-            return None
-        calls = [(item["name"], json.dumps(item["parameters"], ensure_ascii=False)) for item in items]
-    return [
-        {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": args}}
-        for name, args in calls
-    ]
+def call_id() -> str:
+    """A new tool call's id (OpenAI's form)."""
+    return "call_" + uuid.uuid4().hex[:24]

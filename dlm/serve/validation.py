@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 
 ANY_TOOL = "*"  # ParsedRequest.tool_call of tool_choice "required" (no function name has a "*")
+NAMED_TOOL = "="  # ParsedRequest.tool_call of a named tool_choice: "=" + the function's name
 
 
 @dataclass
@@ -39,7 +40,16 @@ class ParsedRequest:
     logprobs: int | None = None
     echo: bool = False
     structured: StructuredOutput | None = None
-    tool_call: str | None = None  # chat: the function the answer calls (a named tool_choice), or ANY_TOOL
+    # chat: how the answer is read as tool calls (dlm.serve.tool_calls.reader): NAMED_TOOL + the function a named
+    # tool_choice calls, ANY_TOOL ("required"), or the parser of the model's format ("auto"); None: plain text
+    tool_call: str | None = None
+    tool_names: frozenset[str] = frozenset()  # the functions the answer may call
+
+    def tool_reader(self):
+        """A fresh reader of one choice's answer as tool calls (:mod:`dlm.serve.tool_calls`), or None."""
+        from dlm.serve.tool_calls import reader
+
+        return None if self.tool_call is None else reader(self.tool_call, self.tool_names)
 
     @property
     def prompt_tokens(self) -> int:
@@ -139,6 +149,9 @@ class RequestValidator:
         self.decoder = decoder  # the engine's decoder name (for messages)
         self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
         self.eos_ids = eos_ids  # the engine's default stop tokens
+        from dlm.serve.tool_calls import resolve
+
+        self.tool_parser = resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
 
     @classmethod
     def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
@@ -192,13 +205,17 @@ class RequestValidator:
                     param="tool_choice",
                 )
             structured = calls
-        return ParsedRequest(prompt_ids, max_tokens, logprobs, structured=structured, tool_call=tool_call)
+        names = frozenset(t.function.name for t in body.tools or [])
+        return ParsedRequest(
+            prompt_ids, max_tokens, logprobs, structured=structured, tool_call=tool_call, tool_names=names
+        )
 
     def tool_call(self, body: ChatCompletionRequest) -> tuple[str | None, StructuredOutput | None]:
-        """A chat's ``tool_choice`` over its ``tools``: (the named function or :data:`ANY_TOOL`, the structured output
-        its arguments must match), or (None, None) for plain text. 400 naming the field for ``"auto"`` (it needs a
-        parser of the model's own tool-call format), a function that is not among the tools, tools with
-        ``stream`` (calls are answered whole) or with a decoder that does not draw tokens left to right."""
+        """A chat's ``tool_choice`` over its ``tools``: (how its answer is read as calls - see
+        :attr:`ParsedRequest.tool_call` -, the structured output a named or required call's arguments must match),
+        or (None, None) for plain text. 400 naming the field for ``"auto"`` without a parser of the model's own
+        tool-call format, a function that is not among the tools, or a named / required call with a decoder that
+        does not draw tokens left to right."""
         from dlm.decode.structured import StructuredOutput
         from dlm.errors import DLMError
 
@@ -210,17 +227,19 @@ class RequestValidator:
         if not tools:
             raise APIError(400, "tool_choice needs 'tools' (the functions the answer may call)", param="tool_choice")
         if choice == "auto":
-            raise APIError(
-                400,
-                "tool_choice 'auto' needs a parser of the model's own tool-call format, which dlm serve does not "
-                "have; set tool_choice to 'required' (the answer calls one or more of the tools), to "
-                "{'type': 'function', 'function': {'name': ...}} (it calls that one) or to 'none'",
-                param="tool_choice",
-                code="unsupported_parameter",
-            )
+            if self.tool_parser is None:
+                raise APIError(
+                    400,
+                    f"tool_choice 'auto' (the default with tools) reads the model's own tool-call format, and the chat "
+                    f"template of '{self.settings.model_name}' shows none dlm serve knows; start dlm serve with "
+                    f"--tool-call-parser hermes or llama3_json if the model writes one of those, or set tool_choice "
+                    f"to 'required' (the answer calls one or more of the tools), to "
+                    f"{{'type': 'function', 'function': {{'name': ...}}}} (it calls that one) or to 'none'",
+                    param="tool_choice",
+                    code="unsupported_parameter",
+                )
+            return self.tool_parser, None
         self.left_to_right_only("tool_choice")
-        if body.stream:
-            raise APIError(400, "tool calls are answered whole: set stream to false", param="stream")
         by_name = {t.function.name: t.function.parameters or {"type": "object"} for t in tools}
         if choice == "required":  # vLLM's shape: a list of {"name": ..., "parameters": {...}}
             schema = {
@@ -238,10 +257,11 @@ class RequestValidator:
                     ]
                 },
             }
-            name = ANY_TOOL
+            mode = ANY_TOOL
         else:
             assert not isinstance(choice, str)
             name = choice.function.name
+            mode = NAMED_TOOL + name
             if name not in by_name:
                 raise APIError(
                     400,
@@ -256,7 +276,7 @@ class RequestValidator:
             raise APIError(
                 400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
             ) from e
-        return name, spec
+        return mode, spec
 
     def chat_text(
         self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None

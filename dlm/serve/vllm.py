@@ -147,6 +147,7 @@ def server_args(
     max_num_seqs: int | None = None,
     dtype: str = "auto",
     prefix_caching: bool = True,
+    tool_call_parser: str | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The flags both ``python -m vllm.entrypoints.openai.api_server`` and ``vllm serve`` take (model first)."""
@@ -173,6 +174,8 @@ def server_args(
         args += ["--max-num-seqs", str(max_num_seqs)]
     if not prefix_caching:  # vLLM's own prefix cache is on by default (its KV blocks, sized by its cache)
         args += ["--no-enable-prefix-caching"]
+    if tool_call_parser:  # tool_choice "auto" read in the model's format (vLLM's parser of the same name)
+        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
     return args + list(extra or [])
 
 

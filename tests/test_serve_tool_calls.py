@@ -1,0 +1,201 @@
+"""Reading a chat answer as OpenAI's ``content`` and ``tool_calls`` (:mod:`dlm.serve.tool_calls`): each format's
+calls and content, the same message however the text is cut into streamed pieces, the format found in a chat
+template, and the request checks that pick the reader."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dlm.errors import DLMError
+from dlm.serve.tool_calls import Call, detect, read_all, reader, resolve, template_in_folder
+
+NAMES = frozenset({"get_weather", "now"})
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "°C"}}'
+
+
+def streamed(mode: str, text: str, cuts: list[int]) -> tuple[str, list[Call]]:
+    """``text`` fed to a reader in pieces cut at ``cuts``, joined the way a streaming client joins its deltas."""
+    r = reader(mode, NAMES)
+    pieces = []
+    bounds = [0, *sorted(cuts), len(text)]
+    for a, b in zip(bounds, bounds[1:]):
+        pieces += r.feed(text[a:b])
+    pieces += r.finish()
+    content, calls = "", []
+    for kind, value in pieces:
+        if kind == "content":
+            content += value
+        elif kind == "call":
+            calls.append(Call(value.name, value.arguments))
+        else:
+            calls[-1].arguments += value
+    return content, calls
+
+
+def same_however_cut(mode: str, text: str) -> tuple[str, list[Call]]:
+    """The message of ``text`` read whole, asserted equal to it read in two pieces at every cut and a character at
+    a time (what a stream sends must add up to what a collected answer holds)."""
+    whole = read_all(reader(mode, NAMES), text)
+    for k in range(len(text) + 1):
+        assert streamed(mode, text, [k]) == whole, (mode, text, k)
+    assert streamed(mode, text, list(range(len(text)))) == whole
+    return whole
+
+
+def calls(*pairs):
+    return [Call(n, a) for n, a in pairs]
+
+
+@pytest.mark.parametrize(
+    "text, content, want",
+    [
+        # Qwen2.5 / Qwen3's own layout: a line before, each call on its own lines
+        (
+            f"Let me check.\n<tool_call>\n{WEATHER}\n</tool_call>\n<tool_call>\n" + '{"name": "now"}\n</tool_call>',
+            "Let me check.",
+            [("get_weather", '{"city": "Paris", "unit": "°C"}'), ("now", "{}")],
+        ),
+        (f"<tool_call>{WEATHER}</tool_call>\nDone.", "\nDone.", [("get_weather", '{"city": "Paris", "unit": "°C"}')]),
+        # arguments written as JSON text are read as the object they spell
+        (
+            '<tool_call>{"name": "now", "arguments": "{\\"tz\\": \\"UTC\\"}"}</tool_call>',
+            "",
+            [("now", '{"tz": "UTC"}')],
+        ),
+        # a closing tag an argument spells does not close the block
+        (
+            '<tool_call>{"name": "now", "arguments": {"s": "a</tool_call>\\""}}</tool_call>',
+            "",
+            [("now", '{"s": "a</tool_call>\\""}')],
+        ),
+        # the last block left open by the end of the answer (EOS before the closing tag)
+        ('Sure <tool_call>{"name": "now", "arguments": {}}', "Sure", [("now", "{}")]),
+        # not calls: an unknown function, broken JSON, arguments that are not an object, a block cut short
+        ('a <tool_call>{"name": "launch", "arguments": {}}</tool_call> b', None, []),
+        ("a <tool_call>{not json}</tool_call>", None, []),
+        ('<tool_call>{"name": "now", "arguments": [1]}</tool_call>', None, []),
+        ('<tool_call>{"name": "now", "argu', None, []),
+        # plain answers: the text as it is, trailing space and a tag's first letters included
+        ("It is sunny. <tool_", None, []),
+        ("Two lines\n\n", None, []),
+        ("", None, []),
+    ],
+)
+def test_hermes(text, content, want):
+    got_content, got_calls = same_however_cut("hermes", text)
+    assert got_calls == calls(*want)
+    assert got_content == (text if content is None else content)
+
+
+def test_llama3_json():
+    one = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+    assert same_however_cut("llama3_json", one) == ("", calls(("get_weather", '{"city": "Oslo"}')))
+    two = ' {"name": "now", "parameters": {}}; ' + one
+    assert same_however_cut("llama3_json", two)[1] == calls(("now", "{}"), ("get_weather", '{"city": "Oslo"}'))
+    # prose, JSON that is not a call, and text after the calls
+    for text in ['The answer is {"name": "now"}', '{"answer": 42}', "", "  \n"]:
+        assert same_however_cut("llama3_json", text) == (text, []), text
+    assert same_however_cut("llama3_json", one + " Anything else?") == (
+        "Anything else?",  # the separators after a call are not text
+        calls(("get_weather", '{"city": "Oslo"}')),
+    )
+    assert same_however_cut("llama3_json", '{"name": "now", "parameters": {"tz"') == (
+        '{"name": "now", "parameters": {"tz"',
+        [],
+    )
+
+
+def test_required_list_and_named_arguments():
+    listed = '[{"name":"now","parameters":{}},{"name":"get_weather","parameters":{"city":"Oslo"}}]'
+    assert same_however_cut("*", listed) == ("", calls(("now", "{}"), ("get_weather", '{"city": "Oslo"}')))
+    # cut short: the calls that closed, the rest as text
+    cut = listed[:-12]
+    content, got = same_however_cut("*", cut)
+    assert got == calls(("now", "{}")) and content == cut[len('[{"name":"now","parameters":{}},') :]
+    # named: the text is the arguments, sent as they come (a cut answer: the arguments so far)
+    for text in ['{"city":"Oslo"}', '{"ci', ""]:
+        assert same_however_cut("=get_weather", text) == ("", calls(("get_weather", text)))
+    r = reader("=get_weather", NAMES)
+    assert r.feed('{"ci') == [("call", Call("get_weather")), ("arguments", '{"ci')]
+    assert r.feed('ty":1}') == [("arguments", 'ty":1}')] and r.finish() == []
+
+
+QWEN_LIKE = (
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n"
+    'For each function call, return a json object within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n{%- endif %}'
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+)
+LLAMA_LIKE = (
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}{%- if tools %}{{- 'Environment: ipython\\n' }}"
+    "{%- endif %}{%- for m in messages %}{{ m.content }}{%- if m.tool_calls %}{{- '<|python_tag|>' }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+class _Tok:
+    def __init__(self, template):
+        self.chat_template = template
+
+
+def test_the_format_is_found_in_the_chat_template():
+    assert detect(_Tok(QWEN_LIKE)) == "hermes"
+    assert detect(_Tok(LLAMA_LIKE)) == "llama3_json"
+    assert detect(_Tok({"default": QWEN_LIKE, "tool_use": LLAMA_LIKE})) == "llama3_json"  # tools: tool_use's
+    assert detect({"default": QWEN_LIKE, "rag": LLAMA_LIKE}) == "hermes"
+    for tok in (_Tok("{% for m in messages %}{{ m.content }}{% endfor %}"), _Tok(None), object()):
+        assert detect(tok) is None
+    assert resolve("auto", QWEN_LIKE) == "hermes" and resolve("auto", None) is None
+    assert resolve("auto", _Tok(QWEN_LIKE)) == "hermes" and resolve("none", _Tok(QWEN_LIKE)) is None
+    assert resolve("llama3_json", _Tok(None)) == "llama3_json"  # a flag given by hand is taken as it is
+    from dlm.serve.settings import ServeSettings
+
+    with pytest.raises(DLMError, match="--tool-call-parser must be one of auto, none, hermes, llama3_json"):
+        ServeSettings(tool_call_parser="qwen")
+
+
+def test_the_template_is_read_from_a_model_folder(tmp_path):
+    """``--engine vllm`` finds the format without loading the tokenizer: the template file or the field that
+    transformers saves, whichever the folder has."""
+    from dlm.testing import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = QWEN_LIKE
+    tok.save_pretrained(tmp_path / "saved")
+    assert template_in_folder(tmp_path / "saved") == QWEN_LIKE
+    (tmp_path / "field").mkdir()
+    (tmp_path / "field" / "tokenizer_config.json").write_text(json.dumps({"chat_template": LLAMA_LIKE}))
+    assert resolve("auto", template_in_folder(tmp_path / "field")) == "llama3_json"
+    (tmp_path / "named").mkdir()
+    named = [{"name": "default", "template": "plain"}, {"name": "tool_use", "template": QWEN_LIKE}]
+    (tmp_path / "named" / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert template_in_folder(tmp_path / "named") == {"default": "plain", "tool_use": QWEN_LIKE}
+    assert resolve("auto", template_in_folder(tmp_path / "named")) == "hermes"
+    assert template_in_folder(tmp_path) is None
+
+
+def test_tool_choice_auto_with_a_template_that_writes_tool_calls():
+    """With a chat template in the hermes format, ``"auto"`` (given or by default with tools) is accepted, free
+    text (no structured output), streamable; ``--tool-call-parser none`` refuses it again, naming the field."""
+    pytest.importorskip("fastapi")
+    from dlm.serve.schemas import APIError, ChatCompletionRequest
+    from dlm.serve.settings import ServeSettings
+    from dlm.serve.validation import RequestValidator
+    from dlm.testing import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = QWEN_LIKE
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "Time?"}]
+    v = RequestValidator(ServeSettings(model_name="tiny"), tok, vocab_size=320, max_positions=512)
+    for extra in ({}, {"tool_choice": "auto"}, {"stream": True}):
+        p = v.chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=tools, **extra))
+        assert p.tool_call == "hermes" and p.structured is None and p.tool_names == {"now"}
+    prompt = tok.decode(p.prompts[0])
+    assert '"name": "now"' in prompt and "<tool_call>" in prompt  # the tools reach the template
+    off = RequestValidator(ServeSettings(model_name="tiny", tool_call_parser="none"), tok, 320, 512)
+    with pytest.raises(APIError) as e:
+        off.chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=tools))
+    assert e.value.param == "tool_choice" and "--tool-call-parser" in e.value.message

@@ -465,6 +465,11 @@ def test_tool_calls_are_the_constrained_arguments(client, engine):
     # one short call (this tokenizer spells JSON a character a token)
     req = client.chat.completions.create(**{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
     assert answered(req.choices[0]) == (None, [("now", "{}")], "tool_calls")
+    from dlm.serve.schemas import ChatCompletion  # the answer /openapi.json documents
+
+    url = str(client.base_url).rstrip("/")
+    body = dict(kw, max_tokens=48, tools=tools[1:], tool_choice="required")
+    ChatCompletion.model_validate(httpx.post(url + "/chat/completions", json=body, timeout=60).json())
     again = collect_stream(client, **{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
     assert again[:3] == (None, [("now", "{}")], "tool_calls")
     history = messages + [

@@ -320,9 +320,21 @@ class Completion(BaseModel):
     usage: Usage
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None  # None: an answer that is only tool calls
+    tool_calls: list[ToolCall] | None = None  # present when the answer calls tools
 
 
 class TopLogprob(BaseModel):
@@ -343,7 +355,7 @@ class ChatLogprobs(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
     logprobs: ChatLogprobs | None = None
 
 

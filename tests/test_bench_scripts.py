@@ -89,3 +89,27 @@ def test_structured_bench_runs_and_checks_equality(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ISD") or line.startswith("| AR + schema")]
     assert len(rows) == 4 and all(line.rstrip().endswith("| 2/2 |") for line in rows), run.stdout
+
+
+@pytest.mark.integration
+def test_prefill_chat_bench_runs_and_checks_equality(tmp_path):
+    """bench/prefill.py --mode chat on a tiny model: every chat the same with either cache as without (the script's
+    own check), and the radix tree, which keeps a conversation's turns once, computes no more prompt tokens than
+    flat copies of the same budget."""
+    model = save_tiny(tmp_path / "tiny")
+    args = ["--conversations", "3", "--turns", "3", "--prompt-tokens", "40", "--new-tokens", "8"]
+    run = subprocess.run(
+        ["python", "bench/prefill.py", "--mode", "chat", "--model", str(model), *args]
+        + ["--answer-tokens", "8", "--cache-tokens", "300", "--repeats", "1", "--threads", "1"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "every chat the same with and without a cache" in run.stdout
+    rows = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.strip().endswith("x")}
+    computed = {k: int(v[-5]) for k, v in rows.items()}
+    assert computed["radix"] <= computed["flat"] < computed["no"], run.stdout
+    assert all(int(v[-3]) <= 300 for v in rows.values()), run.stdout  # kept within the budget

@@ -413,6 +413,64 @@ def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
     assert len(cache) == 2 and cache.lookup(list(range(100, 120))) is None and cache.stored_tokens == 40
 
 
+def spelled_kv(tokens, layers=2):
+    """KV that spells its tokens: per layer, keys[..., j, :] = (token j, layer) and values the negatives, so a
+    lookup's answer shows which tokens' KV it joined, in which order."""
+    t = torch.tensor(tokens, dtype=torch.float32)
+    out = []
+    for layer in range(layers):
+        k = torch.stack([t, torch.full_like(t, layer)], dim=-1)[None, None].expand(1, 2, -1, -1).clone()
+        out.append((k, -k))
+    return out
+
+
+def test_prefix_cache_shares_the_kv_of_shared_beginnings():
+    """Prompts that start the same share the KV of that start: a conversation's turns, each stored whole, take the
+    room of the longest; two branches the room of their common part and each one's rest. A lookup anywhere along
+    them answers the longest stored prefix with exactly those tokens' KV, joined across the tree's nodes."""
+    from dlm.decode.prefix import PrefixCache
+
+    cache = PrefixCache(max_tokens=1000, min_tokens=4)
+    turn1 = list(range(100, 130))
+    turn2 = turn1 + list(range(200, 220))
+    turn3 = turn2 + list(range(300, 340))
+    for t in (turn1, turn2, turn3):
+        cache.store(t, spelled_kv(t))
+    assert cache.stored_tokens == len(turn3) - 1 and len(cache) == 1
+    branch = turn1[:20] + list(range(400, 425))  # leaves turn 1 after 20 tokens
+    cache.store(branch, spelled_kv(branch))
+    assert cache.stored_tokens == len(turn3) - 1 + 24 and len(cache) == 2
+    for prompt, c in [
+        (turn3 + [1, 2], len(turn3) - 1),  # the longest stored (each stored prompt but its last token), and more
+        (turn2[:45] + [7], 45),  # inside the second turn's run
+        (turn1[:20] + [400, 401, 402, 9], 23),  # along the branch
+        (branch, len(branch) - 1),  # itself: all but its last token (the prefill feeds one)
+        (turn1[:3] + [5], None),  # under min_tokens
+        ([1] + turn1, None),
+    ]:
+        got = cache.lookup(prompt)
+        if c is None:
+            assert got is None, prompt
+            continue
+        assert got[0] == c, prompt
+        for (k, v), (wk, wv) in zip(got[1], spelled_kv(prompt[:c])):
+            assert torch.equal(k[:, :, :c], wk) and torch.equal(v[:, :, :c], wv)
+    # beyond the budget the least recently used leaves go, one by one; a shared start stays while a branch uses it
+    small = PrefixCache(max_tokens=90, min_tokens=4)
+    small.store(turn3, spelled_kv(turn3))  # 89 tokens
+    small.store(branch, spelled_kv(branch))  # + 24 > 90: turn 3 after the shared 20 goes, not the newer branch
+    assert small.stored_tokens == 20 + 24 and len(small) == 1
+    assert small.lookup(turn3 + [1])[0] == 20 and small.lookup(branch)[0] == len(branch) - 1
+    small.store(turn2, spelled_kv(turn2))  # + 29 (after the shared 20): 73
+    assert small.lookup(branch + [5])[0] == len(branch) - 1  # the branch is used again, turn 2 is not
+    other = list(range(500, 531))
+    small.store(other, spelled_kv(other))  # + 30 > 90: turn 2's own 29 go
+    assert small.stored_tokens == 20 + 24 + 30 and len(small) == 2
+    assert small.lookup(turn2 + [1])[0] == 20 and small.lookup(other)[0] == 30
+    got = small.lookup(branch)
+    assert got[0] == 44 and all(torch.equal(k, w[0]) for (k, _), w in zip(got[1], spelled_kv(branch[:44])))
+
+
 @pytest.mark.parametrize("decoder", ["ar", "isd"])
 def test_prefix_cache_keeps_a_finished_answer_for_the_next_turn(decoder):
     """A finished request's prompt and output go into the prefix cache (from its live slots: ISD's rejected drafts

@@ -793,3 +793,52 @@ def test_hermes_answers_read_the_same_however_streamed(parts, layout, cuts):
     pieces += r.finish()
     got_calls = [v for k, v in pieces if k == "call"]
     assert "".join(v for k, v in pieces if k == "content") == whole[0] and got_calls == want
+
+
+# ============================================================================================ prefix cache
+@examples(25, 400)
+@given(
+    ops=st.lists(
+        st.tuples(st.booleans(), st.lists(st.integers(0, 2), min_size=1, max_size=24)), min_size=1, max_size=30
+    ),
+    budget=st.sampled_from([12, 40, 10_000]),
+    min_tokens=st.integers(1, 5),
+)
+def test_prefix_cache_answers_the_longest_stored_prefix_with_its_kv(ops, budget, min_tokens):
+    """Any mix of stores and lookups (three token values, so prompts share beginnings and split the tree's runs
+    everywhere): a lookup answers a stored prefix with exactly its tokens' KV - without eviction the longest one of
+    any stored prompt (all but its last token), at least ``min_tokens`` and short of the whole prompt; a prompt
+    just stored is found whole; the tokens kept are within the budget and counted once."""
+    from test_decode_engine import spelled_kv
+
+    from dlm.decode.prefix import PrefixCache
+
+    cache = PrefixCache(max_tokens=budget, min_tokens=min_tokens)
+    stored: list[list[int]] = []
+
+    def lcp(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    for is_store, seq in ops:
+        if is_store:
+            cache.store(seq, spelled_kv(seq, layers=1))
+            if min_tokens <= len(seq) - 1 <= budget:
+                stored.append(seq[:-1])
+                got = cache.lookup(seq[:-1] + [9])
+                assert got is not None and got[0] == len(seq) - 1
+        else:
+            got = cache.lookup(seq)
+            best = max((lcp(seq[:-1], s) for s in stored), default=0)
+            if budget == 10_000:  # nothing was evicted
+                assert (got is None) == (best < min_tokens) and (got is None or got[0] == best)
+            if got is not None:
+                c, ((k, v),) = got
+                assert min_tokens <= c <= best and c < len(seq)
+                ((wk, wv),) = spelled_kv(seq[:c], layers=1)
+                assert torch.equal(k, wk) and torch.equal(v, wv)
+        kept = sum(len(n.tokens) for n in cache._nodes())
+        assert kept == cache.stored_tokens <= budget
+        assert all(n.kv[0][0].shape[2] == len(n.tokens) for n in cache._nodes())

@@ -39,7 +39,9 @@ def engine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(engine):
-    settings = ServeSettings(model_name=MODEL, max_tokens_limit=160, tool_call_parser="hermes")
+    settings = ServeSettings(
+        model_name=MODEL, max_tokens_limit=160, tool_call_parser="hermes", reasoning_parser="think"
+    )
     app = create_app(Scheduler(engine, threads=1), settings)
     with ServerThread(app) as srv:
         yield srv
@@ -391,14 +393,18 @@ def test_structured_outputs_answer_what_the_engine_gives(client, engine):
     assert plain == client.completions.create(**kw).choices[0].text
 
 
-def collect_stream(client, **kw):
+def collect_stream(client, thoughts=None, **kw):
     """A streamed chat answer put together as a client does: (content or None, [(name, arguments)], finish,
-    log-probabilities' tokens); each call's first delta carries its id, type and name, later ones only arguments."""
+    log-probabilities' tokens); each call's first delta carries its id, type and name, later ones only arguments.
+    ``thoughts``: a list the reasoning deltas are appended to."""
+    thoughts = [] if thoughts is None else thoughts
     content, calls, finish, lps = None, [], None, []
     for chunk in client.chat.completions.create(**kw, stream=True):
         (ch,) = chunk.choices
         if ch.delta.content:
             content = (content or "") + ch.delta.content
+        if getattr(ch.delta, "reasoning_content", None):
+            thoughts.append(ch.delta.reasoning_content)
         for d in ch.delta.tool_calls or []:
             if d.id is not None:
                 assert d.index == len(calls) and d.type == "function" and d.id.startswith("call_")
@@ -525,3 +531,35 @@ def test_tool_choice_auto_reads_the_models_own_calls(client, engine):
     whole = len(encode(engine, call)) + 2
     plain = client.chat.completions.create(**dict(kw, max_tokens=whole, tool_choice="none", extra_body=forced(call)))
     assert answered(plain.choices[0]) == (call, [], "stop")  # no tools offered: the text as it is
+
+
+def test_reasoning_is_sent_apart(client, engine):
+    """A ``<think>`` block at the start of the answer is ``reasoning_content`` (vLLM's field), the rest - without
+    the whitespace after the tag - the content, collected and streamed alike; a tool call written inside the block
+    is not a call. The random model is made to think by a regex."""
+    pytest.importorskip("llguidance")
+    call = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+    for text, want, extra in [
+        ("<think>plan it</think>\n\nIt is 12.", ("It is 12.", [], "stop", "plan it"), {}),
+        (
+            f"<think>maybe {call}</think>\n{call}",
+            (None, [("now", "{}")], "tool_calls", f"maybe {call}"),
+            {"tools": tools},
+        ),
+        ("No <think>x</think>", ("No <think>x</think>", [], "stop", None), {}),
+    ]:
+        body = dict(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Time?"}],
+            temperature=0,
+            max_tokens=len(encode(engine, text)) + 2,
+            extra_body={"structured_outputs": {"regex": re.escape(text)}},
+            **extra,
+        )
+        r = client.chat.completions.create(**body).choices[0]
+        assert (*answered(r), getattr(r.message, "reasoning_content", None)) == want, text
+        thoughts: list[str] = []
+        streamed = collect_stream(client, thoughts, **body, logprobs=True)
+        assert (*streamed[:3], "".join(thoughts) or None) == want, text
+        assert "".join(streamed[3]) == text  # every token's log-probability, reasoning tokens included

@@ -1,6 +1,7 @@
-"""Reading a chat answer as OpenAI's ``content`` and ``tool_calls`` (:mod:`dlm.serve.tool_calls`): each format's
-calls and content, the same message however the text is cut into streamed pieces, the format found in a chat
-template, and the request checks that pick the reader."""
+"""Reading a chat answer as OpenAI's ``content`` and ``tool_calls`` (:mod:`dlm.serve.tool_calls`) and vLLM's
+``reasoning_content`` (:mod:`dlm.serve.reasoning`): each format's calls, reasoning and content, the same message
+however the text is cut into streamed pieces, the format found in a chat template, and the request checks that pick
+the reader."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def streamed(mode: str, text: str, cuts: list[int]) -> tuple[str, list[Call]]:
 def same_however_cut(mode: str, text: str) -> tuple[str, list[Call]]:
     """The message of ``text`` read whole, asserted equal to it read in two pieces at every cut and a character at
     a time (what a stream sends must add up to what a collected answer holds)."""
-    whole = read_all(reader(mode, NAMES), text)
+    whole = read_all(reader(mode, NAMES), text)[:2]
     for k in range(len(text) + 1):
         assert streamed(mode, text, [k]) == whole, (mode, text, k)
     assert streamed(mode, text, list(range(len(text)))) == whole
@@ -199,3 +200,102 @@ def test_tool_choice_auto_with_a_template_that_writes_tool_calls():
     with pytest.raises(APIError) as e:
         off.chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=tools))
     assert e.value.param == "tool_choice" and "--tool-call-parser" in e.value.message
+
+
+def thought(text: str, inside: bool, tools: str | None = None) -> tuple[str, list[Call], str | None]:
+    """``text`` through the reasoning reader (``tools``: then a tool-call reader), asserted the same however cut."""
+    from dlm.serve.reasoning import Thinking
+
+    def make():
+        return Thinking(inside, then=None if tools is None else reader(tools, NAMES))
+
+    whole = read_all(make(), text)
+    for cuts in [[k] for k in range(len(text) + 1)] + [list(range(len(text)))]:
+        r, pieces = make(), []
+        bounds = [0, *cuts, len(text)]
+        for a, b in zip(bounds, bounds[1:]):
+            pieces += r.feed(text[a:b])
+        pieces += r.finish()
+        content = "".join(v for k, v in pieces if k == "content")
+        got_calls = [v for k, v in pieces if k == "call"]
+        parts = [v for k, v in pieces if k == "reasoning"]
+        assert (content, got_calls, "".join(parts) if parts else None) == whole, (text, cuts)
+    return whole
+
+
+def test_reasoning_is_split_from_the_content():
+    # the model opens the block (Qwen3)
+    assert thought("<think>\nplan it</think>\n\nIt is 12.", inside=False) == ("It is 12.", [], "\nplan it")
+    assert thought("\n<think>a</think>b", inside=False) == ("b", [], "a")
+    assert thought("<think></think>\n\nOK", inside=False) == ("OK", [], None)  # enable_thinking off: empty
+    for plain in ["It is 12.", "x <think>y</think>", "<thin", " ", ""]:  # no block at the start: all content
+        assert thought(plain, inside=False) == (plain, [], None), plain
+    # the template opened it at the end of the prompt (DeepSeek-R1, thinking-only Qwen3)
+    assert thought("plan</think>\n\nAnswer", inside=True) == ("Answer", [], "plan")
+    # left open by max_tokens: all reasoning
+    assert thought("<think>plan </thi", inside=False) == ("", [], "plan </thi")
+    assert thought("plan", inside=True) == ("", [], "plan")
+    # a call the model only thinks about is not a call; the one after the block is
+    call = '<tool_call>{"name": "now", "arguments": {}}</tool_call>'
+    text = f"<think>maybe {call}?</think>\nSure.\n{call}"
+    assert thought(text, inside=False, tools="hermes") == ("Sure.", [Call("now", "{}")], f"maybe {call}?")
+
+
+def test_the_reasoning_format_is_found_in_the_chat_template():
+    from dlm.serve.reasoning import detect, opens_in_prompt
+    from dlm.serve.reasoning import resolve as resolve_reasoning
+    from dlm.serve.settings import ServeSettings
+
+    qwen3 = QWEN_LIKE + "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
+    assert detect(_Tok(qwen3)) == "think" and detect(_Tok(QWEN_LIKE)) is None and detect(_Tok(None)) is None
+    assert resolve_reasoning("none", _Tok(qwen3)) is None and resolve_reasoning("think", _Tok(None)) == "think"
+    assert opens_in_prompt("<|im_start|>assistant\n<think>\n") and not opens_in_prompt("<think>\n\n</think>\n\n")
+    with pytest.raises(DLMError, match="--reasoning-parser must be one of auto, none, think"):
+        ServeSettings(reasoning_parser="qwen3")
+
+
+def test_chat_template_fields_reach_the_template():
+    """vLLM's ``chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``), ``add_generation_prompt`` and
+    ``continue_final_message`` shape the prompt; variables the server sets itself and contradictory fields are a
+    400 naming the field; a prompt the template leaves inside ``<think>`` has its answer read as reasoning first."""
+    pytest.importorskip("fastapi")
+    from dlm.serve.schemas import APIError, ChatCompletionRequest
+    from dlm.serve.settings import ServeSettings
+    from dlm.serve.validation import RequestValidator
+    from dlm.testing import make_tokenizer
+
+    tok = make_tokenizer()
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "{% if not (continue_final_message and loop.last) %}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n"
+        "{% endif %}{% endif %}"
+    )
+    v = RequestValidator(ServeSettings(model_name="tiny"), tok, vocab_size=320, max_positions=512)
+    msgs = [{"role": "user", "content": "Time?"}]
+
+    def prompt(**kw):
+        p = v.chat(ChatCompletionRequest(model="tiny", messages=kw.pop("messages", msgs), **kw))
+        return tok.decode(p.prompts[0]), p
+
+    text, p = prompt()
+    assert text.endswith("<think>\n") and p.reasoning == "open"  # found in the template: the answer starts inside
+    text, p = prompt(chat_template_kwargs={"enable_thinking": False})
+    assert text.endswith("</think>\n\n") and p.reasoning == "tags"
+    text, _ = prompt(add_generation_prompt=False)
+    assert text.endswith("Time?<|im_end|>\n")
+    partial = msgs + [{"role": "assistant", "content": "It is"}]
+    text, _ = prompt(messages=partial, add_generation_prompt=False, continue_final_message=True)
+    assert text.endswith("<|im_start|>assistant\nIt is")
+    for kw, param in [
+        (dict(chat_template_kwargs={"tools": []}), "chat_template_kwargs"),
+        (dict(chat_template_kwargs={"add_generation_prompt": False}), "chat_template_kwargs"),
+        (dict(messages=partial, continue_final_message=True), "continue_final_message"),  # and a generation prompt
+        (dict(add_generation_prompt=False, continue_final_message=True), "continue_final_message"),  # user last
+    ]:
+        with pytest.raises(APIError) as e:
+            prompt(**kw)
+        assert e.value.param == param, kw
+    off = RequestValidator(ServeSettings(model_name="tiny", reasoning_parser="none"), tok, 320, 512)
+    assert off.chat(ChatCompletionRequest(model="tiny", messages=msgs)).reasoning is None

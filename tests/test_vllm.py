@@ -315,6 +315,9 @@ def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch)
     assert "--decode isd runs on dlm's engine only" in capsys.readouterr().err
     assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), "--stride", "3"]) == 2
     assert "--stride" in capsys.readouterr().err
+    vllm_flags = ["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target)]
+    assert main([*vllm_flags, "--reasoning-parser", "think"]) == 2
+    assert "--vllm-arg=--reasoning-parser=qwen3" in capsys.readouterr().err
     assert main(["serve", "--model", str(target), "--drafter", str(target)]) == 2
     assert "--drafter goes with --engine vllm" in capsys.readouterr().err
     assert (

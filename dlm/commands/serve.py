@@ -23,6 +23,7 @@ import argparse
 from dlm.commands.generate import PREFIX_CACHE_DEFAULT, STATIC_CACHE_HELP
 from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
+from dlm.serve.reasoning import CHOICES as REASONING_CHOICES
 from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
 
 SERVE_DEFAULTS = {
@@ -69,6 +70,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the format the model writes tool calls in, read for tool_choice 'auto' (the default with tools): "
         "hermes (<tool_call> tags: Qwen2.5/3, Dream, SDAR, I-DLM) or llama3_json; auto (default): the one its chat "
         "template asks for, if any; none: tool_choice 'auto' refused",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=REASONING_CHOICES,
+        help="think: a <think> ... </think> block of the answer (Qwen3, SDAR, I-DLM, DeepSeek-R1) is sent as "
+        "reasoning_content; auto (default): think where the chat template writes <think>; none: all content "
+        "(--engine vllm: give vLLM's own with --vllm-arg=--reasoning-parser=qwen3)",
     )
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from dlm.decode.configs import add_decoder_arguments
@@ -133,6 +142,11 @@ def run_vllm(args) -> int:
         raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
+    if args.reasoning_parser != "auto":
+        raise DLMError(
+            "--reasoning-parser is dlm's engine's; vLLM has its own parsers: --vllm-arg=--reasoning-parser=qwen3 "
+            "(or deepseek_r1, ...)"
+        )
     if args.num_speculative_tokens is not None and not args.drafter:
         raise DLMError("--num-speculative-tokens needs --drafter DIR")
     python = vllm.vllm_python(args.vllm_python)
@@ -224,6 +238,7 @@ def run(args) -> int:
         api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(
@@ -240,10 +255,12 @@ def run(args) -> int:
     stride = getattr(engine.decoder, "stride", None)
     policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
     parser = app.state.validator.tool_parser
+    thinking = app.state.validator.reasoning_parser
     print(
         f"dlm serve: '{settings.model_name}' with {args.decode}"
         + (f" (stride {stride}, drafting: {policy})" if stride else "")
         + (f", tool calls read as {parser}" if parser else "")
+        + (", <think> sent as reasoning_content" if thinking else "")
         + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1",
         flush=True,
     )

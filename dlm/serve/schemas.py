@@ -8,7 +8,7 @@ the served model name, the context length) are checked by :mod:`dlm.serve.valida
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -166,12 +166,24 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     # "required" or a named function: the answer is a call, constrained to the functions' parameter schemas;
-    # "none": plain text; "auto" (OpenAI's default with tools) would need a model-specific parser: refused
+    # "none": plain text; "auto" (OpenAI's default with tools): free text read in the model's own tool-call format
+    # (--tool-call-parser; dlm.serve.tool_calls)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # vLLM's: how the messages go through the chat template
+    chat_template_kwargs: dict[StrictStr, Any] | None = None  # more template variables (enable_thinking, ...)
+    add_generation_prompt: StrictBool = True  # end with the template's opening of the assistant's answer
+    continue_final_message: StrictBool = False  # the answer continues the last (assistant) message
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs=true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return (
+                "continue_final_message",
+                "continue_final_message continues the last message: set add_generation_prompt to false",
+            )
+        if self.continue_final_message and (not self.messages or self.messages[-1].role != "assistant"):
+            return "continue_final_message", "continue_final_message needs an assistant message last"
         return super().unsupported()
 
 
@@ -334,7 +346,9 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None: an answer that is only tool calls
-    tool_calls: list[ToolCall] | None = None  # present when the answer calls tools
+    reasoning_content: str | None = (
+        None  # present when a thinking model's answer holds a <think> block    tool_calls: list[ToolCall] | None = None  # present when the answer calls tools
+    )
 
 
 class TopLogprob(BaseModel):

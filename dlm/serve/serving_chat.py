@@ -32,7 +32,7 @@ class ChatHandler(OpenAIServing):
         return await self.generate(request, body, self.validator.chat(body))
 
     def reader(self, parsed: ParsedRequest) -> Reader | None:
-        return parsed.tool_reader()
+        return parsed.reader()
 
     def finish_reason(self, parsed: ParsedRequest, finish: str, called: bool) -> str:
         # OpenAI's: "tool_calls" for an answer that ends in calls, "stop" where the function was named
@@ -45,8 +45,10 @@ class ChatHandler(OpenAIServing):
         r = self.reader(parsed)
         calls: list[Call] = []
         if r is not None:
-            content, calls = read_all(r, text)
+            content, calls, reasoning = read_all(r, text)
             message["content"] = content or (None if calls else "")
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
         if calls:  # OpenAI's shape; the arguments are JSON text
             message["tool_calls"] = [
                 {"id": call_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -58,8 +60,11 @@ class ChatHandler(OpenAIServing):
 
     def piece_choice(self, index: int, piece: Piece, logprobs: list[Scored] | None, calls: int) -> dict[str, Any]:
         kind, value = piece
+        lps = None if logprobs is None else chat_logprobs(logprobs)
         if kind == "content":
             return self.chunk_choice(index, value, None, logprobs=logprobs)
+        if kind == "reasoning":
+            return {"index": index, "delta": {"reasoning_content": value}, "finish_reason": None, "logprobs": lps}
         if kind == "call":  # a call opens: its id, name and the arguments known so far
             delta = {
                 "index": calls - 1,
@@ -69,7 +74,6 @@ class ChatHandler(OpenAIServing):
             }
         else:  # more arguments of the open call
             delta = {"index": calls - 1, "function": {"arguments": value}}
-        lps = None if logprobs is None else chat_logprobs(logprobs)
         return {"index": index, "delta": {"tool_calls": [delta]}, "finish_reason": None, "logprobs": lps}
 
     def chunk_choice(

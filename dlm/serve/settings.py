@@ -17,16 +17,21 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     tool_call_parser: str = "auto"  # the model's own tool-call format, read for tool_choice "auto"
+    reasoning_parser: str = "auto"  # "think": <think> ... </think> sent as reasoning_content
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 1:
             raise DLMError(f"--max-tokens-limit must be a positive integer, got {self.max_tokens_limit}")
         if self.max_body_bytes < 1024:
             raise DLMError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
-        from dlm.serve.tool_calls import CHOICES
+        from dlm.serve import reasoning, tool_calls
 
-        if self.tool_call_parser not in CHOICES:
-            raise DLMError(f"--tool-call-parser must be one of {', '.join(CHOICES)}, got '{self.tool_call_parser}'")
+        for flag, value, choices in (
+            ("--tool-call-parser", self.tool_call_parser, tool_calls.CHOICES),
+            ("--reasoning-parser", self.reasoning_parser, reasoning.CHOICES),
+        ):
+            if value not in choices:
+                raise DLMError(f"{flag} must be one of {', '.join(choices)}, got '{value}'")
         if self.api_key is not None and not self.api_key.strip():
             raise DLMError("--api-key is empty; give a non-empty key or leave the flag out")
 

@@ -1,8 +1,9 @@
 """Tool calls in a chat answer: the text the engine generates, read as OpenAI's ``content`` and ``tool_calls``.
 
 One reader per choice turns the answer's text, fed in pieces as it streams (or whole), into pieces of the message:
-``("content", text)``, ``("call", Call)`` (a call opens: its name and the arguments known so far) and
-``("arguments", text)`` (more arguments of the last call). A streamed answer sends each piece as a delta; a
+``("content", text)``, ``("call", Call)`` (a call opens: its name and the arguments known so far),
+``("arguments", text)`` (more arguments of the last call) and, where a reasoning reader goes first
+(:mod:`dlm.serve.reasoning`), ``("reasoning", text)``. A streamed answer sends each piece as a delta; a
 collected one joins them (:func:`read_all`), so both carry the same message.
 
 What the text is depends on ``tool_choice``:
@@ -327,15 +328,18 @@ def reader(mode: str, names: frozenset[str]) -> Reader:
     raise ValueError(f"unknown tool-call mode {mode!r}")
 
 
-def read_all(r: Reader, text: str) -> tuple[str, list[Call]]:
-    """The whole answer ``text`` through ``r``: (its content, its calls)."""
+def read_all(r: Reader, text: str) -> tuple[str, list[Call], str | None]:
+    """The whole answer ``text`` through ``r``: (its content, its calls, its reasoning - None: none)."""
     content: list[str] = []
     calls: list[Call] = []
+    reasoning: list[str] | None = None
     for kind, value in r.feed(text) + r.finish():
         if kind == "content":
             content.append(value)
+        elif kind == "reasoning":
+            reasoning = (reasoning or []) + [value]
         elif kind == "call":
             calls.append(Call(value.name, value.arguments))
         else:
             calls[-1].arguments += value
-    return "".join(content), calls
+    return "".join(content), calls, None if reasoning is None else "".join(reasoning)

@@ -23,6 +23,26 @@ if TYPE_CHECKING:
     from dlm.decode.structured import StructuredOutput
 
 
+# apply_chat_template's own arguments and what the request's fields set: not for chat_template_kwargs
+TEMPLATE_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 ANY_TOOL = "*"  # ParsedRequest.tool_call of tool_choice "required" (no function name has a "*")
 NAMED_TOOL = "="  # ParsedRequest.tool_call of a named tool_choice: "=" + the function's name
 
@@ -44,12 +64,17 @@ class ParsedRequest:
     # tool_choice calls, ANY_TOOL ("required"), or the parser of the model's format ("auto"); None: plain text
     tool_call: str | None = None
     tool_names: frozenset[str] = frozenset()  # the functions the answer may call
+    # chat: how the answer's reasoning is read (dlm.serve.reasoning): "open" (the prompt opened a <think> block),
+    # "tags" (the answer may open one); None: no reasoning parser
+    reasoning: str | None = None
 
-    def tool_reader(self):
-        """A fresh reader of one choice's answer as tool calls (:mod:`dlm.serve.tool_calls`), or None."""
+    def reader(self):
+        """A fresh reader of one choice's answer as reasoning, content and tool calls, or None (all content)."""
+        from dlm.serve.reasoning import Thinking
         from dlm.serve.tool_calls import reader
 
-        return None if self.tool_call is None else reader(self.tool_call, self.tool_names)
+        calls = None if self.tool_call is None else reader(self.tool_call, self.tool_names)
+        return calls if self.reasoning is None else Thinking(self.reasoning == "open", then=calls)
 
     @property
     def prompt_tokens(self) -> int:
@@ -149,9 +174,10 @@ class RequestValidator:
         self.decoder = decoder  # the engine's decoder name (for messages)
         self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
         self.eos_ids = eos_ids  # the engine's default stop tokens
-        from dlm.serve.tool_calls import resolve
+        from dlm.serve import reasoning, tool_calls
 
-        self.tool_parser = resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
+        self.tool_parser = tool_calls.resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
+        self.reasoning_parser = reasoning.resolve(settings.reasoning_parser, tokenizer)
 
     @classmethod
     def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
@@ -191,7 +217,13 @@ class RequestValidator:
         max_tokens = self.common(body, max_tokens_of(body), self.settings.max_tokens_limit)
         tool_call, calls = self.tool_call(body)
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
-        text = self.chat_text(body.messages, tools=tools or None)
+        text = self.chat_text(
+            body.messages,
+            body.add_generation_prompt,
+            tools=tools or None,
+            continue_final_message=body.continue_final_message,
+            extra=body.chat_template_kwargs,
+        )
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         self.scored(logprobs, "logprobs")
         prompt_ids = [self.prompt_ids(self.encode(text), param="messages")]
@@ -206,8 +238,19 @@ class RequestValidator:
                 )
             structured = calls
         names = frozenset(t.function.name for t in body.tools or [])
+        reasoning = None
+        if self.reasoning_parser is not None:
+            from dlm.serve.reasoning import opens_in_prompt
+
+            reasoning = "open" if opens_in_prompt(text) else "tags"
         return ParsedRequest(
-            prompt_ids, max_tokens, logprobs, structured=structured, tool_call=tool_call, tool_names=names
+            prompt_ids,
+            max_tokens,
+            logprobs,
+            structured=structured,
+            tool_call=tool_call,
+            tool_names=names,
+            reasoning=reasoning,
         )
 
     def tool_call(self, body: ChatCompletionRequest) -> tuple[str | None, StructuredOutput | None]:
@@ -279,10 +322,17 @@ class RequestValidator:
         return mode, spec
 
     def chat_text(
-        self, messages: list[ChatMessage], add_generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        continue_final_message: bool = False,
+        extra: dict[str, Any] | None = None,
     ) -> str:
-        """The messages (with ``tools``, the functions the model may call) through the model's chat template (400
-        naming ``messages`` for none, no template, or a template that refuses them)."""
+        """The messages (with ``tools``, the functions the model may call) through the model's chat template, the
+        last one left open with ``continue_final_message``, ``extra`` as more template variables (vLLM's
+        ``chat_template_kwargs``, e.g. ``enable_thinking``); 400 naming ``messages`` for none, no template, or a
+        template that refuses them, and ``chat_template_kwargs`` for a variable the server sets itself."""
         if not messages:
             raise APIError(400, "'messages' is empty; send at least one message", param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
@@ -292,10 +342,24 @@ class RequestValidator:
                 f"/v1/completions with a plain prompt",
                 param="messages",
             )
+        extra = dict(extra or {})
+        taken = sorted(set(extra) & TEMPLATE_ARGUMENTS)
+        if taken:
+            raise APIError(
+                400,
+                f"chat_template_kwargs: {', '.join(taken)} set by the request's own fields or the server; "
+                f"leave them out (messages, tools, add_generation_prompt, continue_final_message are fields)",
+                param="chat_template_kwargs",
+            )
         msgs = [_template_message(m) for m in messages]
         try:
             text: str = self.tokenizer.apply_chat_template(
-                msgs, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
+                msgs,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+                tools=tools,
+                continue_final_message=continue_final_message,
+                **extra,
             )
         except Exception as e:  # noqa: BLE001 - template errors (e.g. role order) are the client's to fix
             raise APIError(400, f"the chat template rejected these messages: {e}", param="messages") from e

@@ -322,6 +322,8 @@ def test_prefix_cache_serves_a_conversations_next_turn(tmp_path):
         cached = [line for line in metrics.splitlines() if line.startswith("dlm_prompt_tokens_cached_total")]
         answers[tokens] = (first.choices[0].message.content, second.choices[0].message.content)
         assert (float(cached[0].split()[-1]) > 20) == (tokens > 0), cached  # the system prompt and the first turn
+        kept = [line for line in metrics.splitlines() if line.startswith("dlm_prefix_cache_tokens")]
+        assert (20 < float(kept[0].split()[-1]) <= tokens) if tokens else not kept, kept  # the turns, kept once
     assert answers[0] == answers[2048]
     with pytest.raises(Exception, match="prefix-cache-tokens must be an integer"):
         load_engine(str(folder), "isd", prefix_cache=-1)

@@ -67,17 +67,24 @@ class Metrics:
         self.isd_branches: dict = {}
         self.queue_length = 0
         self.running = 0
+        self.prefix_tokens: int | None = None  # tokens whose KV the prefix cache keeps (None: no cache)
         self.ttft = Histogram(LATENCY_BUCKETS)
         self.tpot = Histogram(TOKEN_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
 
     # -- updates --------------------------------------------------------------------------------------------
     def on_step(
-        self, queue_length: int, running: int, isd_steps: dict | None = None, isd_branches: dict | None = None
+        self,
+        queue_length: int,
+        running: int,
+        isd_steps: dict | None = None,
+        isd_branches: dict | None = None,
+        prefix_tokens: int | None = None,
     ) -> None:
         with self.lock:
             self.steps += 1
             self.queue_length, self.running = queue_length, running
+            self.prefix_tokens = prefix_tokens
             if isd_steps is not None:
                 self.isd_steps = dict(isd_steps)
             if isd_branches is not None:
@@ -139,6 +146,13 @@ class Metrics:
                 "Prompt tokens whose KV came from the prefix cache (--prefix-cache-tokens) instead of a forward.",
                 [("", self.cached_prompt_tokens)],
             )
+            if self.prefix_tokens is not None:
+                metric(
+                    "prefix_cache_tokens",
+                    "gauge",
+                    "Tokens whose KV the prefix cache keeps now (each once; at most --prefix-cache-tokens).",
+                    [("", self.prefix_tokens)],
+                )
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
             metric(
                 "forwards_total",

@@ -155,6 +155,7 @@ class Scheduler:
             running,
             getattr(self.engine.decoder, "mode_steps", None),
             getattr(self.engine.decoder, "branch_steps", None),
+            self.engine.prefix.stored_tokens if self.engine.prefix is not None else None,
         )
 
     def _drain(self) -> None:

@@ -299,3 +299,40 @@ def test_chat_template_fields_reach_the_template():
         assert e.value.param == param, kw
     off = RequestValidator(ServeSettings(model_name="tiny", reasoning_parser="none"), tok, 320, 512)
     assert off.chat(ChatCompletionRequest(model="tiny", messages=msgs)).reasoning is None
+
+
+def test_structured_outputs_leave_the_reasoning_free():
+    """With a reasoning parser and ``<think>`` / ``</think>`` one token each, a structured output (and a tool
+    call's arguments) starts after the reasoning block - ``open`` where the prompt opened it, ``tags`` where the
+    answer may; where the tags are several tokens it constrains the whole answer, as without a parser."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("llguidance")
+    from dlm.serve.schemas import ChatCompletionRequest
+    from dlm.serve.settings import ServeSettings
+    from dlm.serve.validation import RequestValidator
+    from dlm.testing import make_tokenizer
+
+    tok = make_tokenizer(318)
+    tok.add_tokens(["<think>", "</think>"])
+    opening = "{% for m in messages %}{{ m.content }}{% endfor %}<|im_start|>assistant\n"
+    msgs = [{"role": "user", "content": "Time?"}]
+    fmt = {"type": "json_object"}
+    for template, mode in [(opening + "<think>\n", "open"), (opening + "{# <think> #}", "tags")]:
+        tok.chat_template = template
+        v = RequestValidator(ServeSettings(model_name="tiny"), tok, vocab_size=320, max_positions=512)
+        p = v.chat(ChatCompletionRequest(model="tiny", messages=msgs, response_format=fmt))
+        assert p.reasoning == mode and p.structured.after_thinking == mode
+        named = {"type": "function", "function": {"name": "now"}}
+        tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]
+        call = v.chat(ChatCompletionRequest(model="tiny", messages=msgs, tools=tools, tool_choice=named))
+        assert call.structured.after_thinking == mode
+        off = RequestValidator(ServeSettings(model_name="tiny", reasoning_parser="none"), tok, 320, 512)
+        assert (
+            off.chat(ChatCompletionRequest(model="tiny", messages=msgs, response_format=fmt)).structured.after_thinking
+            is None
+        )
+    plain = make_tokenizer()  # "<think>" is several tokens here
+    plain.chat_template = opening + "<think>\n"
+    v = RequestValidator(ServeSettings(model_name="tiny"), plain, vocab_size=320, max_positions=512)
+    p = v.chat(ChatCompletionRequest(model="tiny", messages=msgs, response_format=fmt))
+    assert p.reasoning == "open" and p.structured.after_thinking is None

@@ -51,6 +51,9 @@ class StructuredOutput:
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
     disable_any_whitespace: bool = False
+    # a thinking model's reasoning left free: "open" (the prompt opened a <think> block: the grammar starts after
+    # </think>), "tags" (the answer may start with <think>: then after </think>, else at once); None: all of it
+    after_thinking: str | None = None
 
     def __post_init__(self):
         if isinstance(self.json, dict):
@@ -69,6 +72,8 @@ class StructuredOutput:
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 raise DLMError("choice must be a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", choice)
+        if self.after_thinking not in (None, "open", "tags"):
+            raise DLMError(f"after_thinking must be None, 'open' or 'tags', got {self.after_thinking!r}")
         given = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(given) != 1:
             raise DLMError(
@@ -118,49 +123,85 @@ def _unpack(bitmask: bytes, vocab: int) -> torch.Tensor:
 
 
 class Constraint:
-    """One request's grammar state: the output committed so far, consumed by an llguidance matcher."""
+    """One request's grammar state: the output committed so far, consumed by an llguidance matcher.
 
-    def __init__(self, matcher: Any, vocab: int, stop_ids: Iterable[int] = ()):
+    ``think``: ``(open, close)`` token ids of a reasoning block the grammar leaves free (``open`` None: the prompt
+    opened it). The output is then in one of three states: ``start`` (it may open the block: the grammar's tokens
+    and ``open`` are allowed), ``thinking`` (anything until ``close``) and ``grammar``; the tags themselves are not
+    fed to the matcher."""
+
+    def __init__(
+        self, matcher: Any, vocab: int, stop_ids: Iterable[int] = (), think: tuple[int | None, int] | None = None
+    ):
         self.matcher, self.vocab = matcher, vocab
         self.stop_ids = frozenset(stop_ids)
+        self.think = think
+        self.state = "grammar" if think is None else ("thinking" if think[0] is None else "start")
+
+    def _after(self, state: str, tokens: Sequence[int]) -> tuple[str, list[int]]:
+        """The state after ``tokens`` from ``state``, and those of them the matcher consumes."""
+        if self.think is None:
+            return state, [int(t) for t in tokens]
+        open_id, close_id = self.think
+        fed: list[int] = []
+        for t in tokens:
+            t = int(t)
+            if state == "start":
+                if t == open_id:
+                    state = "thinking"
+                    continue
+                state = "grammar"
+            elif state == "thinking":
+                if t == close_id:
+                    state = "grammar"
+                continue
+            fed.append(t)
+        return state, fed
 
     @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing but the end of the sequence."""
-        return bool(self.matcher.is_stopped())
+        return self.state == "grammar" and bool(self.matcher.is_stopped())
 
     def add(self, tokens: Sequence[int]) -> None:
         """Committed output tokens (a stop token ends the request: it is not fed)."""
         m = self.matcher
-        for t in tokens:
-            if int(t) in self.stop_ids:
-                continue
-            if not m.consume_token(int(t)):
+        self.state, fed = self._after(self.state, [t for t in tokens if int(t) not in self.stop_ids])
+        for t in fed:
+            if not m.consume_token(t):
                 raise RuntimeError(f"token {t} was committed against the request's grammar: {m.get_error()}")
 
     def forced(self, limit: int = MAX_AHEAD) -> list[int]:
         """The first ``limit`` tokens the grammar forces next (llguidance's fast-forward tokens: the canonical
         tokenization of the bytes it allows nothing else for), empty where it leaves a choice."""
+        if self.state != "grammar":
+            return []
         return [int(t) for t in self.matcher.compute_ff_tokens()[: max(limit, 0)]]
 
     def allowed(self, extra: Sequence[Sequence[int]], free: Iterable[int] = ()) -> torch.Tensor:
         """``[n, V]`` bool: the tokens the grammar allows at each chunk position, position j as if ``extra[j]`` (the
         chunk's tokens before it) were already in the output. A position after a token the grammar refuses allows
         everything: a decoder never commits from it (the refused token is rejected first); so do the positions in
-        ``free``."""
+        ``free`` and those inside a free reasoning block."""
         m = self.matcher
         out = torch.ones(len(extra), self.vocab, dtype=torch.bool)
-        seen: dict[tuple[int, ...], torch.Tensor | None] = {}
+        seen: dict[tuple[str, tuple[int, ...]], torch.Tensor | None] = {}
         skip = set(free)
         for j, ts in enumerate(extra):
             if j in skip:
                 continue
-            key = tuple(int(t) for t in ts)
+            state, fed = self._after(self.state, ts)
+            if state == "thinking":
+                continue
+            key = (state, tuple(fed))
             if key not in seen:
-                k = m.try_consume_tokens(list(key)) if key else 0
-                seen[key] = _unpack(m.compute_bitmask(), self.vocab) if k == len(key) else None
+                k = m.try_consume_tokens(list(fed)) if fed else 0
+                row = _unpack(m.compute_bitmask(), self.vocab) if k == len(fed) else None
                 if k and not m.rollback(k):
                     raise RuntimeError(f"the grammar matcher could not roll back {k} tokens: {m.get_error()}")
+                if row is not None and state == "start":
+                    row[self.think[0]] = True  # type: ignore[index]  # or open the reasoning block
+                seen[key] = row
             row = seen[key]
             if row is not None:
                 out[j] = row
@@ -191,6 +232,7 @@ class GrammarBook:
                 raise DLMError(f"structured outputs need a fast (Rust) Hugging Face tokenizer: {e}") from e
         self.lltok = built[vocab, eos]
         self.vocab = vocab
+        self.tokenizer = tokenizer
         self._compiled: collections.OrderedDict[str, Any] = collections.OrderedDict()
         self._lock = threading.Lock()  # the server validates requests on its event loop, the engine runs apart
 
@@ -217,4 +259,23 @@ class GrammarBook:
         return template.deep_copy()
 
     def constraint(self, spec: StructuredOutput, stop_ids: Iterable[int] = ()) -> Constraint:
-        return Constraint(self.matcher(spec), self.vocab, stop_ids)
+        think = None
+        if spec.after_thinking is not None:
+            open_id, close_id = thinking_tokens(self.tokenizer)
+            think = (None if spec.after_thinking == "open" else open_id, close_id)
+        return Constraint(self.matcher(spec), self.vocab, stop_ids, think)
+
+
+def thinking_tokens(tokenizer: Any) -> tuple[int, int]:
+    """The token ids of ``<think>`` and ``</think>`` (DLMError where either is not one token of the vocabulary:
+    a grammar after the reasoning block needs them whole)."""
+    ids = []
+    for tag in ("<think>", "</think>"):
+        got = tokenizer.encode(tag, add_special_tokens=False) if tokenizer is not None else []
+        if len(got) != 1:
+            raise DLMError(
+                f"a structured output after the reasoning needs {tag} to be one token of the vocabulary; "
+                f"this tokenizer spells it {got}"
+            )
+        ids.append(int(got[0]))
+    return ids[0], ids[1]

@@ -243,6 +243,10 @@ class RequestValidator:
             from dlm.serve.reasoning import opens_in_prompt
 
             reasoning = "open" if opens_in_prompt(text) else "tags"
+            if structured is not None and self.thinks_in_tokens():  # the reasoning stays free, then the grammar
+                import dataclasses
+
+                structured = dataclasses.replace(structured, after_thinking=reasoning)
         return ParsedRequest(
             prompt_ids,
             max_tokens,
@@ -320,6 +324,20 @@ class RequestValidator:
                 400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
             ) from e
         return mode, spec
+
+    def thinks_in_tokens(self) -> bool:
+        """Whether ``<think>`` and ``</think>`` are one token each here (a grammar can then start after the
+        reasoning block; otherwise it constrains the whole answer)."""
+        if not hasattr(self, "_thinks_in_tokens"):
+            from dlm.decode.structured import thinking_tokens
+            from dlm.errors import DLMError
+
+            try:
+                thinking_tokens(self.tokenizer)
+                self._thinks_in_tokens = True
+            except DLMError:
+                self._thinks_in_tokens = False
+        return self._thinks_in_tokens
 
     def chat_text(
         self,

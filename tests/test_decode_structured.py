@@ -307,18 +307,25 @@ def test_structured_outputs_on_smollm2(smollm2_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------ a grammar after the reasoning block
-THINK_TOK = make_tokenizer(318)
-THINK_TOK.add_tokens(["<think>", "</think>"])  # one token each, as in Qwen3's vocabulary
 OPEN, CLOSE = 318, 319
 
 
-def reference_after_thinking(model, prompt, spec, max_new, stop_ids, bias, frequency_penalty=0.0):
+def think_tokenizer():
+    """The tiny tokenizer with ``<think>`` and ``</think>`` one token each, as in Qwen3's vocabulary (a fresh one:
+    converting a model adds its mask token to the tokenizer it is given)."""
+    tok = make_tokenizer(318)
+    tok.add_tokens(["<think>", "</think>"])
+    assert tok.convert_tokens_to_ids(["<think>", "</think>"]) == [OPEN, CLOSE]
+    return tok
+
+
+def reference_after_thinking(model, tok, prompt, spec, max_new, stop_ids, bias, frequency_penalty=0.0):
     """Greedy by full forwards with ``bias`` added to the logits and ``frequency_penalty`` times each token's count
     in the output so far taken off; the grammar masks the answer from its start, or
     from after ``</think>`` where it opens with ``<think>`` (``after_thinking="tags"``) or the prompt opened one
     (``"open"``); the tags are not fed to the matcher."""
     vocab = bias.shape[0]
-    book = GrammarBook(THINK_TOK, vocab, stop_ids)
+    book = GrammarBook(tok, vocab, stop_ids)
     matcher = LLMatcher(book.lltok, spec.llguidance_grammar(), log_level=0)
     state = "thinking" if spec.after_thinking == "open" else "start"
     out: list[int] = []
@@ -354,7 +361,8 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
     """``after_thinking``: the reasoning is free, the grammar starts after ``</think>`` (and in ``"tags"`` mode at
     once where the answer does not open a block). AR and every ISD path - drafts that cross the closing tag
     verified under their own histories - equal the reference; the answer's text after the block parses."""
-    model = convert_ar_to_dlm(make_model("llama", seed=3), "idlm", block_size=3, tokenizer=THINK_TOK)
+    tok = think_tokenizer()
+    model = convert_ar_to_dlm(make_model("llama", seed=3), "idlm", block_size=3, tokenizer=tok)
     short = {  # closes within the token budget whatever a random model picks
         "type": "object",
         "properties": {"s": {"type": "string", "maxLength": 3}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -364,7 +372,7 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
     spec = StructuredOutput(json=short, disable_any_whitespace=True, after_thinking=mode)
     stop = Engine(model).default_stop
     vocab = int(Engine(model).config.vocab_size)  # the tokenizer's and the mask token
-    ps = [THINK_TOK(t, add_special_tokens=False)["input_ids"] for t in ("The cat", "Numbers: 1 2", "Once upon")]
+    ps = [tok(t, add_special_tokens=False)["input_ids"] for t in ("The cat", "Numbers: 1 2", "Once upon")]
     # a bias on the closing tag: the smallest with which every answer closes its block (some after thinking a
     # while) and completes its record; "tags": the opening tag biased to come first, and then kept from coming again
     # by a frequency penalty
@@ -376,7 +384,7 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
         bias[CLOSE] = b
         if mode == "tags":
             bias[OPEN] = 1.5
-        ref = [reference_after_thinking(model, p, spec, 64, stop, bias, fp) for p in ps]
+        ref = [reference_after_thinking(model, tok, p, spec, 64, stop, bias, fp) for p in ps]
         closes = [r.index(CLOSE) if CLOSE in r else 99 for r in ref]
         if max(closes) < 99 and max(closes) >= 3 and all(len(r) < 64 for r in ref):
             break
@@ -385,10 +393,10 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
     assert mode == "open" or all(r[0] == OPEN for r in ref)
     logit_bias = tuple((t, float(bias[t])) for t in (OPEN, CLOSE) if bias[t])
     params = SamplingParams(64, structured=spec, logit_bias=logit_bias, frequency_penalty=fp)
-    ar = Engine(model, tokenizer=THINK_TOK, max_batch_size=2).generate(ps, params)
+    ar = Engine(model, tokenizer=tok, max_batch_size=2).generate(ps, params)
     assert [r.token_ids for r in ar] == ref
     for r in ar:
-        after = THINK_TOK.decode(r.token_ids[r.token_ids.index(CLOSE) + 1 :])
+        after = tok.decode(r.token_ids[r.token_ids.index(CLOSE) + 1 :])
         assert r.finish_reason == "stop" and list(json.loads(after)) == ["s", "n"], r.text
     truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
     for name, res in every_isd_path(model, ps, params, truth, max_batch_size=2):
@@ -398,11 +406,12 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
 def test_thinking_states_of_a_constraint():
     """A constraint whose grammar starts after the reasoning: inside the block nothing is masked and nothing forced;
     at the start the grammar's tokens and ``<think>``; a chunk position's state follows the tokens before it."""
-    book = GrammarBook(THINK_TOK, 320, [0])
+    tok = think_tokenizer()
+    book = GrammarBook(tok, 320, [0])
     tags = book.constraint(StructuredOutput(choice=("yes", "no"), after_thinking="tags"), [0])
     plain = book.constraint(StructuredOutput(choice=("yes", "no")), [0])
     first = plain.allowed([[]])[0]
-    yes = THINK_TOK("yes", add_special_tokens=False)["input_ids"]
+    yes = tok("yes", add_special_tokens=False)["input_ids"]
     rows = tags.allowed([[], [OPEN], [OPEN, 5, 6], [OPEN, 5, CLOSE], [OPEN, CLOSE, *yes[:1]], yes[:1]])
     assert bool(rows[0][OPEN]) and torch.equal(
         rows[0] & ~torch.nn.functional.one_hot(torch.tensor(OPEN), 320).bool(), first
@@ -417,6 +426,6 @@ def test_thinking_states_of_a_constraint():
     opened = book.constraint(StructuredOutput(choice=("yes", "no"), after_thinking="open"), [0])
     assert opened.state == "thinking" and bool(opened.allowed([[OPEN]])[0].all())
     with pytest.raises(DLMError, match="needs <think> to be one token"):
-        GrammarBook(TOK, 320, [0]).constraint(StructuredOutput(json_object=True, after_thinking="open"))
+        GrammarBook(TOK, len(TOK), [0]).constraint(StructuredOutput(json_object=True, after_thinking="open"))
     with pytest.raises(DLMError, match="after_thinking must be"):
         StructuredOutput(json_object=True, after_thinking="yes")

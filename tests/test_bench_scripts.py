@@ -21,6 +21,20 @@ STEPS = [
 ]
 
 
+def _bench(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python bench/SCRIPT ARGS`` on one thread; asserted to exit 0 (its output shown where it does not)."""
+    run = subprocess.run(
+        ["python", f"bench/{script}", *args],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run
+
+
 def _rehearse(model: str, out: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "GPU_CHECKS_REHEARSAL": "1", "OUT": str(out), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
@@ -64,29 +78,11 @@ def test_structured_bench_runs_and_checks_equality(tmp_path):
     constrained AR's (the script's own check)."""
     pytest.importorskip("llguidance")
     model = save_tiny(tmp_path / "tiny")
-    run = subprocess.run(
-        [
-            "python",
-            "bench/structured.py",
-            "--model",
-            str(model),
-            "--prompts",
-            "2",
-            "--max-new-tokens",
-            "12",
-            "--strides",
-            "2",
-            "--threads",
-            "1",
-            "--compact",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = _bench(
+        "structured.py",
+        *("--model", str(model), "--prompts", "2", "--max-new-tokens", "12", "--strides", "2", "--threads", "1"),
+        "--compact",
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ISD") or line.startswith("| AR + schema")]
     assert len(rows) == 4 and all(line.rstrip().endswith("| 2/2 |") for line in rows), run.stdout
 
@@ -97,17 +93,11 @@ def test_prefill_chat_bench_runs_and_checks_equality(tmp_path):
     own check), and the radix tree, which keeps a conversation's turns once, computes no more prompt tokens than
     flat copies of the same budget."""
     model = save_tiny(tmp_path / "tiny")
-    args = ["--conversations", "3", "--turns", "3", "--prompt-tokens", "40", "--new-tokens", "8"]
-    run = subprocess.run(
-        ["python", "bench/prefill.py", "--mode", "chat", "--model", str(model), *args]
-        + ["--answer-tokens", "8", "--cache-tokens", "300", "--repeats", "1", "--threads", "1"],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = _bench(
+        "prefill.py",
+        *("--mode", "chat", "--model", str(model), "--conversations", "3", "--turns", "3", "--prompt-tokens", "40"),
+        *("--new-tokens", "8", "--answer-tokens", "8", "--cache-tokens", "300", "--repeats", "1", "--threads", "1"),
     )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "every chat the same with and without a cache" in run.stdout
     rows = {line.split()[0]: line.split() for line in run.stdout.splitlines() if line.strip().endswith("x")}
     computed = {k: int(v[-5]) for k, v in rows.items()}

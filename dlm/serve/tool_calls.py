@@ -111,6 +111,18 @@ def _call(obj: Any, names: frozenset[str], args_keys: tuple[str, ...]) -> Call |
     return Call(obj["name"], "{}")  # a function without parameters
 
 
+def _next_call(buf: str, pos: int, separators: str, names: frozenset[str]) -> tuple[int, Call | None, int]:
+    """The JSON value at ``pos`` of ``buf`` after any ``separators``: (where it starts, it as a call - None where it
+    is not one -, where it ends); end -1 where no whole value is there yet."""
+    while pos < len(buf) and buf[pos] in separators:
+        pos += 1
+    try:
+        obj, end = _DECODER.raw_decode(buf, pos)
+    except ValueError:
+        return pos, None, -1
+    return pos, _call(obj, names, ("parameters", "arguments")), end
+
+
 class Reader:
     """Reads one answer; see the module docstring. ``feed`` the text as it grows, then ``finish``."""
 
@@ -158,13 +170,7 @@ class Listed(Reader):
             self.listed = head[0] == "["
             self.pos = len(self.buf) - len(head) + 1 if self.listed else 0
         while self.listed:
-            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n,":
-                self.pos += 1
-            try:
-                obj, end = _DECODER.raw_decode(self.buf, self.pos)
-            except ValueError:
-                return out
-            call = _call(obj, self.names, ("parameters", "arguments"))
+            self.pos, call, end = _next_call(self.buf, self.pos, " \t\r\n,", self.names)
             if call is None:
                 return out
             out.append(("call", call))
@@ -295,13 +301,9 @@ class LeadingJson(Reader):
             self.mode, self.pos = "calls", len(self.buf) - len(head)
         out: list[Piece] = []
         while True:
-            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n;":
-                self.pos += 1
-            try:
-                obj, end = _DECODER.raw_decode(self.buf, self.pos)
-            except ValueError:
+            self.pos, call, end = _next_call(self.buf, self.pos, " \t\r\n;", self.names)
+            if end < 0:
                 return out
-            call = _call(obj, self.names, ("parameters", "arguments"))
             if call is None:  # JSON, but not a call: the rest is content
                 self.mode = "content"
                 rest, self.buf = self.buf[self.pos :], ""

@@ -164,6 +164,10 @@ def test_refusals():
         SamplingParams(4, presence_penalty=3.0)
     with pytest.raises(DLMError, match="logit_bias values"):
         SamplingParams(4, logit_bias={5: 200.0})
+    for seed in (-(2**63) - 1, 2**64, 1.5):  # a torch generator takes 64 bits
+        with pytest.raises(DLMError, match="--seed must be an integer that fits in 64 bits"):
+            SamplingParams(4, seed=seed)
+    assert SamplingParams(4, seed=2**64 - 1).make_generator() is not None
     assert SamplingParams(4, logit_bias={7: 1.0, 3: -2}).logit_bias == ((3, -2.0), (7, 1.0))
     assert not SamplingParams(4).adjusts and SamplingParams(4, presence_penalty=0.1).adjusts
     assert SamplingParams(4, min_tokens=2).adjusts

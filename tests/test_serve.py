@@ -433,6 +433,8 @@ BAD = [
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"5": 101}}', 400, "logit_bias"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logit_bias": {"five": 1}}', 400, "logit_bias"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": -2407928497069766337363968}', 400, "seed"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "seed": 9223372036854775808}', 400, "seed"),  # 2**63
     ("/v1/nope", b"{}", 404, None),
 ]
 

@@ -9,6 +9,7 @@ logit is -inf everywhere, so it is never emitted.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -80,6 +81,14 @@ class SamplingParams:
                 f"--min-tokens must be an integer from 0 to --max-new-tokens ({self.max_new_tokens}), "
                 f"got {self.min_tokens}"
             )
+        if self.seed is not None:
+            if (
+                isinstance(self.seed, bool)
+                or not isinstance(self.seed, numbers.Integral)
+                or not -(2**63) <= int(self.seed) < 2**64
+            ):
+                raise DLMError(f"--seed must be an integer that fits in 64 bits, got {self.seed!r}")
+            self.seed = int(self.seed)
         if not self.repetition_penalty > 0:
             raise DLMError(f"--repetition-penalty must be > 0 (1 = off), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):

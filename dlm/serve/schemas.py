@@ -69,7 +69,7 @@ class SamplingRequest(_Body):
     top_k: StrictInt | None = Field(None, ge=-1)  # vLLM extension; -1 or 0 = off
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stop: StrictStr | list[StrictStr] | None = None
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(2**63), le=2**63 - 1)  # 64-bit, as OpenAI's (choice j: seed + j)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None

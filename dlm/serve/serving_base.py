@@ -66,7 +66,7 @@ class OpenAIServing:
         raise NotImplementedError
 
     def reader(self, parsed: ParsedRequest) -> Reader | None:
-        """A fresh reader of one choice's text as message pieces (chat: tool calls), or None: all content."""
+        """A fresh reader of one choice's text as message pieces (chat: reasoning, tool calls), or None: all content."""
         return None
 
     def piece_choice(self, index: int, piece: Piece, logprobs: list[Scored] | None, calls: int) -> dict[str, Any]:

@@ -7,7 +7,10 @@
 It starts `python -m dlm serve` on a free loopback port (or drives --url; --pid then gives the process whose RSS
 is read) and keeps N clients busy (N cycles through --clients, a new level every minute) with a mix of requests:
 non-streamed and streamed completions and chat completions, n > 1, stop strings, log-probabilities (with echo),
-structured outputs (a JSON schema, any object, a regex, a choice, a grammar; and one that does not compile), streams
+structured outputs (a JSON schema, any object, a regex, a choice, a grammar; and one that does not compile), tool
+calls (tool_choice auto - with a call the answer is made to write in the hermes format -, required, named, none) and
+reasoning (an answer made to open a <think> block; the server reads both with --tool-call-parser hermes and
+--reasoning-parser think), streams
 the client cancels after a few chunks, and malformed requests (bad JSON, wrong types, unknown model, an over-limit body, an
 unknown route) that must get a 4xx in the OpenAI error shape. Reported: requests served by kind, answers by
 status code, anything unexpected (a 5xx, a 4xx to a well-formed request, a 2xx to a malformed one, an error body
@@ -36,6 +39,24 @@ SOAK_SCHEMA = {
     "properties": {"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0}},
     "required": ["name", "n"],
 }
+
+SOAK_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "parameters": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 8}},
+                "required": ["name"],
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+SOAK_CALL_REGEX = (
+    'Let me look\\.\\n<tool_call>\\n\\{"name": "lookup", "arguments": \\{"name": "cat"\\}\\}\\n</tool_call>'
+)
 
 PROMPTS = [
     "The cat sat on the",
@@ -89,6 +110,10 @@ def start_server(args) -> tuple[subprocess.Popen, str, str]:
         "error",
         "--max-batch-size",
         str(args.max_batch_size),
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "think",
     ]
     log = open(os.path.join(tempfile.gettempdir(), f"dlm-soak-server-{port}.log"), "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -166,7 +191,24 @@ class Soak:
             if kind == "stop"
             else {}
         )
-        streamed = kind in ("stream", "cancel") or (kind in ("logprobs", "structured") and self.rng.random() < 0.5)
+        if kind in ("tools", "reasoning"):
+            chat, path = True, "/v1/chat/completions"
+        streamed = kind in ("stream", "cancel") or (
+            kind in ("logprobs", "structured", "tools", "reasoning") and self.rng.random() < 0.5
+        )
+        want_call = None  # the call a non-streamed answer must hold
+        if kind == "tools":
+            extra = {"tools": SOAK_TOOLS, "max_tokens": 128, "temperature": 0.0}
+            choice = self.rng.choice(["auto", "auto-call", "required", "named", "none"])
+            if choice == "auto-call":  # the answer made to write one call in the model's (hermes) format
+                extra["structured_outputs"] = {"regex": SOAK_CALL_REGEX}
+                want_call = ("lookup", {"name": "cat"})
+            elif choice == "named":
+                extra["tool_choice"] = {"type": "function", "function": {"name": "lookup"}}
+            elif choice != "auto":
+                extra["tool_choice"] = choice
+        if kind == "reasoning":  # an answer made to think first
+            extra = {"structured_outputs": {"regex": "<think>[a-z ]{1,20}</think>\\n(yes|no)"}, "max_tokens": 64}
         if kind == "structured":  # a JSON schema, any object, a regex, a choice or a grammar
             extra = self.rng.choice(
                 [
@@ -218,6 +260,19 @@ class Soak:
                 self.note(f"{kind} {path}: {len(choices)} choices for n={body.get('n', 1)}")
             if kind == "logprobs" and any(c.get("logprobs") is None for c in choices):
                 self.note(f"{kind} {path}: a choice without logprobs")
+            for c in choices if want_call or kind == "reasoning" else []:
+                m, finish = c.get("message") or {}, c.get("finish_reason")
+                calls = [
+                    (t["function"]["name"], json.loads(t["function"]["arguments"])) for t in m.get("tool_calls") or []
+                ]
+                if want_call and finish != "length" and (finish != "tool_calls" or calls != [want_call]):
+                    self.note(f"{kind}: the answer's calls {calls} ({finish}), not {[want_call]}")
+                if (
+                    kind == "reasoning"
+                    and finish == "stop"
+                    and (not m.get("reasoning_content") or "<think>" in (m.get("content") or ""))
+                ):
+                    self.note(f"{kind}: reasoning not read apart: {m}")
         self.latency.append(time.perf_counter() - t0)
 
     async def malformed(self, client) -> None:
@@ -262,8 +317,8 @@ class Soak:
             self.note(f"malformed case {case} {path}: not the OpenAI error shape: {r.text[:200]}")
 
     async def one(self, client) -> None:
-        kinds = ["plain", "stream", "cancel", "n", "stop", "logprobs", "structured", "malformed"]
-        weights = [3, 3, 2, 1, 1, 1 if self.scored else 0, 1 if self.scored else 0, 2]
+        kinds = ["plain", "stream", "cancel", "n", "stop", "logprobs", "structured", "tools", "reasoning", "malformed"]
+        weights = [3, 3, 2, 1, 1] + [1 if self.scored else 0] * 4 + [2]
         kind = self.rng.choices(kinds, weights=weights)[0]
         self.kinds[kind] += 1
         try:
@@ -356,7 +411,7 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", help="'tiny' (a random tiny Llama, default), a folder or an alias")
     ap.add_argument("--decode", default="isd")
     ap.add_argument("--max-tokens", type=int, default=24, help="each well-formed request asks for 1..this many")
-    ap.add_argument("--max-tokens-limit", type=int, default=64)
+    ap.add_argument("--max-tokens-limit", type=int, default=128)
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--url", help="drive this running server instead of starting one")
     ap.add_argument("--pid", type=int, help="with --url: the server's process id, for its RSS")

@@ -496,6 +496,38 @@ def test_api_key(engine):
         assert httpx.get(srv.url + "/health").status_code == 200  # health stays open for probes
 
 
+def test_max_queue_answers_503_past_capacity(engine):
+    """``--max-queue``: a request whose choices would make more than that many engine requests wait for a batch
+    slot is a 503 with ``Retry-After`` in the OpenAI shape, at once (n choices count n); the requests let in are
+    served as always, and the server serves again once the queue drains."""
+    eng = Engine(engine.model, engine.tokenizer, decoder="ar", max_batch_size=1)
+    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_queue=2))
+    with ServerThread(app) as srv:
+        url = srv.url + "/v1/completions"
+        body = {"model": MODEL, "prompt": "The cat", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url, json={**body, "n": 3})  # idle: 3 choices > 2
+        assert assert_error_shape(r, 503)["code"] == "server_overloaded" and r.headers["retry-after"] == "1"
+        assert "--max-queue 2" in r.json()["error"]["message"]
+        assert httpx.post(url, json={**body, "n": 2}).status_code == 200
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as c:
+                return await asyncio.gather(*(c.post(url, json=body) for _ in range(8)))
+
+        got = asyncio.run(
+            burst()
+        )  # one runs, up to 2 wait (the first may still count as waiting): some are turned away
+        codes = sorted(r.status_code for r in got)
+        assert set(codes) == {200, 503} and codes.count(200) >= 2, codes
+        ref = alone(engine, encode(engine, "The cat"), 48, decoder="ar", ignore_eos=True).text
+        assert all(r.json()["choices"][0]["text"] == ref for r in got if r.status_code == 200)
+        assert all(r.headers["retry-after"] == "1" for r in got if r.status_code == 503)
+        assert httpx.post(url, json=body).status_code == 200  # drained: served again
+        assert 'dlm_request_errors_total{status="503"}' in httpx.get(srv.url + "/metrics").text
+    with pytest.raises(DLMError, match="--max-queue must be an integer >= 0"):
+        ServeSettings(max_queue=-1)
+
+
 # -- pieces ---------------------------------------------------------------------------------------------------
 def test_text_stream_holds_back_possible_stop_prefixes(tiny_tokenizer):
     tok = tiny_tokenizer

@@ -318,6 +318,8 @@ def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch)
     vllm_flags = ["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target)]
     assert main([*vllm_flags, "--reasoning-parser", "think"]) == 2
     assert "--vllm-arg=--reasoning-parser=qwen3" in capsys.readouterr().err
+    assert main([*vllm_flags, "--max-queue", "8"]) == 2
+    assert "--max-queue is dlm's engine's" in capsys.readouterr().err
     assert main(["serve", "--model", str(target), "--drafter", str(target)]) == 2
     assert "--drafter goes with --engine vllm" in capsys.readouterr().err
     assert (

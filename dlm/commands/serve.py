@@ -50,6 +50,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="largest max_tokens a request may ask for; also the chat default (default 1024)",
     )
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=0,
+        help="requests waiting for a batch slot beyond which new ones get a 503 with Retry-After (n choices count "
+        "n; default 0: no limit)",
+    )
     p.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: no key; also $DLM_API_KEY)")
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
@@ -142,6 +149,8 @@ def run_vllm(args) -> int:
         raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_queue:
+        raise DLMError("--max-queue is dlm's engine's; vLLM queues without a limit (drop the flag)")
     if args.reasoning_parser != "auto":
         raise DLMError(
             "--reasoning-parser is dlm's engine's; vLLM has its own parsers: --vllm-arg=--reasoning-parser=qwen3 "
@@ -239,6 +248,7 @@ def run(args) -> int:
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
+        max_queue=args.max_queue,
     )
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = load_engine(

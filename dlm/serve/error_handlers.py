@@ -21,11 +21,16 @@ log = logging.getLogger("dlm.serve")
 
 
 def error_response(
-    metrics: Metrics, status: int, message: str, param: str | None = None, code: str | None = None
+    metrics: Metrics,
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """The JSON answer of an error (and its count in ``dlm_request_errors_total``)."""
     metrics.on_error(status)
-    return JSONResponse(error_body(status, message, param, code), status_code=status)
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None, str]:
@@ -53,7 +58,7 @@ def install_error_handlers(app: FastAPI, metrics: Metrics) -> None:
 
     async def api_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, APIError)
-        return error_response(metrics, exc.status, exc.message, exc.param, exc.code)
+        return error_response(metrics, exc.status, exc.message, exc.param, exc.code, exc.headers)
 
     async def invalid_body(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)

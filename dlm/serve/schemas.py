@@ -232,9 +232,17 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 class APIError(Exception):
     """Raised by handlers; rendered as :func:`error_body` with this status."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # of the answer (Retry-After of a 503)
 
     def body(self) -> dict:
         return error_body(self.status, self.message, self.param, self.code)

@@ -88,6 +88,7 @@ class OpenAIServing:
     async def generate(self, request: Request, body: SamplingRequest, parsed: ParsedRequest) -> Any:
         """Submit ``body.n`` engine requests per prompt; the collected answer, or a stream with ``stream=true``."""
         n = body.n
+        self.admit(len(parsed.prompts) * n)
         out: asyncio.Queue[Item] = asyncio.Queue()
         loop = asyncio.get_running_loop()
         handles = []
@@ -107,6 +108,23 @@ class OpenAIServing:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         return await self.collect(request, handles, out, rid, parsed)
+
+    def admit(self, requests: int) -> None:
+        """503 with ``Retry-After`` where ``requests`` more engine requests would make more than ``--max-queue``
+        wait for a batch slot (a server past its capacity answers at once instead of growing a queue whose
+        requests time out anyway; clients such as openai's retry a 503 after a back-off)."""
+        limit = self.settings.max_queue
+        if not limit:
+            return
+        waiting, _ = self.scheduler.load()
+        if waiting + requests > limit:
+            raise APIError(
+                503,
+                f"the server is at capacity: {waiting} requests wait for a batch slot and this one adds {requests} "
+                f"(--max-queue {limit}); retry in a moment",
+                code="server_overloaded",
+                headers={"Retry-After": "1"},
+            )
 
     def abort_all(self, handles: list[Handle]) -> None:
         for h in handles:

@@ -18,10 +18,13 @@ class ServeSettings:
     max_body_bytes: int = 1 << 20
     tool_call_parser: str = "auto"  # the model's own tool-call format, read for tool_choice "auto"
     reasoning_parser: str = "auto"  # "think": <think> ... </think> sent as reasoning_content
+    max_queue: int = 0  # engine requests waiting for a batch slot beyond which new ones get a 503 (0: no limit)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens_limit, int) or self.max_tokens_limit < 1:
             raise DLMError(f"--max-tokens-limit must be a positive integer, got {self.max_tokens_limit}")
+        if isinstance(self.max_queue, bool) or not isinstance(self.max_queue, int) or self.max_queue < 0:
+            raise DLMError(f"--max-queue must be an integer >= 0 (0 = no limit), got {self.max_queue}")
         if self.max_body_bytes < 1024:
             raise DLMError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
         from dlm.serve import reasoning, tool_calls

@@ -8,6 +8,13 @@ each is kept with the probability the constrained model gives it - greedy: if it
 one refused is replaced by a draw from the rest of the distribution, so the output is exactly the one-token-a-step
 output while a forward commits up to ``dlm.decode.structured.MAX_AHEAD`` + 1 tokens (jump-forward decoding, without appending anything
 unverified).
+
+Prompt lookup (``prompt_lookup=K``, vLLM's ``ngram`` speculation): where no forced tokens are due, the longest of the
+output's last n-grams (``prompt_lookup_max`` down to ``prompt_lookup_min`` tokens) that occurred earlier in the
+prompt or output proposes the up to K tokens that followed its latest occurrence; they are verified the same way
+(a proposal made with certainty), so the output is exactly AR's - greedy token for token, sampled in distribution -
+and a forward commits several tokens where the answer copies. The n-grams are indexed per request as tokens come,
+so a lookup costs a few dictionary reads, not a scan of the context.
 """
 
 from __future__ import annotations
@@ -22,9 +29,26 @@ from dlm.decode.sampling import next_token, suppress
 class ARDecoder(Decoder):
     name = "ar"
 
-    # row.state (the decoder's own): {"ahead": the forced tokens the row's next chunk verifies}
+    # row.state (the decoder's own): {"ahead": the forced tokens or prompt-lookup drafts the row's next chunk
+    # verifies, "lookup": the row's n-gram index (NgramIndex)}
+
+    def __init__(self, prompt_lookup: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+        self.prompt_lookup, self.lookup_min, self.lookup_max = prompt_lookup, prompt_lookup_min, prompt_lookup_max
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
+        if self.prompt_lookup and "ahead" not in row.state:
+            # the chunk's positions must fit the context, and its commits (accepted + 1) the length limit
+            room = min(
+                self.prompt_lookup, engine.max_positions - row.pos - 1, row.params.max_new_tokens - len(row.out) - 1
+            )
+            if room > 0:
+                index = row.state.get("lookup")
+                if index is None:
+                    index = row.state["lookup"] = NgramIndex(self.lookup_min, self.lookup_max)
+                drafts = index.propose(row.prompt_ids, row.out, room)
+                if drafts:
+                    row.state["ahead"], row.state["drafted"] = drafts, True
+                    row.stats.proposed[:1] = [(row.stats.proposed or [0])[0] + len(drafts)]
         return [row.last, *row.state.get("ahead", ())]
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
@@ -38,12 +62,15 @@ class ARDecoder(Decoder):
 
     def consume(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         ahead = row.state.pop("ahead", [])
+        drafted = row.state.pop("drafted", False)
         if not ahead or logits.shape[0] <= len(ahead):  # a plain step (or a prefill: one logit)
             token = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
             row.last = token
             return [token], 1
         committed, keep = verify_forced(logits, ahead, row.params, engine.mask_token_id, row.generator)
         row.last = committed[-1]
+        if drafted:  # prompt-lookup drafts (stats.proposed[0] / accepted[0]: all of a request's)
+            row.stats.accepted[:1] = [(row.stats.accepted or [0])[0] + keep - 1]
         return committed, keep
 
     def consume_batch(self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]):
@@ -63,3 +90,28 @@ class ARDecoder(Decoder):
             else:
                 out.append(self.consume(engine, row, logits[i, : lengths[i]]))
         return out
+
+
+class NgramIndex:
+    """A request's n-grams (``lo`` to ``hi`` tokens) by where they occurred last, for prompt lookup. ``propose``
+    indexes the tokens that came since its last call (every n-gram that ends before the last token, so the
+    output's own last n-gram is found only where it occurred before) and answers the tokens that followed the
+    latest earlier occurrence of the longest last n-gram that has one."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.last: dict[tuple[int, ...], int] = {}  # n-gram -> the position right after its latest occurrence
+        self.done = 0  # n-grams ending before this position are indexed
+
+    def propose(self, prompt: list[int], out: list[int], k: int) -> list[int]:
+        seq = prompt + out if out else prompt
+        end = len(seq) - 1  # the last token's position: its n-grams are the query, indexed next time
+        for e in range(self.done, end):
+            for n in range(self.lo, min(self.hi, e + 1) + 1):
+                self.last[tuple(seq[e - n + 1 : e + 1])] = e + 1
+        self.done = max(self.done, end)
+        for n in range(min(self.hi, len(seq)), self.lo - 1, -1):
+            at = self.last.get(tuple(seq[len(seq) - n :]))
+            if at is not None:
+                return seq[at : at + k]
+        return []

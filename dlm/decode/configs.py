@@ -103,6 +103,25 @@ class ARConfig(DecoderConfig):
     name: ClassVar[str] = "ar"
     summary: ClassVar[str] = "autoregressive, one token per forward"
 
+    prompt_lookup: int = opt(
+        0,
+        "prompt lookup decoding: up to K drafts per step, the tokens that followed the latest earlier occurrence of "
+        "the output's last n-gram in the prompt or output (vLLM's 'ngram' speculation), verified in the same "
+        "forward - exactly the AR output and distribution; pays where the answer copies (quotes, edits, "
+        "extraction). 0 = off",
+    )
+    prompt_lookup_min: int = opt(2, "with --prompt-lookup: the shortest n-gram matched")
+    prompt_lookup_max: int = opt(4, "with --prompt-lookup: the longest n-gram matched (longer matches first)")
+
+    def __post_init__(self):
+        if not _is_int(self.prompt_lookup) or not 0 <= self.prompt_lookup <= 32:
+            self._fail("prompt_lookup", f"must be an integer from 0 (off) to 32, got {self.prompt_lookup!r}")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not _is_int(lo) or lo < 1:
+            self._fail("prompt_lookup_min", f"must be an integer >= 1, got {lo!r}")
+        if not _is_int(hi) or hi < lo:
+            self._fail("prompt_lookup_max", f"must be an integer >= --prompt-lookup-min ({lo}), got {hi!r}")
+
 
 def _check_steps(cfg: MDMConfig | BlockConfig) -> None:
     steps = cfg.steps

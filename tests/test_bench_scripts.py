@@ -103,3 +103,12 @@ def test_prefill_chat_bench_runs_and_checks_equality(tmp_path):
     computed = {k: int(v[-5]) for k, v in rows.items()}
     assert computed["radix"] <= computed["flat"] < computed["no"], run.stdout
     assert all(int(v[-3]) <= 300 for v in rows.values()), run.stdout  # kept within the budget
+
+
+@pytest.mark.integration
+def test_prompt_lookup_bench_runs_and_checks_equality(tmp_path):
+    """bench/prompt_lookup.py on a tiny model: its table, every output equal to plain AR's (the script's check)."""
+    model = save_tiny(tmp_path / "tiny")
+    run = _bench("prompt_lookup.py", "--model", str(model), "--k", "3", "--max-new-tokens", "16", "--rounds", "1")
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "| 3 |" in line]
+    assert len(rows) == 4 and all(line.rstrip().endswith("| yes |") for line in rows), run.stdout

@@ -14,7 +14,9 @@ output's last n-grams (``prompt_lookup_max`` down to ``prompt_lookup_min`` token
 prompt or output proposes the up to K tokens that followed its latest occurrence; they are verified the same way
 (a proposal made with certainty), so the output is exactly AR's - greedy token for token, sampled in distribution -
 and a forward commits several tokens where the answer copies. The n-grams are indexed per request as tokens come,
-so a lookup costs a few dictionary reads, not a scan of the context.
+so a lookup costs a few dictionary reads, not a scan of the context. A request proposes fewer drafts after its
+drafts are refused (one more than it kept) and twice as many again after all are kept: where its n-grams keep
+misleading it, it pays for one draft a step instead of K.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class ARDecoder(Decoder):
     name = "ar"
 
     # row.state (the decoder's own): {"ahead": the forced tokens or prompt-lookup drafts the row's next chunk
-    # verifies, "lookup": the row's n-gram index (NgramIndex)}
+    # verifies, "drafted": whether they are drafts, "lookup": the row's n-gram index (NgramIndex), "k": how many
+    # drafts it proposes next}
 
     def __init__(self, prompt_lookup: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
         self.prompt_lookup, self.lookup_min, self.lookup_max = prompt_lookup, prompt_lookup_min, prompt_lookup_max
@@ -39,7 +42,9 @@ class ARDecoder(Decoder):
         if self.prompt_lookup and "ahead" not in row.state:
             # the chunk's positions must fit the context, and its commits (accepted + 1) the length limit
             room = min(
-                self.prompt_lookup, engine.max_positions - row.pos - 1, row.params.max_new_tokens - len(row.out) - 1
+                row.state.get("k", self.prompt_lookup),
+                engine.max_positions - row.pos - 1,
+                row.params.max_new_tokens - len(row.out) - 1,
             )
             if room > 0:
                 index = row.state.get("lookup")
@@ -71,6 +76,10 @@ class ARDecoder(Decoder):
         row.last = committed[-1]
         if drafted:  # prompt-lookup drafts (stats.proposed[0] / accepted[0]: all of a request's)
             row.stats.accepted[:1] = [(row.stats.accepted or [0])[0] + keep - 1]
+            # how many to propose next: all kept -> twice as many (up to K); else one more than were kept, so a
+            # request whose copies keep failing pays for one draft a step, not K
+            k = len(ahead)
+            row.state["k"] = min(self.prompt_lookup, 2 * k) if keep - 1 == k else keep
         return committed, keep
 
     def consume_batch(self, engine: Engine, rows: list[Row], logits: torch.Tensor, lengths: list[int]):

@@ -294,6 +294,21 @@ def test_serve_engine_vllm_command_line(tiny_model_dir, tmp_path, capsys, monkey
     out = capsys.readouterr().out
     assert '"num_speculative_tokens":2' in out and "--no-enable-prefix-caching" in out  # --prefix-cache-tokens 0
     assert "--enable-auto-tool-choice --tool-call-parser hermes" in out  # tool_choice "auto" read by vLLM's parser
+    # prompt lookup: vLLM's n-gram speculation with the same settings
+    assert (
+        main(
+            ["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), "--prompt-lookup", "3"]
+            + ["--prompt-lookup-min", "1", "--print-command"]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    spec = json.loads(next(a for a in out.split("same as  vllm serve ", 1)[1].split() if a.startswith("'{")).strip("'"))
+    assert spec == {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    assert "with prompt lookup (K=3)" in out
+    both = ["--prompt-lookup", "3", "--drafter", str(tmp_path / "gated"), "--print-command"]
+    assert main(["serve", "--engine", "vllm", "--vllm-python", py, "--model", str(target), *both]) == 2
+    assert "give one of them" in capsys.readouterr().err
 
 
 def test_serve_engine_vllm_errors(tiny_model_dir, tmp_path, capsys, monkeypatch):

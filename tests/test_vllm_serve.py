@@ -181,6 +181,15 @@ def smol(smollm2_path):
     return smollm2_path, load_tokenizer(smollm2_path)
 
 
+def test_prompt_lookup_on_vllm_equals_dlm_ar(vllm_ready, smol):
+    """``--prompt-lookup K`` becomes vLLM's n-gram speculation: the answers stay AR's, and drafts were proposed."""
+    path, tok = smol
+    ref = dlm_ar_reference(path)
+    with vllm_server("smollm2-135m", "--prompt-lookup", "4", "--prompt-lookup-min", "1") as (url, _log):
+        assert_same_as_reference(chat_all(url), ref, tok)
+        assert spec_counters(url)["spec_decode_num_draft_tokens"] > 0
+
+
 def test_ar_model_on_vllm_equals_dlm_ar_and_rejects_bad_requests(vllm_ready, smol):
     path, tok = smol
     ref = dlm_ar_reference(path)

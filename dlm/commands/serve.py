@@ -142,11 +142,25 @@ def run_vllm(args) -> int:
             f"--decode {args.decode} runs on dlm's engine only: --engine vllm decodes AR, exactly "
             f"sped up with --drafter DIR (a dlm I-DLM); drop --decode or use --engine dlm"
         )
-    from dlm.decode.configs import flag_of, given_settings
+    from dlm.decode.configs import ARConfig, flag_of, given_settings
 
-    dlm_only = [flag_of(k) for k in given_settings(args)]
+    given = given_settings(args)
+    lookup = {k: given.pop(k) for k in ("prompt_lookup", "prompt_lookup_min", "prompt_lookup_max") if k in given}
+    dlm_only = [flag_of(k) for k in given]
     if dlm_only:
         raise DLMError(f"{', '.join(dlm_only)}: dlm engine flags; --engine vllm does not take them")
+    ngram = None
+    if lookup:  # vLLM's own n-gram speculation, the same proposals
+        cfg = ARConfig(**lookup)
+        if cfg.prompt_lookup and args.drafter:
+            raise DLMError("--prompt-lookup and --drafter are two ways to draft for vLLM: give one of them")
+        if cfg.prompt_lookup:
+            ngram = {
+                "method": "ngram",
+                "num_speculative_tokens": cfg.prompt_lookup,
+                "prompt_lookup_max": cfg.prompt_lookup_max,
+                "prompt_lookup_min": cfg.prompt_lookup_min,
+            }
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
     if args.max_queue:
@@ -164,7 +178,7 @@ def run_vllm(args) -> int:
     spec = (
         vllm.speculative_config(args.drafter, target=folder, num_speculative_tokens=args.num_speculative_tokens)
         if args.drafter
-        else None
+        else ngram
     )
     api_key = args.api_key or os.environ.get("DLM_API_KEY") or None
     # the dtype dlm's engine would run on this machine (vLLM's own "auto" turns a float32 checkpoint into bfloat16 on
@@ -190,7 +204,8 @@ def run_vllm(args) -> int:
     cmd = vllm.server_command(python, server)
     print(
         f"dlm serve: vLLM {version} serving '{args.served_model_name or args.model}' ({folder})"
-        + (f" with drafter {spec['model']} (K={spec['num_speculative_tokens']})" if spec else "")
+        + (f" with drafter {spec['model']} (K={spec['num_speculative_tokens']})" if spec and "model" in spec else "")
+        + (f" with prompt lookup (K={spec['num_speculative_tokens']})" if spec and "model" not in spec else "")
         + f" on http://{args.host}:{args.port}/v1",
         flush=True,
     )

@@ -90,7 +90,8 @@ def test_flags_build_the_config_with_each_command_s_defaults():
     assert args.decode is None and config_from_args(args, "isd", SERVE_DEFAULTS) == ISDConfig(draft_budget="auto")
     args = parse("serve", "--isd-draft-budget", "always")
     assert config_from_args(args, "isd", SERVE_DEFAULTS).draft_budget == "always"
-    assert config_from_args(parse("serve", "--decode", "ar"), None, SERVE_DEFAULTS) == ARConfig()
+    # ar: prompt lookup's drafting measured too (it drafts only with --prompt-lookup K)
+    assert config_from_args(parse("serve", "--decode", "ar"), None, SERVE_DEFAULTS) == ARConfig(lookup_budget="auto")
     # the server states its own default in its help
     serve_help = parser_of("serve").format_help()
     assert "default auto" in " ".join(serve_help.split())

@@ -75,6 +75,22 @@ def test_greedy_output_is_ar_token_for_token(static):
     assert again.stats.cached_tokens > 0
 
 
+def test_the_drafting_policy_decides_when_a_step_drafts():
+    """``lookup_budget``: a token budget no step fits drafts never (one token a forward), 'auto' measures both
+    kinds of step; the output is AR's either way. A bad budget names its flag."""
+    model = make_model("llama", seed=0)
+    ps = prompts()
+    params = SamplingParams(40, ignore_eos=True)
+    want = [r.token_ids for r in Engine(model, TOK, decoder="ar").generate(ps, params)]
+    never = Engine(model, TOK, decoder="ar", prompt_lookup=4, lookup_budget=1, max_batch_size=4).generate(ps, params)
+    assert [r.token_ids for r in never] == want and all(r.stats.tpf <= 1.0 for r in never)
+    eng = Engine(model, TOK, decoder="ar", prompt_lookup=4, lookup_budget="auto", max_batch_size=4)
+    assert [r.token_ids for r in eng.generate(ps, params)] == want
+    assert any(b.window[True].steps and b.window[False].steps for b in eng.decoder.policy.buckets.values())
+    with pytest.raises(DLMError, match="--prompt-lookup-budget must be"):
+        make_config("ar", prompt_lookup=4, lookup_budget="sometimes")
+
+
 def test_a_structured_output_with_prompt_lookup():
     pytest.importorskip("llguidance")
     from dlm.decode.structured import StructuredOutput

@@ -596,7 +596,7 @@ def test_cli_registers_serve():
         a = build_parser().parse_args(["serve", *argv])
         return config_from_args(a, a.decode or "isd", command_defaults=SERVE_DEFAULTS)
 
-    assert config(["--decode", "ar"]) == ARConfig()  # ar: no drafting policy
+    assert config(["--decode", "ar"]) == ARConfig(lookup_budget="auto")  # ar: measured, if it drafts (--prompt-lookup)
     assert config([]).draft_budget == "auto"  # the server's default for isd
     assert config(["--isd-draft-budget", "always"]).draft_budget == "always"
     assert config(["--isd-token-budget", "always"]).draft_budget == "always"  # the old spelling, deprecated

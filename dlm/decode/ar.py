@@ -16,7 +16,9 @@ prompt or output proposes the up to K tokens that followed its latest occurrence
 and a forward commits several tokens where the answer copies. The n-grams are indexed per request as tokens come,
 so a lookup costs a few dictionary reads, not a scan of the context. A request proposes fewer drafts after its
 drafts are refused (one more than it kept) and twice as many again after all are kept: where its n-grams keep
-misleading it, it pays for one draft a step instead of K.
+misleading it, it pays for one draft a step instead of K. ``lookup_budget`` says when a step drafts at all, as ISD's
+``draft_budget`` does (``'auto'``: whichever of drafting and plain steps commits more tokens per second at this
+batch size).
 """
 
 from __future__ import annotations
@@ -35,11 +37,26 @@ class ARDecoder(Decoder):
     # verifies, "drafted": whether they are drafts, "lookup": the row's n-gram index (NgramIndex), "k": how many
     # drafts it proposes next}
 
-    def __init__(self, prompt_lookup: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4):
+    def __init__(
+        self, prompt_lookup: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, lookup_budget=None
+    ):
+        from dlm.decode.schedule import make_policy
+
         self.prompt_lookup, self.lookup_min, self.lookup_max = prompt_lookup, prompt_lookup_min, prompt_lookup_max
+        # when a step drafts (dlm.decode.schedule, as ISD's --isd-draft-budget): a row feeds K + 1 tokens
+        self.policy = make_policy(lookup_budget, 2, prompt_lookup + 1) if prompt_lookup else None
+        self._drafting = True
+
+    def plan_step(self, engine: Engine, rows: list[Row]) -> None:
+        if self.policy is not None:
+            self._drafting = self.policy.drafting(len(rows))
+
+    def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
+        if self.policy is not None:
+            self.policy.observe(len(rows), self._drafting, seconds, tokens)
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
-        if self.prompt_lookup and "ahead" not in row.state:
+        if self.prompt_lookup and self._drafting and "ahead" not in row.state:
             # the chunk's positions must fit the context, and its commits (accepted + 1) the length limit
             room = min(
                 row.state.get("k", self.prompt_lookup),

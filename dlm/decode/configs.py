@@ -112,6 +112,13 @@ class ARConfig(DecoderConfig):
     )
     prompt_lookup_min: int = opt(2, "with --prompt-lookup: the shortest n-gram matched")
     prompt_lookup_max: int = opt(4, "with --prompt-lookup: the longest n-gram matched (longer matches first)")
+    lookup_budget: int | str | object | None = opt(  # object: a policy of dlm.decode.schedule (Python only)
+        None,
+        "with --prompt-lookup: when a step drafts - 'always'; an integer T: while running rows x (K+1) <= T tokens "
+        "per step; 'auto': measure per batch size whether drafting or plain steps commit more tokens per second "
+        "and run the faster. The output is the same in every case; None: always",
+        flag="--prompt-lookup-budget",
+    )
 
     def __post_init__(self):
         if not _is_int(self.prompt_lookup) or not 0 <= self.prompt_lookup <= 32:
@@ -121,6 +128,14 @@ class ARConfig(DecoderConfig):
             self._fail("prompt_lookup_min", f"must be an integer >= 1, got {lo!r}")
         if not _is_int(hi) or hi < lo:
             self._fail("prompt_lookup_max", f"must be an integer >= --prompt-lookup-min ({lo}), got {hi!r}")
+        if isinstance(self.lookup_budget, str) and self.lookup_budget.strip().isdigit():
+            self.lookup_budget = int(self.lookup_budget)
+        from dlm.decode.schedule import make_policy
+
+        try:
+            make_policy(self.lookup_budget, 2, self.prompt_lookup + 1)
+        except DLMError as e:
+            raise DLMError(str(e).replace("--isd-draft-budget", "--prompt-lookup-budget")) from None
 
 
 def _check_steps(cfg: MDMConfig | BlockConfig) -> None:

@@ -6,6 +6,7 @@ run, through the same server code (FastAPI + the engine thread) and the official
     python bench/serve.py --decodes ar,isd,isd:6     # also isd that drafts only while rows x (2N-1) <= 6
     python bench/serve.py --decodes ar,isd,isd:auto  # also isd that measures whether drafting pays
     python bench/serve.py --decodes ar,isd:c3,isd:auto:c3   # isd with 3 draft candidates (--isd-candidates 3)
+    python bench/serve.py --decodes ar,ar:pl4,ar:pl4:always  # ar with prompt lookup (--prompt-lookup 4)
 
 Each level sends max(concurrency, --min-requests) streaming chat requests from `concurrency` concurrent clients
 (greedy; a request ends at end-of-sequence or --max-tokens, as a real server's do; with --ignore-eos every request
@@ -137,7 +138,7 @@ def main(argv=None) -> int:
         default="ar,isd",
         help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
         "with --isd-draft-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
-        "--isd-candidates K",
+        "--isd-candidates K; 'ar:plK' = ar with --prompt-lookup K (budget auto, as dlm serve; 'ar:plK:always')",
     )
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
@@ -200,8 +201,14 @@ def main(argv=None) -> int:
             for opt in opts:
                 if opt.startswith("c") and opt[1:].isdigit():
                     kw["candidates"] = int(opt[1:])
+                elif opt.startswith("pl") and opt[2:].isdigit():  # ar:pl4 = --prompt-lookup 4
+                    kw["prompt_lookup"] = int(opt[2:])
+                elif name == "ar":
+                    kw["lookup_budget"] = opt
                 else:
                     kw["draft_budget"] = opt
+            if name == "ar" and "prompt_lookup" in kw:
+                kw.setdefault("lookup_budget", "auto")  # dlm serve's default
             engine = Engine(
                 dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, prefix_cache=args.prefix_cache_tokens, **kw
             )

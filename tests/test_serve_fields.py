@@ -477,7 +477,10 @@ def test_tool_calls_are_the_constrained_arguments(client, engine):
 
     url = str(client.base_url).rstrip("/")
     body = dict(kw, max_tokens=48, tools=tools[1:], tool_choice="required")
-    ChatCompletion.model_validate(httpx.post(url + "/chat/completions", json=body, timeout=60).json())
+    raw = httpx.post(url + "/chat/completions", json=body, timeout=60).json()
+    documented = ChatCompletion.model_validate(raw).choices[0]  # every field of the answer is in the document
+    assert documented.message.model_dump(exclude_unset=True) == raw["choices"][0]["message"]
+    assert documented.finish_reason == raw["choices"][0]["finish_reason"] == "tool_calls"
     again = collect_stream(client, **{**kw, "max_tokens": 48, "tools": tools[1:]}, tool_choice="required")
     assert again[:3] == (None, [("now", "{}")], "tool_calls")
     history = messages + [
@@ -565,3 +568,9 @@ def test_reasoning_is_sent_apart(client, engine):
         streamed = collect_stream(client, thoughts, **body, logprobs=True)
         assert (*streamed[:3], "".join(thoughts) or None) == want, text
         assert "".join(streamed[3]) == text  # every token's log-probability, reasoning tokens included
+        from dlm.serve.schemas import ChatCompletion  # every field of the answer is in /openapi.json's document
+
+        raw = {k: v for k, v in body.items() if k != "extra_body"} | body["extra_body"]
+        answer = httpx.post(str(client.base_url).rstrip("/") + "/chat/completions", json=raw, timeout=60).json()
+        message = ChatCompletion.model_validate(answer).choices[0].message
+        assert message.model_dump(exclude_unset=True) == answer["choices"][0]["message"]

@@ -354,9 +354,8 @@ class ToolCall(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None  # None: an answer that is only tool calls
-    reasoning_content: str | None = (
-        None  # present when a thinking model's answer holds a <think> block    tool_calls: list[ToolCall] | None = None  # present when the answer calls tools
-    )
+    reasoning_content: str | None = None  # present when a thinking model's answer holds a <think> block
+    tool_calls: list[ToolCall] | None = None  # present when the answer calls tools
 
 
 class TopLogprob(BaseModel):

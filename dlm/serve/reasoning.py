@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlm.serve.streaming import held
 from dlm.serve.tool_calls import Piece, Reader
 
 PARSERS = ("think",)
@@ -42,14 +43,6 @@ def opens_in_prompt(prompt_text: str) -> bool:
     """Whether the chat template left the prompt inside an open ``<think>`` block (the answer starts reasoning)."""
     tail = prompt_text.rstrip()
     return tail.endswith(OPEN)
-
-
-def _held(text: str, tag: str) -> int:
-    """The length of the longest tail of ``text`` that may be the start of ``tag``."""
-    for k in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:k]):
-            return k
-    return 0
 
 
 class Thinking(Reader):
@@ -83,7 +76,7 @@ class Thinking(Reader):
         if self.state == "inside":
             end = self.buf.find(CLOSE)
             if end < 0:
-                keep = _held(self.buf, CLOSE)
+                keep = held(self.buf, CLOSE)
                 thought, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
                 return out + ([("reasoning", thought)] if thought else [])
             if end:

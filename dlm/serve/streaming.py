@@ -12,6 +12,15 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
+def held(text: str, tag: str) -> int:
+    """The length of the longest tail of ``text`` that may be the start of ``tag`` (held back from a stream until
+    the next text says whether ``tag`` follows)."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
 SSE_DONE = "data: [DONE]\n\n"  # the stream's last event (OpenAI's end marker)
 SSE_KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, a dead client's socket errors on it
 
@@ -31,13 +40,7 @@ class TextStream:
         self.sent = 0  # characters already sent
 
     def _hold(self, text: str) -> int:
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(text)), hold, -1):
-                if text.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
+        return max((held(text, s) for s in self.stop), default=0)
 
     def feed(self, ids: list[int]) -> str:
         self.ids.extend(ids)

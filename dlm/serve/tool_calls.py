@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dlm.serve.streaming import held
+
 PARSERS = ("hermes", "llama3_json")
 CHOICES = ("auto", "none", *PARSERS)  # --tool-call-parser
 
@@ -254,11 +256,7 @@ class Tagged(Reader):
                 self.buf, self.inside = self.buf[i + len(self.start) :], True
                 self.scan, self.quoted, self.escaped = 0, False, False
                 continue
-            hold = 0  # a tail that may open a block
-            for k in range(min(len(self.start) - 1, len(self.buf)), 0, -1):
-                if self.buf.endswith(self.start[:k]):
-                    hold = k
-                    break
+            hold = held(self.buf, self.start)  # a tail that may open a block
             out += self._text(self.buf[: len(self.buf) - hold])
             self.buf = self.buf[len(self.buf) - hold :]
             return out

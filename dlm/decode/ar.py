@@ -44,7 +44,9 @@ class ARDecoder(Decoder):
 
         self.prompt_lookup, self.lookup_min, self.lookup_max = prompt_lookup, prompt_lookup_min, prompt_lookup_max
         # when a step drafts (dlm.decode.schedule, as ISD's --isd-draft-budget): a row feeds K + 1 tokens
-        self.policy = make_policy(lookup_budget, 2, prompt_lookup + 1) if prompt_lookup else None
+        self.policy = (
+            make_policy(lookup_budget, 2, prompt_lookup + 1, "--prompt-lookup-budget") if prompt_lookup else None
+        )
         self._drafting = True
 
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:
@@ -70,7 +72,9 @@ class ARDecoder(Decoder):
                 drafts = index.propose(row.prompt_ids, row.out, room)
                 if drafts:
                     row.state["ahead"], row.state["drafted"] = drafts, True
-                    row.stats.proposed[:1] = [(row.stats.proposed or [0])[0] + len(drafts)]
+                    if not row.stats.proposed:  # one count for all of a request's drafts
+                        row.stats.proposed, row.stats.accepted = [0], [0]
+                    row.stats.proposed[0] += len(drafts)
         return [row.last, *row.state.get("ahead", ())]
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:
@@ -91,8 +95,8 @@ class ARDecoder(Decoder):
             return [token], 1
         committed, keep = verify_forced(logits, ahead, row.params, engine.mask_token_id, row.generator)
         row.last = committed[-1]
-        if drafted:  # prompt-lookup drafts (stats.proposed[0] / accepted[0]: all of a request's)
-            row.stats.accepted[:1] = [(row.stats.accepted or [0])[0] + keep - 1]
+        if drafted:  # prompt-lookup drafts
+            row.stats.accepted[0] += keep - 1
             # how many to propose next: all kept -> twice as many (up to K); else one more than were kept, so a
             # request whose copies keep failing pays for one draft a step, not K
             k = len(ahead)

@@ -128,14 +128,18 @@ class ARConfig(DecoderConfig):
             self._fail("prompt_lookup_min", f"must be an integer >= 1, got {lo!r}")
         if not _is_int(hi) or hi < lo:
             self._fail("prompt_lookup_max", f"must be an integer >= --prompt-lookup-min ({lo}), got {hi!r}")
-        if isinstance(self.lookup_budget, str) and self.lookup_budget.strip().isdigit():
-            self.lookup_budget = int(self.lookup_budget)
-        from dlm.decode.schedule import make_policy
+        self.lookup_budget = _drafting_policy(self.lookup_budget, 2, self.prompt_lookup + 1, "--prompt-lookup-budget")
 
-        try:
-            make_policy(self.lookup_budget, 2, self.prompt_lookup + 1)
-        except DLMError as e:
-            raise DLMError(str(e).replace("--isd-draft-budget", "--prompt-lookup-budget")) from None
+
+def _drafting_policy(budget, stride: int, per_row: int | None = None, flag: str = "--isd-draft-budget"):
+    """A drafting-policy setting as the config keeps it (a number given as text becomes the number), checked by
+    building it once (DLMError naming ``flag``)."""
+    if isinstance(budget, str) and budget.strip().isdigit():
+        budget = int(budget)
+    from dlm.decode.schedule import make_policy  # torch-free; the one check of a drafting policy
+
+    make_policy(budget, stride, per_row, flag)
+    return budget
 
 
 def _check_steps(cfg: MDMConfig | BlockConfig) -> None:
@@ -258,11 +262,7 @@ class ISDConfig(DecoderConfig):
         self._check_choices()
         if self.stride is not None and (not _is_int(self.stride) or self.stride < 2):
             self._fail("stride", f"must be an integer >= 2 (N-1 drafts per step), got {self.stride!r}")
-        if isinstance(self.draft_budget, str) and self.draft_budget.strip().isdigit():
-            self.draft_budget = int(self.draft_budget)
-        from dlm.decode.schedule import make_policy  # torch-free; the one check of a drafting policy
-
-        make_policy(self.draft_budget, self.stride or 2)
+        self.draft_budget = _drafting_policy(self.draft_budget, self.stride or 2)
         if not _is_int(self.candidates) or not 1 <= self.candidates <= MAX_CANDIDATES:
             self._fail("candidates", f"must be an integer from 1 to {MAX_CANDIDATES}, got {self.candidates!r}")
         if self.candidates > 1 and self.stride not in (None, 2):

@@ -42,9 +42,9 @@ class AlwaysDraft:
 class TokenBudget(AlwaysDraft):
     name = "budget"
 
-    def __init__(self, budget: int, stride: int, per_row: int | None = None):
+    def __init__(self, budget: int, stride: int, per_row: int | None = None, flag: str = "--isd-draft-budget"):
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
-            raise DLMError(f"--isd-draft-budget must be a positive integer, 'auto' or 'always', got {budget!r}")
+            raise DLMError(f"{flag} must be a positive integer, 'auto' or 'always', got {budget!r}")
         self.budget, self.stride = budget, stride
         self.per_row = per_row or 2 * stride - 1  # tokens a row feeds in a verify step
 
@@ -234,10 +234,10 @@ class MeasuredDraft(AlwaysDraft):
             self._bucket(self.bucket_of(rows)).window[drafted].add(seconds, tokens, rows, self.window)
 
 
-def make_policy(token_budget, stride: int, per_row: int | None = None):
+def make_policy(token_budget, stride: int, per_row: int | None = None, flag: str = "--isd-draft-budget"):
     """``None`` or ``'always'`` -> always draft; an int -> :class:`TokenBudget`; ``'auto'`` ->
     :class:`MeasuredDraft`; an object with ``drafting``/``peek``/``observe`` (a policy of your own) is used as
-    is."""
+    is. ``flag``: the setting's flag, for the error of a bad value (ISD's, or prompt lookup's)."""
     if token_budget is None or (isinstance(token_budget, str) and token_budget.strip().lower() == "always"):
         return AlwaysDraft()
     if all(hasattr(token_budget, a) for a in ("drafting", "peek", "observe")):
@@ -248,7 +248,5 @@ def make_policy(token_budget, stride: int, per_row: int | None = None):
         try:
             token_budget = int(token_budget)
         except ValueError:
-            raise DLMError(
-                f"--isd-draft-budget must be a positive integer, 'auto' or 'always', got {token_budget!r}"
-            ) from None
-    return TokenBudget(token_budget, stride, per_row)
+            raise DLMError(f"{flag} must be a positive integer, 'auto' or 'always', got {token_budget!r}") from None
+    return TokenBudget(token_budget, stride, per_row, flag)

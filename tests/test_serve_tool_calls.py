@@ -242,13 +242,18 @@ def test_reasoning_is_split_from_the_content():
 
 
 def test_the_reasoning_format_is_found_in_the_chat_template():
-    from dlm.serve.reasoning import detect, opens_in_prompt
-    from dlm.serve.reasoning import resolve as resolve_reasoning
+    from dlm.serve.reasoning import detect as detect_reasoning
+    from dlm.serve.reasoning import opens_in_prompt
     from dlm.serve.settings import ServeSettings
 
     qwen3 = QWEN_LIKE + "{%- if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>{% endif %}"
-    assert detect(_Tok(qwen3)) == "think" and detect(_Tok(QWEN_LIKE)) is None and detect(_Tok(None)) is None
-    assert resolve_reasoning("none", _Tok(qwen3)) is None and resolve_reasoning("think", _Tok(None)) == "think"
+    assert detect_reasoning(_Tok(qwen3)) == "think" and detect_reasoning(_Tok(QWEN_LIKE)) is None
+    assert detect_reasoning(_Tok(None)) is None
+    assert resolve("auto", _Tok(qwen3), detect=detect_reasoning) == "think"
+    assert (
+        resolve("none", _Tok(qwen3), detect_reasoning) is None
+        and resolve("think", _Tok(None), detect_reasoning) == "think"
+    )
     assert opens_in_prompt("<|im_start|>assistant\n<think>\n") and not opens_in_prompt("<think>\n\n</think>\n\n")
     with pytest.raises(DLMError, match="--reasoning-parser must be one of auto, none, think"):
         ServeSettings(reasoning_parser="qwen3")

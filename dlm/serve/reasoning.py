@@ -32,11 +32,17 @@ def detect(tokenizer: Any) -> str | None:
     return "think" if isinstance(template, str) and OPEN in template else None
 
 
-def resolve(choice: str, tokenizer: Any) -> str | None:
-    """The parser ``--reasoning-parser CHOICE`` gives for this tokenizer: "auto" detects it, "none" is None."""
-    if choice == "auto":
-        return detect(tokenizer)
-    return None if choice == "none" else choice
+def tags_are_tokens(tokenizer: Any) -> bool:
+    """Whether ``<think>`` and ``</think>`` are one token each in ``tokenizer``'s vocabulary (a structured output
+    can then start after the reasoning block; otherwise it constrains the whole answer)."""
+    from dlm.decode.structured import thinking_tokens
+    from dlm.errors import DLMError
+
+    try:
+        thinking_tokens(tokenizer)
+    except DLMError:
+        return False
+    return True
 
 
 def opens_in_prompt(prompt_text: str) -> bool:

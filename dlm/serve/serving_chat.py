@@ -60,9 +60,9 @@ class ChatHandler(OpenAIServing):
 
     def piece_choice(self, index: int, piece: Piece, logprobs: list[Scored] | None, calls: int) -> dict[str, Any]:
         kind, value = piece
-        lps = None if logprobs is None else chat_logprobs(logprobs)
         if kind == "content":
             return self.chunk_choice(index, value, None, logprobs=logprobs)
+        lps = None if logprobs is None else chat_logprobs(logprobs)
         if kind == "reasoning":
             return {"index": index, "delta": {"reasoning_content": value}, "finish_reason": None, "logprobs": lps}
         if kind == "call":  # a call opens: its id, name and the arguments known so far

@@ -86,8 +86,9 @@ def template_in_folder(folder: str | os.PathLike) -> str | dict | None:
     return None
 
 
-def resolve(choice: str, tokenizer: Any) -> str | None:
-    """The parser ``--tool-call-parser CHOICE`` gives for this tokenizer: "auto" detects it, "none" is None."""
+def resolve(choice: str, tokenizer: Any, detect: Any = detect) -> str | None:
+    """The parser a ``--tool-call-parser`` (or, with its ``detect``, ``--reasoning-parser``) CHOICE gives for this
+    tokenizer or template: "auto" detects it, "none" is None."""
     if choice == "auto":
         return detect(tokenizer)
     return None if choice == "none" else choice

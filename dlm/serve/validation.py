@@ -177,7 +177,9 @@ class RequestValidator:
         from dlm.serve import reasoning, tool_calls
 
         self.tool_parser = tool_calls.resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
-        self.reasoning_parser = reasoning.resolve(settings.reasoning_parser, tokenizer)
+        self.reasoning_parser = tool_calls.resolve(settings.reasoning_parser, tokenizer, reasoning.detect)
+        # a grammar can start after the reasoning block where <think> and </think> are one token each here
+        self.thinks_in_tokens = self.reasoning_parser is not None and reasoning.tags_are_tokens(tokenizer)
 
     @classmethod
     def for_engine(cls, engine: Any, settings: ServeSettings) -> RequestValidator:
@@ -243,7 +245,7 @@ class RequestValidator:
             from dlm.serve.reasoning import opens_in_prompt
 
             reasoning = "open" if opens_in_prompt(text) else "tags"
-            if structured is not None and self.thinks_in_tokens():  # the reasoning stays free, then the grammar
+            if structured is not None and self.thinks_in_tokens:  # the reasoning stays free, then the grammar
                 import dataclasses
 
                 structured = dataclasses.replace(structured, after_thinking=reasoning)
@@ -324,20 +326,6 @@ class RequestValidator:
                 400, f"tools: a function's parameters are not a usable JSON schema: {e}", param="tools"
             ) from e
         return mode, spec
-
-    def thinks_in_tokens(self) -> bool:
-        """Whether ``<think>`` and ``</think>`` are one token each here (a grammar can then start after the
-        reasoning block; otherwise it constrains the whole answer)."""
-        if not hasattr(self, "_thinks_in_tokens"):
-            from dlm.decode.structured import thinking_tokens
-            from dlm.errors import DLMError
-
-            try:
-                thinking_tokens(self.tokenizer)
-                self._thinks_in_tokens = True
-            except DLMError:
-                self._thinks_in_tokens = False
-        return self._thinks_in_tokens
 
     def chat_text(
         self,

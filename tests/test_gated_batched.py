@@ -630,3 +630,92 @@ def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, i
     assert torch.equal(chunk, chunk_l) and torch.equal(step, step_l)
     for a, b in zip(cache.layers, cache_l.layers):
         assert a.keys.shape[2] == 11 and torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
+    """decode_stack's arguments are kept from one forward to the next (fused._StackPlan) and built again where
+    what they came from changed: a projection's weight updated in place (an optimizer step) or replaced, a norm's
+    weight replaced, a weight's data swapped (``.data =``), the adapters updated in place, a hook registered on a projection and removed again, the
+    adapters taken off. Forwards over the engine's growing cache with such changes between them - chunks whose
+    masks the adapters act on and 1-token steps - give the per-layer loop's logits bit for bit at every forward
+    (the loop runs every layer's checks each time), and the forwards without a hook take one decode_stack call."""
+    from dlm.decode.cpu import fused
+    from dlm.decode.engine import KVBatch
+
+    cpu = _kernels()
+
+    def run(one: bool):
+        monkeypatch.setattr(fused, "ONE_CALL", [one])
+        dlm, _, _ = _pair("llama", targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=9)
+        hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
+        layers = hf.model.layers
+        handles = []
+
+        def hook(mod, args, out):
+            return out + 0.25
+
+        q0, v1, down1, norm0 = (
+            layers[0].self_attn.q_proj,
+            layers[1].self_attn.v_proj,
+            layers[1].mlp.down_proj,
+            layers[0].input_layernorm,
+        )
+        # (chunk length, the change before it): 3 = a chunk closed by a mask in both rows (the adapters act), 1 = a
+        # 1-token step; each change comes before a forward whose kept plan would otherwise still be taken
+        schedule = [
+            (3, None),
+            (1, None),
+            (3, None),
+            (1, None),
+            (3, lambda: q0.weight.mul_(1.5)),
+            (1, None),
+            (3, lambda: setattr(v1, "weight", nn.Parameter(v1.weight * 0.5))),
+            (1, None),
+            (3, lambda: setattr(norm0, "weight", nn.Parameter(norm0.weight * 2))),
+            (1, None),
+            (3, lambda: [a.B.mul_(-2.0) for a in g.adapters.values()]),
+            (1, None),
+            (3, lambda: setattr(down1.weight, "data", down1.weight * 0.75)),
+            (1, None),
+            (3, lambda: handles.append(layers[1].self_attn.q_proj.register_forward_hook(hook))),
+            (1, None),
+            (3, lambda: handles.pop().remove()),
+            (3, None),
+            (3, g.remove),
+            (1, None),
+        ]
+        gen = torch.Generator().manual_seed(10)
+        assert cpu.attach(dlm)
+        counting = CallCounter(fused._OPS[0])
+        monkeypatch.setattr(fused, "_OPS", [counting])
+        kv, out, stacked = KVBatch(), [], []
+        try:
+            with torch.no_grad(), cpu.active():
+                hf(input_ids=torch.randint(5, 300, (2, 6), generator=gen), past_key_values=kv.cache, use_cache=True)
+                n = 6
+                for t, change in schedule:
+                    if change is not None:
+                        change()
+                    ids = torch.randint(5, 300, (2, t), generator=gen)
+                    mask = None
+                    if t > 1:
+                        ids[:, -1] = m
+                        mask = torch.ones(2, 1, t, n + t, dtype=torch.bool)
+                        mask[..., n:] = torch.ones(t, t, dtype=torch.bool).tril_()
+                    pos = torch.arange(n, n + t)[None].expand(2, t)
+                    before = counting.calls.get("decode_stack", 0)
+                    out.append(
+                        hf(input_ids=ids, past_key_values=kv.cache, attention_mask=mask, position_ids=pos).logits
+                    )
+                    stacked.append(counting.calls.get("decode_stack", 0) - before)
+                    n += t
+        finally:
+            monkeypatch.setattr(fused, "_OPS", [counting.mod])
+            cpu.detach(dlm)
+        return out, stacked
+
+    got, stacked = run(True)
+    want, stacked_l = run(False)
+    assert stacked == [0 if i in (14, 15) else 1 for i in range(20)] and not any(stacked_l)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), f"forward {i}"

@@ -143,7 +143,13 @@ def _gated_class(cls: type, embedding: bool = False) -> type:
     return sub
 
 
+# Bumped whenever gated adapters are attached to modules or taken off them (their classes and ``_dlm_gated``
+# change): what a cache of a model's structure compares (dlm.decode.cpu's decode-step plans).
+EPOCH = [0]
+
+
 def _ungate(module: nn.Module) -> None:
+    EPOCH[0] += 1
     base = type(module).__dict__.get("_dlm_gated_base")
     if base is not None:
         module.__class__ = base
@@ -326,6 +332,7 @@ class GatedLoRA(nn.Module):
                 m = modules[name]
                 m.__class__ = _gated_class(type(m))
                 m._dlm_gated = (group, i)
+        EPOCH[0] += 1
 
     def _set_gate(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids")

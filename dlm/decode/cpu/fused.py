@@ -7,6 +7,7 @@ Each forward falls back to the module's own (``stock``) wherever its conditions 
 from __future__ import annotations
 
 import contextlib
+import operator
 
 import torch
 from torch import nn
@@ -577,6 +578,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
     forward._dlm = True
     forward._dlm_ready, forward._dlm_body, forward._dlm_hd = ready, body, hd
     forward._dlm_plan, forward._dlm_stack_args, forward._dlm_layer_idx = plan, stack_args, layer_idx
+    forward._dlm_norms, forward._dlm_mods = (n1, n2), mods
     return forward
 
 
@@ -675,6 +677,7 @@ def _make_stack_forward(model: nn.Module, stock, parts):
     hd = fwds[0]._dlm_hd
     steps = [(layer, f._dlm_ready, f._dlm_body) for layer, f in zip(layers, fwds)]
     out_type, cache_field = _output_type()
+    memo: dict = {}  # _one_call's plans of this stack
 
     def ready() -> bool:
         if (
@@ -728,7 +731,7 @@ def _make_stack_forward(model: nn.Module, stock, parts):
         cos, sin = rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
         if not _rotary_ok(b, t, hd, cos, sin):
             return stock(*args, **kwargs)
-        one = _one_call(fwds, h, cos, sin, mask, cache) if ONE_CALL[0] else None
+        one = _one_call(fwds, h, cos, sin, mask, cache, memo) if ONE_CALL[0] else None
         if one is not None:
             h = one
         else:
@@ -751,9 +754,13 @@ ONE_CALL = [True]
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
-def _one_call(fwds, h, cos, sin, mask, cache):
+def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
     """The decoder layers on ``h [b, t, d]`` through one ``decode_stack`` call, or None (nothing done) where a
-    layer takes the per-op steps, the cache is not the engine's growing one or its layers differ in length."""
+    layer takes the per-op steps, the cache is not the engine's growing one or its layers differ in length.
+
+    ``memo`` keeps the call's arguments between forwards (:class:`_StackPlan`): building them - each layer's checks
+    of hooks, packed weights and adapters, and its list of tensors - is Python that cost a 1-row step of a 30-layer
+    model about as much as a tenth of its kernel time."""
     layers = getattr(cache, "layers", None)
     b, t, d = h.shape
     rows = b * t
@@ -763,23 +770,20 @@ def _one_call(fwds, h, cos, sin, mask, cache):
         keys = getattr(layer, "keys", None)
         if not hasattr(layer, "room") or not getattr(layer, "is_initialized", False) or keys is None or keys.dim() != 4:
             return None
-    plans = []
-    for f in fwds:
-        pl = f._dlm_plan(rows)
-        if pl is None:
-            return None
-        plans.append(pl[0])
-    gate = next((dl for dl in plans if dl is not None), None)  # (mask rows, A, B, r, scale): one gate a forward
-    if gate is not None and any(dl is not None and (dl[0] is not gate[0] or dl[3:] != gate[3:]) for dl in plans):
+    plan = _StackPlan.get(memo, fwds, rows)
+    if plan is None:
         return None
-    ts, fs, ints = [], [], []
+    lora = plan.lora if plan.gated else None
+    if lora is not None and (
+        lora._idx is None or (lora.training and lora.settings.dropout > 0) or lora._gate.numel() != rows
+    ):
+        return None  # what _qkv_deltas answers: the per-op path
+    ts, slots = plan.ts, plan.kv_slots
     rooms = []
     n0 = None
-    for f, dl in zip(fwds, plans):
+    for f, j, hk in zip(fwds, slots, plan.kv_heads):
         layer = layers[f._dlm_layer_idx]
         keys, values = layer.keys, layer.values
-        tensors, adapters, floats, widths = f._dlm_stack_args(dl)
-        hk = widths[1] // f._dlm_hd
         if keys.shape[0] != b or keys.shape[1] != hk or values.dim() != 4:
             return None
         kb, vb, n = layer.room(b, hk, t, keys.shape[-1], values.shape[-1], keys, values)
@@ -788,16 +792,149 @@ def _one_call(fwds, h, cos, sin, mask, cache):
         elif n != n0:
             return None
         rooms.append((layer, kb, vb))
-        ts += (*tensors, kb, vb, *adapters)
-        fs += floats
-        ints += widths
+        ts[j], ts[j + 1] = kb, vb
     mask = _layer_mask(mask, b, t, n0 + t)
-    idx, r, scale = (_NO_ROWS, 1, 1.0) if gate is None else (gate[0], gate[3], gate[4])
+    idx, r, scale = (_NO_ROWS, 1, 1.0) if lora is None else (lora._idx, lora.settings.r, float(lora.scale))
     x2 = h.reshape(rows, d).contiguous()
-    y = _OPS[0].decode_stack(x2, cos, sin, mask, b, fwds[0]._dlm_hd, n0, ts, fs, ints, idx, r, scale)
+    try:
+        y = _OPS[0].decode_stack(x2, cos, sin, mask, b, fwds[0]._dlm_hd, n0, ts, plan.fs, plan.ints, idx, r, scale)
+    finally:
+        for j in slots:  # the plan does not keep the KV buffers alive
+            ts[j] = ts[j + 1] = _NO_BIAS
     for layer, kb, vb in rooms:
         layer.extended(kb, vb, n0 + t)
     return y.view(b, t, d)
+
+
+_next_hook = getattr(getattr(torch.utils, "hooks", None), "RemovableHandle", None)
+
+
+class _StackPlan:
+    """``decode_stack``'s arguments for a stack's decode forwards, with (or without) gated adapters acting: built
+    by the layers' own checks (:func:`_make_layer_forward`'s ``plan`` and ``stack_args``) and kept while nothing
+    those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook
+    count (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes
+    a new id), the gated adapters' attach count (``dlm.model.lora.EPOCH``), and each packed weight, norm weight,
+    bias and adapter matrix - the same object in its module (not replaced), its in-place version and its data
+    (what :func:`packing.fresh` checks). A hook removed, or a module given a new class, without either count
+    moving is not seen; no path of dlm or transformers does that between forwards."""
+
+    __slots__ = (
+        "gated",
+        "lora",
+        "hooks",
+        "slots",
+        "objs",
+        "tensors",
+        "versions",
+        "ptrs",
+        "ts",
+        "fs",
+        "ints",
+        "kv_slots",
+        "kv_heads",
+    )
+
+    @staticmethod
+    def _lora_of(fwds):
+        """The stack's gated-LoRA module (one or none), False where layers hold adapters of two."""
+        found = None
+        for f in fwds:
+            for m in f._dlm_mods:
+                g = m.__dict__.get("_dlm_gated")
+                if g is not None:
+                    if found is not None and g[0].lora is not found:
+                        return False
+                    found = g[0].lora
+        return found
+
+    @classmethod
+    def get(cls, memo, fwds, rows: int):
+        """The plan for this forward: the kept one where nothing it depends on changed, else a new one."""
+        from dlm.model.lora import EPOCH
+
+        if memo is None or _next_hook is None:
+            return cls.build(fwds, rows)
+        if memo.get("epoch") != EPOCH[0]:  # adapters attached or taken off since: their module again
+            memo.clear()
+            memo["epoch"], memo["lora"] = EPOCH[0], cls._lora_of(fwds)
+        lora = memo["lora"]
+        if lora is False:
+            return None
+        gated = lora is not None and lora._n_gated != 0  # (a forward with mask rows or without: a plan each)
+        plan = memo.get(gated)
+        if plan is None or not plan.valid():
+            plan = memo[gated] = cls.build(fwds, rows)
+        return plan
+
+    def valid(self) -> bool:
+        """Nothing the plan was built from has changed (see the class; the attach count is the memo's)."""
+        return (
+            self.hooks == _next_hook.next_id
+            and all(map(_is, map(_getitem, self.slots[0], self.slots[1]), self.objs))
+            and list(map(_version_of, self.tensors)) == self.versions
+            and list(map(_ptr_of, self.tensors)) == self.ptrs
+        )
+
+    @classmethod
+    def build(cls, fwds, rows: int):
+        """The plan the layers' checks give now (they repack weights changed since), or None (the per-op path)."""
+        hooks = _next_hook.next_id if _next_hook is not None else None
+        plans = []
+        for f in fwds:
+            pl = f._dlm_plan(rows)
+            if pl is None:
+                return None
+            plans.append(pl[0])
+        gate = next((dl for dl in plans if dl is not None), None)  # (mask rows, A, B, r, scale): one gate a forward
+        if gate is not None and any(dl is not None and (dl[0] is not gate[0] or dl[3:] != gate[3:]) for dl in plans):
+            return None
+        self = cls()
+        self.gated, self.hooks = gate is not None, hooks
+        self.lora = cls._lora_of(fwds) if gate is not None else None
+        ts, fs, ints, kv_slots, kv_heads = [], [], [], [], []
+        dicts, names, objs, tensors = [], [], [], []
+
+        def watch(owner: nn.Module, name: str, tracked: bool) -> None:  # (a parameter, or None where it has none)
+            d = owner._parameters if name in owner._parameters else owner.__dict__
+            obj = d.get(name)
+            dicts.append(d), names.append(name), objs.append(obj)
+            if tracked and obj is not None:
+                tensors.append(obj)
+
+        for f, dl in zip(fwds, plans):
+            tensors_, adapters, floats, widths = f._dlm_stack_args(dl)
+            kv_heads.append(widths[1] // f._dlm_hd)
+            ts += tensors_
+            kv_slots.append(len(ts))
+            ts += (_NO_BIAS, _NO_BIAS, *adapters)
+            fs += floats
+            ints += widths
+            for n in f._dlm_norms:
+                watch(n, "weight", False)
+            for m in f._dlm_mods:
+                watch(m, "weight", True)
+                watch(m, "bias", False)
+                g = m.__dict__.get("_dlm_gated") if dl is not None else None
+                if g is not None:
+                    adapter = g[0].adapters[g[1]]
+                    watch(adapter, "A", True)
+                    watch(adapter, "B", True)
+        self.ts, self.fs, self.ints, self.kv_slots, self.kv_heads = ts, fs, ints, kv_slots, kv_heads
+        self.slots, self.objs, self.tensors = (dicts, names), objs, tensors
+        try:
+            self.versions = list(map(_version_of, tensors))
+        except RuntimeError:  # inference tensors keep no version: nothing to compare, so no plan kept
+            self.hooks = None
+            self.versions = []
+        self.ptrs = list(map(_ptr_of, tensors))
+        return self
+
+
+_is = operator.is_
+_getitem = dict.get
+_version_of = operator.attrgetter("_version")
+_ptr_of = operator.methodcaller("data_ptr")
 
 
 def _check_stack(model: nn.Module, forward) -> bool:

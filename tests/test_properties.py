@@ -526,6 +526,35 @@ def test_decode_mask_equals_the_brute_force_definition(valid, q_len):
     assert got.tolist() == want
 
 
+@examples(30, 600)
+@given(
+    rows=st.lists(
+        st.lists(st.sampled_from([float("-inf"), -1.0, 0.0, 0.5, 2.0]), min_size=6, max_size=6), min_size=1, max_size=4
+    ),
+    mask=st.sampled_from([None, -1, 0, 1, 3, 5, 6]),
+    dims=st.integers(1, 3),
+)
+def test_greedy_argmax_is_the_first_maximal_token_but_the_mask(rows, mask, dims):
+    """The greedy token, read without copying the logits (argmax_no_mask: the two sides of the mask column), is the
+    first index of the largest logit among the tokens that are not the mask token - ties on either side of it, a
+    mask first or last, no mask, a row that is all -inf but the mask (never the mask token, which the argmax of the
+    suppressed logits would give there) - for 1-, 2- and 3-d logits."""
+    from dlm.decode.sampling import argmax_no_mask
+
+    def first_max(row):
+        keep = [j for j in range(len(row)) if j != mask]
+        best = max(row[j] for j in keep)
+        return next(j for j in keep if row[j] == best)
+
+    x = torch.tensor(rows)
+    want = torch.tensor([first_max(r) for r in rows])
+    if dims == 1:
+        x, want = x[0], want[0]
+    elif dims == 3:
+        x, want = x[None].expand(2, *x.shape), want[None].expand(2, *want.shape)
+    assert torch.equal(argmax_no_mask(x, mask), want)
+
+
 # ============================================================================================ ISD acceptance rules
 V = 5
 N_DRAWS = 4000 if CI else 2000

@@ -27,7 +27,7 @@ import torch
 
 from dlm.decode.engine import Decoder, Engine, Row
 from dlm.decode.isd.accept import verify_forced
-from dlm.decode.sampling import next_token, suppress
+from dlm.decode.sampling import argmax_no_mask, next_token
 
 
 class ARDecoder(Decoder):
@@ -111,7 +111,7 @@ class ARDecoder(Decoder):
             return super().consume_batch(engine, rows, logits, lengths)
         idx = torch.tensor(greedy, device=logits.device) if len(greedy) < len(rows) else None
         last = logits[:, 0] if idx is None else logits[idx, 0]
-        tokens = dict(zip(greedy, suppress(last, engine.mask_token_id).argmax(-1).tolist()))
+        tokens = dict(zip(greedy, argmax_no_mask(last, engine.mask_token_id).tolist()))
         out = []
         for i, row in enumerate(rows):
             if i in tokens:

@@ -230,6 +230,22 @@ def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     return logits
 
 
+def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
+    """``suppress(logits, m).argmax(-1)`` - the greedy token - without copying the logits (a 49,152-float row per
+    position): the first maximal index outside the mask token's column (the larger of the two sides' maxima; the
+    left side wins a tie, as argmax's first index does). No host read, so it also runs inside a CUDA graph."""
+    v = logits.shape[-1]
+    m = mask_token_id
+    if m is None or not 0 <= m < v:
+        return logits.argmax(-1)
+    if m == 0:
+        return logits[..., 1:].argmax(-1) + 1
+    if m == v - 1:
+        return logits[..., :m].argmax(-1)
+    left, right = logits[..., :m].max(-1), logits[..., m + 1 :].max(-1)
+    return torch.where(left.values >= right.values, left.indices, right.indices + (m + 1))
+
+
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None) -> torch.Tensor:
     """[..., V] logits -> [..., V] probabilities after mask suppression, temperature, top-k and top-p.
 
@@ -279,7 +295,7 @@ def next_token(
 ) -> torch.Tensor:
     """[..., V] logits -> [...] tokens: argmax when greedy, else a draw from :func:`probs_from_logits`."""
     if params.greedy:
-        return suppress(logits, mask_token_id).argmax(-1)
+        return argmax_no_mask(logits, mask_token_id)
     return sample(probs_from_logits(logits, params, mask_token_id), generator)
 
 

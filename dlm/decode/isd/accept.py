@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dlm.decode.sampling import SamplingParams, probs_from_logits, sample, suppress
+from dlm.decode.sampling import SamplingParams, argmax_no_mask, probs_from_logits, sample
 
 
 def accept_or_correct(p: torch.Tensor, q: torch.Tensor, d: int, u: float, generator: torch.Generator) -> int | None:
@@ -133,7 +133,7 @@ def verify_forced(
     chunk tokens keep their KV)."""
     k = len(ahead)
     if params.greedy:
-        target = suppress(logits[: k + 1], mask_token_id).argmax(-1).tolist()
+        target = argmax_no_mask(logits[: k + 1], mask_token_id).tolist()
         accepted, correction = verify_greedy(ahead, target)
         last = correction if correction is not None else target[k]
     else:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlm.decode.sampling import SamplingParams, probs_from_logits, suppress
+from dlm.decode.sampling import SamplingParams, argmax_no_mask, probs_from_logits, suppress
 
 
 @dataclass
@@ -81,22 +81,6 @@ def rewind(generator: torch.Generator, state: torch.Tensor | None) -> None:
         generator.set_state(state)
 
 
-def _argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
-    """``suppress(logits, m).argmax(-1)`` without copying the logits: the first maximal index outside the mask
-    token's column (the larger of the two sides' maxima; the left side wins a tie, as argmax's first index
-    does)."""
-    v = logits.shape[-1]
-    m = mask_token_id
-    if m is None or not 0 <= m < v:
-        return logits.argmax(-1)
-    if m == 0:
-        return logits[..., 1:].argmax(-1) + 1
-    if m == v - 1:
-        return logits[..., :m].argmax(-1)
-    left, right = logits[..., :m].max(-1), logits[..., m + 1 :].max(-1)
-    return torch.where(left.values >= right.values, left.indices, right.indices + (m + 1))
-
-
 def accept_rows(
     logits: torch.Tensor,
     params: SamplingParams,
@@ -134,7 +118,7 @@ def accept_rows(
     greedy = params.greedy
     lead = torch.arange(max(n - 1, 1), device=dev)[None, : n - 1]  # [1, n-1]
     if greedy:
-        target = _argmax_no_mask(logits[:, :npos], mask_token_id)  # [g, npos]
+        target = argmax_no_mask(logits[:, :npos], mask_token_id)  # [g, npos]
         if verifying:
             assert drafts is not None
             hit = (drafts == target[:, : n - 1]) & (lead < nd[:, None])

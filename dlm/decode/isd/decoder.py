@@ -17,7 +17,7 @@ from dlm.decode.isd.draft import propose
 from dlm.decode.isd.state import ISDRowState
 from dlm.decode.isd.stats import StepCounts, record_verify
 from dlm.decode.isd.tree import Layout, LayoutCache, branch_masks, verify_len
-from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
+from dlm.decode.sampling import SamplingParams, argmax_no_mask, next_token, probs_from_logits, sample
 from dlm.errors import DLMError
 
 
@@ -308,7 +308,7 @@ class ISDDecoder(Decoder):
         drafts = st.verify_drafts()
         m = engine.mask_token_id
         if p.greedy:
-            target = suppress(logits[:n], m).argmax(-1).tolist()
+            target = argmax_no_mask(logits[:n], m).tolist()
             accepted, correction = accept.verify_greedy(drafts, target)
             free = target[n - 1]
         else:
@@ -336,7 +336,7 @@ class ISDDecoder(Decoder):
         k = len(cands)
         m = engine.mask_token_id
         if p.greedy:
-            token = int(suppress(logits[0], m).argmax())
+            token = int(argmax_no_mask(logits[0], m))
             hit = accept.greedy_candidate(cands, token)
         else:
             hit, token = accept.recursive_rejection(

@@ -16,7 +16,9 @@ in the chunk, so the next step verified again instead of cold-starting; ``--fall
 whether the tokens equal the ``ar`` / transformers tokens (greedy ISD must equal ``ar``). ``--candidates 2,3`` adds
 ISD at stride 2 with K draft candidates per position (``--isd-candidates``; rows 'isd N=2 K=k', default fallback
 mode). ``--layer-loop`` adds each engine row again with the CPU kernels' per-layer loop instead of their one
-``decode_stack`` call for all layers (rows '... (loop)', interleaved with the others; tokens equal).
+``decode_stack`` call for all layers (rows '... (loop)', interleaved with the others; tokens equal);
+``--rebuilt-plans`` with that call's arguments built at every forward instead of kept between forwards (rows
+'... (rebuilt)').
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ def next_verify(engine) -> float | None:
     verified again instead of cold-starting (``--isd-fallback``; 'off' gives the acceptance of all drafts)."""
     b = getattr(getattr(engine, "decoder", None), "branch_steps", None)
     return b["predicted"] / b["verify"] if b and b["verify"] else None
+
+
+# rows run again with one of the CPU kernels' switches (dlm.decode.cpu.fused) off: row suffix -> switch
+VARIANTS = {" (loop)": "ONE_CALL", " (rebuilt)": "KEEP_PLANS"}
 
 
 def main(argv=None) -> int:
@@ -104,6 +110,12 @@ def main(argv=None) -> int:
         help="also run ar and each isd row through the CPU kernels' per-layer loop (rows '... (loop)') instead of "
         "one decode_stack call for all layers: what the one call saves",
     )
+    ap.add_argument(
+        "--rebuilt-plans",
+        action="store_true",
+        help="also run ar and each isd row with decode_stack's arguments built at every forward (rows "
+        "'... (rebuilt)') instead of kept between forwards: what keeping them saves",
+    )
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     if args.groups < 1:
@@ -150,8 +162,11 @@ def main(argv=None) -> int:
         + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
         + [f"isd N=2 K={c}" for c in cands]
     )
+    engine_rows = methods[1:]
     if args.layer_loop:  # the same engines with the CPU kernels' per-layer loop instead of one decode_stack call
-        methods += [f"{m} (loop)" for m in methods[1:]]
+        methods += [f"{m} (loop)" for m in engine_rows]
+    if args.rebuilt_plans:  # ... with decode_stack's arguments built at every forward
+        methods += [f"{m} (rebuilt)" for m in engine_rows]
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
@@ -178,14 +193,17 @@ def main(argv=None) -> int:
             out = hf.generate(ids, attention_mask=att, max_new_tokens=k, min_new_tokens=k, **extra)
             s = time.perf_counter() - t
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
-        loop = method.endswith(" (loop)")
-        engine = engines[b][method.removesuffix(" (loop)")]
+        suffix = next((x for x in VARIANTS if method.endswith(x)), "")
+        engine = engines[b][method.removesuffix(suffix) if suffix else method]
+        switch = getattr(fused, VARIANTS[suffix]) if suffix else [True]
         engine.total_forwards = 0
-        fused.ONE_CALL[0] = not loop
-        t = time.perf_counter()
-        res = engine.generate(batch, params)
-        s = time.perf_counter() - t
-        fused.ONE_CALL[0] = True
+        switch[0] = False if suffix else True
+        try:
+            t = time.perf_counter()
+            res = engine.generate(batch, params)
+            s = time.perf_counter() - t
+        finally:
+            switch[0] = True
         return (
             [r.token_ids for r in res],
             s,

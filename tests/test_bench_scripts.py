@@ -112,3 +112,22 @@ def test_prompt_lookup_bench_runs_and_checks_equality(tmp_path):
     run = _bench("prompt_lookup.py", "--model", str(model), "--k", "3", "--max-new-tokens", "16", "--rounds", "1")
     rows = [line for line in run.stdout.splitlines() if line.startswith("| ") and "| 3 |" in line]
     assert len(rows) == 4 and all(line.rstrip().endswith("| yes |") for line in rows), run.stdout
+
+
+@pytest.mark.integration
+def test_decode_bench_runs_every_variant_with_ar_tokens(tmp_path):
+    """bench/decode.py on a tiny model with the kernels' per-layer loop and decode_stack's arguments rebuilt at every
+    forward as extra rows: every engine row, each variant included, decodes the ar row's tokens (greedy)."""
+    model = save_tiny(tmp_path / "tiny")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("the quick brown fox jumps over\nhello world this is a test\nanother line of text\none more\n")
+    run = _bench(
+        "decode.py",
+        *("--model", str(model), "--data", str(prompts), "--batch-sizes", "1,2", "--strides", "2"),
+        *("--max-new-tokens", "8", "--groups", "2", "--threads", "1", "--layer-loop", "--rebuilt-plans"),
+    )
+    table = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    rows = [r for r in table if r[1] != "transformers"]  # the engine's rows: batch, method ..., = ar, = hf
+    names = [" ".join(r[1:-10]) for r in rows]
+    assert {"ar (loop)", "ar (rebuilt)", "isd N=2 (rebuilt)"} <= set(names), run.stdout
+    assert len(rows) == 12 and all(r[-2] == "True" for r in rows), run.stdout

@@ -807,6 +807,7 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
 
 
 _next_hook = getattr(getattr(torch.utils, "hooks", None), "RemovableHandle", None)
+KEEP_PLANS = [True]  # False: decode_stack's arguments built at every forward (bench/decode.py --rebuilt-plans)
 
 
 class _StackPlan:
@@ -853,7 +854,7 @@ class _StackPlan:
         """The plan for this forward: the kept one where nothing it depends on changed, else a new one."""
         from dlm.model.lora import EPOCH
 
-        if memo is None or _next_hook is None:
+        if memo is None or _next_hook is None or not KEEP_PLANS[0]:
             return cls.build(fwds, rows)
         if memo.get("epoch") != EPOCH[0]:  # adapters attached or taken off since: their module again
             memo.clear()
@@ -864,6 +865,8 @@ class _StackPlan:
         gated = lora is not None and lora._n_gated != 0  # (a forward with mask rows or without: a plan each)
         plan = memo.get(gated)
         if plan is None or not plan.valid():
+            if plan is not None:  # the other plan is likely stale too: not kept holding weights packed before
+                memo.pop(not gated, None)
             plan = memo[gated] = cls.build(fwds, rows)
         return plan
 

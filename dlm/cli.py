@@ -2,13 +2,15 @@
 
 Each command lives in ``dlm/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args) -> int``.
 Those modules import heavy libraries (torch, transformers) inside ``run`` only, so ``dlm --help`` is instant.
-User errors (:class:`dlm.errors.DLMError`) print one line and exit 2; Ctrl-C exits 130.
+User errors (:class:`dlm.errors.DLMError`) print one line and exit 2; Ctrl-C exits 130. Progress bars only on a
+terminal's stderr, transformers' included.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -54,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from dlm.errors import DLMError
 
+    if not sys.stderr.isatty():
+        # transformers' own bars ("Loading weights: 100%|...") in a log or a pipe are noise; dlm's bars follow the
+        # same rule (dlm.progress). Read by huggingface_hub when transformers is first imported, in `run`.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):

@@ -124,3 +124,23 @@ def test_generate_structured_outputs(tiny_dir, tmp_path, capsys):
     ]:
         assert main(["generate", *common, *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+
+
+@pytest.mark.integration
+def test_generate_in_a_pipe_prints_no_loading_bars(tiny_dir):
+    """Run as a command whose stderr is a pipe (a log, CI), `dlm generate` prints its answer and no progress bar -
+    transformers' "Loading weights" bars included."""
+    import os
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "dlm.cli", "generate", "--model", str(tiny_dir), "--prompt", "The cat"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "tokens/s" in run.stdout
+    assert "Loading weights" not in run.stderr and "%|" not in run.stderr, run.stderr[-2000:]

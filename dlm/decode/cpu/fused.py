@@ -781,7 +781,7 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
     ts, slots = plan.ts, plan.kv_slots
     rooms = []
     n0 = None
-    for f, j, hk in zip(fwds, slots, plan.kv_heads):
+    for f, hk in zip(fwds, plan.kv_heads):
         layer = layers[f._dlm_layer_idx]
         keys, values = layer.keys, layer.values
         if keys.shape[0] != b or keys.shape[1] != hk or values.dim() != 4:
@@ -792,11 +792,12 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
         elif n != n0:
             return None
         rooms.append((layer, kb, vb))
-        ts[j], ts[j + 1] = kb, vb
     mask = _layer_mask(mask, b, t, n0 + t)
     idx, r, scale = (_NO_ROWS, 1, 1.0) if lora is None else (lora._idx, lora.settings.r, float(lora.scale))
     x2 = h.reshape(rows, d).contiguous()
     try:
+        for j, (_, kb, vb) in zip(slots, rooms):
+            ts[j], ts[j + 1] = kb, vb
         y = _OPS[0].decode_stack(x2, cos, sin, mask, b, fwds[0]._dlm_hd, n0, ts, plan.fs, plan.ints, idx, r, scale)
     finally:
         for j in slots:  # the plan does not keep the KV buffers alive

@@ -18,7 +18,8 @@ ISD at stride 2 with K draft candidates per position (``--isd-candidates``; rows
 mode). ``--layer-loop`` adds each engine row again with the CPU kernels' per-layer loop instead of their one
 ``decode_stack`` call for all layers (rows '... (loop)', interleaved with the others; tokens equal);
 ``--rebuilt-plans`` with that call's arguments built at every forward instead of kept between forwards (rows
-'... (rebuilt)').
+'... (rebuilt)'); ``--f32-adapters`` each ISD row with the gated adapters exact in the kernels instead of in 8-bit
+blocks (rows '... (f32 adapters)': the same tokens, drafts that may differ).
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def next_verify(engine) -> float | None:
     return b["predicted"] / b["verify"] if b and b["verify"] else None
 
 
-# rows run again with one of the CPU kernels' switches (dlm.decode.cpu.fused) off: row suffix -> switch
-VARIANTS = {" (loop)": "ONE_CALL", " (rebuilt)": "KEEP_PLANS"}
+# rows run again with one of the CPU kernels' settings (dlm.decode.cpu.fused) changed: row suffix -> (setting, value)
+VARIANTS = {
+    " (loop)": ("ONE_CALL", False),
+    " (rebuilt)": ("KEEP_PLANS", False),
+    " (f32 adapters)": ("ADAPTER_FORM", "f32"),
+}
 
 
 def main(argv=None) -> int:
@@ -116,6 +121,12 @@ def main(argv=None) -> int:
         help="also run ar and each isd row with decode_stack's arguments built at every forward (rows "
         "'... (rebuilt)') instead of kept between forwards: what keeping them saves",
     )
+    ap.add_argument(
+        "--f32-adapters",
+        action="store_true",
+        help="also run each isd row with the gated adapters exact in the CPU kernels (rows '... (f32 adapters)') "
+        "instead of in 8-bit blocks (DLM_CPU_ADAPTERS)",
+    )
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     if args.groups < 1:
@@ -167,6 +178,8 @@ def main(argv=None) -> int:
         methods += [f"{m} (loop)" for m in engine_rows]
     if args.rebuilt_plans:  # ... with decode_stack's arguments built at every forward
         methods += [f"{m} (rebuilt)" for m in engine_rows]
+    if args.f32_adapters:  # ... with the gated adapters exact (ISD only: AR steps have no mask rows)
+        methods += [f"{m} (f32 adapters)" for m in engine_rows if m.startswith("isd")]
     engines = {}
     for b in batch_sizes:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
@@ -195,15 +208,15 @@ def main(argv=None) -> int:
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
         suffix = next((x for x in VARIANTS if method.endswith(x)), "")
         engine = engines[b][method.removesuffix(suffix) if suffix else method]
-        switch = getattr(fused, VARIANTS[suffix]) if suffix else [True]
+        setting, value = (getattr(fused, VARIANTS[suffix][0]), VARIANTS[suffix][1]) if suffix else ([None], None)
         engine.total_forwards = 0
-        switch[0] = False if suffix else True
+        before, setting[0] = setting[0], value if suffix else setting[0]
         try:
             t = time.perf_counter()
             res = engine.generate(batch, params)
             s = time.perf_counter() - t
         finally:
-            switch[0] = True
+            setting[0] = before
         return (
             [r.token_ids for r in res],
             s,

@@ -719,3 +719,115 @@ def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
     assert stacked == [0 if i in (14, 15) else 1 for i in range(20)] and not any(stacked_l)
     for i, (a, b) in enumerate(zip(got, want)):
         assert torch.equal(a, b), f"forward {i}"
+
+
+def _big_adapters(seed: int):
+    """A gated I-DLM whose q/v adapters are large enough (r = 32 on a 128-wide model) for the kernels' 8-bit form."""
+    tok = make_tokenizer()
+    dlm = convert_ar_to_dlm(make_model("llama", hidden=128, heads=4, kv_heads=2), "idlm", tokenizer=tok)
+    prepare_model_for_lora(dlm, LoraSettings(r=32, alpha=32, gated=True, target_modules="q_proj,v_proj"))
+    g = dlm.gated_lora
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed)
+        for a in g.adapters.values():
+            a.B.copy_(torch.randn(a.B.shape, generator=gen) * 0.3)
+    return dlm
+
+
+def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatch):
+    """By default the kernels hold the gated adapters in 8-bit blocks (packing.q8_rounded: the fp16 scale nearest
+    max|w| / 127 per 32 inputs, as GGUF's Q8_0). A cached chunk [clean, clean, M, M] through the fused layers: the
+    clean rows are bit for bit those with the adapters exact (the base model's), the mask rows are the stock forward
+    of the same model with its adapter matrices replaced by their rounded values (to 1e-4, BLAS rounding) and not
+    the exact adapters' rows; DLM_CPU_ADAPTERS=f32 gives the exact adapters'. Greedy ISD on the engine still
+    decodes the model's own AR tokens."""
+    from dlm.decode import cpu as cpu_kernels
+    from dlm.decode.configs import ISDConfig
+    from dlm.decode.cpu import fused, packing
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
+    cpu = _kernels()
+    dlm = _big_adapters(seed=11)
+    hf, m = dlm.base_model_hf, dlm.mask_token_id
+    ids = _ids(1, 10, [(0, 8), (0, 9)], m, seed=12)
+    rounded = copy.deepcopy(dlm)
+    with torch.no_grad():
+        n_rounded = 0
+        for a in rounded.gated_lora.adapters.values():
+            for p in (a.A, a.B):
+                r = packing.q8_rounded(p)
+                if r is not None:
+                    p.copy_(r[1])
+                    n_rounded += 1
+    assert n_rounded >= 3  # A of q and v, B of q (v's B has under 4,096 weights: exact)
+    want = _cached_chunk(rounded.base_model_hf, ids, False)
+
+    def chunk(form):
+        monkeypatch.setenv(fused.ADAPTER_ENV, form)
+        assert cpu_kernels.attach(dlm)
+        try:
+            return _cached_chunk(hf, ids, True)
+        finally:
+            cpu_kernels.detach(dlm)
+
+    q8, exact = chunk("q8_0"), chunk("f32")
+    assert torch.equal(q8[:, :2], exact[:, :2])
+    torch.testing.assert_close(q8, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(q8[:, 2:], exact[:, 2:], rtol=0, atol=1e-5)
+    torch.testing.assert_close(exact, _cached_chunk(hf, ids, False), rtol=1e-4, atol=1e-4)
+    # on the engine's cache (one decode_stack call, its arguments kept between forwards): the form switched between
+    # two forwards is the one the second takes
+    from dlm.decode.engine import KVBatch
+
+    def stacked():
+        kv = KVBatch()
+        with torch.no_grad(), cpu_kernels.active():
+            hf(input_ids=ids[:, :6], past_key_values=kv.cache, use_cache=True)
+            hf(input_ids=ids[:, 6:7], past_key_values=kv.cache, position_ids=torch.tensor([[6]]))  # the buffers
+            pos = torch.arange(7, 10)[None]
+            return hf(input_ids=ids[:, 7:], past_key_values=kv.cache, position_ids=pos).logits
+
+    monkeypatch.delenv(fused.ADAPTER_ENV)
+    assert cpu_kernels.attach(dlm)
+    try:
+        first = stacked()
+        monkeypatch.setattr(fused, "ADAPTER_FORM", ["f32"])
+        second = stacked()
+    finally:
+        cpu_kernels.detach(dlm)
+    torch.testing.assert_close(first[:, 1:], q8[:, 2:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(second[:, 1:], exact[:, 2:], rtol=1e-5, atol=1e-5)
+    monkeypatch.setenv(fused.ADAPTER_ENV, "int4")
+    with pytest.raises(Exception, match="DLM_CPU_ADAPTERS='int4'"):
+        cpu_kernels.attach(dlm)
+    monkeypatch.delenv(fused.ADAPTER_ENV)
+    assert cpu.attach(dlm)
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
+        with Engine(dlm, decoder="ar", max_batch_size=2) as e:
+            ar = [r.token_ids for r in e.generate(prompts, params)]
+        with Engine(dlm, decoder=ISDConfig(stride=2), max_batch_size=2) as e:
+            isd = [r.token_ids for r in e.generate(prompts, params)]
+    finally:
+        cpu.detach(dlm)
+    assert isd == ar
+
+
+def test_q8_rounded_packing_is_the_rounded_weights_bit_for_bit():
+    """packing.q8_rounded: the kernels' product with its packing is bit for bit their product with the fp32 packing of
+    the weights it stands for (d * q is exact in fp32); each weight within half a step (d / 2) of the original; the
+    scale an fp16 value; nothing for K not a multiple of 32 or under 4,096 weights."""
+    from dlm.decode.cpu import packing
+
+    ops = _kernels().extension()
+    w = torch.randn(80, 96, generator=torch.Generator().manual_seed(13))
+    w[3, :32] = 0.0  # an all-zero block: scale 0, weights 0
+    packed, deq = packing.q8_rounded(w)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(14))
+    assert torch.equal(ops.linear(x, packed, 80, None, None), ops.linear(x, ops.pack(deq, False), 80, None, None))
+    d = (w.reshape(80, 3, 32).abs().amax(-1, keepdim=True) / 127).half().float()
+    assert torch.all((deq.reshape(80, 3, 32) - w.reshape(80, 3, 32)).abs() <= d / 2 + 1e-12)
+    assert torch.equal(deq[3, :32], torch.zeros(32))
+    assert packing.q8_rounded(torch.randn(200, 40)) is None and packing.q8_rounded(torch.randn(20, 64)) is None

@@ -27,7 +27,8 @@ layers. The instruction set is picked at run time (:mod:`dlm.decode.cpu.build`: 
 with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a micro-benchmark at attach, cached per
 machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
 ``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
-``DLM_CPU_QUANT=0`` keeps every weight fp32-packed.
+``DLM_CPU_QUANT=0`` keeps every weight fp32-packed; ``DLM_CPU_ADAPTERS=f32`` keeps the gated adapters exact (by
+default 8-bit blocks: they only propose drafts, see ``fused.ADAPTER_FORM``).
 
 Use: ``handle = attach(model)`` packs and patches (truthy where the kernels are in use; ``handle.choice`` says
 why); ``handle.detach()`` gives every patched module its own forward back and frees the packed copies (the last
@@ -140,6 +141,12 @@ def attach(model: nn.Module) -> Attached:
         return Attached(model, False, why="the kernels could not be built")
     fused._OPS[0] = ops
     quant_env = os.environ.get(QUANT_ENV, "1").strip() != "0"
+    form = os.environ.get(fused.ADAPTER_ENV, fused.ADAPTER_FORMS[0]).strip().lower()
+    if form not in fused.ADAPTER_FORMS:
+        from dlm.errors import DLMError
+
+        raise DLMError(f"{fused.ADAPTER_ENV}={form!r}: expected one of {', '.join(fused.ADAPTER_FORMS)}")
+    fused.ADAPTER_FORM[0] = form
     if mode() == "on":
         ch = _choice.Choice(use=True, quant=quant_env, isa=ops.isa(), forced=f"{ENV}=1")
         key = None

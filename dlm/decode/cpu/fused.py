@@ -816,7 +816,8 @@ class _StackPlan:
     by the layers' own checks (:func:`_make_layer_forward`'s ``plan`` and ``stack_args``) and kept while nothing
     those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook
     count (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes
-    a new id), the gated adapters' attach count (``dlm.model.lora.EPOCH``), and each packed weight, norm weight,
+    a new id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (:data:`ADAPTER_FORM`),
+    and each packed weight, norm weight,
     bias and adapter matrix - the same object in its module (not replaced), its in-place version and its data
     (what :func:`packing.fresh` checks). A hook removed, or a module given a new class, without either count
     moving is not seen; no path of dlm or transformers does that between forwards."""
@@ -857,9 +858,10 @@ class _StackPlan:
 
         if memo is None or _next_hook is None or not KEEP_PLANS[0]:
             return cls.build(fwds, rows)
-        if memo.get("epoch") != EPOCH[0]:  # adapters attached or taken off since: their module again
+        epoch = (EPOCH[0], ADAPTER_FORM[0])
+        if memo.get("epoch") != epoch:  # adapters attached or taken off (or packed otherwise) since: all again
             memo.clear()
-            memo["epoch"], memo["lora"] = EPOCH[0], cls._lora_of(fwds)
+            memo["epoch"], memo["lora"] = epoch, cls._lora_of(fwds)
         lora = memo["lora"]
         if lora is False:
             return None
@@ -1018,20 +1020,36 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
     return True
 
 
+# How the kernels hold the gated adapters' matrices: "q8_0" (default; DLM_CPU_ADAPTERS, read at attach) rounds each
+# to 8-bit blocks where it has 32k inputs and 4,096 weights or more (packing.q8_rounded), "f32" keeps them exact. The
+# adapters act on the mask rows only: their logits propose drafts that the clean rows - the base model's, untouched -
+# verify, so the output is the same either way and sampled ISD keeps the model's distribution (the drafts' q is
+# what these adapters give). At r = 64 on q and v of SmolLM2 their fp32 bytes were a tenth of an ISD forward's time.
+ADAPTER_ENV = "DLM_CPU_ADAPTERS"
+ADAPTER_FORMS = ("q8_0", "f32")
+ADAPTER_FORM = ["q8_0"]
+
+
 def _adapter_packed(adapter: nn.Module):
-    """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes), or None where they are
-    not fp32 (the kernels' adapters are)."""
+    """A gated-LoRA adapter's A and B packed for the kernels (repacked when either changes or the form does), or
+    None where they are not fp32 (the kernels' adapters are)."""
     a, b = adapter._parameters["A"], adapter._parameters["B"]  # (nn.Module.__getattr__ costs more than the rest)
-    key = (a.data_ptr(), a._version, b.data_ptr(), b._version)
+    form = ADAPTER_FORM[0]
+    key = (a.data_ptr(), a._version, b.data_ptr(), b._version, form)
     packed = adapter.__dict__.get("_dlm_packed")
     if packed is None or packed[0] != key:
         if a.dtype != torch.float32 or b.dtype != torch.float32:  # (a new dtype is a new tensor: a new key)
             packed = (key, None)
         else:
             with torch.no_grad():
-                packed = (key, (_OPS[0].pack(a.detach(), False), _OPS[0].pack(b.detach(), False)))
+                packed = (key, (_adapter_matrix(a.detach(), form), _adapter_matrix(b.detach(), form)))
         adapter.__dict__["_dlm_packed"] = packed
     return packed[1]
+
+
+def _adapter_matrix(w: torch.Tensor, form: str) -> torch.Tensor:
+    rounded = packing.q8_rounded(w) if form == "q8_0" else None
+    return rounded[0] if rounded is not None else _OPS[0].pack(w, False)
 
 
 def _qkv_deltas(projs, rows: int):

@@ -94,15 +94,46 @@ def quant_pack(w: torch.Tensor, ops):
                 t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
             return t.reshape(nb, 32, kb, t.shape[-1]).permute(0, 2, 1, 3)
 
-        dd = cols(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
         if levels == 16:
+            dd = cols(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
             mm = cols(m)[..., 0].contiguous().view(torch.uint8)
             qq = cols(q).to(torch.uint8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
             nib = (qq[..., :16] | (qq[..., 16:] << 4)).reshape(nb, kb, 512)
             return torch.cat([dd, mm, nib], dim=-1).contiguous(), tail
-        qq = cols(q).to(torch.int8).transpose(2, 3).reshape(nb, kb, 1024)
-        return torch.cat([dd.view(torch.int8), qq], dim=-1).contiguous(), tail
+        return _q8_layout(d, q), tail
     return None
+
+
+def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The Q8_0 layout (int8 [NB, K / 32, Q8B]) of scales ``d [n, K / 32, 1]`` and values ``q [n, K / 32, 32]``."""
+    n, kb = q.shape[:2]
+    nb = -(-n // 32)
+    pad = nb * 32 - n
+
+    def cols(t):  # [n, kb, c] -> [nb, kb, 32 columns, c], zero padded (a padded column's weights are 0 * 0 = 0)
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+        return t.reshape(nb, 32, kb, t.shape[-1]).permute(0, 2, 1, 3)
+
+    dd = cols(d)[..., 0].contiguous().view(torch.int8)  # [nb, kb, 128]: 32 fp32 scales
+    qq = cols(q).to(torch.int8).transpose(2, 3).reshape(nb, kb, 1024)  # [nb, kb, 32 inputs x 32 columns]
+    return torch.cat([dd, qq], dim=-1).contiguous()
+
+
+def q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``w [N, K]`` rounded to Q8_0 blocks - per 32 consecutive inputs of an output, ``d * q`` with d the fp16 value
+    nearest max|w| / 127 and q = round(w / d) in -127..127, as GGUF's quantizer - as (its packing, the fp32 weights
+    it stands for: what the kernels compute with, bit for bit); None where K is not a multiple of 32 or ``w`` has
+    under 4,096 weights (fp32 there: nothing to gain). For the gated adapters (dlm.decode.cpu.fused): lossy, so only
+    where a small error is harmless - the adapters act on the mask rows alone, whose logits propose drafts that the
+    clean rows verify exactly."""
+    n, k = w.shape
+    if k % 32 or n * k < _Q_MIN_WEIGHTS:
+        return None
+    b = w.detach().float().reshape(n, k // 32, 32)
+    d = (b.abs().amax(-1, keepdim=True) / 127).to(torch.float16).float()
+    q = torch.round(b / torch.where(d > 0, d, torch.ones_like(d))).clamp_(-127, 127)
+    return _q8_layout(d, q), (d * q).reshape(n, k)
 
 
 def pack(module: nn.Module, ops, quant: bool = True) -> None:

@@ -70,6 +70,13 @@ def main(argv=None) -> int:
         "dlm.decode.cpu; fp32 CPU only) and/or blas (torch's F.linear)",
     )
     ap.add_argument(
+        "--cache",
+        default="dynamic",
+        choices=["dynamic", "engine"],
+        help="dynamic: transformers' DynamicCache (the kernels' layer-by-layer path); engine: the engine's growing "
+        "cache, on which a chunk whose layers all take their two kernel calls is one decode_stack call",
+    )
+    ap.add_argument(
         "--attn",
         default="dlm_sdpa",
         help="comma-separated, interleaved per repeat: dlm_sdpa (the engine's attention: no KV copy for "
@@ -130,7 +137,7 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(device) if cuda else f"{torch.get_num_threads()} threads"
     print(
         f"{len(dlm.gated_lora.adapters)} adapters; model {args.model}{f' (random init, shape {args.shape})' if args.random_init else ''}"
-        f", {args.dtype}, {args.context} tokens in the cache, median of {args.repeats}, {where}"
+        f", {args.dtype}, {args.context} tokens in the {args.cache} cache, median of {args.repeats}, {where}"
     )
     for B in [int(x) for x in args.batch_size.split(",") if x]:
         bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, impls)
@@ -144,7 +151,12 @@ def bench_batch(args, B, hf, m, kw, shapes, g, device, cuda, dlm, DynamicCache, 
 
     with torch.inference_mode():
         ctx = torch.randint(100, 20000, (B, args.context), generator=g).to(device)
-        cache = DynamicCache()
+        if args.cache == "engine":
+            from dlm.decode.engine import KVBatch
+
+            cache = KVBatch().cache
+        else:
+            cache = DynamicCache()
         hf(input_ids=ctx, use_cache=True, **{kw: cache})
 
         def one(t: int, masks: int, kernel: bool) -> float:

@@ -814,13 +814,13 @@ KEEP_PLANS = [True]  # False: decode_stack's arguments built at every forward (b
 class _StackPlan:
     """``decode_stack``'s arguments for a stack's decode forwards, with (or without) gated adapters acting: built
     by the layers' own checks (:func:`_make_layer_forward`'s ``plan`` and ``stack_args``) and kept while nothing
-    those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook
-    count (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes
-    a new id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (:data:`ADAPTER_FORM`),
-    and each packed weight, norm weight,
-    bias and adapter matrix - the same object in its module (not replaced), its in-place version and its data
-    (what :func:`packing.fresh` checks). A hook removed, or a module given a new class, without either count
-    moving is not seen; no path of dlm or transformers does that between forwards."""
+    those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook count
+    (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes a new
+    id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (:data:`ADAPTER_FORM`), and
+    each packed weight, norm weight, bias and adapter matrix - the same object in its module (not replaced), its
+    in-place version and its data (what :func:`packing.fresh` checks). A hook removed needs nothing (a plan is never
+    built while one is there). Not seen: a hook put into a module's hook dict without a handle, a module's class
+    changed other than by dlm's gated LoRA; neither dlm nor transformers does that."""
 
     __slots__ = (
         "gated",
@@ -895,9 +895,11 @@ class _StackPlan:
         gate = next((dl for dl in plans if dl is not None), None)  # (mask rows, A, B, r, scale): one gate a forward
         if gate is not None and any(dl is not None and (dl[0] is not gate[0] or dl[3:] != gate[3:]) for dl in plans):
             return None
+        lora = cls._lora_of(fwds) if gate is not None else None
+        if lora is False:  # adapters of two gated-LoRA modules in the stack: the per-op path
+            return None
         self = cls()
-        self.gated, self.hooks = gate is not None, hooks
-        self.lora = cls._lora_of(fwds) if gate is not None else None
+        self.gated, self.hooks, self.lora = gate is not None, hooks, lora
         ts, fs, ints, kv_slots, kv_heads = [], [], [], [], []
         dicts, names, objs, tensors = [], [], [], []
 
@@ -1021,10 +1023,11 @@ def adapter_delta(adapter: nn.Module, rows: torch.Tensor, out_rows: torch.Tensor
 
 
 # How the kernels hold the gated adapters' matrices: "q8_0" (default; DLM_CPU_ADAPTERS, read at attach) rounds each
-# to 8-bit blocks where it has 32k inputs and 4,096 weights or more (packing.q8_rounded), "f32" keeps them exact. The
-# adapters act on the mask rows only: their logits propose drafts that the clean rows - the base model's, untouched -
-# verify, so the output is the same either way and sampled ISD keeps the model's distribution (the drafts' q is
-# what these adapters give). At r = 64 on q and v of SmolLM2 their fp32 bytes were a tenth of an ISD forward's time.
+# to 8-bit blocks where its inputs are a multiple of 32 and it has 4,096 weights or more (packing.q8_rounded), "f32"
+# keeps them exact. The adapters act on the mask rows only: their logits propose drafts that the clean rows - the
+# base model's, untouched - verify, so the output is the same either way and sampled ISD keeps the model's
+# distribution (the drafts' q is what these adapters give). At r = 64 on q and v of SmolLM2 their fp32 bytes cost
+# 3-5% of an ISD verify forward (docs/benchmarks.md#adapters-8-bit).
 ADAPTER_ENV = "DLM_CPU_ADAPTERS"
 ADAPTER_FORMS = ("q8_0", "f32")
 ADAPTER_FORM = ["q8_0"]

@@ -86,38 +86,30 @@ def quant_pack(w: torch.Tensor, ops):
             continue
         tail = ops.pack(w[n_fit:], False) if n_fit < n else None
         d, q, m = d[:n_fit], q[:n_fit], (m[:n_fit] if m is not None else None)
-        nb, kb = -(-n_fit // 32), k // 32
-        pad = nb * 32 - n_fit
-
-        def cols(t):  # [n, kb, c] -> [nb, kb, 32 columns, c], zero padded (a padded column is 0 * 0 + 0 = 0)
-            if pad:
-                t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-            return t.reshape(nb, 32, kb, t.shape[-1]).permute(0, 2, 1, 3)
-
         if levels == 16:
-            dd = cols(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
-            mm = cols(m)[..., 0].contiguous().view(torch.uint8)
-            qq = cols(q).to(torch.uint8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
-            nib = (qq[..., :16] | (qq[..., 16:] << 4)).reshape(nb, kb, 512)
+            dd = _columns(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
+            mm = _columns(m)[..., 0].contiguous().view(torch.uint8)
+            qq = _columns(q).to(torch.uint8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
+            nib = (qq[..., :16] | (qq[..., 16:] << 4)).reshape(*qq.shape[:2], 512)
             return torch.cat([dd, mm, nib], dim=-1).contiguous(), tail
         return _q8_layout(d, q), tail
     return None
 
 
+def _columns(t: torch.Tensor) -> torch.Tensor:
+    """``[n, kb, c]`` -> ``[nb, kb, 32 columns, c]``: the outputs in blocks of 32, zero padded (a padded column's
+    weights rebuild to 0)."""
+    n, kb, c = t.shape
+    if n % 32:
+        t = torch.cat([t, t.new_zeros(-n % 32, kb, c)])
+    return t.reshape(-1, 32, kb, c).permute(0, 2, 1, 3)
+
+
 def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """The Q8_0 layout (int8 [NB, K / 32, Q8B]) of scales ``d [n, K / 32, 1]`` and values ``q [n, K / 32, 32]``."""
-    n, kb = q.shape[:2]
-    nb = -(-n // 32)
-    pad = nb * 32 - n
-
-    def cols(t):  # [n, kb, c] -> [nb, kb, 32 columns, c], zero padded (a padded column's weights are 0 * 0 = 0)
-        if pad:
-            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
-        return t.reshape(nb, 32, kb, t.shape[-1]).permute(0, 2, 1, 3)
-
-    dd = cols(d)[..., 0].contiguous().view(torch.int8)  # [nb, kb, 128]: 32 fp32 scales
-    qq = cols(q).to(torch.int8).transpose(2, 3).reshape(nb, kb, 1024)  # [nb, kb, 32 inputs x 32 columns]
-    return torch.cat([dd, qq], dim=-1).contiguous()
+    dd = _columns(d)[..., 0].contiguous().view(torch.int8)  # [nb, kb, 128]: 32 fp32 scales
+    qq = _columns(q).to(torch.int8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
+    return torch.cat([dd, qq.reshape(*qq.shape[:2], 1024)], dim=-1).contiguous()
 
 
 def q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from dlm.decode.cpu import packing
+from dlm.model import lora as _lora
 
 # rows (tokens x batch) per call up to which the kernels are used; above, BLAS's compute-bound GEMM is faster
 # (bench/gemm_rows.py: at or under BLAS up to 96 rows on both AVX2 and AVX-512). 96 = 32 requests x an N=2 verify
@@ -336,9 +337,7 @@ def _gates(module: nn.Module) -> bool:
 
 
 def _ungate(module: nn.Module) -> None:
-    from dlm.model.lora import _ungate as ungate
-
-    ungate(module)
+    _lora._ungate(module)
 
 
 def _global_hooks() -> bool:
@@ -774,10 +773,8 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
     if plan is None:
         return None
     lora = plan.lora if plan.gated else None
-    if lora is not None and (
-        lora._idx is None or (lora.training and lora.settings.dropout > 0) or lora._gate.numel() != rows
-    ):
-        return None  # what _qkv_deltas answers: the per-op path
+    if lora is not None and not _rows_indexed(lora, rows):
+        return None  # (what _qkv_deltas answers: the per-op path)
     ts, slots = plan.ts, plan.kv_slots
     rooms = []
     n0 = None
@@ -854,11 +851,9 @@ class _StackPlan:
     @classmethod
     def get(cls, memo, fwds, rows: int):
         """The plan for this forward: the kept one where nothing it depends on changed, else a new one."""
-        from dlm.model.lora import EPOCH
-
         if memo is None or _next_hook is None or not KEEP_PLANS[0]:
             return cls.build(fwds, rows)
-        epoch = (EPOCH[0], ADAPTER_FORM[0])
+        epoch = (_lora.EPOCH[0], ADAPTER_FORM[0])
         if memo.get("epoch") != epoch:  # adapters attached or taken off (or packed otherwise) since: all again
             memo.clear()
             memo["epoch"], memo["lora"] = epoch, cls._lora_of(fwds)
@@ -952,9 +947,7 @@ def _check_stack(model: nn.Module, forward) -> bool:
     each time. Gated adapters are held off (no mask rows) while it runs."""
     from transformers import DynamicCache
 
-    from dlm.model.lora import attached
-
-    loras = attached(model)
+    loras = _lora.attached(model)
     saved = [lora._n_gated for lora in loras]
     try:
         for lora in loras:
@@ -1055,6 +1048,13 @@ def _adapter_matrix(w: torch.Tensor, form: str) -> torch.Tensor:
     return rounded[0] if rounded is not None else _OPS[0].pack(w, False)
 
 
+def _rows_indexed(lora, rows: int) -> bool:
+    """Whether this forward's gate hands the kernels its mask rows as an index over ``rows`` rows: not without mask
+    rows, in sync-free mode or for dense deltas (with gradients), with dropout in training mode, or for a gate of
+    another shape (the per-op path raises that error)."""
+    return not (lora._idx is None or (lora.training and lora.settings.dropout > 0) or lora._gate.numel() != rows)
+
+
 def _qkv_deltas(projs, rows: int):
     """What ``layer_in_gated`` needs to add the gated adapters' deltas of q / k / v inside the layer's first call:
     ``(mask rows, [A_q, A_k, A_v], [B_q, B_k, B_v], r, scale)`` (an empty tensor where a projection has no
@@ -1064,8 +1064,7 @@ def _qkv_deltas(projs, rows: int):
     gs = [m.__dict__.get("_dlm_gated") for m in projs]  # (_gated, inlined: once a layer per forward)
     g0 = gs[0] or gs[1] or gs[2]
     lora = g0[0].lora if g0 is not None else None
-    # the gate leaves no row index without mask rows, in sync-free mode and for dense deltas (with gradients)
-    if lora is None or lora._idx is None or (lora.training and lora.settings.dropout > 0) or lora._gate.numel() != rows:
+    if lora is None or not _rows_indexed(lora, rows):
         return None
     a, b = [], []
     for g in gs:

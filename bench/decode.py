@@ -208,15 +208,18 @@ def main(argv=None) -> int:
             return [out[i, width:].tolist() for i in range(len(batch))], s, k, [k] * len(batch), []
         suffix = next((x for x in VARIANTS if method.endswith(x)), "")
         engine = engines[b][method.removesuffix(suffix) if suffix else method]
-        setting, value = (getattr(fused, VARIANTS[suffix][0]), VARIANTS[suffix][1]) if suffix else ([None], None)
         engine.total_forwards = 0
-        before, setting[0] = setting[0], value if suffix else setting[0]
+        setting = getattr(fused, VARIANTS[suffix][0]) if suffix else None
+        before = setting[0] if setting else None
+        if setting:
+            setting[0] = VARIANTS[suffix][1]
         try:
             t = time.perf_counter()
             res = engine.generate(batch, params)
             s = time.perf_counter() - t
         finally:
-            setting[0] = before
+            if setting:
+                setting[0] = before
         return (
             [r.token_ids for r in res],
             s,

@@ -246,10 +246,10 @@ class AutoDLMForCausalLM:
                 f"convert it with: dlm convert --model {path} --objective idlm --output DIR"
             )
         model = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype or torch.float32, attn_implementation=attn_implementation
+            folder, dtype=dtype or torch.float32, attn_implementation=attn_implementation, trust_remote_code=False
         )
         try:
-            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         except Exception as e:  # noqa: BLE001 - transformers raises many types for a damaged tokenizer file
             raise DLMError(
                 f"could not load the tokenizer of '{folder}' ({type(e).__name__}: {e}); its "
@@ -390,12 +390,12 @@ def convert_ar_to_dlm(
             return dlm
         if tokenizer is None:
             try:
-                tokenizer = AutoTokenizer.from_pretrained(folder)
+                tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
             except Exception as e:
                 raise DLMError(f"could not load the tokenizer of '{folder}': {e}") from e
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                folder, dtype=dtype or torch.float32, attn_implementation="sdpa"
+                folder, dtype=dtype or torch.float32, attn_implementation="sdpa", trust_remote_code=False
             )
         except Exception as e:
             raise DLMError(f"could not load a causal LM from '{folder}': {e}") from e

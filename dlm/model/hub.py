@@ -113,7 +113,7 @@ def load_tokenizer(name_or_path: str | os.PathLike):
 
     path = resolve_model_path(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)  # dlm never runs remote code
     except Exception as e:  # transformers raises many types here; name the folder
         raise DLMError(f"could not load a tokenizer from '{path}': {e}") from e
 
@@ -136,7 +136,7 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
 
         return AutoDLMForCausalLM.from_pretrained(path, dtype=dtype, device=device)
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, trust_remote_code=False)
     except Exception as e:
         raise DLMError(f"could not load a causal LM from '{path}': {e}") from e
     if device is not None:

@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the published layouts of LLaDA, Dream, SDAR, I-DLM and Fast-dLLM v2 (config.json
+"""Tiny random checkpoints in the published layouts of LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2 and LLaDA2 (config.json
 fields and weight names as the released folders have them), written in code for the tests; and a reference
 forward of each family written from its definition on those weights."""
 
@@ -293,12 +293,110 @@ def write_fast_dllm_v2(path, seed: int = 0, bd_size: int = 4, **override) -> Pat
     return path
 
 
+def write_llada2(path, seed: int = 0, shared: int = 1, kv_heads: int = 2, **override) -> Path:
+    """inclusionAI/LLaDA2.0-mini / LLaDA2.1-mini layout (Bailing-style MoE: ``word_embeddings``, fused
+    ``query_key_value``, ``query_layernorm`` / ``key_layernorm``, ``dense``; the first layer dense, the others with
+    routed experts ``experts.E.*``, a router ``gate.weight`` with its ``gate.expert_bias``, and shared experts)."""
+    path = Path(path)
+    g = torch.Generator().manual_seed(seed)
+    layers, experts, moe_ffn, kv = 3, 8, 16, kv_heads
+    config = {
+        "architectures": ["LLaDA2MoeModelLM"],
+        "model_type": "llada2_moe",
+        "auto_map": {
+            "AutoConfig": "configuration_llada2_moe.LLaDA2MoeConfig",
+            "AutoModel": "modeling_llada2_moe.LLaDA2MoeModel",
+            "AutoModelForCausalLM": "modeling_llada2_moe.LLaDA2MoeModelLM",
+        },
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": kv,
+        "head_dim": HEAD_DIM,
+        "hidden_act": "silu",
+        "use_qkv_bias": False,
+        "use_bias": False,
+        "use_qk_norm": True,
+        "rms_norm_eps": 1e-6,
+        "norm_head": False,
+        "tie_word_embeddings": False,
+        "embedding_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "output_dropout": 0.0,
+        "initializer_range": 0.02,
+        "max_position_embeddings": POSITIONS,
+        "rope_theta": 600000,
+        "rope_scaling": None,
+        "partial_rotary_factor": 0.5,
+        "rotary_dim": HEAD_DIM // 2,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "num_experts": experts,
+        "num_shared_experts": shared,
+        "num_experts_per_tok": 3,
+        "n_group": 4,
+        "topk_group": 2,
+        "moe_intermediate_size": moe_ffn,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+        "score_function": "sigmoid",
+        "moe_router_enable_expert_bias": True,
+        "norm_topk_prob": True,
+        "router_dtype": "fp32",
+        "output_router_logits": False,
+        "pad_token_id": 3,
+        "eos_token_id": EOS,
+        "mask_token_id": MASK,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.52.3",
+    }
+    config.update(override)
+    d = HIDDEN
+    state = {
+        "model.word_embeddings.weight": _rand(g, VOCAB, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, VOCAB, d),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        state.update(
+            {
+                f"{p}.input_layernorm.weight": _norm(g, d),
+                f"{p}.post_attention_layernorm.weight": _norm(g, d),
+                f"{p}.attention.query_key_value.weight": _rand(g, (HEADS + 2 * kv) * HEAD_DIM, d),
+                f"{p}.attention.query_layernorm.weight": _norm(g, HEAD_DIM),
+                f"{p}.attention.key_layernorm.weight": _norm(g, HEAD_DIM),
+                f"{p}.attention.dense.weight": _rand(g, d, HEADS * HEAD_DIM),
+            }
+        )
+        if i < config["first_k_dense_replace"]:
+            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
+                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            continue
+        state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
+        state[f"{p}.mlp.gate.expert_bias"] = _rand(g, experts, scale=0.2).float()
+        for e in range(experts):
+            for n, shape in (("gate", (moe_ffn, d)), ("up", (moe_ffn, d)), ("down", (d, moe_ffn))):
+                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+        if shared:
+            w = moe_ffn * shared
+            for n, shape in (("gate", (w, d)), ("up", (w, d)), ("down", (d, w))):
+                state[f"{p}.mlp.shared_experts.{n}_proj.weight"] = _rand(g, *shape)
+    _save(path, config, state)
+    _tokenizer(path, "<|mask|>")
+    return path
+
+
 WRITERS = {
     "llada": write_llada,
     "dream": write_dream,
     "sdar": write_sdar,
     "idlm": write_idlm,
     "fast_dllm_v2": write_fast_dllm_v2,
+    "llada2": write_llada2,
 }
 
 
@@ -317,6 +415,63 @@ def _rope(x, pos, theta):
     return x * cos + half * sin
 
 
+def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """LLaDA2's forward from its definition (Bailing-style MoE) on its own weight names."""
+    heads, hd, eps = cfg["num_attention_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
+    kv = cfg["num_key_value_heads"] or heads  # 0: as many as the heads
+    rd = int(hd * cfg["partial_rotary_factor"])
+    L = len(ids)
+    pos = torch.arange(L)
+    silu = torch.nn.functional.silu
+
+    def mlp(h, p):
+        return (silu(h @ W[f"{p}.gate_proj.weight"].T) * (h @ W[f"{p}.up_proj.weight"].T)) @ W[
+            f"{p}.down_proj.weight"
+        ].T
+
+    x = W["model.word_embeddings.weight"][torch.tensor(ids)]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        h = _rms(x, W[f"{p}.input_layernorm.weight"], eps)
+        qkv = h @ W[f"{p}.attention.query_key_value.weight"].T
+        if f"{p}.attention.query_key_value.bias" in W:  # use_qkv_bias
+            qkv = qkv + W[f"{p}.attention.query_key_value.bias"]
+        qkv = qkv.view(L, heads + 2 * kv, hd)
+        q, k, v = (t.transpose(0, 1) for t in qkv.split([heads, kv, kv], dim=1))
+        q = _rms(q, W[f"{p}.attention.query_layernorm.weight"], eps)
+        k = _rms(k, W[f"{p}.attention.key_layernorm.weight"], eps)
+        theta = cfg["rope_theta"]
+        q = torch.cat([_rope(q[..., :rd], pos, theta), q[..., rd:]], -1)  # only the first rd dims rotate
+        k = torch.cat([_rope(k[..., :rd], pos, theta), k[..., rd:]], -1)
+        k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
+        x = x + (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd) @ W[f"{p}.attention.dense.weight"].T
+        if f"{p}.attention.dense.bias" in W:  # use_bias
+            x = x + W[f"{p}.attention.dense.bias"]
+        h = _rms(x, W[f"{p}.post_attention_layernorm.weight"], eps)
+        if i < cfg["first_k_dense_replace"]:
+            x = x + mlp(h, f"{p}.mlp")
+            continue
+        n, top, groups = cfg["num_experts"], cfg["num_experts_per_tok"], cfg["n_group"]
+        probs = torch.sigmoid(h.float() @ W[f"{p}.mlp.gate.weight"].float().T)  # [L, E]
+        y = torch.zeros_like(x)
+        for t in range(L):  # one token at a time, as the definition reads
+            bias = W.get(f"{p}.mlp.gate.expert_bias", torch.zeros(n))  # picks experts, does not weight them
+            choice = probs[t] + bias
+            group_best = choice.view(groups, n // groups).topk(2).values.sum(-1)
+            keep = torch.zeros(groups, dtype=torch.bool)
+            keep[group_best.topk(cfg["topk_group"]).indices] = True
+            chosen = choice.masked_fill(~keep.repeat_interleave(n // groups), float("-inf")).topk(top).indices
+            w = probs[t, chosen]
+            w = w / (w.sum() + 1e-20) * cfg["routed_scaling_factor"]
+            for e, we in zip(chosen.tolist(), w):
+                y[t] += we * mlp(h[t], f"{p}.mlp.experts.{e}")
+        if cfg.get("num_shared_experts"):
+            y = y + mlp(h, f"{p}.mlp.shared_experts")
+        x = x + y
+    return _rms(x, W["model.norm.weight"], eps) @ W["lm_head.weight"].T
+
+
 def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
     """The family's forward written from its definition on the folder's own weight names: [L, V] logits of one
     sequence under ``allowed`` [L, L] (True = query may attend key), positions 0..L-1."""
@@ -331,6 +486,8 @@ def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Ten
     )
     for f in files:
         W.update(load_file(str(folder / f)))
+    if cfg["model_type"] == "llada2_moe":
+        return _llada2_logits(cfg, W, ids, allowed)
     llada = cfg["model_type"] == "llada"
     if llada:
         t = "model.transformer"

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from published_layouts import (
+    HEADS,
     MASK,
     WRITERS,
     family_attention,
@@ -15,6 +16,7 @@ from published_layouts import (
     write_fast_dllm_v2,
     write_idlm,
     write_llada,
+    write_llada2,
     write_sdar,
 )
 
@@ -32,6 +34,7 @@ EXPECTED = {  # family -> (objective, shift, block size, attention, transformers
     "sdar": ("block", False, 4, "block", "Qwen3ForCausalLM"),
     "idlm": ("idlm", True, 1, "causal", "Qwen3ForCausalLM"),
     "fast_dllm_v2": ("block", True, 4, "block", "Qwen2ForCausalLM"),
+    "llada2": ("block", False, 32, "block", "Glm4MoeForCausalLM"),
 }
 
 
@@ -57,6 +60,51 @@ def test_load_gives_the_family_forward_and_fields(tmp_path, family):
     assert torch.equal(logits_of(again), logits_of(model))
 
 
+def test_llada2_across_blocks_and_its_variants(tmp_path):
+    """LLaDA2's block-causal attention over several blocks (its own block length 32 and a smaller one given in
+    config.json), and the layouts' options: biased projections, no shared experts, a router without its bias,
+    num_key_value_heads 0 (as many as the heads)."""
+    ids = [(7 * i + 3) % 300 for i in range(70)]
+    for name, kw in (
+        ("plain", {}),
+        ("block8", {"block_size": 8}),
+        ("unshared", {"shared": 0}),
+        ("mha", {"kv_heads": HEADS, "num_key_value_heads": 0}),
+    ):
+        folder = write_llada2(tmp_path / name, **kw)
+        model = dlm.load_model(folder)
+        block = kw.get("block_size", 32)
+        assert model.block_size == block
+        want = reference_logits(folder, ids, family_attention("llada2", len(ids), block))
+        torch.testing.assert_close(logits_of(model, ids), want, atol=3e-5, rtol=1e-5)
+
+
+def test_llada2_qkv_biases_and_a_router_without_its_bias(tmp_path):
+    """use_qkv_bias and a router without expert_bias load (and save, and load again, the same); a bias on the
+    output projection (use_bias, absent from the published checkpoints) is refused naming the weight."""
+    from safetensors.torch import load_file, save_file
+
+    folder = write_llada2(tmp_path / "biased", use_qkv_bias=True, moe_router_enable_expert_bias=False)
+    state = load_file(str(folder / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    for i in range(3):
+        p = f"model.layers.{i}.attention"
+        state[f"{p}.query_key_value.bias"] = torch.randn(state[f"{p}.query_key_value.weight"].shape[0], generator=g)
+        state.pop(f"model.layers.{i}.mlp.gate.expert_bias", None)
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    model = dlm.load_model(folder)
+    ids = list(range(5, 45))
+    want = reference_logits(folder, ids, family_attention("llada2", len(ids), 32))
+    torch.testing.assert_close(logits_of(model, ids), want, atol=3e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    assert torch.equal(logits_of(dlm.load_model(tmp_path / "saved"), ids), logits_of(model, ids))
+
+    state["model.layers.1.attention.dense.bias"] = torch.zeros(state["model.layers.1.attention.dense.weight"].shape[0])
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(DLMError, match=r"attention\.dense\.bias.*use_bias false"):
+        dlm.load_model(folder)
+
+
 def test_llada_variants_tied_and_sharded(tmp_path):
     for kw in (dict(tie=True), dict(shards=3)):
         folder = write_llada(tmp_path / str(sorted(kw)), **kw)
@@ -80,7 +128,7 @@ def test_save_and_reload_round_trip(tmp_path, family):
     model.save_pretrained(tmp_path / "saved")
     fields = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert fields["dlm_family"] == family and fields["dlm_objective"] == EXPECTED[family][0]
-    assert fields["model_type"] in ("llama", "qwen2", "qwen3")
+    assert fields["model_type"] in ("llama", "qwen2", "qwen3", "glm4_moe")
     back = dlm.load_model(tmp_path / "saved")
     assert back.spec == model.spec and back.hf_config.dlm_attention == model.hf_config.dlm_attention
     assert torch.equal(logits_of(back), logits_of(model))
@@ -123,9 +171,16 @@ def _broken(tmp_path, writer, drop=(), **set_):
         (
             write_sdar,
             (),
-            {"model_type": "llada2_moe", "architectures": ["LLaDA2MoeModelLM"]},
-            ["LLaDA2", "not supported"],
+            {"model_type": "lladamoe", "architectures": ["LLaDAMoEModelLM"]},
+            ["LLaDA-MoE", "not supported"],
         ),
+        (write_llada2, ("num_experts",), {}, ["'num_experts'", "config.json"]),
+        (write_llada2, (), {"norm_head": True}, ["'norm_head'"]),
+        (write_llada2, (), {"score_function": "softmax"}, ["'score_function'", "sigmoid"]),
+        (write_llada2, ("partial_rotary_factor", "rotary_dim"), {}, ["'partial_rotary_factor'"]),
+        (write_llada2, (), {"n_group": 3}, ["'n_group'"]),
+        (write_llada2, (), {"num_experts": 16, "n_group": 8}, ["lacks", "experts.8.gate_proj"]),
+        (write_llada2, (), {"num_key_value_heads": 4}, ["query_key_value", "rows"]),
         (write_llada, (), {"n_layers": 3}, ["lacks", "model.layers.2"]),
         (write_dream, (), {"intermediate_size": 48}, ["shape", "mlp"]),
     ],
@@ -287,3 +342,17 @@ def test_adapter_folders_that_cannot_be_attached(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "dora"), "--prompt", "x", "--decode", "isd"]) == 2
     err = capsys.readouterr().err
     assert "adapter_config.json" in err and "attach_gated_adapter" in err
+
+
+def test_published_folders_load_without_the_remote_code_question(tmp_path, monkeypatch):
+    """config.json's auto_map names remote code: every loader says no to it up front, so transformers never stops
+    to ask on the terminal (dlm eval / serve / generate read the tokenizer through load_tokenizer)."""
+    from dlm.model.hub import load_tokenizer
+
+    questions = []
+    monkeypatch.setattr("builtins.input", lambda *a: questions.append(a) or "n")  # (transformers hides errors)
+    for writer in (write_llada, write_llada2):
+        folder = writer(tmp_path / writer.__name__)
+        assert load_tokenizer(folder).mask_token_id == MASK
+        assert load_tokenizer(folder).mask_token_id == dlm.load_model(folder).mask_token_id
+    assert questions == []

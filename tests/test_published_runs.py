@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from published_layouts import MASK, write_dream, write_idlm, write_llada
+from published_layouts import MASK, write_dream, write_idlm, write_llada, write_llada2
 
 import dlm
 from dlm.cli import main
@@ -121,22 +121,25 @@ def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, shared_d
 
 @pytest.mark.integration
 @pytest.mark.parametrize(
-    "writer,kw",
+    "writer,decode,kw",
     [
-        (write_llada, dict(method="llada", steps=4, block_length=4)),
-        (write_dream, dict(method="dream", steps=4, alg="entropy")),
+        (write_llada, "mdm", dict(method="llada", steps=4, block_length=4)),
+        (write_dream, "mdm", dict(method="dream", steps=4, alg="entropy")),
+        (write_llada2, "block", dict(steps=4)),
     ],
 )
-def test_published_checkpoints_are_served(tmp_path, writer, kw):
+def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
     folder = writer(tmp_path / "ckpt")
-    eng = load_engine(str(folder), decode="mdm", max_batch_size=3, **kw)
+    eng = load_engine(str(folder), decode=decode, max_batch_size=3, **kw)
     prompts = [("The cat " * (i % 3 + 1), 3 + i) for i in range(5)]
-    refs = [generate(eng.model, [eng.tokenizer(p)["input_ids"]], "mdm", SamplingParams(m), **kw)[0] for p, m in prompts]
+    refs = [
+        generate(eng.model, [eng.tokenizer(p)["input_ids"]], decode, SamplingParams(m), **kw)[0] for p, m in prompts
+    ]
     app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name="tiny", max_tokens_limit=32))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -1,13 +1,13 @@
 """The published families' samplers as decoders of the one engine (LLaDA's low-confidence remasking with
-semi-autoregressive blocks and classifier-free guidance; Dream's alg choices; SDAR's block strategies): each equals
-a plain one-request reference written here from the family's sampler, token for token greedy and draw for draw
-with a seed, batched with prompts of different lengths, and stops at a stop token."""
+semi-autoregressive blocks and classifier-free guidance; Dream's alg choices; SDAR's block strategies; LLaDA2's
+threshold sampler): each equals a plain one-request reference written here from the family's sampler, token for
+token greedy and draw for draw with a seed, batched with prompts of different lengths, and stops at a stop token."""
 
 import math
 
 import pytest
 import torch
-from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_sdar
+from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_llada2, write_sdar
 
 import dlm
 from dlm.cli import main
@@ -30,6 +30,8 @@ def models(tmp_path_factory):
         "dream": dlm.load_model(write_dream(d / "dream", seed=5)),
         "sdar": dlm.load_model(write_sdar(d / "sdar", seed=6, block_size=4)),
         "fast_dllm_v2": dlm.load_model(write_fast_dllm_v2(d / "fast", seed=7, bd_size=4)),
+        "llada2": dlm.load_model(write_llada2(d / "llada2", seed=8, block_size=4)),
+        "llada2_32": dlm.load_model(write_llada2(d / "llada2_32", seed=9)),
     }
 
 
@@ -178,6 +180,41 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
     return until_stop(x[p:].tolist(), params, gen)
 
 
+# -- LLaDA2: LLaDA2MoeModelLM.generate, one request ---------------------------------------------------------------
+def reference_llada2(model, prompt, params, steps=None, threshold=0.95):
+    """LLaDA2's generate(): the canvas rounded up to whole blocks, block-causal attention, from the block holding
+    the prompt's end; per block at most `steps` passes, each scoring the block's masks and committing every one
+    above `threshold` if there are at least the pass's quota of them (the *block length* split over the steps,
+    remainder first), else the quota's most confident (at most the masks left); stop after a block holding a
+    stop token."""
+    gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    b = model.block_size
+    steps = steps or b
+    total = -(-(p + gen) // b) * b
+    x = torch.tensor(list(prompt) + [MASK] * (total - p))
+    i = torch.arange(total)
+    allowed = (i[None, :] // b) <= (i[:, None] // b)
+    schedule = split(b, steps)
+    for blk in range(p // b, total // b):
+        lo, hi = blk * b, (blk + 1) * b
+        for step in range(steps):
+            where = (x[lo:hi] == MASK).nonzero().squeeze(-1) + lo
+            if where.numel() == 0:
+                break
+            logits = full_logits(model, x[:hi], allowed[:hi, :hi])
+            x0, x0_p = propose(logits[where], params, MASK, g)
+            high = x0_p > threshold
+            if int(high.sum()) >= schedule[step]:
+                transfer = high
+            else:
+                transfer = torch.zeros(where.numel(), dtype=torch.bool)
+                transfer[x0_p.topk(min(schedule[step], where.numel())).indices] = True
+            x[where[transfer]] = x0[transfer]
+        if params.stop_token_ids and any(t in params.stop_token_ids for t in x[p:hi].tolist()):
+            break
+    return until_stop(x[p:].tolist(), params, gen)
+
+
 CASES = [
     ("llada", "mdm", dict(method="llada", steps=None, block_length=4), reference_llada, dict(block_length=4)),
     ("llada", "mdm", dict(method="llada", steps=6, block_length=3), reference_llada, dict(steps=6, block_length=3)),
@@ -247,6 +284,9 @@ CASES = [
         reference_sdar,
         dict(steps=2, threshold=0.04),
     ),
+    ("llada2", "block", dict(steps=2, threshold=0.05), reference_llada2, dict(steps=2, threshold=0.05)),
+    ("llada2", "block", dict(steps=3, threshold=0.02), reference_llada2, dict(steps=3, threshold=0.02)),
+    ("llada2_32", "block", dict(steps=8, threshold=0.03), reference_llada2, dict(steps=8, threshold=0.03)),
 ]
 
 
@@ -265,7 +305,7 @@ def test_batched_engine_equals_the_one_request_reference(models, family, decode,
             assert len(r.token_ids) == p.max_new_tokens and MASK not in r.token_ids
 
 
-@pytest.mark.parametrize("family,decode,kw,ref,ref_kw", [CASES[0], CASES[4], CASES[6], CASES[9], CASES[13]])
+@pytest.mark.parametrize("family,decode,kw,ref,ref_kw", [CASES[0], CASES[4], CASES[6], CASES[9], CASES[13], CASES[14]])
 def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, decode, kw, ref, ref_kw):
     model = models[family]
     free = SamplingParams(max_new_tokens=10, seed=1, ignore_eos=True)
@@ -279,17 +319,26 @@ def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, 
 
 def test_the_family_sampler_is_the_default(models):
     """Without --sampler a LLaDA checkpoint decodes with LLaDA's sampler, Dream with Dream's (alg origin), SDAR
-    with SDAR's dynamic low-confidence strategy; dlm's own mdm models keep the confidence sampler."""
+    with SDAR's dynamic low-confidence strategy, LLaDA2 with its own (that strategy with the block length's
+    quotas); dlm's own mdm models keep the confidence sampler."""
     p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
     cases = [
         ("llada", "mdm", reference_llada, dict(block_length=32)),
         ("dream", "mdm", reference_dream, {}),
         ("sdar", "block", reference_sdar, {}),
+        ("llada2", "block", reference_llada2, {}),  # LLaDA2's rule and its threshold 0.95
     ]
     for family, decode, ref, ref_kw in cases:
         got = generate(models[family], [MIXED[0]], decode, p, method=None)[0].token_ids
         assert got == ref(models[family], MIXED[0], p, **ref_kw), family
     assert Engine(models["llada"], decoder="mdm", method=None).decoder.method == "llada"
+    from dlm.decode.configs import BlockConfig, make_config
+
+    assert Engine(models["llada2"], decoder="block").decoder.threshold == 0.95  # LLaDA2's
+    assert Engine(models["llada2"], decoder=make_config("block", steps=4)).decoder.threshold == 0.95  # (the CLI's)
+    assert Engine(models["llada2"], decoder="block", threshold=0.5).decoder.threshold == 0.5  # given: kept
+    assert Engine(models["llada2"], decoder=BlockConfig()).decoder.threshold == 0.9  # a whole config: the caller's
+    assert Engine(models["sdar"], decoder="block").decoder.threshold == 0.9  # dlm's
 
 
 def test_sampler_option_errors():

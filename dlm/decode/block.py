@@ -15,8 +15,9 @@ short so that the token before the block is fed with it.
 past ``max_new_tokens`` are never returned), each block's masks are split evenly over ``steps`` passes (the
 remainder to the first ones) and a pass commits its quota: the leftmost masks (``sequential``), the most confident
 (``low_confidence_static``), or every mask above ``threshold`` when there are at least the quota of them, else the
-most confident (``low_confidence_dynamic``, the default for SDAR checkpoints). The quota counts the block's masks,
-so the prompt's tail in the first block is never overwritten.
+most confident (``low_confidence_dynamic``, the default for SDAR and LLaDA2 checkpoints: LLaDA2's own sampler is
+this one). The quota counts the block's masks (on LLaDA2 checkpoints the block's length, as LLaDA2's sampler splits
+it; a pass commits at most the masks left), so the prompt's tail in the first block is never overwritten.
 
 On the engine, rows of a batch sit in different blocks at different passes; the prefill forward is the first
 block's first pass (the prompt before that block is cached by it). A finished block is streamed at once, and a
@@ -50,6 +51,7 @@ class BlockDecoder(DiffusionDecoder):
             threshold = None  # top-k commits
         self.steps, self.threshold = steps, threshold
         self.block_size, self.shift = 1, False
+        self.length_quotas = False
 
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
@@ -61,7 +63,11 @@ class BlockDecoder(DiffusionDecoder):
                 f"this is {what}: use --decode {other}"
             )
         self.block_size, self.shift = spec.block_size, bool(spec.shift)
-        if self.remasking is None and getattr(engine.config, "dlm_family", None) == "sdar":
+        family = getattr(engine.config, "dlm_family", None)
+        # LLaDA2's sampler splits the block's length over the passes (each commits at most the masks left); SDAR's
+        # splits the block's masks, which differs only in a first block that holds the prompt's tail
+        self.length_quotas = family == "llada2"
+        if self.remasking is None and family in ("sdar", "llada2"):
             self.remasking = "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
 
     def _layout(self, engine: Engine, row: Row) -> torch.Tensor:
@@ -90,7 +96,7 @@ class BlockDecoder(DiffusionDecoder):
             pass_=0,
             per_step=math.ceil(n0 / steps),
             block_steps=steps,
-            quotas=even_split(n0, steps),
+            quotas=even_split(be - bs if self.length_quotas else n0, steps),
         )
 
     def prefill_suffix(self, engine: Engine, row: Row) -> list[int]:

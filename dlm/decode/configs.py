@@ -214,7 +214,7 @@ class BlockConfig(DecoderConfig):
     )
     remasking: str | None = opt(
         None,
-        "SDAR's strategy; None: low_confidence_dynamic for SDAR checkpoints (static without a threshold), "
+        "SDAR's strategy; None: low_confidence_dynamic for SDAR and LLaDA2 checkpoints (static without a threshold), "
         "else dlm's threshold / top-k rule",
         choices=SDAR_REMASKING,
     )
@@ -389,7 +389,23 @@ def make_config(decoder: str | DecoderConfig, **settings) -> DecoderConfig:
         raise DLMError(f"unknown decoder setting(s) {', '.join(sorted(unknown))} for --decode {cls.name}")
     if foreign:
         raise _not_a_setting(cls.name, foreign)
-    return cls(**kw)
+    config = cls(**kw)
+    object.__setattr__(config, "given", frozenset(kw))  # the caller's settings; the rest may take a family's defaults
+    return config
+
+
+def with_family_defaults(config: DecoderConfig, defaults: dict[str, Any]) -> DecoderConfig:
+    """``config`` with ``defaults`` for the settings its caller left out (a config built by :func:`make_config`;
+    one built directly counts as chosen in full)."""
+    given = getattr(config, "given", None)
+    if given is None:
+        return config
+    todo = {k: v for k, v in defaults.items() if k not in given}
+    if not todo:
+        return config
+    out = dataclasses.replace(config, **todo)
+    object.__setattr__(out, "given", given | frozenset(todo))
+    return out
 
 
 def build_decoder(config: DecoderConfig):

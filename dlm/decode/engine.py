@@ -505,6 +505,13 @@ class Engine:
         # threads: None leaves torch's setting; an int or "auto" (the cores other processes leave idle, looked at
         # again while decoding: dlm.decode.threads) is set in the thread that steps, and put back by close()
         self._threads = ThreadPolicy(threads) if threads is not None and self.device.type == "cpu" else None
+        if not isinstance(decoder, Decoder):  # a published family's own sampler settings, where the caller gave none
+            from dlm.decode.configs import make_config, with_family_defaults
+            from dlm.model.families import sampler_defaults
+
+            decoder = make_config(decoder, **decoder_kw)
+            decoder_kw = {}
+            decoder = with_family_defaults(decoder, sampler_defaults(self.config, decoder.name))
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
         if max_batch_size < 1:

@@ -1,8 +1,8 @@
-"""Published diffusion LM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2) loaded without remote code.
+"""Published diffusion LM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2) loaded without remote code.
 
 Each family's folder is recognised by its ``config.json`` (``model_type`` / ``architectures``), rebuilt as the
-transformers class with the same computation (Llama, Qwen2, Qwen3) with the weights renamed on load, and returned
-as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of dlm reads:
+transformers class with the same computation (Llama, Qwen2, Qwen3, GLM-4-MoE) with the weights renamed on load, and
+returned as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of dlm reads:
 
 ==============  =============  =========  =======  ==========================  =================  ===========
 family          class          objective  shift    block size                  attention          mask id
@@ -12,6 +12,7 @@ dream           Qwen2          mdm        yes      -                           b
 sdar            Qwen3          block      no       ``block_size`` (required)   block-causal       151669
 idlm            Qwen3          idlm       yes      ``block_size`` (1, 2, 3)    causal             151669
 fast_dllm_v2    Qwen2          block      yes      ``bd_size``                 block-causal       151665
+llada2          GLM-4-MoE      block      no       ``block_size`` or 32        block-causal       156895
 ==============  =============  =========  =======  ==========================  =================  ===========
 
 (``mask_token_id`` from config.json wins over the default.) Two fields more are recorded: ``dlm_family`` (which
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,16 +34,31 @@ import torch
 
 from dlm.errors import DLMError
 
-FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2")
-MASK_IDS = {"llada": 126336, "dream": 151666, "sdar": 151669, "idlm": 151669, "fast_dllm_v2": 151665}
-OBJECTIVE = {"llada": "mdm", "dream": "mdm", "sdar": "block", "idlm": "idlm", "fast_dllm_v2": "block"}
-SHIFT = {"llada": False, "dream": True, "sdar": False, "idlm": True, "fast_dllm_v2": True}
+FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2", "llada2")
+MASK_IDS = {
+    "llada": 126336,
+    "dream": 151666,
+    "sdar": 151669,
+    "idlm": 151669,
+    "fast_dllm_v2": 151665,
+    "llada2": 156895,
+}
+OBJECTIVE = {
+    "llada": "mdm",
+    "dream": "mdm",
+    "sdar": "block",
+    "idlm": "idlm",
+    "fast_dllm_v2": "block",
+    "llada2": "block",
+}
+SHIFT = {"llada": False, "dream": True, "sdar": False, "idlm": True, "fast_dllm_v2": True, "llada2": False}
 ATTENTION = {
     "llada": "bidirectional",
     "dream": "bidirectional",
     "sdar": "block",
     "idlm": "causal",
     "fast_dllm_v2": "block",
+    "llada2": "block",
 }
 TITLE = {
     "llada": "LLaDA",
@@ -49,14 +66,23 @@ TITLE = {
     "sdar": "SDAR",
     "idlm": "I-DLM (SDAR format)",
     "fast_dllm_v2": "Fast-dLLM v2",
+    "llada2": "LLaDA2",
 }
 IDLM_BLOCK_SIZES = (1, 2, 3)  # the I-DLM release's training block sizes (stride N = b + 1)
+LLADA2_BLOCK = 32  # the block length LLaDA2.0 / 2.1 are trained and sampled with (their config.json has none)
+LLADA2_NAMES = ("llada2_moe", "llada21_moe", "LLaDA2MoeModelLM")  # 2.0 and 2.1 share the first (llada21: dllm's)
+
+# decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins)
+SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}}  # LLaDA2MoeModelLM.generate's threshold
+
+
+def sampler_defaults(config, decoder: str) -> dict[str, Any]:
+    """The settings :data:`SAMPLER_DEFAULTS` gives ``decoder`` on a model of this config's family ({} for others)."""
+    return dict(SAMPLER_DEFAULTS.get(getattr(config, "dlm_family", None) or "", {}).get(decoder, {}))
+
 
 # model_type / architecture names that are recognised but not supported, with the reason
 UNSUPPORTED = {
-    "llada2_moe": "LLaDA2 (a mixture-of-experts model with no transformers class to map onto)",
-    "llada21_moe": "LLaDA2.1 (a mixture-of-experts model with no transformers class to map onto)",
-    "LLaDA2MoeModelLM": "LLaDA2 (a mixture-of-experts model with no transformers class to map onto)",
     "lladamoe": "LLaDA-MoE (a mixture-of-experts model)",
     "LLaDAMoEModelLM": "LLaDA-MoE (a mixture-of-experts model)",
     "SDARMoeForCausalLM": "SDAR-MoE (its expert weight names are not published)",
@@ -93,7 +119,7 @@ _DROP = {
 
 def family_of(fields: dict) -> str | None:
     """The family of a folder's config.json fields, None for anything else (plain models, dlm folders); raises a
-    DLMError for a recognised but unsupported one (LLaDA2 MoE, SDAR MoE)."""
+    DLMError for a recognised but unsupported one (LLaDA-MoE, SDAR-MoE)."""
     if not isinstance(fields, dict) or "dlm_objective" in fields:
         return None
     mtype = fields.get("model_type")
@@ -109,6 +135,8 @@ def family_of(fields: dict) -> str | None:
             )
     if mtype == "llada" or "LLaDAModelLM" in archs:
         return "llada"
+    if any(n in LLADA2_NAMES for n in names):
+        return "llada2"
     if mtype == "Dream" or "DreamModel" in archs:
         return "dream"
     if mtype == "Fast_dLLM_Qwen" or "Fast_dLLM_QwenForCausalLM" in archs:
@@ -208,6 +236,86 @@ def _llada_config(fields: dict, path: Path):
     )
 
 
+def _llada2_config(fields: dict, path: Path):
+    """LLaDA2's Bailing-style MoE as transformers' GLM-4-MoE: the same computation (QK-norm before a partial rotary
+    embedding, sigmoid routing with a selection-only expert bias, group-limited top-k, renormalised and scaled
+    weights, shared experts, dense first layers) under other names (see :func:`_llada2_state`)."""
+    from transformers import Glm4MoeConfig
+
+    hidden = _need(fields, "hidden_size", path, "the hidden size")
+    layers = _need(fields, "num_hidden_layers", path, "the number of layers")
+    heads = _need(fields, "num_attention_heads", path, "the number of attention heads")
+    vocab = _need(fields, "vocab_size", path, "the vocabulary size")
+    experts = _need(fields, "num_experts", path, "the number of routed experts")
+    top_k = _need(fields, "num_experts_per_tok", path, "the experts per token")
+    moe_ffn = _need(fields, "moe_intermediate_size", path, "the width of an expert")
+    kv = fields.get("num_key_value_heads") or heads  # 0 means as many as the attention heads (LLaDA2's class)
+    head_dim = fields.get("head_dim") or hidden // heads
+    dense = int(fields.get("first_k_dense_replace") or 0)
+    ffn = _need(fields, "intermediate_size", path, "the dense layers' width") if dense else moe_ffn
+    for key, what in (
+        ("use_sliding_window", "sliding-window attention"),
+        ("use_linear_attention", "linear attention"),
+        ("norm_head", "a normalised output head"),
+    ):
+        if fields.get(key):
+            raise DLMError(f"'{path}': '{key}' is true; dlm loads the LLaDA2 layout without {what} (set it false)")
+    if fields.get("score_function", "sigmoid") != "sigmoid":
+        raise DLMError(
+            f"'{path}': 'score_function' is {fields['score_function']!r}; dlm loads LLaDA2's sigmoid routing"
+        )
+    scaling = fields.get("rope_scaling")
+    if scaling not in (None, {}) and (scaling.get("rope_type") or scaling.get("type")) != "default":
+        raise DLMError(f"'{path}': 'rope_scaling' {scaling!r} is not loaded by dlm for LLaDA2 (use null)")
+    partial = fields.get("partial_rotary_factor")
+    if partial is None and fields.get("rotary_dim"):
+        partial = fields["rotary_dim"] / head_dim
+    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
+        raise DLMError(
+            f"'{path}': 'partial_rotary_factor' is {partial!r}; give the share of each head that is rotated "
+            f"(0.5 in the published config.json)"
+        )
+    groups, top_groups = int(fields.get("n_group") or 1), int(fields.get("topk_group") or 1)
+    if experts % groups or not 1 <= top_groups <= groups:
+        raise DLMError(
+            f"'{path}': 'num_experts' {experts} in 'n_group' {groups} groups, 'topk_group' {top_groups}: the "
+            f"experts must split evenly and 1 <= topk_group <= n_group"
+        )
+    return Glm4MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        head_dim=head_dim,
+        hidden_act=fields.get("hidden_act", "silu"),
+        max_position_embeddings=int(fields.get("max_position_embeddings") or 32768),
+        rms_norm_eps=float(fields.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": float(fields.get("rope_theta", 10000.0)),
+            "partial_rotary_factor": float(partial),
+        },
+        attention_bias=bool(fields.get("use_qkv_bias", False)),
+        use_qk_norm=bool(fields.get("use_qk_norm", True)),
+        moe_intermediate_size=moe_ffn,
+        num_experts_per_tok=top_k,
+        n_shared_experts=int(fields.get("num_shared_experts") or 0),
+        n_routed_experts=experts,
+        routed_scaling_factor=float(fields.get("routed_scaling_factor", 1.0)),
+        n_group=groups,
+        topk_group=top_groups,
+        first_k_dense_replace=dense,
+        norm_topk_prob=top_k > 1,  # LLaDA2 renormalises the chosen weights whenever there is more than one
+        num_mtp_layers=0,
+        bos_token_id=fields.get("bos_token_id"),
+        eos_token_id=fields.get("eos_token_id"),
+        pad_token_id=fields.get("pad_token_id"),
+    )
+
+
 def _qwen_config(fields: dict, path: Path, cls):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         _need(fields, key, path, "a size of the model")
@@ -223,6 +331,8 @@ def _hf_config(family: str, fields: dict, path: Path):
 
     if family == "llada":
         return _llada_config(fields, path)
+    if family == "llada2":
+        return _llada2_config(fields, path)
     if family in ("dream", "fast_dllm_v2"):
         return _qwen_config(fields, path, Qwen2Config)
     if "head_dim" not in fields and "hidden_size" in fields and fields.get("num_attention_heads"):
@@ -240,6 +350,8 @@ def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -
             f"drop --block-size (a published model decodes with the block size it was trained with)"
         )
     value = block_size if block_size is not None else fields.get(key)
+    if value is None and family == "llada2":
+        value = LLADA2_BLOCK
     if value is None:
         raise DLMError(
             f"'{path}' has no 'block_size' (the published {TITLE[family]} config.json lacks it): add "
@@ -337,7 +449,82 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def _rename(family: str, state: dict[str, torch.Tensor], folder: Path) -> dict[str, torch.Tensor]:
+_LLADA2_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LLADA2_PART = {
+    "attention.query_layernorm.weight": "self_attn.q_norm.weight",
+    "attention.key_layernorm.weight": "self_attn.k_norm.weight",
+    "attention.dense.weight": "self_attn.o_proj.weight",
+    "mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias",
+}
+_LLADA2_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
+    """LLaDA2's weights under GLM-4-MoE's names: the fused ``query_key_value`` split into q, k, v (rows in that
+    order), ``dense`` as ``o_proj``, the router's ``expert_bias`` as ``e_score_correction_bias`` (zeros where the
+    router has none) and each layer's experts stacked into the ``[E, 2F, H]`` gate-and-up and ``[E, H, F]`` down
+    tensors transformers keeps them in."""
+    heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in state.items():
+        if name == "model.word_embeddings.weight":
+            out["model.embed_tokens.weight"] = t
+            continue
+        m = _LLADA2_RE.match(name)
+        if m is None:
+            out[name] = t  # model.norm, lm_head; anything else is named by the layout check
+            continue
+        i, rest = int(m.group(1)), m.group(2)
+        p = f"model.layers.{i}."
+        if rest in ("attention.query_key_value.weight", "attention.query_key_value.bias"):
+            kind = rest.rsplit(".", 1)[1]
+            if t.shape[0] != (heads + 2 * kv) * hd:
+                raise DLMError(
+                    f"'{folder}': weight '{name}' has {t.shape[0]} rows, config.json says (num_attention_heads "
+                    f"{heads} + 2 x num_key_value_heads {kv}) x head_dim {hd}; fix the sizes in config.json"
+                )
+            q, k, v = t.split([heads * hd, kv * hd, kv * hd], dim=0)
+            out.update({f"{p}self_attn.{n}_proj.{kind}": x for n, x in zip("qkv", (q, k, v))})
+        elif rest == "attention.dense.bias":
+            raise DLMError(
+                f"'{folder}': weight '{name}': dlm loads the LLaDA2 layout without a bias on the attention's output "
+                f"projection (use_bias false, as in the published checkpoints)"
+            )
+        elif rest in _LLADA2_PART:
+            out[p + _LLADA2_PART[rest]] = t
+        elif (e := _LLADA2_EXPERT.match(rest)) is not None:
+            experts.setdefault(i, {})[(int(e.group(1)), e.group(2))] = t
+        else:
+            out[name] = t
+    n = config.n_routed_experts
+    for i, parts in sorted(experts.items()):
+        missing = [f"{e}.{w}_proj" for e in range(n) for w in ("gate", "up", "down") if (e, w) not in parts]
+        if missing or len(parts) != 3 * n:
+            what = f"lacks 'model.layers.{i}.mlp.experts.{missing[0]}.weight'" if missing else "has more experts"
+            raise DLMError(f"'{folder}' {what} (config.json says num_experts {n}); the weights do not match it")
+        p = f"model.layers.{i}.mlp."
+        out[p + "experts.gate_up_proj"] = torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]], 0) for e in range(n)]
+        )
+        out[p + "experts.down_proj"] = torch.stack([parts[(e, "down")] for e in range(n)])
+        if p + "gate.e_score_correction_bias" not in out:  # moe_router_enable_expert_bias false: no bias
+            out[p + "gate.e_score_correction_bias"] = torch.zeros(n)
+        if not config.n_shared_experts:  # no shared experts: GLM-4-MoE's shared MLP of width 0 adds nothing
+            h = config.hidden_size
+            out.update(
+                {
+                    p + "shared_experts.gate_proj.weight": torch.zeros(0, h),
+                    p + "shared_experts.up_proj.weight": torch.zeros(0, h),
+                    p + "shared_experts.down_proj.weight": torch.zeros(h, 0),
+                }
+            )
+    return out
+
+
+def _rename(family: str, state: dict[str, torch.Tensor], folder: Path, config=None) -> dict[str, torch.Tensor]:
+    if family == "llada2":
+        return _llada2_state(state, config, folder)
     if family != "llada":
         return state
     out = {}
@@ -357,7 +544,8 @@ def _build(config, state: dict[str, torch.Tensor], dtype, folder: Path, family: 
     from transformers import AutoModelForCausalLM
 
     config._attn_implementation = "sdpa"
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")  # a width-0 shared MLP
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype)
     want = model.state_dict()
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -378,7 +566,12 @@ def _build(config, state: dict[str, torch.Tensor], dtype, folder: Path, family: 
                 f"'{folder}': weight '{k}' has shape {tuple(state[k].shape)}, config.json says "
                 f"{tuple(t.shape)}; fix the sizes in config.json"
             )
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    fp32 = tuple(getattr(model, "_keep_in_fp32_modules_strict", None) or ())  # e.g. a router's weights and bias
+    model.load_state_dict(
+        {k: v.to(torch.float32 if any(n in k for n in fp32) else dtype) for k, v in state.items()},
+        strict=False,
+        assign=True,
+    )
     if tied:
         model.tie_weights()
     # non-persistent buffers (rotary frequencies) were made on the meta device: build them again
@@ -428,7 +621,7 @@ def load_published(folder: str | Path, dtype=None, device=None, block_size: int 
     config = _hf_config(family, fields, path)
     b = _block_size(family, fields, path, block_size)
     mask_id = _mask_id(family, fields, path, config.vocab_size)
-    model = _build(config, _rename(family, read_weights(folder), folder), dtype, folder, family)
+    model = _build(config, _rename(family, read_weights(folder), folder, config), dtype, folder, family)
     tokenizer = _tokenizer(folder)
     config.dlm_family = family
     config.dlm_attention = ATTENTION[family]

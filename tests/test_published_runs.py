@@ -39,6 +39,36 @@ def test_idlm_checkpoint_isd_at_its_stride_equals_greedy_ar(tmp_path, block_size
     assert ar[0].token_ids == ids[len(PROMPTS[0]) :]
 
 
+def test_llada2_fine_tuned_then_exported_to_its_own_layout(tmp_path):
+    """A LLaDA2 checkpoint trains with dlm train (the block objective at its block size; the experts' weights
+    move) and the result exports back to LLaDA2's layout, which loads to the trained model's logits."""
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"what is {i} plus {i}?"},
+                {"role": "assistant", "content": f"{2 * i}."},
+            ]
+        }
+        for i in range(24)
+    ]
+    (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    src = write_llada2(tmp_path / "llada2", block_size=8)
+    out, exported = tmp_path / "tuned", tmp_path / "tuned-llada2"
+    train = ["train", "--model", str(src), "--data", str(tmp_path / "chat.jsonl"), "--objective", "block"]
+    train += ["--seq-length", "32"]
+    train += ["--batch-size", "4", "--max-train-steps", "3", "--learning-rate", "1e-2", "--output-dir", str(out)]
+    assert main([*train, "--train.progress", "false"]) == 0
+    tuned = dlm.load_model(out)
+    assert (tuned.objective, tuned.block_size, tuned.hf_config.dlm_family) == ("block", 8, "llada2")
+    before = dlm.load_model(src).base_model_hf.model.layers[1].mlp.experts.gate_up_proj
+    assert not torch.equal(tuned.base_model_hf.model.layers[1].mlp.experts.gate_up_proj, before)
+    assert main(["export", "--model", str(out), "--format", "llada2", "--output", str(exported)]) == 0
+    back = dlm.load_model(exported)
+    ids = torch.tensor([list(range(5, 30))])
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, tuned(input_ids=ids).logits)
+
+
 def test_idlm_checkpoint_through_dlm_generate(tmp_path, capsys):
     folder = write_idlm(tmp_path / "idlm", block_size=2)
     out = {}

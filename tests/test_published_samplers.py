@@ -215,6 +215,47 @@ def reference_llada2(model, prompt, params, steps=None, threshold=0.95):
     return until_stop(x[p:].tolist(), params, gen)
 
 
+# -- LLaDA2.1: its generate with token editing (as dllm's LLaDA21Sampler mirrors it), one request ----------------
+def reference_llada21(model, prompt, params, threshold=0.95, editing_threshold=0.9, max_post_steps=16):
+    """LLaDA2.1's generate(): as LLaDA2.0's, but a pass commits every mask above `threshold` or else the most
+    confident one (no step schedule), and also replaces each generated token of the block (not the prompt's)
+    whose new prediction differs with probability above `editing_threshold`; once the block has no mask, passes
+    go on until one edits nothing, at most `max_post_steps` of them."""
+    gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    b = model.block_size
+    total = -(-(p + gen) // b) * b
+    x = torch.tensor(list(prompt) + [MASK] * (total - p))
+    i = torch.arange(total)
+    allowed = (i[None, :] // b) <= (i[:, None] // b)
+    for blk in range(p // b, total // b):
+        lo, hi = max(blk * b, p), (blk + 1) * b
+        post = 0
+        while True:
+            old = x[lo:hi].clone()
+            active = old == MASK
+            if not active.any():
+                post += 1
+            if post > max_post_steps:
+                break
+            logits = full_logits(model, x[:hi], allowed[:hi, :hi])
+            tokens, probs = propose(logits[lo:hi], params, MASK, g)
+            transfer = torch.zeros(hi - lo, dtype=torch.bool)
+            if active.any():
+                conf = torch.where(active, probs, torch.tensor(-math.inf))
+                high = (conf > threshold) & active
+                if int(high.sum()) >= 1:
+                    transfer = high
+                else:
+                    transfer[conf.topk(1).indices] = True
+            edit = ~active & (probs > editing_threshold) & (tokens != old)
+            x[lo:hi][transfer | edit] = tokens[transfer | edit]
+            if not active.any() and not edit.any():
+                break
+        if params.stop_token_ids and any(t in params.stop_token_ids for t in x[p:hi].tolist()):
+            break
+    return until_stop(x[p:].tolist(), params, gen)
+
+
 CASES = [
     ("llada", "mdm", dict(method="llada", steps=None, block_length=4), reference_llada, dict(block_length=4)),
     ("llada", "mdm", dict(method="llada", steps=6, block_length=3), reference_llada, dict(steps=6, block_length=3)),
@@ -287,6 +328,27 @@ CASES = [
     ("llada2", "block", dict(steps=2, threshold=0.05), reference_llada2, dict(steps=2, threshold=0.05)),
     ("llada2", "block", dict(steps=3, threshold=0.02), reference_llada2, dict(steps=3, threshold=0.02)),
     ("llada2_32", "block", dict(steps=8, threshold=0.03), reference_llada2, dict(steps=8, threshold=0.03)),
+    (
+        "llada2",
+        "block",
+        dict(threshold=0.03, editing_threshold=0.02),
+        reference_llada21,
+        dict(threshold=0.03, editing_threshold=0.02),
+    ),
+    (
+        "llada2",
+        "block",
+        dict(threshold=0.05, editing_threshold=0.015, max_post_steps=2),
+        reference_llada21,
+        dict(threshold=0.05, editing_threshold=0.015, max_post_steps=2),
+    ),
+    (
+        "llada2_32",
+        "block",
+        dict(threshold=0.02, editing_threshold=0.02, max_post_steps=0),
+        reference_llada21,
+        dict(threshold=0.02, editing_threshold=0.02, max_post_steps=0),
+    ),
 ]
 
 
@@ -305,7 +367,9 @@ def test_batched_engine_equals_the_one_request_reference(models, family, decode,
             assert len(r.token_ids) == p.max_new_tokens and MASK not in r.token_ids
 
 
-@pytest.mark.parametrize("family,decode,kw,ref,ref_kw", [CASES[0], CASES[4], CASES[6], CASES[9], CASES[13], CASES[14]])
+@pytest.mark.parametrize(
+    "family,decode,kw,ref,ref_kw", [CASES[0], CASES[4], CASES[6], CASES[9], CASES[13], CASES[14], CASES[17]]
+)
 def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, decode, kw, ref, ref_kw):
     model = models[family]
     free = SamplingParams(max_new_tokens=10, seed=1, ignore_eos=True)
@@ -315,6 +379,22 @@ def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, 
     r = Engine(model, decoder=decode, **kw).generate([MIXED[0]], params)[0]
     assert r.token_ids == ref(model, MIXED[0], params, **ref_kw) == ids[: ids.index(stop) + 1]
     assert r.finish_reason == "stop"
+
+
+def test_token_editing_edits_and_costs_passes(models):
+    """With --editing-threshold the block's placed tokens are revised (the output differs from the same sampler
+    without editing) and a block takes passes after its masks are filled; --max-post-steps 0 takes none."""
+    p = [params_for(i, 0.0) for i in range(len(MIXED))]
+    runs = {}
+    for name, kw in (
+        ("plain", dict(threshold=0.03)),
+        ("edit", dict(threshold=0.03, editing_threshold=0.02)),
+        ("edit0", dict(threshold=0.03, editing_threshold=0.02, max_post_steps=0)),
+    ):
+        results = Engine(models["llada2"], decoder="block", max_batch_size=3, **kw).generate(MIXED, p)
+        runs[name] = ([r.token_ids for r in results], sum(r.stats.forwards for r in results))
+    assert runs["edit"][0] != runs["plain"][0]
+    assert runs["edit"][1] > runs["edit0"][1]
 
 
 def test_the_family_sampler_is_the_default(models):

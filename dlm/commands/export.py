@@ -22,6 +22,7 @@ FORMATS = {
     "sdar": "SDAR / I-DLM layout (Qwen3 weights, block_size and mask_token_id in config.json)",
     "llada": "LLaDA layout (model.transformer.* names, LLaDA config fields)",
     "dream": "Dream layout (Qwen2 weights, mask_token_id, generation_config.json)",
+    "llada2": "LLaDA2 layout (a loaded LLaDA2: fused query_key_value, experts one by one, block_size, mask_token_id)",
     "vllm": "the folder vLLM serves as this model (a gated-LoRA I-DLM: its base model, without the adapter file)",
 }
 

@@ -44,9 +44,23 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor
 class BlockDecoder(DiffusionDecoder):
     name = "block"
 
-    def __init__(self, steps: int | None = None, threshold: float | None = 0.9, remasking: str | None = None):
-        BlockConfig(steps=steps, threshold=threshold, remasking=remasking)  # the checks, written once
+    def __init__(
+        self,
+        steps: int | None = None,
+        threshold: float | None = 0.9,
+        remasking: str | None = None,
+        editing_threshold: float | None = None,
+        max_post_steps: int = 16,
+    ):
+        BlockConfig(  # the checks, written once
+            steps=steps,
+            threshold=threshold,
+            remasking=remasking,
+            editing_threshold=editing_threshold,
+            max_post_steps=max_post_steps,
+        )
         self.remasking = remasking
+        self.editing_threshold, self.max_post_steps = editing_threshold, max_post_steps
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
         self.steps, self.threshold = steps, threshold
@@ -94,6 +108,7 @@ class BlockDecoder(DiffusionDecoder):
             be=be,
             lo=lo,
             pass_=0,
+            post=0,
             per_step=math.ceil(n0 / steps),
             block_steps=steps,
             quotas=even_split(be - bs if self.length_quotas else n0, steps),
@@ -113,10 +128,21 @@ class BlockDecoder(DiffusionDecoder):
         x, bs, be, lo = st["x"], st["bs"], st["be"], st["lo"]
         # keep the KV of everything before this block (finished blocks: written once), drop the rest
         keep = max(bs - (1 if self.shift else 0), 0) - row.pos
-        masked = (x[lo:be] == engine.mask_token_id).nonzero().squeeze(-1) + lo
-        tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
+        is_mask = x[lo:be] == engine.mask_token_id
+        masked = is_mask.nonzero().squeeze(-1) + lo
+        editing = self.editing_threshold is not None
+        if editing:  # every generated position of the block is predicted: the masks and the tokens placed so far
+            every, every_conf = propose(
+                self._scores(row, logits, torch.arange(lo, be)), row.params, engine.mask_token_id, row.generator
+            )
+            tokens, conf = every[is_mask], every_conf[is_mask]
+            edit = ~is_mask & (every_conf > self.editing_threshold) & (every != x[lo:be])
+        else:
+            tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
         st["pass_"] += 1
-        if self.remasking is not None:
+        if masked.numel() == 0:  # a pass over a filled block (editing): no mask to commit
+            commit = torch.zeros(0, dtype=torch.bool)
+        elif self.remasking is not None:
             commit = self._sdar_commit(
                 conf, st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"]) else conf.numel()
             )
@@ -129,8 +155,17 @@ class BlockDecoder(DiffusionDecoder):
             commit = torch.zeros_like(conf, dtype=torch.bool)
             commit[conf.topk(min(st["per_step"], conf.numel())).indices] = True
         x[masked[commit]] = tokens[commit]
+        if editing:
+            x[lo:be][edit] = every[edit]
         if bool((x[lo:be] == engine.mask_token_id).any()):
             return [], keep
+        if editing:  # LLaDA2.1: after the pass that fills the block, passes that edit go on (a bounded number)
+            if masked.numel() == 0:
+                st["post"] += 1
+                if bool(edit.any()) and st["post"] < self.max_post_steps:
+                    return [], keep
+            elif self.max_post_steps > 0:
+                return [], keep
         out = self._emit(engine, row)  # the finished block, in order
         if be < x.numel():
             self._start_block(engine, row, bs + self.block_size)

@@ -218,10 +218,22 @@ class BlockConfig(DecoderConfig):
         "else dlm's threshold / top-k rule",
         choices=SDAR_REMASKING,
     )
+    editing_threshold: float | None = opt(
+        None,
+        "token editing (LLaDA2.1's sampler): each pass also replaces a generated token of the block whose new "
+        "prediction differs with probability above this, and once the block's masks are filled passes go on until "
+        "one edits nothing (at most --max-post-steps); None: off",
+    )
+    max_post_steps: int = opt(16, "with --editing-threshold: the most passes over a block after its masks are filled")
 
     def __post_init__(self):
         self._check_choices()
         _check_steps(self)
+        edit = self.editing_threshold
+        if edit is not None and (not isinstance(edit, (int, float)) or not 0.0 < float(edit) < 1.0):
+            self._fail("editing_threshold", f"must be in (0, 1) (None = no editing), got {edit!r}")
+        if not _is_int(self.max_post_steps) or self.max_post_steps < 0:
+            self._fail("max_post_steps", f"must be an integer >= 0, got {self.max_post_steps!r}")
         top_k = self.threshold is None or float(self.threshold) <= 0.0
         if self.remasking == "low_confidence_dynamic" and top_k:
             self._fail("remasking", "low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")

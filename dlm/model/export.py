@@ -1,4 +1,4 @@
-"""Write a dlm model in a published family's layout (``dlm export --format sdar|llada|dream``).
+"""Write a dlm model in a published family's layout (``dlm export --format sdar|llada|dream|llada2``).
 
 The inverse of :mod:`dlm.model.families`: the same weights under the family's names and a config.json with the
 family's fields, so that the engines that read that family serve it (docs/models.md says which reads which).
@@ -10,6 +10,8 @@ family's fields, so that the engines that read that family serve it (docs/models
   ``model.transformer.*`` names.
 - ``dream``: Qwen2 models (or Llama ones, whose attention is Qwen2's with zero q/k/v biases), masked diffusion
   with shift; a generation_config.json with Dream's sampler defaults.
+- ``llada2``: GLM-4-MoE block-diffusion models without shift (a loaded LLaDA2, fine-tuned or not); q/k/v fused
+  into ``query_key_value``, the stacked experts written one by one, LLaDA2's names and config fields.
 
 No remote code is written: consumers that run the families' own modeling files need them from the family's
 release. The folder is written under a temporary name and renamed when complete.
@@ -18,6 +20,7 @@ release. The folder is written under a temporary name and renamed when complete.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -240,8 +243,111 @@ def to_dream(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     return fields, state, generation
 
 
+def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
+    """A GLM-4-MoE block-diffusion model (a loaded LLaDA2, fine-tuned or not) in LLaDA2's Bailing-style layout:
+    the inverse of :func:`dlm.model.families._llada2_state`."""
+    spec, c = dlm.spec, dlm.hf_config
+    if _kind(dlm) != "glm4_moe":
+        raise DLMError(
+            f"--format llada2 needs a GLM-4-MoE model (a loaded LLaDA2 checkpoint: LLaDA2's computation); this "
+            f"is '{_kind(dlm)}': use --format sdar (Qwen3), llada (Llama) or dream (Qwen2)"
+        )
+    if spec.objective != "block" or spec.shift:
+        raise DLMError(
+            f"--format llada2 holds block-diffusion models without logit shift (LLaDA2's); this is objective "
+            f"'{spec.objective}' with shift={spec.shift}"
+        )
+    top_k = c.num_experts_per_tok
+    if bool(c.norm_topk_prob) != (top_k > 1):
+        raise DLMError(
+            f"--format llada2: LLaDA2 renormalises the chosen experts' weights exactly when more than one is "
+            f"chosen; this model has norm_topk_prob={c.norm_topk_prob} with {top_k} per token"
+        )
+    rope = getattr(c, "rope_parameters", None) or {}
+    if (rope.get("rope_type") or "default") != "default":
+        raise DLMError(f"--format llada2: LLaDA2's rotary embedding is the plain one, not '{rope.get('rope_type')}'")
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    partial = float(rope.get("partial_rotary_factor", 1.0))
+    fields = _common(
+        c,
+        {
+            "architectures": ["LLaDA2MoeModelLM"],
+            "model_type": "llada2_moe",
+            "vocab_size": c.vocab_size,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_hidden_layers": c.num_hidden_layers,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": head_dim,
+            "hidden_act": c.hidden_act,
+            "use_qkv_bias": bool(c.attention_bias),
+            "use_bias": False,
+            "use_qk_norm": bool(c.use_qk_norm),
+            "rms_norm_eps": c.rms_norm_eps,
+            "norm_head": False,
+            "tie_word_embeddings": bool(getattr(c, "tie_word_embeddings", False)),
+            "embedding_dropout": 0.0,
+            "attention_dropout": 0.0,
+            "output_dropout": 0.0,
+            "initializer_range": getattr(c, "initializer_range", 0.02),
+            "max_position_embeddings": c.max_position_embeddings,
+            "rope_theta": float(rope.get("rope_theta", 10000.0)),
+            "rope_scaling": None,
+            "partial_rotary_factor": partial,
+            "rotary_dim": int(head_dim * partial),
+            "use_sliding_window": False,
+            "num_experts": c.n_routed_experts,
+            "num_shared_experts": c.n_shared_experts or None,
+            "num_experts_per_tok": top_k,
+            "n_group": c.n_group,
+            "topk_group": c.topk_group,
+            "moe_intermediate_size": c.moe_intermediate_size,
+            "first_k_dense_replace": c.first_k_dense_replace,
+            "routed_scaling_factor": c.routed_scaling_factor,
+            "score_function": "sigmoid",
+            "moe_router_enable_expert_bias": True,
+            "norm_topk_prob": True,
+            "router_dtype": "fp32",
+            "output_router_logits": False,
+            "use_cache": True,
+            "block_size": spec.block_size,
+            "mask_token_id": spec.mask_token_id,
+        },
+    )
+    weights = _state(dlm)
+    state: dict[str, torch.Tensor] = {}
+    for name, t in weights.items():
+        attn = _SELF_ATTN.match(name)
+        if name == "model.embed_tokens.weight":
+            state["model.word_embeddings.weight"] = t
+        elif attn is not None:
+            layer, part, kind = attn.groups()
+            if part == "q_proj":  # q, k and v as one matrix, rows in that order
+                qkv = [weights[f"{layer}.self_attn.{n}_proj.{kind}"] for n in "qkv"]
+                state[f"{layer}.attention.query_key_value.{kind}"] = torch.cat(qkv, 0)
+            elif part in _LLADA2_ATTN:
+                state[f"{layer}.attention.{_LLADA2_ATTN[part]}.{kind}"] = t
+        elif name.endswith("mlp.gate.e_score_correction_bias"):
+            state[name.replace("e_score_correction_bias", "expert_bias")] = t.float()
+        elif name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, H] -> each expert's gate and up
+            base = name[: -len("gate_up_proj")]
+            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+                state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"] = gate, up
+        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F] -> each expert's down
+            base = name[: -len("down_proj")]
+            state.update({f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)})
+        elif ".mlp.shared_experts." not in name or c.n_shared_experts:  # (none: LLaDA2 has no module for them)
+            state[name] = t
+    return fields, {k: v.contiguous() for k, v in state.items()}, None
+
+
+_SELF_ATTN = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(\w+)\.(weight|bias)$")
+_LLADA2_ATTN = {"q_norm": "query_layernorm", "k_norm": "key_layernorm", "o_proj": "dense"}  # k/v: in q's
+
+
 # name -> function(dlm) -> (config.json fields, state dict, generation_config.json fields or None)
-FORMATS: dict[str, Callable] = {"sdar": to_sdar, "llada": to_llada, "dream": to_dream}
+FORMATS: dict[str, Callable] = {"sdar": to_sdar, "llada": to_llada, "dream": to_dream, "llada2": to_llada2}
 
 
 def export_model(dlm, output: str | Path, fmt: str) -> Path:

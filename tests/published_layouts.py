@@ -1,4 +1,4 @@
-"""Tiny random checkpoints in the published layouts of LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2 and LLaDA2 (config.json
+"""Tiny random checkpoints in the published layouts of LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2 and LLaDA-MoE (config.json
 fields and weight names as the released folders have them), written in code for the tests; and a reference
 forward of each family written from its definition on those weights."""
 
@@ -390,6 +390,91 @@ def write_llada2(path, seed: int = 0, shared: int = 1, kv_heads: int = 2, **over
     return path
 
 
+def write_llada_moe(path, seed: int = 0, **override) -> Path:
+    """inclusionAI/LLaDA-MoE-7B-A1B layout (OLMoE-like: model_type "llada" with the LLaDAMoEModelLM architecture,
+    Qwen3-MoE's names, per-head q/k norms, a softmax router over experts ``mlp.experts.E.*``; no mask id in
+    config.json). The second layer is dense (``moe_layer_freq``)."""
+    path = Path(path)
+    g = torch.Generator().manual_seed(seed)
+    layers, experts, expert_ffn = 3, 8, 16
+    config = {
+        "architectures": ["LLaDAMoEModelLM"],
+        "model_type": "llada",
+        "auto_map": {
+            "AutoConfig": "configuration_lladamoe.LLaDAMoEConfig",
+            "AutoModel": "modeling_lladamoe.LLaDAMoEModelLM",
+            "AutoModelForCausalLM": "modeling_lladamoe.LLaDAMoEModelLM",
+        },
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "num_hidden_layers": layers,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": HEADS,
+        "hidden_act": "silu",
+        "max_position_embeddings": POSITIONS,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-5,
+        "use_cache": False,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "attention_bias": False,
+        "clip_qkv": None,
+        "dense_intermediate_size": FFN,
+        "expert_intermediate_size": expert_ffn,
+        "num_experts": experts,
+        "num_experts_per_tok": 3,
+        "shared_expert_intermediate_size": None,
+        "moe_layer_freq": [1, 0, 1],
+        "qk_layernorm": True,
+        "moe_router_score_function": "softmax",
+        "moe_router_enable_expert_bias": False,
+        "output_router_logits": False,
+        "router_aux_loss_coef": 0.01,
+        "routed_scaling_factor": 1,
+        "norm_topk_prob": None,
+        "rope_theta": 50000.0,
+        "rope_scaling": None,
+        "partial_rotary_factor": 1.0,
+        "eos_token_id": EOS,
+        "pad_token_id": 3,
+        "mask_token_id": MASK,  # (the published file has none: dlm's default is LLaDA-MoE's 156895)
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.3",
+    }
+    config.update(override)
+    d = HIDDEN
+    state = {
+        "model.embed_tokens.weight": _rand(g, VOCAB, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, VOCAB, d),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        state.update(
+            {
+                f"{p}.input_layernorm.weight": _norm(g, d),
+                f"{p}.post_attention_layernorm.weight": _norm(g, d),
+                f"{p}.self_attn.q_proj.weight": _rand(g, d, d),
+                f"{p}.self_attn.k_proj.weight": _rand(g, d, d),
+                f"{p}.self_attn.v_proj.weight": _rand(g, d, d),
+                f"{p}.self_attn.o_proj.weight": _rand(g, d, d),
+                f"{p}.self_attn.q_norm.weight": _norm(g, HEAD_DIM),
+                f"{p}.self_attn.k_norm.weight": _norm(g, HEAD_DIM),
+            }
+        )
+        if config["moe_layer_freq"][i] == 0:
+            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
+                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            continue
+        state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
+        for e in range(experts):
+            for n, shape in (("gate", (expert_ffn, d)), ("up", (expert_ffn, d)), ("down", (d, expert_ffn))):
+                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+    _save(path, config, state)
+    _tokenizer(path, "<|mask|>")
+    return path
+
+
 WRITERS = {
     "llada": write_llada,
     "dream": write_dream,
@@ -397,6 +482,7 @@ WRITERS = {
     "idlm": write_idlm,
     "fast_dllm_v2": write_fast_dllm_v2,
     "llada2": write_llada2,
+    "llada_moe": write_llada_moe,
 }
 
 
@@ -472,6 +558,45 @@ def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) ->
     return _rms(x, W["model.norm.weight"], eps) @ W["lm_head.weight"].T
 
 
+def _llada_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
+    """LLaDA-MoE's forward from its definition (OLMoE-like, per-head q/k norms) on its own weight names."""
+    heads, eps, theta = cfg["num_attention_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
+    kv, hd = cfg["num_key_value_heads"], cfg["hidden_size"] // heads
+    L = len(ids)
+    pos = torch.arange(L)
+    silu = torch.nn.functional.silu
+
+    def mlp(h, p):
+        return (silu(h @ W[f"{p}.gate_proj.weight"].T) * (h @ W[f"{p}.up_proj.weight"].T)) @ W[
+            f"{p}.down_proj.weight"
+        ].T
+
+    x = W["model.embed_tokens.weight"][torch.tensor(ids)]
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        h = _rms(x, W[f"{p}.input_layernorm.weight"], eps)
+        q = _rms((h @ W[f"{p}.self_attn.q_proj.weight"].T).view(L, heads, hd), W[f"{p}.self_attn.q_norm.weight"], eps)
+        k = _rms((h @ W[f"{p}.self_attn.k_proj.weight"].T).view(L, kv, hd), W[f"{p}.self_attn.k_norm.weight"], eps)
+        v = (h @ W[f"{p}.self_attn.v_proj.weight"].T).view(L, kv, hd)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))
+        q, k = _rope(q, pos, theta), _rope(k, pos, theta)
+        k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
+        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
+        x = x + (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd) @ W[f"{p}.self_attn.o_proj.weight"].T
+        h = _rms(x, W[f"{p}.post_attention_layernorm.weight"], eps)
+        if cfg["moe_layer_freq"][i] == 0:
+            x = x + mlp(h, f"{p}.mlp")
+            continue
+        probs = (h @ W[f"{p}.mlp.gate.weight"].T).softmax(-1)  # [L, E]
+        y = torch.zeros_like(x)
+        for t in range(L):
+            w, chosen = probs[t].topk(cfg["num_experts_per_tok"])  # weighted by the probabilities themselves
+            for e, we in zip(chosen.tolist(), w):
+                y[t] += we * mlp(h[t], f"{p}.mlp.experts.{e}")
+        x = x + y
+    return _rms(x, W["model.norm.weight"], eps) @ W["lm_head.weight"].T
+
+
 def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
     """The family's forward written from its definition on the folder's own weight names: [L, V] logits of one
     sequence under ``allowed`` [L, L] (True = query may attend key), positions 0..L-1."""
@@ -488,6 +613,8 @@ def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Ten
         W.update(load_file(str(folder / f)))
     if cfg["model_type"] == "llada2_moe":
         return _llada2_logits(cfg, W, ids, allowed)
+    if "LLaDAMoEModelLM" in cfg.get("architectures", []):
+        return _llada_moe_logits(cfg, W, ids, allowed)
     llada = cfg["model_type"] == "llada"
     if llada:
         t = "model.transformer"
@@ -559,7 +686,7 @@ def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Ten
 def family_attention(family: str, L: int, block: int | None = None) -> torch.Tensor:
     """[L, L] attention of a family at inference, positions 0..L-1."""
     i = torch.arange(L)
-    if family in ("llada", "dream"):
+    if family in ("llada", "dream", "llada_moe"):
         return torch.ones(L, L, dtype=torch.bool)
     if family == "idlm":
         return i[None, :] <= i[:, None]

@@ -1,4 +1,4 @@
-"""Published DLM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2) in their exact folder layouts: loaded
+"""Published DLM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2, LLaDA-MoE) in their exact folder layouts: loaded
 without remote code they give the family's own forward (written in published_layouts.py from its definition),
 save and reload unchanged, refuse broken folders with one line naming the field; dlm export writes them back."""
 
@@ -17,6 +17,7 @@ from published_layouts import (
     write_idlm,
     write_llada,
     write_llada2,
+    write_llada_moe,
     write_sdar,
 )
 
@@ -35,6 +36,7 @@ EXPECTED = {  # family -> (objective, shift, block size, attention, transformers
     "idlm": ("idlm", True, 1, "causal", "Qwen3ForCausalLM"),
     "fast_dllm_v2": ("block", True, 4, "block", "Qwen2ForCausalLM"),
     "llada2": ("block", False, 32, "block", "Glm4MoeForCausalLM"),
+    "llada_moe": ("mdm", False, None, "bidirectional", "Qwen3MoeForCausalLM"),
 }
 
 
@@ -128,7 +130,7 @@ def test_save_and_reload_round_trip(tmp_path, family):
     model.save_pretrained(tmp_path / "saved")
     fields = json.loads((tmp_path / "saved" / "config.json").read_text())
     assert fields["dlm_family"] == family and fields["dlm_objective"] == EXPECTED[family][0]
-    assert fields["model_type"] in ("llama", "qwen2", "qwen3", "glm4_moe")
+    assert fields["model_type"] in ("llama", "qwen2", "qwen3", "glm4_moe", "qwen3_moe")
     back = dlm.load_model(tmp_path / "saved")
     assert back.spec == model.spec and back.hf_config.dlm_attention == model.hf_config.dlm_attention
     assert torch.equal(logits_of(back), logits_of(model))
@@ -171,9 +173,13 @@ def _broken(tmp_path, writer, drop=(), **set_):
         (
             write_sdar,
             (),
-            {"model_type": "lladamoe", "architectures": ["LLaDAMoEModelLM"]},
-            ["LLaDA-MoE", "not supported"],
+            {"model_type": "sdar_moe", "architectures": ["SDARMoeForCausalLM"]},
+            ["SDAR-MoE", "not supported"],
         ),
+        (write_llada_moe, (), {"shared_expert_intermediate_size": 32}, ["'shared_expert_intermediate_size'"]),
+        (write_llada_moe, (), {"moe_layer_freq": [1, 1]}, ["'moe_layer_freq'"]),
+        (write_llada_moe, (), {"moe_router_score_function": "sigmoid"}, ["softmax"]),
+        (write_llada_moe, (), {"num_experts": 4}, ["has more experts", "num_experts 4"]),
         (write_llada2, ("num_experts",), {}, ["'num_experts'", "config.json"]),
         (write_llada2, (), {"norm_head": True}, ["'norm_head'"]),
         (write_llada2, (), {"score_function": "softmax"}, ["'score_function'", "sigmoid"]),

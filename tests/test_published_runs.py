@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from published_layouts import MASK, write_dream, write_idlm, write_llada, write_llada2
+from published_layouts import MASK, write_dream, write_idlm, write_llada, write_llada2, write_llada_moe
 
 import dlm
 from dlm.cli import main
@@ -156,6 +156,7 @@ def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, shared_d
         (write_llada, "mdm", dict(method="llada", steps=4, block_length=4)),
         (write_dream, "mdm", dict(method="dream", steps=4, alg="entropy")),
         (write_llada2, "block", dict(steps=4)),
+        (write_llada_moe, "mdm", dict(method="llada", steps=4, block_length=4)),
     ],
 )
 def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):

@@ -7,7 +7,15 @@ import math
 
 import pytest
 import torch
-from published_layouts import MASK, write_dream, write_fast_dllm_v2, write_llada, write_llada2, write_sdar
+from published_layouts import (
+    MASK,
+    write_dream,
+    write_fast_dllm_v2,
+    write_llada,
+    write_llada2,
+    write_llada_moe,
+    write_sdar,
+)
 
 import dlm
 from dlm.cli import main
@@ -32,6 +40,7 @@ def models(tmp_path_factory):
         "fast_dllm_v2": dlm.load_model(write_fast_dllm_v2(d / "fast", seed=7, bd_size=4)),
         "llada2": dlm.load_model(write_llada2(d / "llada2", seed=8, block_size=4)),
         "llada2_32": dlm.load_model(write_llada2(d / "llada2_32", seed=9)),
+        "llada_moe": dlm.load_model(write_llada_moe(d / "llada_moe", seed=10)),
     }
 
 
@@ -349,6 +358,13 @@ CASES = [
         reference_llada21,
         dict(threshold=0.02, editing_threshold=0.02, max_post_steps=0),
     ),
+    (
+        "llada_moe",
+        "mdm",
+        dict(method="llada", steps=4, block_length=4),
+        reference_llada,
+        dict(steps=4, block_length=4),
+    ),
 ]
 
 
@@ -407,6 +423,7 @@ def test_the_family_sampler_is_the_default(models):
         ("dream", "mdm", reference_dream, {}),
         ("sdar", "block", reference_sdar, {}),
         ("llada2", "block", reference_llada2, {}),  # LLaDA2's rule and its threshold 0.95
+        ("llada_moe", "mdm", reference_llada, dict(block_length=32)),  # LLaDA-MoE samples as LLaDA does
     ]
     for family, decode, ref, ref_kw in cases:
         got = generate(models[family], [MIXED[0]], decode, p, method=None)[0].token_ids

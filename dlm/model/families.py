@@ -1,7 +1,7 @@
-"""Published diffusion LM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2) loaded without remote code.
+"""Published diffusion LMs (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2, LLaDA-MoE) loaded without remote code.
 
 Each family's folder is recognised by its ``config.json`` (``model_type`` / ``architectures``), rebuilt as the
-transformers class with the same computation (Llama, Qwen2, Qwen3, GLM-4-MoE) with the weights renamed on load, and
+transformers class with the same computation (Llama, Qwen2, Qwen3, GLM-4-MoE, Qwen3-MoE) with the weights renamed on load, and
 returned as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of dlm reads:
 
 ==============  =============  =========  =======  ==========================  =================  ===========
@@ -13,6 +13,7 @@ sdar            Qwen3          block      no       ``block_size`` (required)   b
 idlm            Qwen3          idlm       yes      ``block_size`` (1, 2, 3)    causal             151669
 fast_dllm_v2    Qwen2          block      yes      ``bd_size``                 block-causal       151665
 llada2          GLM-4-MoE      block      no       ``block_size`` or 32        block-causal       156895
+llada_moe       Qwen3-MoE      mdm        no       -                           bidirectional      156895
 ==============  =============  =========  =======  ==========================  =================  ===========
 
 (``mask_token_id`` from config.json wins over the default.) Two fields more are recorded: ``dlm_family`` (which
@@ -34,7 +35,7 @@ import torch
 
 from dlm.errors import DLMError
 
-FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2", "llada2")
+FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2", "llada2", "llada_moe")
 MASK_IDS = {
     "llada": 126336,
     "dream": 151666,
@@ -42,6 +43,7 @@ MASK_IDS = {
     "idlm": 151669,
     "fast_dllm_v2": 151665,
     "llada2": 156895,
+    "llada_moe": 156895,  # LLaDA-MoE's model card samples with this id; its config.json has none
 }
 OBJECTIVE = {
     "llada": "mdm",
@@ -50,8 +52,17 @@ OBJECTIVE = {
     "idlm": "idlm",
     "fast_dllm_v2": "block",
     "llada2": "block",
+    "llada_moe": "mdm",
 }
-SHIFT = {"llada": False, "dream": True, "sdar": False, "idlm": True, "fast_dllm_v2": True, "llada2": False}
+SHIFT = {
+    "llada": False,
+    "dream": True,
+    "sdar": False,
+    "idlm": True,
+    "fast_dllm_v2": True,
+    "llada2": False,
+    "llada_moe": False,
+}
 ATTENTION = {
     "llada": "bidirectional",
     "dream": "bidirectional",
@@ -59,6 +70,7 @@ ATTENTION = {
     "idlm": "causal",
     "fast_dllm_v2": "block",
     "llada2": "block",
+    "llada_moe": "bidirectional",
 }
 TITLE = {
     "llada": "LLaDA",
@@ -67,10 +79,13 @@ TITLE = {
     "idlm": "I-DLM (SDAR format)",
     "fast_dllm_v2": "Fast-dLLM v2",
     "llada2": "LLaDA2",
+    "llada_moe": "LLaDA-MoE",
 }
 IDLM_BLOCK_SIZES = (1, 2, 3)  # the I-DLM release's training block sizes (stride N = b + 1)
 LLADA2_BLOCK = 32  # the block length LLaDA2.0 / 2.1 are trained and sampled with (their config.json has none)
 LLADA2_NAMES = ("llada2_moe", "llada21_moe", "LLaDA2MoeModelLM")  # 2.0 and 2.1 share the first (llada21: dllm's)
+# LLaDA-MoE's config.json says model_type "llada" like the dense LLaDA: its architecture tells them apart
+LLADA_MOE_NAMES = ("LLaDAMoEModelLM", "LLaDAMoEModel", "lladamoe", "llada_moe")
 
 # decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins)
 SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}}  # LLaDA2MoeModelLM.generate's threshold
@@ -83,8 +98,6 @@ def sampler_defaults(config, decoder: str) -> dict[str, Any]:
 
 # model_type / architecture names that are recognised but not supported, with the reason
 UNSUPPORTED = {
-    "lladamoe": "LLaDA-MoE (a mixture-of-experts model)",
-    "LLaDAMoEModelLM": "LLaDA-MoE (a mixture-of-experts model)",
     "SDARMoeForCausalLM": "SDAR-MoE (its expert weight names are not published)",
     "sdar_moe": "SDAR-MoE (its expert weight names are not published)",
 }
@@ -119,7 +132,7 @@ _DROP = {
 
 def family_of(fields: dict) -> str | None:
     """The family of a folder's config.json fields, None for anything else (plain models, dlm folders); raises a
-    DLMError for a recognised but unsupported one (LLaDA-MoE, SDAR-MoE)."""
+    DLMError for a recognised but unsupported one (SDAR-MoE)."""
     if not isinstance(fields, dict) or "dlm_objective" in fields:
         return None
     mtype = fields.get("model_type")
@@ -133,6 +146,8 @@ def family_of(fields: dict) -> str | None:
                 f"config.json names {n}: {UNSUPPORTED[n]} is not supported by dlm (docs/models.md "
                 f"lists the families that are)"
             )
+    if any(n in LLADA_MOE_NAMES for n in names):
+        return "llada_moe"
     if mtype == "llada" or "LLaDAModelLM" in archs:
         return "llada"
     if any(n in LLADA2_NAMES for n in names):
@@ -316,6 +331,71 @@ def _llada2_config(fields: dict, path: Path):
     )
 
 
+def _llada_moe_config(fields: dict, path: Path):
+    """LLaDA-MoE (an OLMoE-like layout) as transformers' Qwen3-MoE: per-head QK-norm before a full rotary
+    embedding, a softmax router whose top-k probabilities weight the experts as they are (not renormalised), dense
+    layers where ``moe_layer_freq`` says 0."""
+    from transformers import Qwen3MoeConfig
+
+    hidden = _need(fields, "hidden_size", path, "the hidden size")
+    layers = _need(fields, "num_hidden_layers", path, "the number of layers")
+    heads = _need(fields, "num_attention_heads", path, "the number of attention heads")
+    vocab = _need(fields, "vocab_size", path, "the vocabulary size")
+    experts = _need(fields, "num_experts", path, "the number of experts")
+    top_k = _need(fields, "num_experts_per_tok", path, "the experts per token")
+    expert_ffn = _need(fields, "expert_intermediate_size", path, "the width of an expert")
+    freq = fields.get("moe_layer_freq") or [1] * layers
+    if not isinstance(freq, list) or len(freq) != layers:
+        raise DLMError(f"'{path}': 'moe_layer_freq' must list one 0/1 per layer ({layers}), got {freq!r}")
+    dense = [i for i, f in enumerate(freq) if f == 0]
+    ffn = _need(fields, "dense_intermediate_size", path, "the dense layers' width") if dense else expert_ffn
+    for key, what in (
+        ("shared_expert_intermediate_size", "shared experts"),
+        ("moe_router_enable_expert_bias", "a router expert bias"),
+        ("clip_qkv", "clipped q/k/v"),
+        ("router_num_group", "group-limited routing"),
+    ):
+        if fields.get(key):  # null, 0 or false: not used
+            raise DLMError(f"'{path}': '{key}' is {fields[key]!r}; dlm loads the LLaDA-MoE layout without {what}")
+    if fields.get("moe_router_score_function", "softmax") != "softmax":
+        raise DLMError(f"'{path}': 'moe_router_score_function' must be softmax (LLaDA-MoE's router)")
+    if not fields.get("qk_layernorm", True):
+        raise DLMError(f"'{path}': 'qk_layernorm' is false; dlm loads the LLaDA-MoE layout with its q/k norms")
+    if float(fields.get("partial_rotary_factor", 1.0)) != 1.0 or fields.get("rope_scaling"):
+        raise DLMError(
+            f"'{path}': dlm loads LLaDA-MoE with a full, unscaled rotary embedding (partial_rotary_factor 1)"
+        )
+    if float(fields.get("routed_scaling_factor", 1) or 1) != 1.0:
+        raise DLMError(
+            f"'{path}': 'routed_scaling_factor' must be 1 (LLaDA-MoE's router weights are its probabilities)"
+        )
+    return Qwen3MoeConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=fields.get("num_key_value_heads") or heads,
+        head_dim=hidden // heads,
+        hidden_act=fields.get("hidden_act", "silu"),
+        max_position_embeddings=int(fields.get("max_position_embeddings") or 8192),
+        rms_norm_eps=float(fields.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(fields.get("tie_word_embeddings", False)),
+        rope_parameters={"rope_type": "default", "rope_theta": float(fields.get("rope_theta", 50000.0))},
+        attention_bias=bool(fields.get("attention_bias", False)),
+        moe_intermediate_size=expert_ffn,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=False,  # LLaDA-MoE weights the chosen experts by their softmax probabilities as they are
+        decoder_sparse_step=1,
+        mlp_only_layers=dense,
+        use_sliding_window=False,
+        bos_token_id=fields.get("bos_token_id"),
+        eos_token_id=fields.get("eos_token_id"),
+        pad_token_id=fields.get("pad_token_id"),
+    )
+
+
 def _qwen_config(fields: dict, path: Path, cls):
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size"):
         _need(fields, key, path, "a size of the model")
@@ -333,6 +413,8 @@ def _hf_config(family: str, fields: dict, path: Path):
         return _llada_config(fields, path)
     if family == "llada2":
         return _llada2_config(fields, path)
+    if family == "llada_moe":
+        return _llada_moe_config(fields, path)
     if family in ("dream", "fast_dllm_v2"):
         return _qwen_config(fields, path, Qwen2Config)
     if "head_dim" not in fields and "hidden_size" in fields and fields.get("num_attention_heads"):
@@ -341,7 +423,7 @@ def _hf_config(family: str, fields: dict, path: Path):
 
 
 def _block_size(family: str, fields: dict, path: Path, block_size: int | None) -> int | None:
-    if family in ("llada", "dream"):
+    if family in ("llada", "dream", "llada_moe"):
         return None
     key = "bd_size" if family == "fast_dllm_v2" and "bd_size" in fields else "block_size"
     if block_size is not None and fields.get(key) is not None and block_size != fields[key]:
@@ -449,14 +531,45 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-_LLADA2_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LLADA2_PART = {
     "attention.query_layernorm.weight": "self_attn.q_norm.weight",
     "attention.key_layernorm.weight": "self_attn.k_norm.weight",
     "attention.dense.weight": "self_attn.o_proj.weight",
     "mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias",
 }
-_LLADA2_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def _stacked_experts(parts: dict[tuple[int, str], torch.Tensor], n: int, prefix: str, folder: Path) -> dict:
+    """One layer's experts (``parts[(e, "gate"|"up"|"down")]``, from ``mlp.experts.E.*_proj.weight``) as the
+    ``[E, 2F, H]`` gate-and-up and ``[E, H, F]`` down tensors transformers keeps them in, under ``prefix``."""
+    missing = [f"{e}.{w}_proj" for e in range(n) for w in ("gate", "up", "down") if (e, w) not in parts]
+    if missing or len(parts) != 3 * n:
+        what = f"lacks '{prefix}experts.{missing[0]}.weight'" if missing else "has more experts"
+        raise DLMError(f"'{folder}' {what} (config.json says num_experts {n}); the weights do not match it")
+    return {
+        prefix + "experts.gate_up_proj": torch.stack(
+            [torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(n)]
+        ),
+        prefix + "experts.down_proj": torch.stack([parts[(e, "down")] for e in range(n)]),
+    }
+
+
+def _llada_moe_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
+    """LLaDA-MoE's weights (Qwen3-MoE's names, one tensor per expert) with each layer's experts stacked."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
+    for name, t in state.items():
+        m = _LAYER_RE.match(name)
+        e = _EXPERT_RE.match(m.group(2)) if m is not None else None
+        if e is None:
+            out[name] = t
+        else:
+            experts.setdefault(int(m.group(1)), {})[(int(e.group(1)), e.group(2))] = t
+    for i, parts in sorted(experts.items()):
+        out.update(_stacked_experts(parts, config.num_experts, f"model.layers.{i}.mlp.", folder))
+    return out
 
 
 def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
@@ -471,7 +584,7 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
         if name == "model.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
             continue
-        m = _LLADA2_RE.match(name)
+        m = _LAYER_RE.match(name)
         if m is None:
             out[name] = t  # model.norm, lm_head; anything else is named by the layout check
             continue
@@ -493,21 +606,14 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
             )
         elif rest in _LLADA2_PART:
             out[p + _LLADA2_PART[rest]] = t
-        elif (e := _LLADA2_EXPERT.match(rest)) is not None:
+        elif (e := _EXPERT_RE.match(rest)) is not None:
             experts.setdefault(i, {})[(int(e.group(1)), e.group(2))] = t
         else:
             out[name] = t
     n = config.n_routed_experts
     for i, parts in sorted(experts.items()):
-        missing = [f"{e}.{w}_proj" for e in range(n) for w in ("gate", "up", "down") if (e, w) not in parts]
-        if missing or len(parts) != 3 * n:
-            what = f"lacks 'model.layers.{i}.mlp.experts.{missing[0]}.weight'" if missing else "has more experts"
-            raise DLMError(f"'{folder}' {what} (config.json says num_experts {n}); the weights do not match it")
         p = f"model.layers.{i}.mlp."
-        out[p + "experts.gate_up_proj"] = torch.stack(
-            [torch.cat([parts[(e, "gate")], parts[(e, "up")]], 0) for e in range(n)]
-        )
-        out[p + "experts.down_proj"] = torch.stack([parts[(e, "down")] for e in range(n)])
+        out.update(_stacked_experts(parts, n, p, folder))
         if p + "gate.e_score_correction_bias" not in out:  # moe_router_enable_expert_bias false: no bias
             out[p + "gate.e_score_correction_bias"] = torch.zeros(n)
         if not config.n_shared_experts:  # no shared experts: GLM-4-MoE's shared MLP of width 0 adds nothing
@@ -525,6 +631,8 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
 def _rename(family: str, state: dict[str, torch.Tensor], folder: Path, config=None) -> dict[str, torch.Tensor]:
     if family == "llada2":
         return _llada2_state(state, config, folder)
+    if family == "llada_moe":
+        return _llada_moe_state(state, config, folder)
     if family != "llada":
         return state
     out = {}

@@ -475,6 +475,68 @@ def write_llada_moe(path, seed: int = 0, **override) -> Path:
     return path
 
 
+def write_sdar_moe(path, seed: int = 0, block_size: int | None = 4, **override) -> Path:
+    """JetLM/SDAR-30B-A3B-* layout as its base Qwen3-30B-A3B names it (SDARMoeForCausalLM, Qwen3-MoE's
+    config fields and weights: per-head q/k norms, a softmax router, ``mlp.experts.E.*``; ``norm_topk_prob``)."""
+    path = Path(path)
+    g = torch.Generator().manual_seed(seed)
+    layers, experts, moe_ffn = 3, 8, 16
+    config = _qwen_config(
+        architectures=["SDARMoeForCausalLM"],
+        model_type="sdar_moe",
+        head_dim=HEAD_DIM,
+        num_hidden_layers=layers,
+        auto_map={
+            "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
+            "AutoModel": "modeling_sdar_moe.SDARMoeModel",
+            "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
+        },
+        attention_bias=False,
+        num_experts=experts,
+        num_experts_per_tok=3,
+        moe_intermediate_size=moe_ffn,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[2],
+        output_router_logits=False,
+        router_aux_loss_coef=0.001,
+    )
+    if block_size is not None:
+        config.update(block_size=block_size, mask_token_id=MASK)
+    config.update(override)
+    d, kv = HIDDEN, config["num_key_value_heads"]
+    state = {
+        "model.embed_tokens.weight": _rand(g, VOCAB, d, scale=1.0),
+        "model.norm.weight": _norm(g, d),
+        "lm_head.weight": _rand(g, VOCAB, d),
+    }
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        state.update(
+            {
+                f"{p}.input_layernorm.weight": _norm(g, d),
+                f"{p}.post_attention_layernorm.weight": _norm(g, d),
+                f"{p}.self_attn.q_proj.weight": _rand(g, HEADS * HEAD_DIM, d),
+                f"{p}.self_attn.k_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{p}.self_attn.v_proj.weight": _rand(g, kv * HEAD_DIM, d),
+                f"{p}.self_attn.o_proj.weight": _rand(g, d, HEADS * HEAD_DIM),
+                f"{p}.self_attn.q_norm.weight": _norm(g, HEAD_DIM),
+                f"{p}.self_attn.k_norm.weight": _norm(g, HEAD_DIM),
+            }
+        )
+        if i in config["mlp_only_layers"]:
+            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
+                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            continue
+        state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
+        for e in range(experts):
+            for n, shape in (("gate", (moe_ffn, d)), ("up", (moe_ffn, d)), ("down", (d, moe_ffn))):
+                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+    _save(path, config, state)
+    _tokenizer(path, "<|MASK|>")
+    return path
+
+
 WRITERS = {
     "llada": write_llada,
     "dream": write_dream,
@@ -558,10 +620,12 @@ def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) ->
     return _rms(x, W["model.norm.weight"], eps) @ W["lm_head.weight"].T
 
 
-def _llada_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
-    """LLaDA-MoE's forward from its definition (OLMoE-like, per-head q/k norms) on its own weight names."""
+def _softmax_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor, dense, renorm) -> torch.Tensor:
+    """The forward of LLaDA-MoE (OLMoE-like) and of SDAR-MoE (Qwen3-MoE) from their definitions, on their own
+    weight names: per-head q/k norms, a softmax router whose top-k probabilities weight the experts (``renorm``:
+    divided by their sum first, Qwen3-MoE's ``norm_topk_prob``), the ``dense`` layers a plain MLP."""
     heads, eps, theta = cfg["num_attention_heads"], cfg["rms_norm_eps"], cfg["rope_theta"]
-    kv, hd = cfg["num_key_value_heads"], cfg["hidden_size"] // heads
+    kv, hd = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // heads
     L = len(ids)
     pos = torch.arange(L)
     silu = torch.nn.functional.silu
@@ -584,13 +648,14 @@ def _llada_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor)
         scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
         x = x + (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd) @ W[f"{p}.self_attn.o_proj.weight"].T
         h = _rms(x, W[f"{p}.post_attention_layernorm.weight"], eps)
-        if cfg["moe_layer_freq"][i] == 0:
+        if i in dense:
             x = x + mlp(h, f"{p}.mlp")
             continue
         probs = (h @ W[f"{p}.mlp.gate.weight"].T).softmax(-1)  # [L, E]
         y = torch.zeros_like(x)
         for t in range(L):
-            w, chosen = probs[t].topk(cfg["num_experts_per_tok"])  # weighted by the probabilities themselves
+            w, chosen = probs[t].topk(cfg["num_experts_per_tok"])
+            w = w / w.sum() if renorm else w  # LLaDA-MoE: the probabilities themselves
             for e, we in zip(chosen.tolist(), w):
                 y[t] += we * mlp(h[t], f"{p}.mlp.experts.{e}")
         x = x + y
@@ -614,7 +679,10 @@ def reference_logits(folder, ids: list[int], allowed: torch.Tensor) -> torch.Ten
     if cfg["model_type"] == "llada2_moe":
         return _llada2_logits(cfg, W, ids, allowed)
     if "LLaDAMoEModelLM" in cfg.get("architectures", []):
-        return _llada_moe_logits(cfg, W, ids, allowed)
+        dense = [i for i, f in enumerate(cfg["moe_layer_freq"]) if f == 0]
+        return _softmax_moe_logits(cfg, W, ids, allowed, dense, renorm=False)
+    if "SDARMoeForCausalLM" in cfg.get("architectures", []):
+        return _softmax_moe_logits(cfg, W, ids, allowed, cfg["mlp_only_layers"], renorm=cfg["norm_topk_prob"])
     llada = cfg["model_type"] == "llada"
     if llada:
         t = "model.transformer"

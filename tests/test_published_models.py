@@ -1,4 +1,5 @@
-"""Published DLM checkpoints (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2, LLaDA-MoE) in their exact folder layouts: loaded
+"""Published DLM checkpoints (LLaDA, Dream, SDAR and SDAR-MoE, I-DLM, Fast-dLLM v2, LLaDA2, LLaDA-MoE) in their
+exact folder layouts: loaded
 without remote code they give the family's own forward (written in published_layouts.py from its definition),
 save and reload unchanged, refuse broken folders with one line naming the field; dlm export writes them back."""
 
@@ -19,6 +20,7 @@ from published_layouts import (
     write_llada2,
     write_llada_moe,
     write_sdar,
+    write_sdar_moe,
 )
 
 import dlm
@@ -107,6 +109,22 @@ def test_llada2_qkv_biases_and_a_router_without_its_bias(tmp_path):
         dlm.load_model(folder)
 
 
+def test_sdar_moe_is_sdar_on_qwen3_moe(tmp_path):
+    """SDAR-MoE (SDARMoeForCausalLM, Qwen3-30B-A3B's weights and fields) loads as Qwen3-MoE with SDAR's block
+    attention (and as an I-DLM where config.json says causal), saves and loads again the same."""
+    folder = write_sdar_moe(tmp_path / "sdar_moe", block_size=4)
+    model = dlm.load_model(folder)
+    assert type(model.base_model_hf).__name__ == "Qwen3MoeForCausalLM"
+    assert (model.objective, model.shift, model.block_size, model.hf_config.dlm_family) == ("block", False, 4, "sdar")
+    ids = list(range(5, 40))
+    want = reference_logits(folder, ids, family_attention("sdar", len(ids), 4))
+    torch.testing.assert_close(logits_of(model, ids), want, atol=3e-5, rtol=1e-5)
+    model.save_pretrained(tmp_path / "saved")
+    assert torch.equal(logits_of(dlm.load_model(tmp_path / "saved"), ids), logits_of(model, ids))
+    idlm = dlm.load_model(write_sdar_moe(tmp_path / "idlm_moe", block_size=2))
+    assert (idlm.objective, idlm.shift, idlm.hf_config.dlm_family) == ("idlm", True, "idlm")
+
+
 def test_llada_variants_tied_and_sharded(tmp_path):
     for kw in (dict(tie=True), dict(shards=3)):
         folder = write_llada(tmp_path / str(sorted(kw)), **kw)
@@ -170,12 +188,7 @@ def _broken(tmp_path, writer, drop=(), **set_):
         (write_sdar, ("block_size",), {}, ["'block_size'", "--block-size", "dlm convert"]),
         (write_fast_dllm_v2, ("bd_size",), {}, ["'block_size'"]),
         (write_sdar, ("num_hidden_layers",), {}, ["'num_hidden_layers'"]),
-        (
-            write_sdar,
-            (),
-            {"model_type": "sdar_moe", "architectures": ["SDARMoeForCausalLM"]},
-            ["SDAR-MoE", "not supported"],
-        ),
+        (write_sdar, (), {"model_type": "sdar_moe", "architectures": ["SDARMoeForCausalLM"]}, ["'num_experts'"]),
         (write_llada_moe, (), {"shared_expert_intermediate_size": 32}, ["'shared_expert_intermediate_size'"]),
         (write_llada_moe, (), {"moe_layer_freq": [1, 1]}, ["'moe_layer_freq'"]),
         (write_llada_moe, (), {"moe_router_score_function": "sigmoid"}, ["softmax"]),
@@ -266,6 +279,7 @@ def test_a_published_folder_exports_back_to_its_own_files(tmp_path):
         ("llada", write_llada, "llada"),
         ("sdar", write_sdar, "sdar"),
         ("llada2", write_llada2, "llada2"),
+        ("sdar_moe", write_sdar_moe, "sdar"),
     ):
         src = writer(tmp_path / family)
         assert main(["export", "--model", str(src), "--format", fmt, "--output", str(tmp_path / f"{family}-out")]) == 0

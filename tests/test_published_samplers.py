@@ -15,6 +15,7 @@ from published_layouts import (
     write_llada2,
     write_llada_moe,
     write_sdar,
+    write_sdar_moe,
 )
 
 import dlm
@@ -41,6 +42,7 @@ def models(tmp_path_factory):
         "llada2": dlm.load_model(write_llada2(d / "llada2", seed=8, block_size=4)),
         "llada2_32": dlm.load_model(write_llada2(d / "llada2_32", seed=9)),
         "llada_moe": dlm.load_model(write_llada_moe(d / "llada_moe", seed=10)),
+        "sdar_moe": dlm.load_model(write_sdar_moe(d / "sdar_moe", seed=11, block_size=4)),
     }
 
 
@@ -364,6 +366,13 @@ CASES = [
         dict(method="llada", steps=4, block_length=4),
         reference_llada,
         dict(steps=4, block_length=4),
+    ),
+    (
+        "sdar_moe",
+        "block",
+        dict(steps=2, remasking="low_confidence_dynamic", threshold=0.04),
+        reference_sdar,
+        dict(steps=2, threshold=0.04),
     ),
 ]
 

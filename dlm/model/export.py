@@ -3,8 +3,8 @@
 The inverse of :mod:`dlm.model.families`: the same weights under the family's names and a config.json with the
 family's fields, so that the engines that read that family serve it (docs/models.md says which reads which).
 
-- ``sdar``: Qwen3 models; a block-diffusion model without shift (SDAR) or an I-DLM (the I-DLM release's
-  SDAR format: ``use_regular_causal`` true, shift). Weights keep Qwen3's names; ``block_size`` and
+- ``sdar``: Qwen3 (or Qwen3-MoE: SDAR-MoE) models; a block-diffusion model without shift (SDAR) or an I-DLM (the
+  I-DLM release's SDAR format: ``use_regular_causal`` true, shift). Weights keep Qwen3's names (one per expert); ``block_size`` and
   ``mask_token_id`` go into config.json.
 - ``llada``: Llama models without biases, masked diffusion without shift; weights renamed to LLaDA's
   ``model.transformer.*`` names.
@@ -88,10 +88,11 @@ def _hf_fields(config) -> dict:
 
 def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     spec = dlm.spec
-    if _kind(dlm) != "qwen3":
+    moe = _kind(dlm) == "qwen3_moe"  # SDAR-MoE
+    if _kind(dlm) != "qwen3" and not moe:
         raise DLMError(
-            f"--format sdar needs a Qwen3 model (SDAR's weights are Qwen3's, with per-head q/k norms); "
-            f"this is '{_kind(dlm)}': use --format llada (Llama) or dream (Qwen2)"
+            f"--format sdar needs a Qwen3 (or Qwen3-MoE) model (SDAR's weights are Qwen3's, with per-head q/k "
+            f"norms); this is '{_kind(dlm)}': use --format llada (Llama) or dream (Qwen2)"
         )
     if spec.objective == "block" and spec.shift:
         raise DLMError(
@@ -107,13 +108,18 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
         raise DLMError("--format sdar: an I-DLM in the SDAR format has the logit shift; this one has shift=False")
     fields = _hf_fields(dlm.hf_config)
     fields.update(
-        architectures=["SDARForCausalLM"],
-        model_type="sdar",
+        architectures=["SDARMoeForCausalLM" if moe else "SDARForCausalLM"],
+        model_type="sdar_moe" if moe else "sdar",
         block_size=spec.block_size,
         mask_token_id=spec.mask_token_id,
         use_regular_causal=spec.objective == "idlm",
     )
-    return fields, _state(dlm), None
+    if moe and "num_local_experts" in fields:  # transformers' own name; Qwen3-MoE's config.json says num_experts
+        fields["num_experts"] = fields.pop("num_local_experts")
+    state: dict[str, torch.Tensor] = {}
+    for name, t in _state(dlm).items():
+        state.update(_unstacked(name, t) if name.endswith(_STACKED) else {name: t})
+    return fields, state, None
 
 
 def to_llada(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
@@ -330,16 +336,26 @@ def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
                 state[f"{layer}.attention.{_LLADA2_ATTN[part]}.{kind}"] = t
         elif name.endswith("mlp.gate.e_score_correction_bias"):
             state[name.replace("e_score_correction_bias", "expert_bias")] = t.float()
-        elif name.endswith("mlp.experts.gate_up_proj"):  # [E, 2F, H] -> each expert's gate and up
-            base = name[: -len("gate_up_proj")]
-            for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
-                state[f"{base}{e}.gate_proj.weight"], state[f"{base}{e}.up_proj.weight"] = gate, up
-        elif name.endswith("mlp.experts.down_proj"):  # [E, H, F] -> each expert's down
-            base = name[: -len("down_proj")]
-            state.update({f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)})
+        elif name.endswith(_STACKED):
+            state.update(_unstacked(name, t))
         elif ".mlp.shared_experts." not in name or c.n_shared_experts:  # (none: LLaDA2 has no module for them)
             state[name] = t
     return fields, {k: v.contiguous() for k, v in state.items()}, None
+
+
+_STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
+def _unstacked(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A layer's stacked experts (transformers' ``[E, 2F, H]`` gate-and-up or ``[E, H, F]`` down) as the one
+    tensor per expert the checkpoints hold (``mlp.experts.E.{gate,up,down}_proj.weight``)."""
+    base = name.rsplit(".", 1)[0] + "."
+    if name.endswith("gate_up_proj"):
+        out = {}
+        for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        return out
+    return {f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)}
 
 
 _SELF_ATTN = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(\w+)\.(weight|bias)$")

@@ -86,6 +86,7 @@ LLADA2_BLOCK = 32  # the block length LLaDA2.0 / 2.1 are trained and sampled wit
 LLADA2_NAMES = ("llada2_moe", "llada21_moe", "LLaDA2MoeModelLM")  # 2.0 and 2.1 share the first (llada21: dllm's)
 # LLaDA-MoE's config.json says model_type "llada" like the dense LLaDA: its architecture tells them apart
 LLADA_MOE_NAMES = ("LLaDAMoEModelLM", "LLaDAMoEModel", "lladamoe", "llada_moe")
+SDAR_MOE_NAMES = ("SDARMoeForCausalLM", "sdar_moe")  # SDAR-30B-A3B: Qwen3-30B-A3B's mixture of experts
 
 # decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins)
 SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}}  # LLaDA2MoeModelLM.generate's threshold
@@ -95,12 +96,6 @@ def sampler_defaults(config, decoder: str) -> dict[str, Any]:
     """The settings :data:`SAMPLER_DEFAULTS` gives ``decoder`` on a model of this config's family ({} for others)."""
     return dict(SAMPLER_DEFAULTS.get(getattr(config, "dlm_family", None) or "", {}).get(decoder, {}))
 
-
-# model_type / architecture names that are recognised but not supported, with the reason
-UNSUPPORTED = {
-    "SDARMoeForCausalLM": "SDAR-MoE (its expert weight names are not published)",
-    "sdar_moe": "SDAR-MoE (its expert weight names are not published)",
-}
 
 # config.json keys of the published files that are remote-code settings with no meaning here
 _DROP = {
@@ -131,8 +126,7 @@ _DROP = {
 
 
 def family_of(fields: dict) -> str | None:
-    """The family of a folder's config.json fields, None for anything else (plain models, dlm folders); raises a
-    DLMError for a recognised but unsupported one (SDAR-MoE)."""
+    """The family of a folder's config.json fields, None for anything else (plain models, dlm folders)."""
     if not isinstance(fields, dict) or "dlm_objective" in fields:
         return None
     mtype = fields.get("model_type")
@@ -140,12 +134,6 @@ def family_of(fields: dict) -> str | None:
     if not isinstance(archs, list):
         archs = [archs]
     names = [n for n in [mtype, *archs] if isinstance(n, str)]
-    for n in names:
-        if n in UNSUPPORTED:
-            raise DLMError(
-                f"config.json names {n}: {UNSUPPORTED[n]} is not supported by dlm (docs/models.md "
-                f"lists the families that are)"
-            )
     if any(n in LLADA_MOE_NAMES for n in names):
         return "llada_moe"
     if mtype == "llada" or "LLaDAModelLM" in archs:
@@ -156,7 +144,7 @@ def family_of(fields: dict) -> str | None:
         return "dream"
     if mtype == "Fast_dLLM_Qwen" or "Fast_dLLM_QwenForCausalLM" in archs:
         return "fast_dllm_v2"
-    if mtype == "sdar" or "SDARForCausalLM" in archs:
+    if mtype == "sdar" or "SDARForCausalLM" in archs or any(n in SDAR_MOE_NAMES for n in names):
         causal = fields.get("use_regular_causal")
         if causal is None:  # absent in the I-DLM release's files: its block sizes tell it from SDAR (4 and up)
             return "idlm" if fields.get("block_size") in IDLM_BLOCK_SIZES else "sdar"
@@ -419,6 +407,15 @@ def _hf_config(family: str, fields: dict, path: Path):
         return _qwen_config(fields, path, Qwen2Config)
     if "head_dim" not in fields and "hidden_size" in fields and fields.get("num_attention_heads"):
         fields = dict(fields, head_dim=fields["hidden_size"] // fields["num_attention_heads"])
+    names = [fields.get("model_type"), *(fields.get("architectures") or [])]
+    if any(n in SDAR_MOE_NAMES for n in names):  # SDAR-MoE: Qwen3-MoE's computation and weight names
+        from transformers import Qwen3MoeConfig
+
+        for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            if key != "num_experts" or "num_local_experts" not in fields:  # (transformers' name for it)
+                _need(fields, key, path, "a size of the mixture of experts")
+
+        return _qwen_config(fields, path, Qwen3MoeConfig)
     return _qwen_config(fields, path, Qwen3Config)
 
 
@@ -556,8 +553,9 @@ def _stacked_experts(parts: dict[tuple[int, str], torch.Tensor], n: int, prefix:
     }
 
 
-def _llada_moe_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
-    """LLaDA-MoE's weights (Qwen3-MoE's names, one tensor per expert) with each layer's experts stacked."""
+def _qwen3_moe_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
+    """Qwen3-MoE's weights as checkpoints name them (one tensor per expert: LLaDA-MoE, SDAR-MoE) with each layer's
+    experts stacked."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     for name, t in state.items():
@@ -631,8 +629,8 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
 def _rename(family: str, state: dict[str, torch.Tensor], folder: Path, config=None) -> dict[str, torch.Tensor]:
     if family == "llada2":
         return _llada2_state(state, config, folder)
-    if family == "llada_moe":
-        return _llada_moe_state(state, config, folder)
+    if getattr(config, "model_type", None) == "qwen3_moe":  # LLaDA-MoE, SDAR-MoE
+        return _qwen3_moe_state(state, config, folder)
     if family != "llada":
         return state
     out = {}

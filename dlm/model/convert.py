@@ -289,7 +289,10 @@ def load_any(
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
         if objective is not None and objective != dlm.objective:
-            raise DLMError(f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}'")
+            raise DLMError(
+                f"'{name_or_path}' is a '{dlm.objective}' DLM, not '{objective}' (--objective): a DLM keeps the "
+                f"objective it was trained with; give --objective {dlm.objective}"
+            )
         return dlm
     dlm = convert_ar_to_dlm(folder, objective or convert_to or "idlm", **convert_kw)
     if dtype is not None:

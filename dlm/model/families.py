@@ -1,8 +1,9 @@
 """Published diffusion LMs (LLaDA, Dream, SDAR, I-DLM, Fast-dLLM v2, LLaDA2, LLaDA-MoE) loaded without remote code.
 
 Each family's folder is recognised by its ``config.json`` (``model_type`` / ``architectures``), rebuilt as the
-transformers class with the same computation (Llama, Qwen2, Qwen3, GLM-4-MoE, Qwen3-MoE) with the weights renamed on load, and
-returned as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of dlm reads:
+transformers class with the same computation (Llama, Qwen2, Qwen3, GLM-4-MoE, Qwen3-MoE) with the weights renamed
+on load, and returned as a :class:`~dlm.model.convert.DiffusionLM` whose config carries the dlm fields the rest of
+dlm reads (SDAR-MoE is ``sdar`` on Qwen3-MoE):
 
 ==============  =============  =========  =======  ==========================  =================  ===========
 family          class          objective  shift    block size                  attention          mask id
@@ -268,7 +269,7 @@ def _llada2_config(fields: dict, path: Path):
             f"'{path}': 'score_function' is {fields['score_function']!r}; dlm loads LLaDA2's sigmoid routing"
         )
     scaling = fields.get("rope_scaling")
-    if scaling not in (None, {}) and (scaling.get("rope_type") or scaling.get("type")) != "default":
+    if scaling and (not isinstance(scaling, dict) or (scaling.get("rope_type") or scaling.get("type")) != "default"):
         raise DLMError(f"'{path}': 'rope_scaling' {scaling!r} is not loaded by dlm for LLaDA2 (use null)")
     partial = fields.get("partial_rotary_factor")
     if partial is None and fields.get("rotary_dim"):
@@ -553,9 +554,9 @@ def _stacked_experts(parts: dict[tuple[int, str], torch.Tensor], n: int, prefix:
     }
 
 
-def _qwen3_moe_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[str, torch.Tensor]:
-    """Qwen3-MoE's weights as checkpoints name them (one tensor per expert: LLaDA-MoE, SDAR-MoE) with each layer's
-    experts stacked."""
+def _with_stacked_experts(state: dict[str, torch.Tensor], n: int, folder: Path) -> dict[str, torch.Tensor]:
+    """``state`` with every layer's ``mlp.experts.E.*_proj.weight`` (one tensor per expert, as checkpoints hold
+    them: LLaDA-MoE, SDAR-MoE, LLaDA2) stacked by :func:`_stacked_experts`."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     for name, t in state.items():
@@ -566,7 +567,7 @@ def _qwen3_moe_state(state: dict[str, torch.Tensor], config, folder: Path) -> di
         else:
             experts.setdefault(int(m.group(1)), {})[(int(e.group(1)), e.group(2))] = t
     for i, parts in sorted(experts.items()):
-        out.update(_stacked_experts(parts, config.num_experts, f"model.layers.{i}.mlp.", folder))
+        out.update(_stacked_experts(parts, n, f"model.layers.{i}.mlp.", folder))
     return out
 
 
@@ -577,7 +578,6 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
     tensors transformers keeps them in."""
     heads, kv, hd = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     out: dict[str, torch.Tensor] = {}
-    experts: dict[int, dict[tuple[int, str], torch.Tensor]] = {}
     for name, t in state.items():
         if name == "model.word_embeddings.weight":
             out["model.embed_tokens.weight"] = t
@@ -586,8 +586,7 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
         if m is None:
             out[name] = t  # model.norm, lm_head; anything else is named by the layout check
             continue
-        i, rest = int(m.group(1)), m.group(2)
-        p = f"model.layers.{i}."
+        p, rest = f"model.layers.{m.group(1)}.", m.group(2)
         if rest in ("attention.query_key_value.weight", "attention.query_key_value.bias"):
             kind = rest.rsplit(".", 1)[1]
             if t.shape[0] != (heads + 2 * kv) * hd:
@@ -604,14 +603,11 @@ def _llada2_state(state: dict[str, torch.Tensor], config, folder: Path) -> dict[
             )
         elif rest in _LLADA2_PART:
             out[p + _LLADA2_PART[rest]] = t
-        elif (e := _EXPERT_RE.match(rest)) is not None:
-            experts.setdefault(i, {})[(int(e.group(1)), e.group(2))] = t
         else:
             out[name] = t
     n = config.n_routed_experts
-    for i, parts in sorted(experts.items()):
-        p = f"model.layers.{i}.mlp."
-        out.update(_stacked_experts(parts, n, p, folder))
+    out = _with_stacked_experts(out, n, folder)
+    for p in [k.removesuffix("experts.down_proj") for k in out if k.endswith("mlp.experts.down_proj")]:
         if p + "gate.e_score_correction_bias" not in out:  # moe_router_enable_expert_bias false: no bias
             out[p + "gate.e_score_correction_bias"] = torch.zeros(n)
         if not config.n_shared_experts:  # no shared experts: GLM-4-MoE's shared MLP of width 0 adds nothing
@@ -630,7 +626,7 @@ def _rename(family: str, state: dict[str, torch.Tensor], folder: Path, config=No
     if family == "llada2":
         return _llada2_state(state, config, folder)
     if getattr(config, "model_type", None) == "qwen3_moe":  # LLaDA-MoE, SDAR-MoE
-        return _qwen3_moe_state(state, config, folder)
+        return _with_stacked_experts(state, config.num_experts, folder)
     if family != "llada":
         return state
     out = {}

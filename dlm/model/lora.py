@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -455,7 +456,12 @@ def prepare_model_for_lora(dlm, config):
         peft_config = LoraConfig(
             r=s.r, lora_alpha=s.alpha, lora_dropout=s.dropout, target_modules=s.target_modules, task_type="CAUSAL_LM"
         )
-        dlm.model = get_peft_model(dlm.model, peft_config)
+        with warnings.catch_warnings():  # noise of the libraries' own making, nothing the user can act on:
+            # transformers' deprecation of the name peft reads, and peft's stacked-expert patterns that "all-linear"
+            # does not use (the routed experts of a MoE are 3-D parameters, not linear layers: they stay frozen)
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            warnings.filterwarnings("ignore", message=".*_pattern keys did not match.*", category=RuntimeWarning)
+            dlm.model = get_peft_model(dlm.model, peft_config)
         return dlm
     return _attach_gated(dlm, s)
 

@@ -177,3 +177,19 @@ def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):
         for (p, m), ref in zip(prompts, refs):
             r = client.completions.create(model="tiny", prompt=p, max_tokens=m, temperature=0)
             assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+        # a suffix (fill-in-the-middle): what generate fills between the prompt and it; refused by a block server
+        suffix = " sat on the mat."
+        fill = SamplingParams(6, suffix_ids=tuple(eng.tokenizer(suffix, add_special_tokens=False)["input_ids"]))
+        if decode == "mdm":
+            ref = generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], decode, fill, **kw)[0]
+            r = client.completions.create(model="tiny", prompt="The cat", suffix=suffix, max_tokens=6, temperature=0)
+            assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
+            assert (
+                ref.token_ids
+                != generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], decode, SamplingParams(6), **kw)[
+                    0
+                ].token_ids
+            )
+        else:
+            with pytest.raises(openai.BadRequestError, match="suffix"):
+                client.completions.create(model="tiny", prompt="The cat", suffix=suffix, max_tokens=6)

@@ -3,6 +3,7 @@ semi-autoregressive blocks and classifier-free guidance; Dream's alg choices; SD
 threshold sampler): each equals a plain one-request reference written here from the family's sampler, token for
 token greedy and draw for draw with a seed, batched with prompts of different lengths, and stops at a stop token."""
 
+import json
 import math
 
 import pytest
@@ -68,16 +69,19 @@ def until_stop(ids, params, gen):
 
 
 # -- LLaDA: ML-GSAI/LLaDA generate.py, one request ---------------------------------------------------------------
-def reference_llada(model, prompt, params, steps=None, block_length=32, cfg_scale=0.0, remasking="low_confidence"):
+def reference_llada(
+    model, prompt, params, steps=None, block_length=32, cfg_scale=0.0, remasking="low_confidence", suffix=()
+):
     """LLaDA's generate(): the canvas prompt + gen masks, blocks of block_length left to right, steps split
     evenly over the blocks and each block's masks over its steps (remainder first); at each step predict every
     position (with guidance: u + (cfg+1)(c - u), u the canvas with the prompt masked), score the candidates of the
     block's masks by their softmax probability (or uniformly), commit the step's quota of the highest. Candidates
-    are drawn only where they can be committed (the block's masks). The mask token is never proposed."""
+    are drawn only where they can be committed (the block's masks). The mask token is never proposed. A
+    ``suffix`` follows the masks on the canvas (masked too in u)."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
     steps = steps or gen
     shift = 1 if model.shift else 0
-    x = torch.tensor(list(prompt) + [MASK] * gen)
+    x = torch.tensor(list(prompt) + [MASK] * gen + list(suffix))
     blocks = math.ceil(gen / block_length)
     for b, block_steps in enumerate(split(steps, blocks)):
         lo = p + b * block_length
@@ -89,6 +93,7 @@ def reference_llada(model, prompt, params, steps=None, block_length=32, cfg_scal
             if cfg_scale > 0:
                 u = x.clone()
                 u[:p] = MASK
+                u[p + gen :] = MASK
                 un = full_logits(model, u)
                 logits = un + (cfg_scale + 1) * (logits - un)
             where = (x[lo:hi] == MASK).nonzero().squeeze(-1) + lo
@@ -100,18 +105,18 @@ def reference_llada(model, prompt, params, steps=None, block_length=32, cfg_scal
                 conf = torch.rand(x0.numel(), generator=g)
             top = conf.topk(k).indices
             x[where[top]] = x0[top]
-    return until_stop(x[p:].tolist(), params, gen)
+    return until_stop(x[p : p + gen].tolist(), params, gen)
 
 
 # -- Dream: diffusion_generate, one request -----------------------------------------------------------------------
-def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=None, eps=1e-3):
+def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=None, eps=1e-3, suffix=()):
     """Dream's diffusion_generate: t = linspace(1, eps, steps+1); logits shifted right by one; 'origin' reveals
     each mask with probability 1 - s/t (all at the last step) with a token drawn from its distribution, the others
     reveal the int(n_mask (1 - s/t)) masks of highest confidence (or drawn from softmax(conf/alg_temp)). A step
     that reveals nothing is not run (its candidate draws are not made)."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
     steps = steps or gen
-    x = torch.tensor(list(prompt) + [MASK] * gen)
+    x = torch.tensor(list(prompt) + [MASK] * gen + list(suffix))
     t = torch.linspace(1, eps, steps + 1)
     for i in range(steps):
         masked = (x == MASK).nonzero().squeeze(-1)
@@ -406,6 +411,43 @@ def test_a_stop_token_ends_the_request_where_the_reference_does(models, family, 
     assert r.finish_reason == "stop"
 
 
+def test_a_suffix_is_filled_up_to(models):
+    """A suffix (OpenAI's ``suffix``: fill-in-the-middle) follows the answer's masks: the batched engine equals the
+    one-request reference over the canvas prompt + masks + suffix (LLaDA's sampler with and without guidance,
+    Dream's with its shift; greedy and sampled), only the answer comes back, the suffix changes it, and a
+    left-to-right decoder refuses it naming the fix."""
+    suffix = (40, 41, 42, 43, 44)
+    cases = [
+        ("llada", dict(method="llada", block_length=4), reference_llada, dict(block_length=4)),
+        (
+            "llada",
+            dict(method="llada", steps=4, block_length=8, cfg_scale=1.5),
+            reference_llada,
+            dict(steps=4, block_length=8, cfg_scale=1.5),
+        ),
+        ("dream", dict(method="dream", steps=5, alg="entropy"), reference_dream, dict(steps=5, alg="entropy")),
+    ]
+    for family, kw, ref, ref_kw in cases:
+        model = models[family]
+        for temperature in (0.0, 1.0):
+            params = [params_for(i, temperature, suffix_ids=suffix) for i in range(len(MIXED))]
+            results = Engine(model, decoder="mdm", max_batch_size=3, **kw).generate(MIXED, params)
+            for prompt, p, r in zip(MIXED, params, results):
+                assert r.token_ids == ref(model, prompt, p, suffix=suffix, **ref_kw), (family, temperature)
+                assert len(r.token_ids) == p.max_new_tokens
+    greedy = [params_for(i, 0.0) for i in range(len(MIXED))]
+    plain = Engine(models["llada"], decoder="mdm", method="llada", block_length=4).generate(MIXED, greedy)
+    filled = Engine(models["llada"], decoder="mdm", method="llada", block_length=4).generate(
+        MIXED, [params_for(i, 0.0, suffix_ids=suffix) for i in range(len(MIXED))]
+    )
+    assert [r.token_ids for r in plain] != [r.token_ids for r in filled]
+    for family, decode in (("sdar", "block"), ("llada", "ar")):
+        engine = Engine(models[family], decoder=decode)
+        with pytest.raises(DLMError, match="suffix.*--decode mdm"):
+            engine.add([5, 6, 7], SamplingParams(max_new_tokens=4, suffix_ids=(8, 9)))
+        assert not engine.has_unfinished()
+
+
 def test_token_editing_edits_and_costs_passes(models):
     """With --editing-threshold the block's placed tokens are revised (the output differs from the same sampler
     without editing) and a block takes passes after its masks are filled; --max-post-steps 0 takes none."""
@@ -495,6 +537,15 @@ def test_generate_command_on_published_folders(tmp_path, capsys):
     ]
     assert main(argv + ["--cfg-scale", "1.0"]) == 0
     assert main(argv + ["--sampler", "dream", "--alg", "entropy"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--suffix", " on the mat."]) == 0  # fill-in-the-middle: what generate() fills
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"]
+    model = dlm.load_model(folder)
+    tok = model.tokenizer
+    fill = SamplingParams(6, seed=0, suffix_ids=tuple(tok(" on the mat.", add_special_tokens=False)["input_ids"]))
+    assert got == generate(model, [tok("The cat")["input_ids"]], "mdm", fill, semi_ar_block=3)[0].token_ids
+    assert main([*argv[:6], "ar", "--suffix", "x"]) == 2
+    assert "--suffix" in capsys.readouterr().err
     assert (
         main(
             [

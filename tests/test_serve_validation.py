@@ -54,6 +54,23 @@ def test_completion_refusals(validator):
     refused(c, long, 400, "prompt", "context_length_exceeded")
 
 
+def test_completion_suffix(validator, tiny_tokenizer):
+    """OpenAI's suffix (fill-in-the-middle): token ids for a decoder that fills the middle (mdm), within the
+    context with the prompt and the answer; a 400 naming it for any other decoder, and for one that does not fit."""
+    refused(validator.completion, CompletionRequest(model="tiny", prompt="x", suffix="y"), 400, "suffix")
+    settings = ServeSettings(model_name="tiny", max_tokens_limit=32, completion_default_max_tokens=5)
+    mdm = RequestValidator(
+        settings, tiny_tokenizer, 320, 40, MASK, decoder="mdm", left_to_right=False, fills_middle=True
+    )
+    parsed = mdm.completion(CompletionRequest(model="tiny", prompt="x", suffix=" the end", max_tokens=4))
+    assert parsed.suffix_ids == tuple(mdm.encode(" the end"))
+    params = sampling_params(CompletionRequest(model="tiny", prompt="x"), 4, 0, suffix_ids=parsed.suffix_ids)
+    assert params.suffix_ids == parsed.suffix_ids
+    assert mdm.completion(CompletionRequest(model="tiny", prompt="x")).suffix_ids == ()
+    too_long = CompletionRequest(model="tiny", prompt=[1] * 20, suffix="a b c d e f g h i j k l m n", max_tokens=16)
+    refused(mdm.completion, too_long, 400, "suffix")
+
+
 def test_chat(validator, tiny_tokenizer):
     msgs = [{"role": "user", "content": "Hi"}]
     parsed = validator.chat(ChatCompletionRequest(model="tiny", messages=msgs, max_completion_tokens=4))

@@ -39,6 +39,11 @@ def add_arguments(p) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument(
+        "--suffix",
+        help="text after the answer (fill-in-the-middle): the answer's --max-new-tokens masks sit between the prompt "
+        "and it, and a bidirectional DLM fills them seeing both (--decode mdm)",
+    )
+    p.add_argument(
         "--repetition-penalty",
         type=float,
         default=1.0,
@@ -208,6 +213,11 @@ def run(args) -> int:
         min_tokens=args.min_tokens,
         structured=structured,
     )
+    if args.suffix is not None and args.decode != "mdm":
+        raise DLMError(
+            f"--suffix (text after the answer: fill-in-the-middle) needs --decode mdm on a bidirectional DLM, which "
+            f"sees both sides of the masks it fills; --decode {args.decode} does not"
+        )
     if args.decode not in ("ar", "isd"):
         used = [
             f
@@ -268,6 +278,10 @@ def run(args) -> int:
             ids[-1] = ids[-1].tolist()
         if isinstance(ids[-1], dict):
             ids[-1] = ids[-1]["input_ids"]
+    if args.suffix:
+        import dataclasses
+
+        params = dataclasses.replace(params, suffix_ids=tuple(tok(args.suffix, add_special_tokens=False)["input_ids"]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
         results = generate(

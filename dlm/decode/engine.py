@@ -605,6 +605,15 @@ class Engine:
                 f"logprobs need a left-to-right decoder (--decode ar or isd); {self.decoder.name!r} commits "
                 f"tokens out of order, not from the model's next-token distribution"
             )
+        if params.suffix_ids:
+            if not getattr(self.decoder, "fills_middle", False):
+                raise DLMError(
+                    f"a suffix (text after the answer: fill-in-the-middle) needs --decode mdm on a bidirectional "
+                    f"DLM, which sees both sides of the masks it fills; {self.decoder.name!r} writes left to right"
+                )
+            vocab = int(self.config.vocab_size)
+            if any(not 0 <= t < vocab or t == self.mask_token_id for t in params.suffix_ids):
+                raise DLMError(f"the suffix holds a token id outside the vocabulary (0..{vocab - 1}) or the mask id")
         if params.logprobs is not None:
             row.logprobs = []
         if params.adjusts:

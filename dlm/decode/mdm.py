@@ -82,13 +82,18 @@ class DiffusionDecoder(Decoder):
     causal = False
     shift: bool  # set by each decoder: the logit at i-1 scores position i
 
+    fills_middle = False  # whether a request's suffix_ids (text after the answer) are taken (mdm)
+
     def check_request(self, engine: Engine, row: Row) -> None:
-        check_fits_context(len(row.prompt_ids), row.params.max_new_tokens, engine.max_positions)
+        extra = len(row.params.suffix_ids)
+        check_fits_context(len(row.prompt_ids) + extra, row.params.max_new_tokens, engine.max_positions)
 
     def _layout(self, engine: Engine, row: Row) -> torch.Tensor:
-        p = len(row.prompt_ids)
-        x = torch.tensor(row.prompt_ids + [engine.mask_token_id] * row.params.max_new_tokens)
+        p, n, after = len(row.prompt_ids), row.params.max_new_tokens, list(row.params.suffix_ids)
+        x = torch.tensor(row.prompt_ids + [engine.mask_token_id] * n + after)  # (a suffix: mdm only, checked)
         row.state.update(x=x, p=p, emitted=p)
+        if after:
+            row.state["end"] = p + n  # where the answer stops and the suffix begins
         return x
 
     def _scores(self, row: Row, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -100,12 +105,14 @@ class DiffusionDecoder(Decoder):
         x, start = row.state["x"], row.state["emitted"]
         masked = (x[start:] == engine.mask_token_id).nonzero()
         stop = start + int(masked[0]) if masked.numel() else x.numel()
+        stop = min(stop, row.state.get("end", stop))  # never the suffix after the answer
         row.state["emitted"] = stop
         return x[start:stop].tolist()
 
 
 class MDMDecoder(DiffusionDecoder):
     name = "mdm"
+    fills_middle = True  # a bidirectional model sees the suffix while it fills the masks before it
 
     def __init__(
         self,
@@ -251,15 +258,16 @@ class MDMDecoder(DiffusionDecoder):
         if self.method == "dream":
             row.state.update(t=torch.linspace(1, self.eps, row.state["steps"] + 1), i=0)
         self._plan(engine, row)
-        suffix = [engine.mask_id] * row.params.max_new_tokens
+        rest = row.state["x"][p:].tolist()  # the masks (and a suffix after them)
         if self._cfg(row):
-            suffix += self._uncond(engine, row).tolist()
-        return suffix
+            rest += self._uncond(engine, row).tolist()
+        return rest
 
     def _uncond(self, engine: Engine, row: Row) -> torch.Tensor:
         """The sequence with its prompt masked (classifier-free guidance's unconditional input)."""
         u = row.state["x"].clone()
         u[: row.state["p"]] = engine.mask_token_id
+        u[row.state.get("end", u.numel()) :] = engine.mask_token_id  # a suffix conditions too
         return u
 
     def chunk(self, engine: Engine, row: Row) -> list[int]:
@@ -341,14 +349,15 @@ class MDMDecoder(DiffusionDecoder):
     def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st = row.state
         x, start, c = st["x"], st["start"], st["c"]
-        end = min(start + self.semi_ar_block, x.numel())
+        limit = st.get("end", x.numel())
+        end = min(start + self.semi_ar_block, limit)
         keep = c - row.pos  # a refresh (or the prefill) keeps the prefix before the block; later passes nothing
         masked = (x[start:end] == engine.mask_token_id).nonzero().squeeze(-1) + start
         tokens, conf = propose(self._scores(row, logits, masked), row.params, engine.mask_token_id, row.generator)
         commit = conf > self.threshold
         commit[conf.argmax()] = True
         x[masked[commit]] = tokens[commit]
-        if not bool((x[start:end] == engine.mask_token_id).any()) and end < x.numel():
+        if not bool((x[start:end] == engine.mask_token_id).any()) and end < limit:
             start = end  # next block: its first pass refreshes the prefix cache
             st.update(start=start, c=start - (1 if self.shift else 0), refresh=True)
         return self._emit(engine, row), keep

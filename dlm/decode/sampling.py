@@ -44,6 +44,10 @@ class SamplingParams:
     cannot be drawn before the n-th new token (vLLM's). ``structured`` (:class:`StructuredOutput`): the output
     must match a JSON schema, a regular expression, one of several strings or a grammar; the tokens it does not
     allow get no probability at each position. ``ar`` and ``isd`` only.
+
+    ``suffix_ids``: tokens that follow the answer (fill-in-the-middle, OpenAI's ``suffix``): the answer's
+    ``max_new_tokens`` masks sit between the prompt and them, and a bidirectional model sees both sides while it
+    fills them. ``mdm`` only.
     """
 
     max_new_tokens: int = 64
@@ -62,6 +66,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    suffix_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -101,6 +106,7 @@ class SamplingParams:
         self.stop_strings = tuple(self.stop_strings or ())
         if self.stop_token_ids is not None:
             self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+        self.suffix_ids = tuple(int(t) for t in self.suffix_ids or ())
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise DLMError(f"structured must be a dlm.decode.structured.StructuredOutput, got {self.structured!r}")
 

@@ -150,5 +150,3 @@ def _request_limits(comps: dict[str, Any], settings: ServeSettings, vocab: int) 
                 branch["items"]["minLength"] = 1
         elif branch.get("type") == "string":
             branch["minLength"] = 1
-    if "suffix" in completion:
-        completion["suffix"] = {"type": "null"}

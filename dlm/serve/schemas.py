@@ -110,8 +110,6 @@ class CompletionRequest(SamplingRequest):
             return "max_tokens", "max_tokens=0 returns the prompt only and needs echo=true; ask for at least 1 token"
         if self.echo and self.stream:
             return "echo", "echo is not supported with stream=true; set stream to false (or echo to false)"
-        if self.suffix:
-            return "suffix", "suffix (insertion) is not supported by dlm serve; leave it out"
         if isinstance(self.prompt, list) and len(self.prompt) > MAX_PROMPTS:
             return "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompt)}"
         return super().unsupported()

@@ -95,7 +95,14 @@ class OpenAIServing:
         for pi, ids in enumerate(parsed.prompts):
             for j in range(n):
                 params = sampling_params(
-                    body, parsed.max_tokens, j, parsed.logprobs, parsed.echo, self.validator.eos_ids, parsed.structured
+                    body,
+                    parsed.max_tokens,
+                    j,
+                    parsed.logprobs,
+                    parsed.echo,
+                    self.validator.eos_ids,
+                    parsed.structured,
+                    parsed.suffix_ids,
                 )
                 handles.append(self.scheduler.submit(ids, params, tag=pi * n + j, out=out, loop=loop))
         rid = self.id_prefix + uuid.uuid4().hex[:24]

@@ -67,6 +67,7 @@ class ParsedRequest:
     # chat: how the answer's reasoning is read (dlm.serve.reasoning): "open" (the prompt opened a <think> block),
     # "tags" (the answer may open one); None: no reasoning parser
     reasoning: str | None = None
+    suffix_ids: tuple[int, ...] = ()  # completions' suffix: the text after the answer (fill-in-the-middle)
 
     def reader(self):
         """A fresh reader of one choice's answer as reasoning, content and tool calls, or None (all content)."""
@@ -89,11 +90,13 @@ def sampling_params(
     echo: bool = False,
     eos_ids: tuple[int, ...] = (),
     structured: StructuredOutput | None = None,
+    suffix_ids: tuple[int, ...] = (),
 ) -> SamplingParams:
     """The engine's sampling parameters for choice ``choice`` of ``body`` (choice j samples with ``seed + j``);
     ``logprobs``: alternatives per token (None: none), for the prompt's tokens too with ``echo``. ``max_tokens``
     0 (the prompt only) runs one token, which the answer leaves out; ``eos_ids``: the model's end-of-sequence
-    tokens, which ``stop_token_ids`` add to; ``structured``: the checked structured output."""
+    tokens, which ``stop_token_ids`` add to; ``structured``: the checked structured output; ``suffix_ids``: the
+    text after the answer (a completion's ``suffix``)."""
     from dlm.decode.sampling import SamplingParams
 
     seed = None if body.seed is None else body.seed + choice
@@ -117,6 +120,7 @@ def sampling_params(
         stop_token_ids=None if stop_ids is None else tuple(stop_ids),
         min_tokens=min(body.min_tokens, max(max_tokens, 1)),
         structured=structured,
+        suffix_ids=suffix_ids,
     )
 
 
@@ -165,6 +169,7 @@ class RequestValidator:
         decoder: str | None = None,
         left_to_right: bool = True,
         eos_ids: tuple[int, ...] = (),
+        fills_middle: bool = False,
     ):
         self.settings = settings
         self.tokenizer = tokenizer
@@ -174,6 +179,7 @@ class RequestValidator:
         self.decoder = decoder  # the engine's decoder name (for messages)
         self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
         self.eos_ids = eos_ids  # the engine's default stop tokens
+        self.fills_middle = fills_middle  # whether the decoder takes a suffix (mdm)
         from dlm.serve import reasoning, tool_calls
 
         self.tool_parser = tool_calls.resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
@@ -193,6 +199,7 @@ class RequestValidator:
             engine.decoder.name,
             bool(engine.decoder.causal),
             tuple(sorted(engine.default_stop)),
+            bool(getattr(engine.decoder, "fills_middle", False)),
         )
 
     # -- the two request kinds -------------------------------------------------------------------------------
@@ -212,7 +219,32 @@ class RequestValidator:
             raise APIError(400, "the prompt is empty; send a string, a list of strings or token ids", param="prompt")
         self.scored(body.logprobs, "logprobs")
         prompt_ids = [self.prompt_ids(x) for x in prompts]
-        return ParsedRequest(prompt_ids, max_tokens, body.logprobs, body.echo, self.structured(body))
+        suffix = self.suffix(body.suffix, prompt_ids, max_tokens) if body.suffix else ()
+        return ParsedRequest(prompt_ids, max_tokens, body.logprobs, body.echo, self.structured(body), suffix_ids=suffix)
+
+    def suffix(self, text: str, prompts: list[list[int]], max_tokens: int) -> tuple[int, ...]:
+        """A completion's ``suffix`` as token ids: 400 naming it unless the decoder fills the middle (mdm) and
+        every prompt, its answer and the suffix fit the context together."""
+        if not self.fills_middle:
+            raise APIError(
+                400,
+                f"suffix (text after the answer: fill-in-the-middle) needs a bidirectional DLM served with --decode "
+                f"mdm, which sees both sides of the masks it fills; this server decodes with {self.decoder!r}",
+                param="suffix",
+                code="unsupported_parameter",
+            )
+        ids = self.encode(text)
+        if self.mask_token_id is not None and self.mask_token_id in ids:
+            raise APIError(400, "the suffix holds the mask token; remove it", param="suffix")
+        longest = max(len(p) for p in prompts) + max(max_tokens, 1) + len(ids)
+        if longest > self.max_positions:
+            raise APIError(
+                400,
+                f"prompt + max_tokens + suffix is {longest} tokens, over the model's context of {self.max_positions}; "
+                f"shorten one of them",
+                param="suffix",
+            )
+        return tuple(ids)
 
     def chat(self, body: ChatCompletionRequest) -> ParsedRequest:
         """``/v1/chat/completions``: the messages through the model's chat template, with the generation prompt."""

@@ -44,7 +44,9 @@ class ModelConfig:
     """The model to train."""
 
     name: str = opt("smollm2-135m", "alias, AR folder (converted on load) or DLM folder (trained further)")
-    objective: str = opt("idlm", "training objective", choices=OBJECTIVES)
+    objective: str = opt(
+        "idlm", "training objective (dlm train on a DLM folder: its own unless given)", choices=OBJECTIVES
+    )
     block_size: int | None = opt(
         None, "masks per block (block / idlm); None: the model's, else the objective's default (block 4, idlm 1)"
     )

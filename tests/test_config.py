@@ -189,6 +189,38 @@ def test_cli_flags_and_section_keys(capsys):
     assert "did you mean: --train.max_minutes" in capsys.readouterr().err
 
 
+def test_a_dlm_trains_on_with_its_own_objective(tmp_path):
+    """Without --objective (flag, section key or YAML) a DLM folder - dlm's own or a published family's - trains with
+    the objective it has; an AR model keeps the default (idlm) and a given objective always wins."""
+    import json
+
+    from dlm.cli import build_parser
+    from dlm.commands.train import build_config
+
+    def objective(model, *extra, config=None):
+        argv = ["train", "--model", str(model), "--data", "c.jsonl", *extra]
+        return build_config(
+            build_parser().parse_args(argv + (["--config", str(config)] if config else []))
+        ).model.objective
+
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / "config.json").write_text(json.dumps({"model_type": "llama", "dlm_objective": "mdm"}))
+    published = tmp_path / "published"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps({"model_type": "llada2_moe"}))
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert objective(own) == "mdm" and objective(published) == "block"
+    assert objective(plain) == "idlm" and objective("smollm2-135m") == "idlm"
+    assert objective(own, "--objective", "block") == "block"
+    assert objective(own, "--model.objective", "idlm") == "idlm"
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("model:\n  objective: block\n")
+    assert objective(own, config=yaml_file) == "block"
+
+
 def test_presets_ship_in_the_package_and_load_by_name():
     """``dlm train --config idlm_b2_cpu`` works from an installed wheel: the presets live inside the package, the
     package data globs of pyproject.toml cover each of them (and match something each), and every preset opens

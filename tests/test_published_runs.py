@@ -54,7 +54,7 @@ def test_llada2_fine_tuned_then_exported_to_its_own_layout(tmp_path):
     (tmp_path / "chat.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     src = write_llada2(tmp_path / "llada2", block_size=8)
     out, exported = tmp_path / "tuned", tmp_path / "tuned-llada2"
-    train = ["train", "--model", str(src), "--data", str(tmp_path / "chat.jsonl"), "--objective", "block"]
+    train = ["train", "--model", str(src), "--data", str(tmp_path / "chat.jsonl")]  # its own objective: block
     train += ["--seq-length", "32"]
     train += ["--batch-size", "4", "--max-train-steps", "3", "--learning-rate", "1e-2", "--output-dir", str(out)]
     assert main([*train, "--train.progress", "false"]) == 0

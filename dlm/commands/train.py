@@ -141,10 +141,49 @@ def build_config(args: argparse.Namespace):
     from dlm.config import TrainingConfig, apply_mapping, load_yaml
 
     cfg = TrainingConfig()
+    mapping = load_yaml(args.config) if args.config else {}
     if args.config:
-        apply_mapping(cfg, load_yaml(args.config), where=f" in '{args.config}'", in_file=True)
-    apply_mapping(cfg, overrides_from_args(args), where=" on the command line")
+        apply_mapping(cfg, mapping, where=f" in '{args.config}'", in_file=True)
+    given = overrides_from_args(args)
+    apply_mapping(cfg, given, where=" on the command line")
+    if not (_names_objective(mapping) or _names_objective(given)):  # a DLM trains on with its own objective
+        own = _own_objective(cfg.model.name)
+        if own is not None:
+            cfg.model.objective = own
     return cfg.validate()
+
+
+def _names_objective(mapping: dict) -> bool:
+    """Whether a config mapping (YAML or flags; flat aliases, section.key or nested sections) sets the objective."""
+    from dlm.config import ALIASES
+
+    for key, value in mapping.items():
+        key = str(key).replace("-", "_")
+        if key == "model.objective" or ALIASES.get(key, ("",))[0] == "model.objective":
+            return True
+        if key == "model" and isinstance(value, dict) and "objective" in value:
+            return True
+    return False
+
+
+def _own_objective(name: str) -> str | None:
+    """The objective of a DLM folder (a dlm folder's ``dlm_objective``, a published family's), None for anything
+    else (an AR model, an alias, a path that is not there: the loader names those)."""
+    import json
+    from pathlib import Path
+
+    from dlm.model.families import OBJECTIVE, family_of
+
+    path = Path(name) / "config.json"
+    try:
+        fields = json.loads(path.read_text())
+        family = family_of(fields)
+    except (OSError, ValueError, TypeError):
+        return None
+    if not isinstance(fields, dict):
+        return None
+    own = fields.get("dlm_objective") or (OBJECTIVE[family] if family is not None else None)
+    return own if isinstance(own, str) else None
 
 
 def run(args: argparse.Namespace) -> int:

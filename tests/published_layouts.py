@@ -293,6 +293,29 @@ def write_fast_dllm_v2(path, seed: int = 0, bd_size: int = 4, **override) -> Pat
     return path
 
 
+def _top(g, embedding: str) -> dict:
+    """The weights outside the layers: the embedding (under its family's name), the final norm, the output head."""
+    return {
+        embedding: _rand(g, VOCAB, HIDDEN, scale=1.0),
+        "model.norm.weight": _norm(g, HIDDEN),
+        "lm_head.weight": _rand(g, VOCAB, HIDDEN),
+    }
+
+
+def _mlp(g, prefix: str, width: int) -> dict:
+    """A SiLU-gated MLP's weights under ``prefix`` (``gate_proj``, ``up_proj``, ``down_proj``)."""
+    shapes = (("gate", (width, HIDDEN)), ("up", (width, HIDDEN)), ("down", (HIDDEN, width)))
+    return {f"{prefix}.{n}_proj.weight": _rand(g, *shape) for n, shape in shapes}
+
+
+def _experts(g, prefix: str, n: int, width: int) -> dict:
+    """``n`` routed experts under ``prefix``.experts.E, one tensor per expert as checkpoints hold them."""
+    out: dict = {}
+    for e in range(n):
+        out.update(_mlp(g, f"{prefix}.experts.{e}", width))
+    return out
+
+
 def write_llada2(path, seed: int = 0, shared: int = 1, kv_heads: int = 2, **override) -> Path:
     """inclusionAI/LLaDA2.0-mini / LLaDA2.1-mini layout (Bailing-style MoE: ``word_embeddings``, fused
     ``query_key_value``, ``query_layernorm`` / ``key_layernorm``, ``dense``; the first layer dense, the others with
@@ -355,11 +378,7 @@ def write_llada2(path, seed: int = 0, shared: int = 1, kv_heads: int = 2, **over
     }
     config.update(override)
     d = HIDDEN
-    state = {
-        "model.word_embeddings.weight": _rand(g, VOCAB, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, VOCAB, d),
-    }
+    state = _top(g, "model.word_embeddings.weight")
     for i in range(layers):
         p = f"model.layers.{i}"
         state.update(
@@ -373,18 +392,13 @@ def write_llada2(path, seed: int = 0, shared: int = 1, kv_heads: int = 2, **over
             }
         )
         if i < config["first_k_dense_replace"]:
-            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
-                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            state.update(_mlp(g, f"{p}.mlp", FFN))
             continue
         state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
         state[f"{p}.mlp.gate.expert_bias"] = _rand(g, experts, scale=0.2).float()
-        for e in range(experts):
-            for n, shape in (("gate", (moe_ffn, d)), ("up", (moe_ffn, d)), ("down", (d, moe_ffn))):
-                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+        state.update(_experts(g, f"{p}.mlp", experts, moe_ffn))
         if shared:
-            w = moe_ffn * shared
-            for n, shape in (("gate", (w, d)), ("up", (w, d)), ("down", (d, w))):
-                state[f"{p}.mlp.shared_experts.{n}_proj.weight"] = _rand(g, *shape)
+            state.update(_mlp(g, f"{p}.mlp.shared_experts", moe_ffn * shared))
     _save(path, config, state)
     _tokenizer(path, "<|mask|>")
     return path
@@ -443,11 +457,7 @@ def write_llada_moe(path, seed: int = 0, **override) -> Path:
     }
     config.update(override)
     d = HIDDEN
-    state = {
-        "model.embed_tokens.weight": _rand(g, VOCAB, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, VOCAB, d),
-    }
+    state = _top(g, "model.embed_tokens.weight")
     for i in range(layers):
         p = f"model.layers.{i}"
         state.update(
@@ -463,13 +473,10 @@ def write_llada_moe(path, seed: int = 0, **override) -> Path:
             }
         )
         if config["moe_layer_freq"][i] == 0:
-            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
-                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            state.update(_mlp(g, f"{p}.mlp", FFN))
             continue
         state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
-        for e in range(experts):
-            for n, shape in (("gate", (expert_ffn, d)), ("up", (expert_ffn, d)), ("down", (d, expert_ffn))):
-                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+        state.update(_experts(g, f"{p}.mlp", experts, expert_ffn))
     _save(path, config, state)
     _tokenizer(path, "<|mask|>")
     return path
@@ -505,11 +512,7 @@ def write_sdar_moe(path, seed: int = 0, block_size: int | None = 4, **override) 
         config.update(block_size=block_size, mask_token_id=MASK)
     config.update(override)
     d, kv = HIDDEN, config["num_key_value_heads"]
-    state = {
-        "model.embed_tokens.weight": _rand(g, VOCAB, d, scale=1.0),
-        "model.norm.weight": _norm(g, d),
-        "lm_head.weight": _rand(g, VOCAB, d),
-    }
+    state = _top(g, "model.embed_tokens.weight")
     for i in range(layers):
         p = f"model.layers.{i}"
         state.update(
@@ -525,13 +528,10 @@ def write_sdar_moe(path, seed: int = 0, block_size: int | None = 4, **override) 
             }
         )
         if i in config["mlp_only_layers"]:
-            for n, shape in (("gate", (FFN, d)), ("up", (FFN, d)), ("down", (d, FFN))):
-                state[f"{p}.mlp.{n}_proj.weight"] = _rand(g, *shape)
+            state.update(_mlp(g, f"{p}.mlp", FFN))
             continue
         state[f"{p}.mlp.gate.weight"] = _rand(g, experts, d, scale=0.5)
-        for e in range(experts):
-            for n, shape in (("gate", (moe_ffn, d)), ("up", (moe_ffn, d)), ("down", (d, moe_ffn))):
-                state[f"{p}.mlp.experts.{e}.{n}_proj.weight"] = _rand(g, *shape)
+        state.update(_experts(g, f"{p}.mlp", experts, moe_ffn))
     _save(path, config, state)
     _tokenizer(path, "<|MASK|>")
     return path
@@ -563,6 +563,21 @@ def _rope(x, pos, theta):
     return x * cos + half * sin
 
 
+def _swiglu(W: dict, h: torch.Tensor, prefix: str) -> torch.Tensor:
+    """The SiLU-gated MLP under ``prefix`` of the weights ``W``."""
+    gate, up = h @ W[f"{prefix}.gate_proj.weight"].T, h @ W[f"{prefix}.up_proj.weight"].T
+    return (torch.nn.functional.silu(gate) * up) @ W[f"{prefix}.down_proj.weight"].T
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Softmax attention of queries [H, L, d] over keys / values [KV, L, d] (grouped: each shared by H / KV heads)
+    under ``allowed`` [L, L]; [L, H * d]."""
+    heads, L, hd = q.shape
+    k, v = k.repeat_interleave(heads // k.shape[0], 0), v.repeat_interleave(heads // v.shape[0], 0)
+    scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd)
+
+
 def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) -> torch.Tensor:
     """LLaDA2's forward from its definition (Bailing-style MoE) on its own weight names."""
     heads, hd, eps = cfg["num_attention_heads"], cfg["head_dim"], cfg["rms_norm_eps"]
@@ -570,12 +585,9 @@ def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) ->
     rd = int(hd * cfg["partial_rotary_factor"])
     L = len(ids)
     pos = torch.arange(L)
-    silu = torch.nn.functional.silu
 
     def mlp(h, p):
-        return (silu(h @ W[f"{p}.gate_proj.weight"].T) * (h @ W[f"{p}.up_proj.weight"].T)) @ W[
-            f"{p}.down_proj.weight"
-        ].T
+        return _swiglu(W, h, p)
 
     x = W["model.word_embeddings.weight"][torch.tensor(ids)]
     for i in range(cfg["num_hidden_layers"]):
@@ -591,9 +603,7 @@ def _llada2_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tensor) ->
         theta = cfg["rope_theta"]
         q = torch.cat([_rope(q[..., :rd], pos, theta), q[..., rd:]], -1)  # only the first rd dims rotate
         k = torch.cat([_rope(k[..., :rd], pos, theta), k[..., rd:]], -1)
-        k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
-        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
-        x = x + (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd) @ W[f"{p}.attention.dense.weight"].T
+        x = x + _attend(q, k, v, allowed) @ W[f"{p}.attention.dense.weight"].T
         if f"{p}.attention.dense.bias" in W:  # use_bias
             x = x + W[f"{p}.attention.dense.bias"]
         h = _rms(x, W[f"{p}.post_attention_layernorm.weight"], eps)
@@ -628,12 +638,9 @@ def _softmax_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tenso
     kv, hd = cfg["num_key_value_heads"], cfg.get("head_dim") or cfg["hidden_size"] // heads
     L = len(ids)
     pos = torch.arange(L)
-    silu = torch.nn.functional.silu
 
     def mlp(h, p):
-        return (silu(h @ W[f"{p}.gate_proj.weight"].T) * (h @ W[f"{p}.up_proj.weight"].T)) @ W[
-            f"{p}.down_proj.weight"
-        ].T
+        return _swiglu(W, h, p)
 
     x = W["model.embed_tokens.weight"][torch.tensor(ids)]
     for i in range(cfg["num_hidden_layers"]):
@@ -644,9 +651,7 @@ def _softmax_moe_logits(cfg: dict, W: dict, ids: list[int], allowed: torch.Tenso
         v = (h @ W[f"{p}.self_attn.v_proj.weight"].T).view(L, kv, hd)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))
         q, k = _rope(q, pos, theta), _rope(k, pos, theta)
-        k, v = k.repeat_interleave(heads // kv, 0), v.repeat_interleave(heads // kv, 0)
-        scores = ((q @ k.transpose(-1, -2)) / math.sqrt(hd)).masked_fill(~allowed[None], float("-inf"))
-        x = x + (scores.softmax(-1) @ v).transpose(0, 1).reshape(L, heads * hd) @ W[f"{p}.self_attn.o_proj.weight"].T
+        x = x + _attend(q, k, v, allowed) @ W[f"{p}.self_attn.o_proj.weight"].T
         h = _rms(x, W[f"{p}.post_attention_layernorm.weight"], eps)
         if i in dense:
             x = x + mlp(h, f"{p}.mlp")

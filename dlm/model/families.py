@@ -240,19 +240,30 @@ def _llada_config(fields: dict, path: Path):
     )
 
 
+def _moe_sizes(fields: dict, path: Path, expert_width: str) -> tuple[int, ...]:
+    """A mixture of experts' sizes from config.json (each named in the error where it is missing): hidden size,
+    layers, attention heads, vocabulary, experts, experts per token, and an expert's width (key ``expert_width``)."""
+    return tuple(
+        _need(fields, key, path, what)
+        for key, what in (
+            ("hidden_size", "the hidden size"),
+            ("num_hidden_layers", "the number of layers"),
+            ("num_attention_heads", "the number of attention heads"),
+            ("vocab_size", "the vocabulary size"),
+            ("num_experts", "the number of routed experts"),
+            ("num_experts_per_tok", "the experts per token"),
+            (expert_width, "the width of an expert"),
+        )
+    )
+
+
 def _llada2_config(fields: dict, path: Path):
     """LLaDA2's Bailing-style MoE as transformers' GLM-4-MoE: the same computation (QK-norm before a partial rotary
     embedding, sigmoid routing with a selection-only expert bias, group-limited top-k, renormalised and scaled
     weights, shared experts, dense first layers) under other names (see :func:`_llada2_state`)."""
     from transformers import Glm4MoeConfig
 
-    hidden = _need(fields, "hidden_size", path, "the hidden size")
-    layers = _need(fields, "num_hidden_layers", path, "the number of layers")
-    heads = _need(fields, "num_attention_heads", path, "the number of attention heads")
-    vocab = _need(fields, "vocab_size", path, "the vocabulary size")
-    experts = _need(fields, "num_experts", path, "the number of routed experts")
-    top_k = _need(fields, "num_experts_per_tok", path, "the experts per token")
-    moe_ffn = _need(fields, "moe_intermediate_size", path, "the width of an expert")
+    hidden, layers, heads, vocab, experts, top_k, moe_ffn = _moe_sizes(fields, path, "moe_intermediate_size")
     kv = fields.get("num_key_value_heads") or heads  # 0 means as many as the attention heads (LLaDA2's class)
     head_dim = fields.get("head_dim") or hidden // heads
     dense = int(fields.get("first_k_dense_replace") or 0)
@@ -326,13 +337,7 @@ def _llada_moe_config(fields: dict, path: Path):
     layers where ``moe_layer_freq`` says 0."""
     from transformers import Qwen3MoeConfig
 
-    hidden = _need(fields, "hidden_size", path, "the hidden size")
-    layers = _need(fields, "num_hidden_layers", path, "the number of layers")
-    heads = _need(fields, "num_attention_heads", path, "the number of attention heads")
-    vocab = _need(fields, "vocab_size", path, "the vocabulary size")
-    experts = _need(fields, "num_experts", path, "the number of experts")
-    top_k = _need(fields, "num_experts_per_tok", path, "the experts per token")
-    expert_ffn = _need(fields, "expert_intermediate_size", path, "the width of an expert")
+    hidden, layers, heads, vocab, experts, top_k, expert_ffn = _moe_sizes(fields, path, "expert_intermediate_size")
     freq = fields.get("moe_layer_freq") or [1] * layers
     if not isinstance(freq, list) or len(freq) != layers:
         raise DLMError(f"'{path}': 'moe_layer_freq' must list one 0/1 per layer ({layers}), got {freq!r}")

@@ -281,7 +281,11 @@ def test_diffusion_decoders_are_served_batched(tiny_dir, decode, kw):
         assert sync.models.list().data
 
 
-def test_cancelled_stream_does_not_stall_others(server, client, engine):
+def test_cancelled_stream_does_not_stall_others(server, client, engine, monkeypatch):
+    # engine steps of 20 ms: the long request cannot finish its LIMIT tokens before the server sees the client go
+    # (on a fast CPU the tiny model wrote them all first, and nothing was left to abort)
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda *a, **k: (time.sleep(0.02), step(*a, **k))[1])
     long = client.completions.create(
         model=MODEL,
         prompt="Numbers: 0 1 2",
@@ -394,7 +398,7 @@ BAD = [
     ("/v1/completions", b'{"model": "tiny", "prompt": [5, 99999]}', 400, "prompt"),  # not in vocab
     ("/v1/completions", b'{"model": "tiny", "prompt": [320]}', 400, "prompt"),  # the mask token
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ""}', 400, "stop"),
-    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true, "stream": true}', 400, "echo"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "echo": true, "stream": true, "logprobs": 1}', 400, "echo"),
     ("/v1/completions", b'{"model": "tiny", "prompt": "x", "logprobs": 21}', 400, "logprobs"),
     (
         "/v1/chat/completions",

@@ -198,6 +198,39 @@ def test_echo_scores_the_prompt_as_lm_eval_reads_it(server, engine):
     assert echo_only["text"].startswith("Hi there") and echo_only["logprobs"] is None
 
 
+def test_echo_streamed_equals_collected(server, engine):
+    """``echo`` with ``stream``: each choice's first chunk is its prompt (as the collected answer shows it, special
+    tokens included), then the answer's deltas; ``max_tokens`` 0 streams the prompt alone with finish ``length`` and
+    no completion tokens in the usage. Several prompts and ``n`` > 1 keep each choice's own prompt."""
+    prompts = ["Hi there", "The cat sat"]
+    for max_tokens in (4, 0):
+        body = {"model": MODEL, "prompt": prompts, "echo": True, "max_tokens": max_tokens, "n": 2, "temperature": 0}
+        collected = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+        events = []
+        with httpx.stream(
+            "POST",
+            server.url + "/v1/completions",
+            json=dict(body, stream=True, stream_options={"include_usage": True}),
+            timeout=60,
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    events.append(json.loads(line[len("data: ") :]))
+        texts, finish = {}, {}
+        for e in events:
+            for c in e["choices"]:
+                if not texts.get(c["index"]):  # the first text of a choice: its prompt
+                    assert c["text"] == prompts[c["index"] // 2]
+                texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+                finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+        want = {c["index"]: c["text"] for c in collected["choices"]}
+        assert texts == want and len(want) == 4
+        assert finish == {c["index"]: c["finish_reason"] for c in collected["choices"]}
+        assert events[-1]["usage"] == collected["usage"]
+        if max_tokens == 0:
+            assert set(want.values()) == set(prompts) and collected["usage"]["completion_tokens"] == 0
+
+
 def test_refused_with_a_diffusion_decoder(tmp_path):
     from dlm.testing import save_tiny
 

@@ -43,8 +43,13 @@ def test_completion_refusals(validator):
     refused(c, CompletionRequest(model="other", prompt="x"), 404, "model", "model_not_found")
     refused(c, CompletionRequest(model="tiny", prompt="x", max_tokens=33), 400, "max_tokens", "invalid_value")
     refused(
-        c, CompletionRequest(model="tiny", prompt="x", echo=True, stream=True), 400, "echo", "unsupported_parameter"
+        c,
+        CompletionRequest(model="tiny", prompt="x", echo=True, stream=True, logprobs=1),
+        400,
+        "echo",
+        "unsupported_parameter",
     )
+    assert c(CompletionRequest(model="tiny", prompt="x", echo=True, stream=True)).echo  # without logprobs: taken
     refused(c, CompletionRequest(model="tiny", prompt="x", max_tokens=0), 400, "max_tokens", "unsupported_parameter")
     refused(c, CompletionRequest(model="tiny", prompt=[]), 400, "prompt")
     refused(c, CompletionRequest(model="tiny", prompt=[[]]), 400, "prompt")

@@ -108,8 +108,8 @@ class CompletionRequest(SamplingRequest):
     def unsupported(self) -> tuple[str, str] | None:
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens=0 returns the prompt only and needs echo=true; ask for at least 1 token"
-        if self.echo and self.stream:
-            return "echo", "echo is not supported with stream=true; set stream to false (or echo to false)"
+        if self.echo and self.stream and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported with stream=true; set stream to false (or drop one)"
         if isinstance(self.prompt, list) and len(self.prompt) > MAX_PROMPTS:
             return "prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(self.prompt)}"
         return super().unsupported()

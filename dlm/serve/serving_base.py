@@ -144,6 +144,10 @@ class OpenAIServing:
             "total_tokens": prompt_tokens + completion_tokens,
         }
 
+    def echo_text(self, parsed: ParsedRequest, index: int, choices: int) -> str:
+        """The text a streamed choice starts with before its answer (completions' ``echo``: the prompt)."""
+        return ""
+
     async def collect(
         self, request: Request, handles: list[Handle], out: asyncio.Queue[Item], rid: str, parsed: ParsedRequest
     ) -> dict[str, Any] | JSONResponse:
@@ -225,13 +229,22 @@ class OpenAIServing:
             if self.opens_with_role:
                 for i in range(len(handles)):
                     yield chunk([self.chunk_choice(i, "", None, role=True)])
+            for i in range(len(handles)):  # echo: each choice starts with its prompt
+                head = self.echo_text(parsed, i, len(handles))
+                if head:
+                    yield chunk([self.chunk_choice(i, head, None)])
             while finished < len(handles):
                 try:
                     tag, kind, payload = await asyncio.wait_for(out.get(), KEEPALIVE_S)
                 except asyncio.TimeoutError:
                     yield SSE_KEEPALIVE
                     continue
-                if kind == "tokens":
+                if kind == "tokens" and parsed.max_tokens == 0:
+                    continue  # the prompt only (echo): the one token the engine runs is not part of the answer
+                if kind == "done" and parsed.max_tokens == 0:
+                    finished += 1
+                    yield chunk([self.chunk_choice(tag, self.final_text, "length")])
+                elif kind == "tokens":
                     ids, logprobs = payload
                     delta = texts[tag].feed(ids)
                     if scorers is not None:

@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 class CompletionHandler(OpenAIServing):
     """Completions: one choice per (prompt, n); the stream's chunks carry ``text``. With ``echo`` the choice's text
-    (and its log-probabilities) starts with the prompt; ``max_tokens`` 0 then answers the prompt alone."""
+    (and its log-probabilities) starts with the prompt - a stream's first chunk of each choice is its prompt;
+    ``max_tokens`` 0 then answers the prompt alone."""
 
     id_prefix = "cmpl-"
     object = "text_completion"
@@ -31,9 +32,7 @@ class CompletionHandler(OpenAIServing):
         entries: list[Scored] = []
         head = ""
         if parsed.echo:  # the prompt's tokens as they are (special ones included), the first without a logprob
-            prompt = Scorer(self.validator.tokenizer, skip_special=False).feed(
-                result.prompt_ids, result.prompt_logprobs
-            )
+            prompt = self.prompt_entries(result.prompt_ids, result.prompt_logprobs)
             head = "".join(e.token.text for e in prompt if e.width)
             entries += prompt
         if parsed.max_tokens > 0:
@@ -45,6 +44,16 @@ class CompletionHandler(OpenAIServing):
             text, finish = head, "length"
         logprobs = completion_logprobs(entries) if parsed.logprobs is not None else None
         return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+    def prompt_entries(self, ids: list[int], logprobs: list | None) -> list[Scored]:
+        """The prompt's tokens as ``echo`` shows them: as they are (special ones included), scored where given."""
+        return Scorer(self.validator.tokenizer, skip_special=False).feed(ids, logprobs)
+
+    def echo_text(self, parsed: ParsedRequest, index: int, choices: int) -> str:
+        if not parsed.echo:
+            return ""
+        ids = parsed.prompts[index // (choices // len(parsed.prompts))]  # choice index: prompt * n + j
+        return "".join(e.token.text for e in self.prompt_entries(ids, None) if e.width)
 
     def chunk_choice(
         self,

@@ -487,6 +487,14 @@ def test_the_family_sampler_is_the_default(models):
     assert Engine(models["llada2"], decoder="block", threshold=0.5).decoder.threshold == 0.5  # given: kept
     assert Engine(models["llada2"], decoder=BlockConfig()).decoder.threshold == 0.9  # a whole config: the caller's
     assert Engine(models["sdar"], decoder="block").decoder.threshold == 0.9  # dlm's
+    from dlm.cli import build_parser
+    from dlm.decode.configs import config_from_args
+
+    def cli(*flags):  # the commands' path: flags -> config -> engine
+        args = build_parser().parse_args(["generate", "--prompt", "x", "--decode", "block", *flags])
+        return Engine(models["llada2"], decoder=config_from_args(args)).decoder.threshold
+
+    assert cli() == 0.95 and cli("--threshold", "0.6") == 0.6
 
 
 def test_sampler_option_errors():

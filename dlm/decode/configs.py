@@ -401,8 +401,13 @@ def make_config(decoder: str | DecoderConfig, **settings) -> DecoderConfig:
         raise DLMError(f"unknown decoder setting(s) {', '.join(sorted(unknown))} for --decode {cls.name}")
     if foreign:
         raise _not_a_setting(cls.name, foreign)
-    config = cls(**kw)
-    object.__setattr__(config, "given", frozenset(kw))  # the caller's settings; the rest may take a family's defaults
+    return _with_given(cls(**kw), kw)
+
+
+def _with_given(config: DecoderConfig, given: dict[str, Any]) -> DecoderConfig:
+    """``config`` marked with the settings its caller chose: the others may take a model family's defaults
+    (:func:`with_family_defaults`)."""
+    object.__setattr__(config, "given", frozenset(given))
     return config
 
 
@@ -548,7 +553,7 @@ def config_from_args(
     for k, v in (command_defaults or {}).items():
         if k in fields and k not in given:
             given[k] = v
-    return entry(name).config(**given)
+    return _with_given(entry(name).config(**given), given)
 
 
 def parse_settings(values: dict[str, Any]) -> dict[str, Any]:

@@ -609,7 +609,8 @@ class Engine:
             if not getattr(self.decoder, "fills_middle", False):
                 raise DLMError(
                     f"a suffix (text after the answer: fill-in-the-middle) needs --decode mdm on a bidirectional "
-                    f"DLM, which sees both sides of the masks it fills; {self.decoder.name!r} writes left to right"
+                    f"DLM, which sees both sides of the masks it fills; --decode {self.decoder.name} writes the "
+                    f"answer in order, with nothing after it"
                 )
             vocab = int(self.config.vocab_size)
             if any(not 0 <= t < vocab or t == self.mask_token_id for t in params.suffix_ids):

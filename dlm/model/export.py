@@ -4,8 +4,8 @@ The inverse of :mod:`dlm.model.families`: the same weights under the family's na
 family's fields, so that the engines that read that family serve it (docs/models.md says which reads which).
 
 - ``sdar``: Qwen3 (or Qwen3-MoE: SDAR-MoE) models; a block-diffusion model without shift (SDAR) or an I-DLM (the
-  I-DLM release's SDAR format: ``use_regular_causal`` true, shift). Weights keep Qwen3's names (one per expert); ``block_size`` and
-  ``mask_token_id`` go into config.json.
+  I-DLM release's SDAR format: ``use_regular_causal`` true, shift). Weights keep Qwen3's names (one per expert);
+  ``block_size`` and ``mask_token_id`` go into config.json.
 - ``llada``: Llama models without biases, masked diffusion without shift; weights renamed to LLaDA's
   ``model.transformer.*`` names.
 - ``dream``: Qwen2 models (or Llama ones, whose attention is Qwen2's with zero q/k/v biases), masked diffusion
@@ -116,9 +116,11 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     )
     if moe and "num_local_experts" in fields:  # transformers' own name; Qwen3-MoE's config.json says num_experts
         fields["num_experts"] = fields.pop("num_local_experts")
+    from dlm.model.families import STACKED_EXPERTS, unstacked_experts
+
     state: dict[str, torch.Tensor] = {}
     for name, t in _state(dlm).items():
-        state.update(_unstacked(name, t) if name.endswith(_STACKED) else {name: t})
+        state.update(unstacked_experts(name, t) if name.endswith(STACKED_EXPERTS) else {name: t})
     return fields, state, None
 
 
@@ -321,45 +323,30 @@ def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
             "mask_token_id": spec.mask_token_id,
         },
     )
+    from dlm.model.families import STACKED_EXPERTS, glm4_moe_to_llada2, unstacked_experts
+
     weights = _state(dlm)
     state: dict[str, torch.Tensor] = {}
     for name, t in weights.items():
-        attn = _SELF_ATTN.match(name)
+        qkv = _QKV.match(name)
+        renamed = glm4_moe_to_llada2(name)
         if name == "model.embed_tokens.weight":
             state["model.word_embeddings.weight"] = t
-        elif attn is not None:
-            layer, part, kind = attn.groups()
-            if part == "q_proj":  # q, k and v as one matrix, rows in that order
-                qkv = [weights[f"{layer}.self_attn.{n}_proj.{kind}"] for n in "qkv"]
-                state[f"{layer}.attention.query_key_value.{kind}"] = torch.cat(qkv, 0)
-            elif part in _LLADA2_ATTN:
-                state[f"{layer}.attention.{_LLADA2_ATTN[part]}.{kind}"] = t
-        elif name.endswith("mlp.gate.e_score_correction_bias"):
-            state[name.replace("e_score_correction_bias", "expert_bias")] = t.float()
-        elif name.endswith(_STACKED):
-            state.update(_unstacked(name, t))
+        elif qkv is not None:
+            layer, part, kind = qkv.groups()
+            if part == "q":  # q, k and v as one matrix, rows in that order
+                parts = [weights[f"{layer}.self_attn.{n}_proj.{kind}"] for n in "qkv"]
+                state[f"{layer}.attention.query_key_value.{kind}"] = torch.cat(parts, 0)
+        elif renamed is not None:
+            state[renamed] = t.float() if renamed.endswith("expert_bias") else t
+        elif name.endswith(STACKED_EXPERTS):
+            state.update(unstacked_experts(name, t))
         elif ".mlp.shared_experts." not in name or c.n_shared_experts:  # (none: LLaDA2 has no module for them)
             state[name] = t
     return fields, {k: v.contiguous() for k, v in state.items()}, None
 
 
-_STACKED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
-
-
-def _unstacked(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
-    """A layer's stacked experts (transformers' ``[E, 2F, H]`` gate-and-up or ``[E, H, F]`` down) as the one
-    tensor per expert the checkpoints hold (``mlp.experts.E.{gate,up,down}_proj.weight``)."""
-    base = name.rsplit(".", 1)[0] + "."
-    if name.endswith("gate_up_proj"):
-        out = {}
-        for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
-            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
-        return out
-    return {f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)}
-
-
-_SELF_ATTN = re.compile(r"^(model\.layers\.\d+)\.self_attn\.(\w+)\.(weight|bias)$")
-_LLADA2_ATTN = {"q_norm": "query_layernorm", "k_norm": "key_layernorm", "o_proj": "dense"}  # k/v: in q's
+_QKV = re.compile(r"^(model\.layers\.\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 
 
 # name -> function(dlm) -> (config.json fields, state dict, generation_config.json fields or None)

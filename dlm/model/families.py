@@ -541,6 +541,7 @@ _LLADA2_PART = {
     "attention.dense.weight": "self_attn.o_proj.weight",
     "mlp.gate.expert_bias": "mlp.gate.e_score_correction_bias",
 }
+_LLADA2_PART_INVERSE = {v: k for k, v in _LLADA2_PART.items()}
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
@@ -557,6 +558,30 @@ def _stacked_experts(parts: dict[tuple[int, str], torch.Tensor], n: int, prefix:
         ),
         prefix + "experts.down_proj": torch.stack([parts[(e, "down")] for e in range(n)]),
     }
+
+
+STACKED_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")  # transformers' names for them
+
+
+def unstacked_experts(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`_stacked_experts` for one of a layer's :data:`STACKED_EXPERTS` tensors: the one tensor
+    per expert checkpoints hold (``mlp.experts.E.{gate,up,down}_proj.weight``; for ``dlm export``)."""
+    base = name.rsplit(".", 1)[0] + "."
+    if name.endswith("gate_up_proj"):
+        out = {}
+        for e, (gate, up) in enumerate(x.chunk(2, dim=0) for x in t):
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        return out
+    return {f"{base}{e}.down_proj.weight": down for e, down in enumerate(t)}
+
+
+def glm4_moe_to_llada2(name: str) -> str | None:
+    """LLaDA2's name of a GLM-4-MoE weight that :func:`_llada2_state` renames (the inverse of ``_LLADA2_PART``),
+    None for the others (q/k/v, fused; experts, stacked; the rest, named alike)."""
+    m = _LAYER_RE.match(name)
+    if m is None or m.group(2) not in _LLADA2_PART_INVERSE:
+        return None
+    return f"model.layers.{m.group(1)}.{_LLADA2_PART_INVERSE[m.group(2)]}"
 
 
 def _with_stacked_experts(state: dict[str, torch.Tensor], n: int, folder: Path) -> dict[str, torch.Tensor]:

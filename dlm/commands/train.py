@@ -169,19 +169,10 @@ def _names_objective(mapping: dict) -> bool:
 def _own_objective(name: str) -> str | None:
     """The objective of a DLM folder (a dlm folder's ``dlm_objective``, a published family's), None for anything
     else (an AR model, an alias, a path that is not there: the loader names those)."""
-    import json
-    from pathlib import Path
+    from dlm.model.families import OBJECTIVE, family_of, read_fields
 
-    from dlm.model.families import OBJECTIVE, family_of
-
-    path = Path(name) / "config.json"
-    try:
-        fields = json.loads(path.read_text())
-        family = family_of(fields)
-    except (OSError, ValueError, TypeError):
-        return None
-    if not isinstance(fields, dict):
-        return None
+    fields = read_fields(name)  # {} where there is no config.json; a damaged one is named, as loading names it
+    family = family_of(fields)
     own = fields.get("dlm_objective") or (OBJECTIVE[family] if family is not None else None)
     return own if isinstance(own, str) else None
 

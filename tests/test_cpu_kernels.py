@@ -643,7 +643,7 @@ def _fake_measure(monkeypatch, stock_ms, kernel_ms, fp32_ms=None):
 
     calls = []
 
-    def measure(layers, ops, repeats=choice.REPEATS):
+    def measure(layers, ops, names=None):
         calls.append(len(layers))
         f32 = fp32_ms if fp32_ms is not None else kernel_ms
         quant = kernel_ms <= f32
@@ -654,7 +654,9 @@ def _fake_measure(monkeypatch, stock_ms, kernel_ms, fp32_ms=None):
             stock_ms={"1": stock_ms, "4": stock_ms},
             kernel_ms={"1": best, "4": best},
             fp32_ms={"1": f32, "4": f32},
+            fp32_kinds=[] if quant else [lab for lab in choice.labels(layers, names or [""] * len(layers))],
             isa=ops.isa(),
+            rounds=choice.ROUNDS,
         )
 
     monkeypatch.setattr(choice, "measure", measure)
@@ -669,8 +671,12 @@ def test_auto_keeps_the_stock_layers_where_the_kernels_are_slower_and_remembers(
     assert not handle and handle.choice is not None and not handle.choice.use
     assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")  # the model is untouched
     assert calls == [2]
-    again = cpu.attach(_net())  # the same machine and shapes: the cached decision, not a second measurement
-    assert not again and again.choice.cached and calls == [2]
+    # a decision for the stock layers is measured again until a second measurement confirms it ...
+    again = cpu.attach(_net())
+    assert not again and not again.choice.cached and again.choice.confirmed == 2 and calls == [2, 2]
+    # ... then it is the cached decision, not a third measurement
+    third = cpu.attach(_net())
+    assert not third and third.choice.cached and calls == [2, 2]
     assert (auto_choice / "cpu_kernel_choice.json").is_file()
 
 
@@ -689,14 +695,7 @@ def test_auto_uses_the_kernels_where_they_are_faster(auto_choice, monkeypatch):
 
 @needs_kernel
 def test_auto_prefers_fp32_packing_where_the_quantized_one_is_slower(auto_choice, monkeypatch):
-    from dlm.testing import make_model
-
-    g = torch.Generator().manual_seed(3)
-    model = make_model("llama", hidden=128, heads=4, kv_heads=2).eval()
-    with torch.no_grad():
-        for mod in model.modules():
-            if isinstance(mod, nn.Linear) and mod is not model.lm_head:
-                mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
+    model = _q4_llama()
     _fake_measure(monkeypatch, stock_ms=3.0, kernel_ms=2.0, fp32_ms=1.0)
     handle = cpu.attach(model)
     assert handle and not handle.choice.quant
@@ -705,15 +704,140 @@ def test_auto_prefers_fp32_packing_where_the_quantized_one_is_slower(auto_choice
 
 
 @needs_kernel
-def test_the_real_measurement_times_each_layer_shape(auto_choice):
-    """The micro-benchmark itself (no fake): totals for 1 and 4 rows, and a decision consistent with them."""
+def test_the_real_measurement_times_each_layer_kind(auto_choice):
+    """The measurement itself (no fake): medians of interleaved rounds for 1 and 4 rows, a decision consistent
+    with them, and the path each layer kind takes."""
     net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     handle = cpu.attach(net)
     ch = handle.choice
     assert set(ch.stock_ms) == set(ch.kernel_ms) == {"1", "4"} and all(v > 0 for v in ch.stock_ms.values())
     assert ch.use == all(ch.kernel_ms[r] <= ch.stock_ms[r] for r in ch.stock_ms) == bool(handle)
-    assert ch.isa == ext.isa() and "x" in ch.summary()
+    assert ch.isa == ext.isa() and "x" in ch.summary() and ch.rounds >= 5
+    assert set(ch.kinds) == {"0 256x64 fp32", "2 64x256 fp32"} and "x1:" in ch.paths()
     cpu.detach(net)
+
+
+def _q4_llama(seed=3):
+    from dlm.testing import make_model
+
+    g = torch.Generator().manual_seed(seed)
+    model = make_model("llama", hidden=128, heads=4, kv_heads=2).eval()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod is not model.lm_head:
+                mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
+    return model
+
+
+def _plant_timings(monkeypatch, ms, slow=None):
+    """Replace each timed call's duration: ``ms[variant]`` milliseconds, or ``slow(variant, n)`` where it returns
+    a number (n: that variant's call count so far) - a slow moment of the machine planted at a known place."""
+    from dlm.decode.cpu import choice
+
+    seen = {v: 0 for v in ms}
+
+    def timed(variant, fn, x):
+        n, seen[variant] = seen[variant], seen[variant] + 1
+        t = slow(variant, n) if slow is not None else None
+        return (t if t is not None else ms[variant]) * 1e-3
+
+    monkeypatch.setattr(choice, "_timed", timed)
+    return seen
+
+
+@needs_kernel
+def test_a_slow_moment_during_the_measurement_is_not_cached(auto_choice, monkeypatch):
+    """The kernels at half the stock time, except for one round in which every kernel call took 30x (a compile,
+    another job): the median of the rounds still picks the kernels and the quantized packing, and so does the
+    cached record. Measured once, as the earlier code did, that moment decided for the stock layers forever."""
+    from dlm.decode.cpu import choice
+
+    model = _q4_llama()
+    n_layers = len(cpu._linear_layers(model))
+    _plant_timings(
+        monkeypatch,
+        {"stock": 2.0, "kernel": 1.0, "f32": 1.5},
+        slow=lambda v, n: 30.0 if v == "kernel" and n < 2 * n_layers else None,  # the whole first round
+    )
+    handle = cpu.attach(model)
+    ch = handle.choice
+    assert handle and ch.use and ch.quant and not ch.fp32_kinds and ch.rounds == choice.ROUNDS
+    assert ch.kernel_ms["1"] == pytest.approx(n_layers * 1.0, rel=1e-3)  # the median, not the slow round
+    rec = choice.cached(choice.cache_key(cpu._linear_layers(model), ext.isa()))
+    assert rec is not None and rec.use and rec.quant
+    cpu.detach(model)
+
+
+@needs_kernel
+def test_a_measurement_that_contradicts_the_machine_is_taken_again(auto_choice, monkeypatch):
+    """This machine's other model shapes run the kernels; a first measurement that says 'stock' (a slow moment
+    that lasted all its rounds) is taken again: the second, which agrees with the machine, is what is used and
+    cached."""
+    from dlm.decode.cpu import choice
+    from dlm.fsutil import write_record
+
+    other = choice.machine_key(ext.isa()) + "|othershape00"
+    write_record(choice.CACHE_FILE, other, {"use": True, "quant": True})
+    net = _net()
+    n_layers = len(cpu._linear_layers(net))
+    per_measure = 2 * n_layers * choice.ROUNDS  # kernel calls of one measurement (no near ties: no extra rounds)
+    calls = _plant_timings(
+        monkeypatch,
+        {"stock": 2.0, "kernel": 1.0, "f32": 1.0},
+        slow=lambda v, n: 10.0 if v == "kernel" and n < per_measure else None,
+    )
+    handle = cpu.attach(net)
+    assert handle and handle.choice.use and "taken again" in handle.choice.note
+    assert calls["kernel"] == 2 * per_measure
+    key = choice.cache_key(cpu._linear_layers(net), ext.isa())
+    assert choice.cached(key).use
+    cpu.detach(net)
+
+    # a shape that really is slower on the kernels here: both measurements say so, and that is cached, confirmed
+    (auto_choice / choice.CACHE_FILE).unlink()
+    write_record(choice.CACHE_FILE, other, {"use": True, "quant": True})
+    calls = _plant_timings(monkeypatch, {"stock": 2.0, "kernel": 10.0, "f32": 10.0})
+    handle = cpu.attach(_net())
+    assert not handle and "confirmed" in handle.choice.note and calls["kernel"] == 2 * per_measure
+    rec = choice.cached(key)
+    assert rec is not None and not rec.use and rec.confirmed == choice.CONFIRM
+
+
+@needs_kernel
+def test_steps_much_slower_than_predicted_drop_the_cached_choice(auto_choice, monkeypatch):
+    from dlm.decode.cpu import choice
+
+    _plant_timings(monkeypatch, {"stock": 2.0, "kernel": 1.0, "f32": 1.0})
+    net = _net()
+    handle = cpu.attach(net)
+    key = choice.cache_key(cpu._linear_layers(net), ext.isa())
+    assert handle and choice.cached(key) is not None
+    predicted = handle.choice.predicted_ms(1) * 1e-3
+    for _ in range(cpu.WATCH):  # as predicted (the rest of a forward costs something too): kept
+        handle.observe(2 * predicted)
+    assert choice.cached(key) is not None
+    for _ in range(cpu.WATCH):
+        handle.observe(5 * predicted)
+    assert choice.cached(key) is None  # the next attach measures again
+    cpu.detach(net)
+    assert not cpu.attach(_net()).choice.cached
+
+
+@needs_kernel
+def test_large_models_are_timed_on_an_even_sample_of_their_layers(monkeypatch):
+    from dlm.decode.cpu import choice
+
+    model = _q4_llama()
+    layers = cpu._linear_layers(model)
+    for m in layers:
+        m._dlm_out, m._dlm_packed, m._dlm_tail = m.weight.shape[0], torch.zeros(1), None
+    kinds = [choice._kind_of(m) for m in layers]
+    total = sum(m.weight.numel() * 4 for m in layers)
+    monkeypatch.setattr(choice, "WORKING_SET", total // 3)
+    chosen = choice._working_set(layers, kinds)
+    assert len(chosen) < len(layers) and {kinds[i] for i in chosen} == set(kinds)
+    monkeypatch.setattr(choice, "WORKING_SET", total)
+    assert choice._working_set(layers, kinds) == list(range(len(layers)))
 
 
 @needs_kernel

@@ -144,3 +144,19 @@ def test_generate_in_a_pipe_prints_no_loading_bars(tiny_dir):
     assert run.returncode == 0, run.stderr[-2000:]
     assert "tokens/s" in run.stdout
     assert "Loading weights" not in run.stderr and "%|" not in run.stderr, run.stderr[-2000:]
+
+
+def test_generate_verbose_says_which_path_each_layer_kind_takes(tiny_dir, capsys, monkeypatch, tmp_path):
+    from dlm.decode import cpu
+
+    if cpu.extension() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    monkeypatch.setenv(cpu.ENV, "auto")
+    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path))
+    argv = ["generate", "--model", str(tiny_dir), "--prompt", "Hi", "--max-new-tokens", "2", "--decode", "ar"]
+    assert main([*argv, "-v"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if x.startswith("dlm generate: CPU kernels: "))
+    assert "median of" in line and "q_proj" in line and "lm_head" in line and "at 1 row" in line
+    assert main(argv) == 0
+    assert "CPU kernels" not in capsys.readouterr().err

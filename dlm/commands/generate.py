@@ -108,6 +108,13 @@ def add_arguments(p) -> None:
         action="store_true",
         help="no progress bar over the prompts (shown for more than one prompt, only when stderr is a terminal)",
     )
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="say on stderr how the engine runs the model: which path each kind of linear layer takes on the CPU "
+        "(the kernels' packing or torch's own layers) and the measured times that chose it",
+    )
 
 
 def read_prompts(args) -> list[str]:
@@ -182,6 +189,24 @@ def structured_from_args(args):
 
 
 def run(args) -> int:
+    if not args.verbose:
+        return _run(args)
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dlm generate: %(message)s"))
+    logger = logging.getLogger("dlm.decode.cpu")  # the kernels' choice at attach (and its choice module)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        return _run(args)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def _run(args) -> int:
     import warnings
 
     from dlm.decode import generate

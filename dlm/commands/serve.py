@@ -288,6 +288,8 @@ def run(args) -> int:
         + f", batch {args.max_batch_size}, on http://{args.host}:{args.port}/v1",
         flush=True,
     )
+    if engine.kernels is not None:  # which path each kind of linear layer takes, and why (the measured times)
+        print(f"dlm serve: CPU kernels: {engine.kernels.describe()}", flush=True)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
         logging.getLogger("dlm.serve").warning(
             "binding %s without --api-key: anyone who can reach this port can use the model", args.host

@@ -541,6 +541,12 @@ class Engine:
         self._grammars: GrammarBook | None = None  # structured outputs' compiler, on first use
 
     @property
+    def kernels(self):
+        """What the CPU kernels' attach did (:class:`dlm.decode.cpu.Attached`; None off the CPU): truthy where the
+        model's layers run through them, ``.choice`` the measured decision and the path of each layer kind."""
+        return self._cpu
+
+    @property
     def mask_id(self) -> int:
         """The mask token's id, for the decoders that feed masks (their ``check_model`` refuses a model without)."""
         if self.mask_token_id is None:
@@ -700,6 +706,8 @@ class Engine:
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
         self.total_forwards += 1
+        watch = self._cpu_kernel and ids.numel() == 1  # a 1-row step: what the kernels' choice predicted
+        t0 = time.perf_counter() if watch else 0.0
         with cpu_kernels.active(self._cpu_kernel):
             out = self.model(
                 input_ids=ids,
@@ -709,6 +717,8 @@ class Engine:
                 logits_to_keep=logits_to_keep,
                 **{self._cache_kw: cache},
             )
+        if watch and self._cpu is not None:
+            self._cpu.observe(time.perf_counter() - t0)
         return out.logits
 
     def _prefill(self, rows: list[Row], past=None) -> list[StepEvent]:

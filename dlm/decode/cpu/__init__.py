@@ -37,6 +37,7 @@ handle of a model does; :func:`detach` does at once).
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -69,21 +70,55 @@ __all__ = [
 ]
 
 RAM_SHARE = 0.25  # pack only when the packed copy takes at most this share of physical memory
+SLOW = 3.0  # 1-row forwards this many times the linears' measured time: the cached choice is measured again
+WATCH = 64  # 1-row forwards per look at their median time
+
+log = logging.getLogger(__name__)
 
 
 class Attached:
     """What :func:`attach` did to a model: truthy where its layers run through the kernels inside
     :func:`active`; :meth:`detach` undoes it (once the model's last handle is detached)."""
 
-    def __init__(self, model: nn.Module, used: bool, choice: _choice.Choice | None = None, why: str = ""):
+    def __init__(
+        self, model: nn.Module, used: bool, choice: _choice.Choice | None = None, why: str = "", key: str | None = None
+    ):
         self.model, self.used, self.choice, self.why = model, used, choice, why
         self._open = used
+        self._key = key  # the cached decision's key (None: forced, not measured)
+        self._seen: list[float] = []
+
+    def observe(self, seconds: float) -> None:
+        """A 1-row forward's wall time, from the engine: where the median of :data:`WATCH` of them is over
+        :data:`SLOW` times the linears' measured time, the cached decision is dropped (measured again at the next
+        start) - the measurement may have been taken at a moment unlike this machine's usual one."""
+        if self._key is None or self.choice is None:
+            return
+        self._seen.append(seconds)
+        if len(self._seen) < WATCH:
+            return
+        med, self._seen = sorted(self._seen)[WATCH // 2] * 1e3, []
+        predicted = self.choice.predicted_ms(1)
+        if predicted > 0 and med > SLOW * predicted:
+            _choice.forget(
+                self._key,
+                f"1-row forwards took {med:.1f} ms (median of {WATCH}), {med / predicted:.1f}x the {predicted:.1f} ms "
+                f"its linear layers were measured at",
+            )
+            self._key = None
 
     def __bool__(self) -> bool:
         return self.used
 
     def __repr__(self) -> str:
         return f"Attached({self.choice.summary() if self.choice is not None else self.why or 'off'})"
+
+    def describe(self) -> str:
+        """The decision and the path of each layer kind (or why the kernels are off)."""
+        if self.choice is None:
+            return f"off ({self.why or 'not attached'})"
+        paths = self.choice.paths()
+        return self.choice.summary() + (f"; {paths}" if paths else "")
 
     def detach(self) -> None:
         if not self._open:
@@ -100,6 +135,18 @@ def _linear_layers(model: nn.Module):
     from dlm.model.lora import _linear_shape  # nn.Linear or GPT-2's Conv1D, as the adapters see them
 
     return [m for m in model.modules() if _linear_shape(m) is not None]
+
+
+def _named_linear_layers(model: nn.Module, layers: list[nn.Module]):
+    """(qualified name, module) of ``layers`` in ``model``'s module order."""
+    wanted = {id(m) for m in layers}
+    seen: set = set()
+    out = []
+    for n, m in model.named_modules():
+        if id(m) in wanted and id(m) not in seen:
+            seen.add(id(m))
+            out.append((n, m))
+    return out
 
 
 def _plain_fp32_cpu(w) -> bool:
@@ -123,6 +170,13 @@ def _physical_memory() -> int:
 
 
 def attach(model: nn.Module) -> Attached:
+    """:func:`_attach`, and what it did logged (``dlm generate -v`` shows it)."""
+    handle = _attach(model)
+    log.info("CPU kernels: %s", handle.describe())
+    return handle
+
+
+def _attach(model: nn.Module) -> Attached:
     """Pack the fp32 CPU linear layers of ``model`` for the kernels and route their forwards (and the norms,
     MLPs and decoder layers that match) through them inside :func:`active` - where they are faster here (see the
     module doc). Idempotent: a model already attached gets another handle on the same packing."""
@@ -131,7 +185,7 @@ def attach(model: nn.Module) -> Attached:
         return Attached(model, False, why="off" if layers else "no fp32 CPU linear layers")
     if getattr(model, "_dlm_cpu_refs", 0) > 0:
         model._dlm_cpu_refs += 1
-        return Attached(model, True, getattr(model, "_dlm_cpu_choice", None))
+        return Attached(model, True, getattr(model, "_dlm_cpu_choice", None), key=getattr(model, "_dlm_cpu_key", None))
     extra = sum(m.weight.numel() for m in layers) * 4
     mem = _physical_memory()
     if mode() == "auto" and mem and extra > RAM_SHARE * mem:
@@ -147,27 +201,30 @@ def attach(model: nn.Module) -> Attached:
 
         raise DLMError(f"{fused.ADAPTER_ENV}={form!r}: expected one of {', '.join(fused.ADAPTER_FORMS)}")
     fused.ADAPTER_FORM[0] = form
+    names = [n for n, _ in _named_linear_layers(model, layers)]
+    key = None
     if mode() == "on":
         ch = _choice.Choice(use=True, quant=quant_env, isa=ops.isa(), forced=f"{ENV}=1")
-        key = None
     else:
         key = _choice.cache_key(layers, ops.isa())
         ch = _choice.cached(key)
+        if ch is not None and not ch.use and ch.confirmed < _choice.CONFIRM:
+            ch = None  # a decision for the stock layers is measured again until a second measurement confirms it
         if ch is not None and not ch.use:
             return Attached(model, False, ch)
     for m in layers:
         packing.pack(m, ops, quant=quant_env and (ch.quant if ch is not None else True))
     if ch is None:
-        ch = _choice.measure(layers, ops)
-        _choice._write_cache(key, ch)
+        ch = _choice.choose(layers, ops, key, names)
         if not ch.use:
             for m in layers:
                 packing.unpack(m)
             return Attached(model, False, ch)
-        if not ch.quant:
-            for m in layers:
-                if m._dlm_packed.dtype != torch.float32:
-                    packing.pack(m, ops, quant=False)
+    if ch.fp32_kinds:
+        keep_fp32 = set(ch.fp32_kinds)
+        for m, label in zip(layers, _choice.labels(layers, names)):
+            if label in keep_fp32 and m._dlm_packed.dtype != torch.float32:
+                packing.pack(m, ops, quant=False)
     for m in layers:
         if not fused.patched(m):
             fused._patch(m, fused._make_forward(m, m.forward))
@@ -178,8 +235,8 @@ def attach(model: nn.Module) -> Attached:
     fused._attach_mlps(model, ops)
     fused._attach_layers(model, ops)
     fused._attach_stacks(model, ops)
-    model._dlm_cpu_refs, model._dlm_cpu_choice = 1, ch
-    return Attached(model, True, ch)
+    model._dlm_cpu_refs, model._dlm_cpu_choice, model._dlm_cpu_key = 1, ch, key
+    return Attached(model, True, ch, key=key)
 
 
 def detach(model: nn.Module) -> None:
@@ -194,5 +251,5 @@ def detach(model: nn.Module) -> None:
         gated.fast_delta = None
         for adapter in gated.adapters.values():
             adapter.__dict__.pop("_dlm_packed", None)
-    for name in ("_dlm_cpu_refs", "_dlm_cpu_choice"):
+    for name in ("_dlm_cpu_refs", "_dlm_cpu_choice", "_dlm_cpu_key"):
         model.__dict__.pop(name, None)

@@ -61,9 +61,9 @@ def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
 
 def test_exploration_of_a_far_slower_mode_backs_off_until_it_costs_little():
     """Drafting 3 candidates at 32 requests on a 2-core CPU runs at ~0.2x AR's tokens/s. Bursts of it every
-    max_period (96) steps cost ~13% of the throughput; backing off until a burst costs explore_cost (3%) of the
-    time between bursts keeps >= 0.94x pure AR's tokens/s (the back-off's first doublings included). Where the loser
-    is only somewhat slower (drafting at 2x cost) the period stays capped at max_period."""
+    max_period (96) steps cost ~13% of the throughput; backing off until a burst costs explore_cost (1.5%) of the
+    time between bursts keeps >= 0.97x pure AR's tokens/s (the back-off's first doublings included), at a 5x and at
+    a 2x costlier drafting step alike; where drafting pays (1.2x cost, TPF ~1.46) the policy drafts."""
 
     def goodput(policy, draft_cost):
         rows, rng, verifying, time, tokens = 32, random.Random(0), [False] * 32, 0.0, 0
@@ -82,9 +82,10 @@ def test_exploration_of_a_far_slower_mode_backs_off_until_it_costs_little():
                 time, tokens = time + cost, tokens + n
         return tokens / time / rows  # tokens/s against pure AR's (1 token a row per unit of time)
 
-    assert goodput(MeasuredDraft(), 5.0) >= 0.94
+    assert goodput(MeasuredDraft(), 5.0) >= 0.97
     assert goodput(MeasuredDraft(explore_cost=1e9), 5.0) < 0.9  # capped at max_period: the cost this avoids
-    assert goodput(MeasuredDraft(), 2.0) == goodput(MeasuredDraft(explore_cost=1e9), 2.0)
+    assert goodput(MeasuredDraft(), 2.0) >= max(0.97, goodput(MeasuredDraft(explore_cost=1e9), 2.0))
+    assert goodput(MeasuredDraft(), 1.2) > 1.03
 
 
 def test_measured_policy_stops_drafting_when_acceptance_drops():

@@ -41,7 +41,8 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
-    return load_engine(str(tiny_dir), decode="isd", stride=3, max_batch_size=16)
+    # drafting at every step (not the measured default): the tests count drafting steps and draft metrics
+    return load_engine(str(tiny_dir), decode="isd", stride=3, draft_budget="always", max_batch_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -85,8 +85,7 @@ def test_flags_build_the_config_with_each_command_s_defaults():
     assert config_from_args(args) == MDMConfig(sampler="llada", semi_ar_block=8, cfg_scale=1.5)
     args = parse("generate", "--decode", "block", "--steps", "4", "--threshold", "0")
     assert config_from_args(args) == BlockConfig(steps=4, threshold=0.0)
-    # drafting measured ("auto") by default on every command, unless the flag says otherwise
-    assert config_from_args(parse("generate", "--decode", "isd")).draft_budget == "auto" == ISDConfig().draft_budget
+    # the server: isd by default, drafting measured ("auto") unless the flag says otherwise
     args = parse("serve")
     assert args.decode is None and config_from_args(args, "isd", SERVE_DEFAULTS) == ISDConfig(draft_budget="auto")
     args = parse("serve", "--isd-draft-budget", "always")

@@ -26,9 +26,8 @@ from dlm.decode.threads import parse as parse_threads
 from dlm.serve.reasoning import CHOICES as REASONING_CHOICES
 from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
 
-# a server's load varies: drafting in a large batch can cost more than it gains (prompt lookup's; ISD's drafts
-# take the measured policy by default everywhere, ISDConfig.draft_budget)
-SERVE_DEFAULTS = {"lookup_budget": "auto"}
+# a server's load varies: drafting in a large batch can cost more than it gains (ISD's drafts, prompt lookup's)
+SERVE_DEFAULTS = {"draft_budget": "auto", "lookup_budget": "auto"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -256,8 +256,8 @@ class ISDConfig(DecoderConfig):
         choices=DRAFT_MODES,
     )
     draft_budget: int | str | object | None = opt(  # object: a policy of dlm.decode.schedule (Python only)
-        "auto",
-        DRAFT_BUDGET_HELP + " (the default: ISD never runs much slower than plain AR steps); None: always",
+        None,
+        DRAFT_BUDGET_HELP + "; None: always",
         flag="--isd-draft-budget",
         old=("--isd-token-budget", "token_budget"),
     )

@@ -7,9 +7,9 @@ not, and a low acceptance never pays. A policy says, before each decode step, wh
 chunks) or runs plain AR steps (``[pending token]`` chunks: the model's own next-token distribution, exactly what
 ISD preserves; pending drafts are dropped and rows cold-start when drafting resumes).
 
-- :class:`AlwaysDraft`: ISD at every step;
+- :class:`AlwaysDraft`: ISD at every step (the default; ``dlm serve`` takes ``auto``);
 - :class:`TokenBudget`: draft while ``running rows x (2N-1) <= budget`` tokens per step (a fixed rule);
-- :class:`MeasuredDraft` (``auto``, the default): measures, per batch-size bucket, committed tokens per second of decode
+- :class:`MeasuredDraft` (``auto``): measures, per batch-size bucket, committed tokens per second of decode
   step with and without drafting, and runs the faster (goodput-based speculation control, as in SmartSpec,
   Liu et al. 2024). Both modes are tried when a bucket is first seen; the losing one is re-tried in short bursts,
   less and less often while it keeps losing (exponential back-off), so the choice follows acceptance and load

@@ -54,7 +54,7 @@ class ISDDecoder(Decoder):
         self,
         stride: int | None = None,
         draft: str = "sample",
-        draft_budget: int | str | policy.DraftPolicy | None = "auto",
+        draft_budget: int | str | policy.DraftPolicy | None = None,
         fallback: str = "predict",
         candidates: int = 1,
         candidate_min_prob: float = policy.CANDIDATE_MIN_PROB,
@@ -66,7 +66,7 @@ class ISDDecoder(Decoder):
                 DeprecationWarning,
                 stacklevel=2,
             )
-            if draft_budget != "auto":
+            if draft_budget is not None:
                 raise DLMError("give ISDDecoder draft_budget or its old name token_budget, not both")
             draft_budget = token_budget
         # the checks of the settings, written once (dlm.decode.configs)

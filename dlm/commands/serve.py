@@ -61,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", default="auto", help=THREADS_HELP)
-    p.add_argument("--static-cache", action="store_true", help=STATIC_CACHE_HELP)
+    p.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None, help=STATIC_CACHE_HELP)
     p.add_argument(
         "--prefix-cache-tokens",
         type=int,

@@ -53,7 +53,7 @@ def generate(
     batch_size: int = 8,
     on_tokens=None,
     threads=None,
-    static_cache: bool = False,
+    static_cache: bool | None = None,
     progress=None,
     prefix_cache: int = 0,
     **settings,
@@ -65,7 +65,8 @@ def generate(
     threads while decoding (None: torch's setting; an int; ``'auto'``: the cores other processes leave idle,
     :mod:`dlm.decode.threads`). ``progress``: ``None``, ``True`` (a bar on stderr: prompts done, rate, ETA) or an
     object with ``update(n)``, told of each finished prompt. ``prefix_cache``: tokens of recent prompts' KV kept for
-    prompts that start the same way (0: off; :mod:`dlm.decode.prefix`). ``settings``: the decoder's fields as keywords
+    prompts that start the same way (0: off; :mod:`dlm.decode.prefix`). ``static_cache``: the static decode step
+    (:mod:`dlm.decode.static`; None: on CUDA, off on a CPU). ``settings``: the decoder's fields as keywords
     (``generate(model, prompts, "isd", stride=3)``), deprecated: pass a config."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams

@@ -47,7 +47,7 @@ import torch
 from dlm.decode import cpu as cpu_kernels
 from dlm.decode.prefix import PrefixCache, check_tokens
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
-from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV
+from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV, static_default
 from dlm.decode.structured import MAX_AHEAD, GrammarBook
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
@@ -475,7 +475,7 @@ class Engine:
         max_batch_size: int = 8,
         compact_threshold: float = 0.5,
         threads=None,
-        static_cache: bool = False,
+        static_cache: bool | None = None,
         cuda_graphs: bool | None = None,
         prefix_cache: int = 0,
         **decoder_kw,
@@ -519,7 +519,10 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.compact_threshold = compact_threshold
         # static_cache: the decode forward runs with fixed shapes over preallocated KV buffers (dlm.decode.static),
-        # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never)
+        # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never); None: the
+        # device's default (static_default: on CUDA, off on a CPU)
+        if static_cache is None:
+            static_cache = static_default(self.device)
         self._static = StaticDecode(self, graphs=cuda_graphs) if static_cache else None
         self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
         # prefix_cache N: the KV of recent prompts (up to N tokens) reused by prompts that start the same way

@@ -40,6 +40,14 @@ GRAPH_MIN_SPAN = 256  # CUDA: key spans are powers of two from this
 INITIAL_CAPACITY = 256  # slots per row before the first growth
 
 
+def static_default(device) -> bool:
+    """Whether an engine on ``device`` runs the static decode step where its caller does not say: on CUDA, where it is
+    captured as graphs and gives a 1B-class body's AR 4.0x the growing cache's tokens/s at batch 1 and 1.7-2.4x at
+    8-32 on an H200 (docs/benchmarks.md#static-step-gpu); not on a CPU, where it gives the same tokens 1.05-1.2x
+    slower."""
+    return torch.device(device).type == "cuda"
+
+
 def batch_bucket(b: int) -> int:
     """1, 2, 4, 8, 16, 32, then multiples of 32."""
     if b <= 32:

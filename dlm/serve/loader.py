@@ -17,7 +17,7 @@ def load_engine(
     device: str | None = None,
     dtype: str | None = None,
     threads=None,
-    static_cache: bool = False,
+    static_cache: bool | None = None,
     prefix_cache: int = 0,
     decode: str | None = None,
     isd_token_budget=None,

@@ -25,14 +25,24 @@ try:  # property tests (hypothesis): few examples by default, many under HYPOTHE
 except ImportError:  # pragma: no cover - the property tests skip themselves
     pass
 
-SHARED_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
+# an optional larger set of real benchmark slices beside a developer's checkout (tests/task_data.py writes the
+# small files every other test reads)
+REAL_DATA = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data"))
 
 
 @pytest.fixture(scope="session")
-def shared_data():
-    if not os.path.isdir(SHARED_DATA):
-        pytest.skip(f"shared test data not found at {SHARED_DATA}")
-    return SHARED_DATA
+def task_data(tmp_path_factory):
+    """A `--data-dir` folder with every task's files in the real releases' layouts (tests/task_data.py)."""
+    from task_data import write_task_data
+
+    return str(write_task_data(tmp_path_factory.mktemp("task_data")))
+
+
+@pytest.fixture(scope="session")
+def real_data():
+    if not os.path.isdir(REAL_DATA):
+        pytest.skip(f"the optional real benchmark slices are not at {REAL_DATA}")
+    return REAL_DATA
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from dlm.eval.scoring import encode_pair
 from dlm.testing import make_model, make_tokenizer
 
 
-def test_dlm_eval_writes_table_and_json(tiny_model_dir, shared_data, tmp_path, capsys):
+def test_dlm_eval_writes_table_and_json(tiny_model_dir, task_data, tmp_path, capsys):
     model = tiny_model_dir("llama")
     out = tmp_path / "r.json"
     rc = main(
@@ -22,7 +22,7 @@ def test_dlm_eval_writes_table_and_json(tiny_model_dir, shared_data, tmp_path, c
             "--eval-tasks",
             "piqa,winogrande",
             "--data-dir",
-            shared_data,
+            task_data,
             "--limit",
             "4",
             "--output",
@@ -42,7 +42,7 @@ def test_dlm_eval_writes_table_and_json(tiny_model_dir, shared_data, tmp_path, c
     assert "expected JSONL records with fields context, question" in capsys.readouterr().err
 
 
-def test_generation_tasks_with_controlled_generator(shared_data):
+def test_generation_tasks_with_controlled_generator(task_data):
     """LAMBADA counts each exact hit once; poem reversal is a substring match."""
     tok = make_tokenizer()
     model = make_model("llama")
@@ -57,22 +57,22 @@ def test_generation_tasks_with_controlled_generator(shared_data):
     from dlm.eval.tasks import load_task
 
     em = as_eval_model(model, tok)
-    ex = load_task("lambada", shared_data)[:6]
+    ex = load_task("lambada", task_data)[:6]
     targets = [encode_pair(em, e.prompt, " " + e.target)[1] for e in ex]
-    r = run_eval(model, "lambada", tokenizer=tok, data_dir=shared_data, limit=6, generate_fn=oracle)
+    r = run_eval(model, "lambada", tokenizer=tok, data_dir=task_data, limit=6, generate_fn=oracle)
     assert r["lambada"]["acc"] == 0.5
-    poems = load_task("poem_reverse", shared_data)[:4]
+    poems = load_task("poem_reverse", task_data)[:4]
     targets = [tok("前言 " + e.target + " 后记", add_special_tokens=False)["input_ids"] for e in poems]
-    r = run_eval(model, "poem_reverse", tokenizer=tok, data_dir=shared_data, limit=4, generate_fn=oracle)
+    r = run_eval(model, "poem_reverse", tokenizer=tok, data_dir=task_data, limit=4, generate_fn=oracle)
     assert r["poem_reverse"]["acc"] == 0.5
 
 
-def test_diffusion_model_generation_runs(shared_data):
+def test_diffusion_model_generation_runs(task_data):
     from dlm.model.convert import convert_ar_to_dlm
 
     for objective, decoder in (("mdm", "mdm"), ("block", "block"), ("idlm", "isd")):
         dlm = convert_ar_to_dlm(make_model("llama"), objective, tokenizer=make_tokenizer())
-        r = run_eval(dlm, "lambada", data_dir=shared_data, limit=2, keep_predictions=True)
+        r = run_eval(dlm, "lambada", data_dir=task_data, limit=2, keep_predictions=True)
         assert r["lambada"]["decode"] == decoder and r["lambada"]["n"] == 2
         assert all(isinstance(p["output"], str) for p in r["lambada"]["predictions"])
 

@@ -6,6 +6,8 @@ import shutil
 import pytest
 
 from dlm.errors import DLMError
+from task_data import COUNTS, FIRST
+
 from dlm.eval.tasks import TASKS, hellaswag, lambada, load_task, parse_task_list, piqa, poem_reverse, siqa, winogrande
 
 
@@ -13,7 +15,32 @@ def _lines(path):
     return [ln.strip() for ln in open(path) if ln.strip()]
 
 
-def test_shared_data_loads_every_task(shared_data):
+def test_every_task_loads_its_release_layout(task_data):
+    """The files tests/task_data.py writes, in each release's layout: counts, labels and the prompts built."""
+    for name, n in COUNTS.items():
+        assert len(load_task(name, task_data)) == n, name
+    p = load_task("piqa", task_data)
+    assert [e.label for e in p] == [int(x) for x in _lines(f"{task_data}/piqa/valid-labels.lst")]
+    assert p[0].context == f"Question: {FIRST['piqa']['goal']}\nAnswer: " and p[0].label == 0
+    assert p[0].choices == [" " + FIRST["piqa"]["sol1"], " " + FIRST["piqa"]["sol2"]]
+    s = load_task("siqa", task_data)
+    assert [e.label for e in s] == [int(x) - 1 for x in _lines(f"{task_data}/siqa/dev-labels.lst")]
+    assert s[0].context == (
+        "Question: Jordan lent Casey a coat before the long walk home. What will Casey want to do next?\nAnswer: "
+    )
+    assert s[0].choices[0] == "give the coat back later" and s[0].label == 0
+    w = load_task("winogrande", task_data)
+    assert [e.label for e in w] == [int(x) - 1 for x in _lines(f"{task_data}/winogrande/dev-labels.lst")]
+    assert w[0].context == "Anna asked Beth for help with the essay because "
+    assert w[0].choices == ["Anna was the better writer.", "Beth was the better writer."] and w[0].label == 1
+    h = load_task("hellaswag", task_data)
+    assert h[0].label == 2 and h[0].context == FIRST["hellaswag"]["context"]
+    assert h[0].choices[2] == " shapes the dough into a round loaf."
+
+
+def test_real_slices_load_every_task(real_data):
+    """The optional real slices (../shared/data): the same loaders on the releases' own first records."""
+    shared_data = real_data
     counts = {"hellaswag": 200, "winogrande": 200, "piqa": 200, "siqa": 200, "lambada": 300, "poem_reverse": 100}
     for name, n in counts.items():
         assert len(load_task(name, shared_data)) == n, name
@@ -37,28 +64,30 @@ def test_shared_data_loads_every_task(shared_data):
     assert h[0].choices[3] == " starts pulling up roofing on a roof."
 
 
-def test_lambada_layouts(shared_data):
-    plain = load_task("lambada", shared_data)  # folder with both layouts: the plain-text release wins
-    assert plain[0].target == "signs" and plain[0].prompt.endswith("i do n't care about")
-    oa = lambada.load(f"{shared_data}/lambada/lambada_openai.head300.jsonl")
-    assert oa[0].target == "signs" and oa[0].prompt.endswith("I don't care about")
+def test_lambada_layouts(task_data):
+    plain = load_task("lambada", task_data)  # folder with both layouts: the plain-text release wins
+    assert plain[0].target == "sea" and plain[0].prompt.endswith("never again set sail on the")
+    assert plain[0].prompt == FIRST["lambada"]["text"].rsplit(" ", 1)[0]
+    oa = lambada.load(f"{task_data}/lambada/lambada_openai.jsonl")
+    assert oa[0].target == "sea" and oa[0].prompt.endswith("he never again set sail on the")
 
 
-def test_poem_directions(shared_data):
-    ftb = poem_reverse.load(f"{shared_data}/poem_reverse", direction="ftb")
-    btf = poem_reverse.load(f"{shared_data}/poem_reverse", direction="btf")
-    assert ftb[0].target == "君子好逑" and ftb[0].prompt.startswith("窈窕淑女")
-    assert btf[0].target == "窈窕淑女" and btf[0].prompt.startswith("君子好逑")
+def test_poem_directions(task_data):
+    ftb = poem_reverse.load(f"{task_data}/poem_reverse", direction="ftb")
+    btf = poem_reverse.load(f"{task_data}/poem_reverse", direction="btf")
+    assert ftb[0].target == "疑是地上霜" and ftb[0].prompt.startswith("床前明月光")
+    assert btf[0].target == "床前明月光" and btf[0].prompt.startswith("疑是地上霜")
     assert ftb[0].max_new_tokens == 28
     with pytest.raises(DLMError, match="--poem-direction"):
-        poem_reverse.load(f"{shared_data}/poem_reverse", direction="sideways")
+        poem_reverse.load(f"{task_data}/poem_reverse", direction="sideways")
 
 
-def test_layout_by_content_not_name(shared_data, tmp_path):
-    shutil.copy(f"{shared_data}/piqa/valid.jsonl", tmp_path / "weird_name.txt")
-    shutil.copy(f"{shared_data}/piqa/valid-labels.lst", tmp_path / "answers.lst")
+def test_layout_by_content_not_name(task_data, tmp_path):
+    shutil.copy(f"{task_data}/piqa/valid.jsonl", tmp_path / "weird_name.txt")
+    shutil.copy(f"{task_data}/piqa/valid-labels.lst", tmp_path / "answers.lst")
     ex = piqa.load(tmp_path)
-    assert len(ex) == 200 and ex[1].label == 1
+    labels = [int(x) for x in _lines(f"{task_data}/piqa/valid-labels.lst")]
+    assert len(ex) == COUNTS["piqa"] and [e.label for e in ex] == labels
     # the same folder is not SIQA / WinoGrande data: the message names the expected fields
     with pytest.raises(DLMError, match="context, question, answerA"):
         siqa.load(tmp_path)
@@ -117,7 +146,7 @@ def test_hellaswag_original_jsonl(tmp_path):
     assert ex.choices[0] == " bakes it. well." and ex.label == 0 and ex.id == "7"
 
 
-def test_bad_inputs(tmp_path, shared_data):
+def test_bad_inputs(tmp_path):
     with pytest.raises(DLMError, match="does not exist"):
         piqa.load(tmp_path / "missing.jsonl")
     unknown = tmp_path / "u.jsonl"

@@ -34,9 +34,10 @@ def tok(tok_dir):
 
 
 @pytest.fixture(scope="module")
-def paragraphs(shared_data):
-    text = open(os.path.join(shared_data, "corpus", "tinyshakespeare.txt")).read()
-    return [p for p in text.split("\n\n") if p.strip()]
+def paragraphs():
+    from task_data import corpus_paragraphs
+
+    return corpus_paragraphs()
 
 
 def write_parquet(path, columns, row_group_size=64):

@@ -121,7 +121,7 @@ def test_llada_denoising_score_uses_its_conventions(tmp_path):
 
 
 @pytest.mark.integration
-def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, shared_data, capsys):
+def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, task_data, capsys):
     folder = write_llada(tmp_path / "llada")
     out = tmp_path / "r.json"
     assert (
@@ -133,7 +133,7 @@ def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, shared_d
                 "--eval-tasks",
                 "piqa",
                 "--data-dir",
-                shared_data,
+                task_data,
                 "--limit",
                 "3",
                 "--diffusion-steps",

@@ -333,7 +333,7 @@ def test_wandb_without_the_package_names_the_extra(tiny, tmp_path):
         train(make_cfg(tiny, tmp_path / "w", wandb_project="p"))
 
 
-def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, shared_data):
+def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, task_data):
     from dlm.train.loop import train
 
     out = tmp_path / "ev"
@@ -344,7 +344,7 @@ def test_scheduled_task_evaluation_goes_to_eval_history(tiny, tmp_path, shared_d
             max_train_steps=1,
             eval_every=1,
             eval_tasks="piqa",
-            eval_data_dir=shared_data,
+            eval_data_dir=task_data,
             **{"eval.eval_limit": 4},
         )
     )

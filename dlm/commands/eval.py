@@ -2,7 +2,7 @@
 
 Benchmarks (multiple choice: hellaswag, winogrande, piqa, siqa; generation: lambada, poem_reverse):
 
-    dlm eval --model smollm2-135m --eval-tasks piqa,siqa --data-dir ../shared/data --limit 100 --output r.json
+    dlm eval --model smollm2-135m --eval-tasks piqa,siqa --data-dir benchmarks/ --limit 100 --output r.json
 
 An I-DLM's drafting quality (greedy ISD: acceptance per draft position, TPF, output == greedy AR), on dlm's
 built-in held-out instructions unless --isd-acceptance-path gives prompts (chat JSONL, {"prompt"} JSONL or text):

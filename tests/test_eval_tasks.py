@@ -4,10 +4,9 @@ import json
 import shutil
 
 import pytest
-
-from dlm.errors import DLMError
 from task_data import COUNTS, FIRST
 
+from dlm.errors import DLMError
 from dlm.eval.tasks import TASKS, hellaswag, lambada, load_task, parse_task_list, piqa, poem_reverse, siqa, winogrande
 
 

@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         module.add_arguments(p)
+        if "--model" in p._option_string_actions and "--revision" not in p._option_string_actions:
+            # every command that takes a model takes a hub model's revision with it (main pins --model to it)
+            p.add_argument("--revision", help="with --model org/name: the hub repository's branch, tag or commit")
         p.set_defaults(_module=module)
     return parser
 
@@ -66,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        if getattr(args, "revision", None):
+            from dlm.model.hub import with_revision
+
+            args.model = with_revision(args.model, args.revision)
         return int(args._module.run(args) or 0)
     except DLMError as e:
         print(f"dlm {args.command}: error: {e}", file=sys.stderr)

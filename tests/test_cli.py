@@ -31,5 +31,5 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     from dlm.errors import DLMError
     from dlm.model.hub import resolve_model_path
 
-    with pytest.raises(DLMError, match="never downloads"):
+    with pytest.raises(DLMError, match="not a local Hugging Face folder, an alias .* or a hub id"):
         resolve_model_path(str(tmp_path / "nope"))

@@ -376,9 +376,11 @@ def convert_ar_to_dlm(
     check_objective(objective)
     if isinstance(model_or_path, (str, os.PathLike)):
         folder = resolve_model_path(model_or_path)
-        from dlm.model.families import OBJECTIVE, family_of, load_published, read_fields
+        from dlm.model.families import OBJECTIVE, family_of, load_published, read_fields, refuse_remote_code
 
-        family = family_of(read_fields(folder))
+        fields = read_fields(folder)
+        refuse_remote_code(folder, fields)
+        family = family_of(fields)
         if family is not None:  # a published DLM: loaded as it is (block_size where its config lacks one)
             if objective != OBJECTIVE[family]:
                 raise DLMError(

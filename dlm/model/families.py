@@ -166,6 +166,26 @@ def read_fields(folder: str | Path) -> dict:
     return fields
 
 
+def refuse_remote_code(folder: str | Path, fields: dict) -> None:
+    """A folder whose model only its own Python code defines (config.json's ``auto_map`` for a ``model_type``
+    transformers does not know), and which is not a family dlm maps itself, is refused by name: dlm runs no remote
+    code. (A stale ``auto_map`` beside a type transformers defines is harmless and passes.)"""
+    auto_map = fields.get("auto_map")
+    if not auto_map or family_of(fields) is not None or fields.get("dlm_family") in FAMILIES:
+        return
+    from transformers import CONFIG_MAPPING
+
+    mtype = fields.get("model_type")
+    if isinstance(mtype, str) and mtype in CONFIG_MAPPING:
+        return
+    families = ", ".join(TITLE[f] for f in FAMILIES)
+    raise DLMError(
+        f"'{folder}' needs its own Python code (config.json auto_map, model_type {mtype!r}, which transformers does "
+        f"not define); dlm runs no remote code. It maps these families itself: {families} - this model is not "
+        f"one of them"
+    )
+
+
 def is_published(folder: str | Path) -> bool:
     """Whether ``folder`` holds a checkpoint of one of FAMILIES (raises for an unsupported known one)."""
     return family_of(read_fields(folder)) is not None

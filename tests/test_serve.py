@@ -594,10 +594,10 @@ def test_cli_registers_serve():
 
     assert DEFAULT_TOKENS == PREFIX_CACHE_DEFAULT  # the CLI's copy (it parses without importing torch)
     assert build_parser().parse_args(["serve", "--prefix-cache-tokens", "0"]).prefix_cache_tokens == 0
-    for cmd in ("serve", "generate"):  # the static step: the device's default unless a flag says (static_default)
-        assert build_parser().parse_args([cmd]).static_cache is None
-        assert build_parser().parse_args([cmd, "--static-cache"]).static_cache is True
-        assert build_parser().parse_args([cmd, "--no-static-cache"]).static_cache is False
+    for cmd in (["serve"], ["generate", "--prompt", "p"]):  # the static step: the device's default unless a flag says
+        assert build_parser().parse_args(cmd).static_cache is None
+        assert build_parser().parse_args([*cmd, "--static-cache"]).static_cache is True
+        assert build_parser().parse_args([*cmd, "--no-static-cache"]).static_cache is False
     from dlm.commands.serve import SERVE_DEFAULTS
     from dlm.decode.configs import ARConfig, config_from_args
 

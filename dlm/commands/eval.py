@@ -25,7 +25,7 @@ import argparse
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and tasks")
-    g.add_argument("--model", help="DLM folder, AR folder or alias (e.g. smollm2-135m)")
+    g.add_argument("--model", help="DLM or AR model: hub id (org/name), local folder or alias (e.g. smollm2-135m)")
     g.add_argument(
         "--objective",
         choices=("mdm", "block", "idlm"),

@@ -27,7 +27,7 @@ STATIC_CACHE_HELP = (
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="alias or local folder (AR or DLM)")
+    p.add_argument("--model", default="smollm2-135m", help="AR or DLM model: hub id (org/name), local folder or alias")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")

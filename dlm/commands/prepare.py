@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tokenizer",
         default="smollm2-135m",
-        help="alias (smollm2-135m) or a local Hugging Face tokenizer folder (default: %(default)s)",
+        help="alias (smollm2-135m), hub id (org/name) or a local Hugging Face tokenizer folder (default: %(default)s)",
     )
     parser.add_argument("--prefix", default="train", help="shard file-name prefix (default: %(default)s)")
     parser.add_argument(

@@ -43,7 +43,10 @@ ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 class ModelConfig:
     """The model to train."""
 
-    name: str = opt("smollm2-135m", "alias, hub id (org/name[@revision]), AR folder (converted on load) or DLM folder (trained further)")
+    name: str = opt(
+        "smollm2-135m",
+        "alias, hub id (org/name[@revision]), AR folder (converted on load) or DLM folder (trained further)",
+    )
     objective: str = opt(
         "idlm", "training objective (dlm train on a DLM folder: its own unless given)", choices=OBJECTIVES
     )

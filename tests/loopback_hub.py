@@ -26,7 +26,8 @@ TOKEN = "hf_loopback_token"
 
 class LoopbackHub:
     def __init__(self):
-        self.repos: dict[tuple[str, str], dict] = {}  # (kind, repo id) -> {"sha", "files": {path: bytes}}
+        # (kind, repo id) -> {"refs": {revision name: sha}, "commits": {sha: {path: bytes}}}
+        self.repos: dict[tuple[str, str], dict] = {}
         self.private: set[str] = set()  # answered 401 unless the request carries TOKEN
         self.gated: set[str] = set()  # answered 403 (gated) unless the request carries TOKEN
         self.requests: Counter = Counter()
@@ -54,15 +55,17 @@ class LoopbackHub:
         self._server.shutdown()
         self._server.server_close()
 
-    def add(self, repo_id: str, folder: str | Path, kind: str = "models") -> str:
-        """Serve every file under ``folder`` as ``repo_id`` at revision ``main``; returns its commit sha."""
+    def add(self, repo_id: str, folder: str | Path, kind: str = "models", revision: str = "main") -> str:
+        """Serve every file under ``folder`` as ``repo_id`` at ``revision`` (a branch name such as ``main`` or
+        ``refs/convert/parquet``); returns its commit sha."""
         files = {
             p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()
         }
-        sha = hashlib.sha1(
-            repr(sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items())).encode()
-        ).hexdigest()
-        self.repos[(kind, repo_id)] = {"sha": sha, "files": files}
+        digest = sorted((k, hashlib.sha1(v).hexdigest()) for k, v in files.items())
+        sha = hashlib.sha1(repr((revision, digest)).encode()).hexdigest()
+        repo = self.repos.setdefault((kind, repo_id), {"refs": {}, "commits": {}})
+        repo["refs"][revision] = sha
+        repo["commits"][sha] = files
         return sha
 
     def patch(self, monkeypatch) -> None:
@@ -78,28 +81,29 @@ class LoopbackHub:
 
     # --- the endpoints -------------------------------------------------------------------------------------
     def _answer(self, req: BaseHTTPRequestHandler, head: bool) -> None:
-        path = unquote(urlparse(req.path).path)
+        raw = urlparse(req.path).path
+        path = unquote(raw)
         self.requests[path] += 1
-        parts = path.strip("/").split("/")
+        parts = [unquote(x) for x in raw.strip("/").split("/")]  # a revision may hold quoted slashes
         try:
             if parts[0] == "api" and parts[1] in ("models", "datasets"):
                 kind, repo_id, rest = parts[1], "/".join(parts[2:4]), parts[4:]
                 repo = self._repo(req, kind, repo_id)
                 if repo is None:
                     return
-                if rest[:1] == ["revision"] or not rest:
-                    if rest and rest[1] not in ("main", repo["sha"]):
+                if rest[:1] in (["revision"], ["tree"]) or not rest:
+                    sha = self._sha(repo, rest[1] if rest else "main")
+                    if sha is None:
                         return self._error(req, 404, "RevisionNotFound", f"Invalid rev id: {rest[1]}")
-                    siblings = [{"rfilename": f} for f in repo["files"]]
-                    return self._json(req, {"id": repo_id, "sha": repo["sha"], "siblings": siblings, "private": False})
-                if rest[:1] == ["tree"]:
-                    if rest[1] not in ("main", repo["sha"]):
-                        return self._error(req, 404, "RevisionNotFound", f"Invalid rev id: {rest[1]}")
-                    tree = [
-                        {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                        for f, b in repo["files"].items()
-                    ]
-                    return self._json(req, tree)
+                    files = repo["commits"][sha]
+                    if rest[:1] == ["tree"]:
+                        tree = [
+                            {"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
+                            for f, b in files.items()
+                        ]
+                        return self._json(req, tree)
+                    siblings = [{"rfilename": f} for f in files]
+                    return self._json(req, {"id": repo_id, "sha": sha, "siblings": siblings, "private": False})
                 return self._error(req, 404, "EntryNotFound", f"no endpoint {path}")
             # /{repo_id}/resolve/{revision}/{file} (models) or /datasets/{repo_id}/resolve/...
             kind = "models"
@@ -111,20 +115,25 @@ class LoopbackHub:
             repo = self._repo(req, kind, repo_id)
             if repo is None:
                 return
-            if revision not in ("main", repo["sha"]):
+            sha = self._sha(repo, revision)
+            if sha is None:
                 return self._error(req, 404, "RevisionNotFound", f"Invalid rev id: {revision}")
-            if name not in repo["files"]:
+            if name not in repo["commits"][sha]:
                 return self._error(req, 404, "EntryNotFound", f"{name} does not exist")
-            body = repo["files"][name]
+            body = repo["commits"][sha][name]
             req.send_response(200)
             req.send_header("Content-Length", str(len(body)))
             req.send_header("ETag", '"' + hashlib.sha1(body).hexdigest() + '"')
-            req.send_header("X-Repo-Commit", repo["sha"])
+            req.send_header("X-Repo-Commit", sha)
             req.end_headers()
             if not head:
                 req.wfile.write(body)
         except (IndexError, ValueError):
             self._error(req, 404, "EntryNotFound", f"no endpoint {path}")
+
+    @staticmethod
+    def _sha(repo: dict, revision: str) -> str | None:
+        return revision if revision in repo["commits"] else repo["refs"].get(revision)
 
     def _repo(self, req, kind: str, repo_id: str):
         authorized = req.headers.get("authorization") == f"Bearer {TOKEN}"

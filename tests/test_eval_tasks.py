@@ -170,6 +170,8 @@ def test_bad_inputs(tmp_path):
         piqa.load(bad)
     with pytest.raises(DLMError, match="unknown eval task 'piqaa'"):
         parse_task_list("piqaa")
-    with pytest.raises(DLMError, match="--data-dir"):
-        load_task("piqa", None)
+    with pytest.raises(DLMError, match=r"no data for task 'poem_reverse': pass --data-dir .* or --poem-path"):
+        load_task("poem_reverse", None)
+    with pytest.raises(DLMError, match=r"task 'piqa' has no local data, and from the hub: .*--data-dir .*--piqa-path"):
+        load_task("piqa", None)  # offline here, nothing cached: the hub's line and the local flags
     assert set(TASKS) == {"hellaswag", "winogrande", "piqa", "siqa", "lambada", "poem_reverse", "isd_acceptance"}

@@ -147,9 +147,14 @@ def test_revision_flag_pins_the_model_and_is_refused_without_a_hub_id():
 
 
 @pytest.mark.integration
-def test_the_cli_downloads_converts_and_generates_from_a_hub_id(hub, tmp_path):
-    """`dlm convert` and `dlm generate` in fresh processes (HF_ENDPOINT, HF_HOME as a user sets them), then
-    `dlm generate` again with HF_HUB_OFFLINE=1 from the cache."""
+def test_the_cli_downloads_converts_generates_and_evaluates_from_hub_ids(hub, task_data, tmp_path):
+    """`dlm convert`, `dlm generate` and `dlm eval` (its data from a dataset repository) in fresh processes
+    (HF_ENDPOINT, HF_HOME as a user sets them), then `dlm generate` again with HF_HUB_OFFLINE=1 from the cache."""
+    from dlm.eval.tasks import TASKS
+
+    repo, config, split = TASKS["piqa"].HUB
+    rows = _hub_records(task_data)["piqa"]
+    hub.add(repo, _parquet_repo(tmp_path / "piqa_repo", rows, config, split), "datasets", "refs/convert/parquet")
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HUB_CACHE")}
     env.update(HF_ENDPOINT=hub.url, HF_HOME=str(tmp_path / "hf_home"), HF_TOKEN_PATH=str(tmp_path / "no_token"))
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
@@ -178,5 +183,108 @@ def test_the_cli_downloads_converts_and_generates_from_a_hub_id(hub, tmp_path):
     rc, offline = dlm(*gen, HF_HUB_OFFLINE="1")
     text = [ln for ln in online.splitlines() if not ln.startswith("---")]  # the stats line has a speed in it
     assert rc == 0 and [ln for ln in offline.splitlines() if not ln.startswith("---")] == text, (online, offline)
+    out_json = tmp_path / "r.json"
+    rc, out = dlm(
+        "eval",
+        "--model",
+        "org/tiny",
+        "--eval-tasks",
+        "piqa",
+        "--limit",
+        "3",
+        "--output",
+        str(out_json),
+        DLM_HOME=str(tmp_path / "dlm_home"),
+    )
+    assert rc == 0 and json.loads(out_json.read_text())["results"]["piqa"]["n"] == 3, out
     rc, err = dlm("generate", "--model", "org/nope", "--prompt", "ab")
     assert rc == 2 and "no model repository 'org/nope'" in err and "Traceback" not in err
+
+
+def _parquet_repo(root: Path, records: list[dict], config: str, split: str) -> Path:
+    """A dataset repository's parquet export: ``<config>/<split>/0000.parquet`` (and a second file, as large
+    splits have)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = root / config / split
+    d.mkdir(parents=True)
+    half = max(1, len(records) // 2)
+    pq.write_table(pa.Table.from_pylist(records[:half]), d / "0000.parquet")
+    if records[half:]:
+        pq.write_table(pa.Table.from_pylist(records[half:]), d / "0001.parquet")
+    return root
+
+
+def _hub_records(task_data: str) -> dict[str, list[dict]]:
+    """The made-up local records of tests/task_data.py in each hub repository's own fields."""
+    from dlm.eval.tasks.base import read_records
+
+    def lines(path):
+        return [x.strip() for x in open(path) if x.strip()]
+
+    piqa = read_records(Path(task_data, "piqa", "valid.jsonl"))
+    siqa = read_records(Path(task_data, "siqa", "dev.jsonl"))
+    wino = read_records(Path(task_data, "winogrande", "winogrande.jsonl"))
+    openai = read_records(Path(task_data, "lambada", "lambada_openai.jsonl"))
+    return {
+        "piqa": [{**r, "label": int(y)} for r, y in zip(piqa, lines(f"{task_data}/piqa/valid-labels.lst"))],
+        "siqa": [{**r, "label": y} for r, y in zip(siqa, lines(f"{task_data}/siqa/dev-labels.lst"))],
+        "winogrande": [  # the original layout: a blank where the two options go
+            {
+                "sentence": r["context_options"][0].rsplit(" ", 1)[0] + " _ " + r["continuation"],
+                "option1": r["context_options"][0].rsplit(" ", 1)[1],
+                "option2": r["context_options"][1].rsplit(" ", 1)[1],
+                "answer": str(r["gold"] + 1),
+            }
+            for r in wino
+        ],
+        "hellaswag": [
+            {
+                "ind": 4,
+                "activity_label": "Baking bread",
+                "ctx_a": "A woman kneads dough on a floured table.",
+                "ctx_b": "she",
+                "ctx": "A woman kneads dough on a floured table. she",
+                "endings": ["paints the table.", "throws the dough.", "shapes the dough into a loaf.", "reads."],
+                "source_id": "x",
+                "split": "val",
+                "split_type": "indomain",
+                "label": "2",
+            }
+        ],
+        "lambada": [{"text": r["context"] + r["continuation"]} for r in openai],
+    }
+
+
+def test_eval_data_comes_from_the_hubs_dataset_repositories_when_no_path_is_given(
+    hub, task_data, tmp_path, monkeypatch
+):
+    """Each task's hub source (its parquet export) gives the examples its local files give; written once under
+    $DLM_HOME/data, then read from the cache alone offline."""
+    from huggingface_hub import constants
+
+    from dlm.eval.tasks import TASKS, lambada, load_task
+
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "dlm_home"))
+    records = _hub_records(task_data)
+    for name, rows in records.items():
+        repo, config, split = TASKS[name].HUB
+        hub.add(repo, _parquet_repo(tmp_path / name, rows, config, split), "datasets", "refs/convert/parquet")
+    for name in ("piqa", "siqa", "winogrande"):
+        assert load_task(name, None) == load_task(name, task_data), name
+    assert load_task("lambada", None) == lambada.load(f"{task_data}/lambada/lambada_openai.jsonl")
+    h = load_task("hellaswag", None)[0]
+    assert h.context == "Baking bread: A woman kneads dough on a floured table. She" and h.label == 2
+    assert h.choices[2] == " shapes the dough into a loaf."
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = sum(hub.requests.values())
+    assert load_task("piqa", None) == load_task("piqa", task_data) and sum(hub.requests.values()) == before
+    # poem reversal has no hub source: the message says which flag to pass
+    with pytest.raises(DLMError, match="no data for task 'poem_reverse': .* or --poem-path"):
+        load_task("poem_reverse", None)
+    # a dataset repository that is not there: one line naming it
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(TASKS["piqa"], "HUB", ("org/no-piqa", "default", "validation"))
+    with pytest.raises(DLMError, match="no dataset repository 'org/no-piqa'"):
+        load_task("piqa", None)

@@ -19,7 +19,9 @@ import argparse
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="hub id (org/name), local Hugging Face folder or alias (e.g. smollm2-135m)")
+    p.add_argument(
+        "--model", required=True, help="hub id (org/name), local Hugging Face folder or alias (e.g. smollm2-135m)"
+    )
     p.add_argument("--objective", required=True, help="mdm | block | idlm")
     p.add_argument("--block-size", type=int, help="masks per block (block: default 4, idlm: default 1)")
     p.add_argument(

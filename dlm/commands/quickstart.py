@@ -22,7 +22,11 @@ def _floats(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="AR model: alias, hub id (org/name) or local folder (default smollm2-135m)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="AR model: alias, hub id (org/name) or local folder (default smollm2-135m)",
+    )
     p.add_argument("--output", default="runs/quickstart", help="run folder (default runs/quickstart)")
     p.add_argument("--minutes", type=float, default=30.0, help="training budget in minutes (default 30)")
     p.add_argument("--data", default=None, help="chat/instruction JSONL to train on instead of self-distillation")

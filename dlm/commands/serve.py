@@ -31,7 +31,11 @@ SERVE_DEFAULTS = {"draft_budget": "auto", "lookup_budget": "auto"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="DLM or AR model: hub id (org/name), local folder or alias (default smollm2-135m)")
+    p.add_argument(
+        "--model",
+        default="smollm2-135m",
+        help="DLM or AR model: hub id (org/name), local folder or alias (default smollm2-135m)",
+    )
     p.add_argument(
         "--engine",
         default="dlm",

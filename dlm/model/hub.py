@@ -100,8 +100,8 @@ def with_revision(name: str, revision: str | None) -> str:
     return f"{m['repo']}@{revision}"
 
 
-def _hub_error(repo: str, revision: str | None, e: Exception) -> DLMError:
-    """One line naming the repository and what to do, for each way a download fails."""
+def _hub_error(repo: str, revision: str | None, e: Exception, kind: str = "model") -> DLMError:
+    """One line naming the repository and what to do, for each way a download fails (``kind``: model | dataset)."""
     from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
@@ -115,7 +115,7 @@ def _hub_error(repo: str, revision: str | None, e: Exception) -> DLMError:
     status = getattr(getattr(e, "response", None), "status_code", None)
     if isinstance(e, GatedRepoError):
         return DLMError(
-            f"'{repo}' on {where} is gated: accept its conditions on the model's page with your account, then log in "
+            f"'{repo}' on {where} is gated: accept its conditions on the {kind}'s page with your account, then log in "
             f"(`hf auth login`) or set HF_TOKEN"
         )
     if isinstance(e, RevisionNotFoundError):
@@ -126,7 +126,7 @@ def _hub_error(repo: str, revision: str | None, e: Exception) -> DLMError:
                 f"'{repo}' on {where} is private or does not exist: log in (`hf auth login`) or set HF_TOKEN with "
                 f"access to it, or check the name"
             )
-        return DLMError(f"no model repository '{repo}' on {where}: check the name (org/name)")
+        return DLMError(f"no {kind} repository '{repo}' on {where}: check the name (org/name)")
     if isinstance(e, LocalEntryNotFoundError):
         if constants.HF_HUB_OFFLINE:
             return DLMError(
@@ -142,17 +142,22 @@ def _hub_error(repo: str, revision: str | None, e: Exception) -> DLMError:
     return DLMError(f"downloading '{repo}' from {where} failed: {type(e).__name__}: {e}")
 
 
-def download(repo: str, revision: str | None = None) -> Path:
-    """The local snapshot folder of hub model ``repo`` at ``revision`` (downloaded once into the standard cache)."""
+def snapshot(repo: str, revision: str | None, patterns: list[str], kind: str = "model") -> Path:
+    """The local snapshot folder of hub repository ``repo`` (a ``kind`` = model | dataset) at ``revision``, with the
+    files matching ``patterns`` downloaded once into the standard cache; failures as one DLMError line."""
     from huggingface_hub import snapshot_download
 
     try:
-        folder = Path(snapshot_download(repo, revision=revision, allow_patterns=MODEL_FILES))
-        if (folder / "config.json").is_file() and not any(folder.glob("*.safetensors")):
-            # an older repository with PyTorch .bin weights only
-            folder = Path(snapshot_download(repo, revision=revision, allow_patterns=[*MODEL_FILES, "*.bin"]))
+        return Path(snapshot_download(repo, repo_type=kind, revision=revision, allow_patterns=patterns))
     except Exception as e:  # the hub's errors, httpx's connection errors, the cache's OSErrors: one line each
-        raise _hub_error(repo, revision, e) from e
+        raise _hub_error(repo, revision, e, kind) from e
+
+
+def download(repo: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of hub model ``repo`` at ``revision`` (downloaded once into the standard cache)."""
+    folder = snapshot(repo, revision, MODEL_FILES)
+    if (folder / "config.json").is_file() and not any(folder.glob("*.safetensors")):
+        folder = snapshot(repo, revision, [*MODEL_FILES, "*.bin"])  # an older repository with .bin weights only
     if not (folder / "config.json").is_file() and not any(folder.glob("tokenizer*")):
         raise DLMError(f"hub repository '{repo}' holds no config.json or tokenizer files of a Hugging Face model")
     return folder

@@ -33,12 +33,22 @@ def parse_task_list(tasks) -> list[str]:
     return names
 
 
+def path_flag(name: str) -> str:
+    """The `dlm eval` flag that gives task ``name`` a file or folder (a module's PATH_FLAG where it is shorter)."""
+    return getattr(TASKS[name], "PATH_FLAG", f"--{name.replace('_', '-')}-path")
+
+
 def task_path(name: str, data_dir=None, paths: dict | None = None) -> Path:
-    """Where task ``name`` reads from: an explicit per-task path, else ``data_dir/<task folder>``."""
-    flag = f"--{name.replace('_', '-')}-path"
+    """Where task ``name`` reads from: an explicit per-task path, else ``data_dir/<task folder>``, else the task's
+    hub source (dlm.eval.hub_data)."""
+    flag = path_flag(name)
     if paths and paths.get(name):
         return Path(paths[name]).expanduser()
     if data_dir is None:
+        if getattr(TASKS[name], "HUB", None):  # the split lm-evaluation-harness scores, from the hub
+            from dlm.eval.hub_data import hub_task_folder
+
+            return hub_task_folder(TASKS[name])
         raise DLMError(f"no data for task '{name}': pass --data-dir DIR (with DIR/{TASKS[name].SUBDIR}/...) or {flag}")
     folder = Path(data_dir).expanduser()
     if not folder.is_dir():

@@ -13,6 +13,7 @@ The text layout has ctx already joined (ctx_b not capitalized); it is preprocess
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -26,6 +27,12 @@ EXPECTED = (
     "JSONL records with fields ctx (or ctx_a/ctx_b), activity_label, endings, label, or a text file of "
     "6 lines per item (context, gold index 0-3, four endings)"
 )
+# where the data comes from when no local file is given (dlm.eval.hub_data)
+HUB = ("Rowan/hellaswag", "default", "validation")
+
+
+def hub_files(records: list[dict]) -> dict[str, str]:  # the original release's JSONL, as it is
+    return {"hellaswag_val.jsonl": "".join(json.dumps(r) + "\n" for r in records)}
 
 
 def preprocess(text: str) -> str:

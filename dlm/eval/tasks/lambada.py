@@ -10,6 +10,7 @@ text against the target word. Each hit is counted once (the reference counted hi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dlm.errors import DLMError
@@ -22,6 +23,16 @@ EXPECTED = (
     "a plain-text file with one passage per line (target = last word) or JSONL records with fields "
     "context, continuation (OpenAI layout)"
 )
+# where the data comes from when no local file is given (dlm.eval.hub_data)
+HUB = ("EleutherAI/lambada_openai", "default", "test")
+
+
+def hub_files(records: list[dict]) -> dict[str, str]:  # {text} -> the OpenAI layout {context, continuation}
+    rows = []
+    for r in records:
+        context, last = str(r["text"]).rstrip().rsplit(" ", 1)
+        rows.append(json.dumps({"context": context, "continuation": " " + last}) + "\n")
+    return {"lambada_openai.jsonl": "".join(rows)}
 
 
 def _plain_lines(path: Path) -> list[str] | None:

@@ -16,6 +16,7 @@ from dlm.eval.tasks.base import GenExample, check_nonempty, find_task_files, has
 NAME = "poem_reverse"
 KIND = "gen"
 SUBDIR = "poem_reverse"
+PATH_FLAG = "--poem-path"  # dlm eval's flag for this task's file (no hub source: LLaDA's own file)
 EXPECTED = "a JSON list (or JSONL) of records with fields first, second"
 DIRECTIONS = ("ftb", "btf")
 GEN_LENGTH = 28

@@ -5,6 +5,8 @@ Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {contex
 
 from __future__ import annotations
 
+import json
+
 from dlm.eval.tasks.base import MCExample, load_labeled_mc
 
 NAME = "siqa"
@@ -14,6 +16,14 @@ EXPECTED = (
     "JSONL records with fields context, question, answerA, answerB, answerC (+ optional 'label') and a "
     "labels file with 1/2/3 per line"
 )
+# where the data comes from when no local file is given (dlm.eval.hub_data)
+HUB = ("allenai/social_i_qa", "default", "validation")
+
+
+def hub_files(records: list[dict]) -> dict[str, str]:
+    fields = ("context", "question", "answerA", "answerB", "answerC")
+    rows = "".join(json.dumps({k: r[k] for k in fields}) + "\n" for r in records)
+    return {"dev.jsonl": rows, "dev-labels.lst": "".join(f"{str(r['label']).strip()}\n" for r in records)}
 
 
 def load(path) -> list[MCExample]:

@@ -13,6 +13,7 @@ exact log-likelihood that changes no prediction).
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -26,6 +27,13 @@ EXPECTED = (
     "JSONL records with fields sentence, option1, option2, answer (original release, labels in 'answer' or "
     "a labels file with 1/2 per line) or context_options, continuation, gold (MosaicML layout)"
 )
+# where the data comes from when no local file is given (dlm.eval.hub_data)
+HUB = ("allenai/winogrande", "winogrande_xl", "validation")
+
+
+def hub_files(records: list[dict]) -> dict[str, str]:  # the original layout, its answer "1"/"2" in each record
+    fields = ("sentence", "option1", "option2", "answer")
+    return {"dev.jsonl": "".join(json.dumps({k: r[k] for k in fields}) + "\n" for r in records)}
 
 
 def _layout(records) -> str | None:

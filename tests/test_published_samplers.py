@@ -124,7 +124,7 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
             break
         s, tt = t[i + 1], t[i]
         if alg == "origin":
-            p_transfer = 1 - float(s / tt) if i < steps - 1 else 1
+            p_transfer = 1 - s / tt if i < steps - 1 else 1
             transfer = torch.rand(masked.numel(), generator=g) < p_transfer
             if not bool(transfer.any()):
                 continue
@@ -132,7 +132,8 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
             logits = torch.cat([logits[:1], logits[:-1]])  # Dream's right shift
             x[masked[transfer]] = next_token(logits[masked[transfer]], params, MASK, g)
             continue
-        k = int(masked.numel() * (1 - float(s / tt))) if i < steps - 1 else masked.numel()
+        num_mask_token = (x == MASK).sum() / 1  # Dream: mask_index.sum() / batch, a float32 tensor
+        k = int(num_mask_token * (1 - s / tt)) if i < steps - 1 else int(num_mask_token)
         if k == 0:
             continue
         logits = full_logits(model, x)
@@ -151,11 +152,15 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
             conf = srt[:, 0] - srt[:, 1]
         else:
             conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+        full_confidence = torch.full((x.numel(),), -torch.inf, dtype=conf.dtype)  # over the whole sequence
+        full_confidence[masked] = conf
         if alg_temp:
-            idx = torch.multinomial(torch.softmax(conf / alg_temp, -1), k, generator=g)
+            idx = torch.multinomial(torch.softmax(full_confidence / alg_temp, -1), k, generator=g)
         else:
-            idx = conf.topk(k).indices
-        x[masked[idx]] = x0[idx]
+            idx = torch.topk(full_confidence, k).indices
+        x_ = torch.full_like(x, MASK)
+        x_[masked] = x0
+        x[idx] = x_[idx]
     return until_stop(x[p:].tolist(), params, gen)
 
 
@@ -577,3 +582,43 @@ def test_generate_command_on_published_folders(tmp_path, capsys):
     capsys.readouterr()
     assert main(argv + ["--sampler", "dream", "--cfg-scale", "1.0"]) == 2
     assert "--cfg-scale" in capsys.readouterr().err
+
+
+def test_dream_breaks_ties_as_its_own_code_does(models):
+    """Under top-p at temperature 0 every mask's confidence is exactly 1 (one token left): Dream takes torch.topk
+    over the whole sequence with the non-masks at -inf, and among tied values that returns other positions than a
+    top-k over the masks alone - the order in which the answer is revealed, and so its tokens, follow Dream's."""
+    model = models["dream"]
+    for alg in ("maskgit_plus", "entropy"):
+        params = [
+            SamplingParams(max_new_tokens=9 + 3 * i, temperature=0.0, top_p=1e-3, ignore_eos=True)
+            for i in range(len(MIXED))
+        ]
+        results = Engine(model, decoder="mdm", max_batch_size=3, method="dream", steps=3, alg=alg).generate(
+            MIXED, params
+        )
+        for prompt, p, r in zip(MIXED, params, results):
+            assert r.token_ids == reference_dream(model, prompt, p, steps=3, alg=alg), (alg, prompt)
+
+
+def test_dream_counts_the_masks_to_reveal_in_float32():
+    """Dream's count ``int(num_mask_token * (1 - s / t))`` with float32 tensors (its timesteps, and the mask count
+    divided by the batch size), every mask at the last pass: dream_reveal_count gives it along whole schedules, and
+    on these the same formula in float64 would reveal a different number at some passes."""
+    from dlm.decode.mdm import dream_reveal_count
+
+    def dream(n, t, i, steps):  # the expression of Dream's _sample, for one row
+        num_mask_token = torch.tensor([n]).sum() / 1
+        return int(num_mask_token * (1 - t[i + 1] / t[i])) if i < steps - 1 else int(num_mask_token)
+
+    differ = 0
+    for length, steps in [(794, 493), (1000, 333), (517, 512), (64, 64), (1024, 100)]:
+        t = torch.linspace(1, 1e-3, steps + 1)
+        n = length
+        for i in range(steps):
+            k = dream(n, t, i, steps)
+            assert dream_reveal_count(n, t, i, steps) == k, (length, steps, i)
+            differ += i < steps - 1 and k != int(n * (1.0 - float(t[i + 1] / t[i])))
+            n -= k
+        assert n == 0
+    assert differ > 0

@@ -17,7 +17,8 @@ Every generated position starts as M and the passes run with full (bidirectional
   with probability ``1 - t[i+1]/t[i]`` (``alg='origin'``), or the ``int(n_masked (1 - t[i+1]/t[i]))`` masks of
   highest confidence are (``maskgit_plus``: the token's probability, ``topk_margin``: top-1 minus top-2,
   ``entropy``: the negative entropy; drawn from ``softmax(confidence / alg_temp)`` when ``alg_temp > 0``), all
-  of them at the last pass. The count is per row (the reference averages it over the batch).
+  of them at the last pass. The count is per row (the reference averages it over the batch), in float32 as Dream's;
+  the masks are chosen over the whole sequence (non-masks at -inf), so ties break at Dream's positions.
 - ``threshold`` (Fast-dLLM): semi-autoregressive blocks of ``semi_ar_block``; within a block each pass commits every
   masked token whose probability exceeds ``threshold`` (at least the most confident one). The KV of the finished
   prefix is cached: refreshed by one full forward at the start of each block, reused by the block's later passes
@@ -54,6 +55,15 @@ def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, g
         probs = probs_from_logits(logits, params, mask_id)
         tokens = sample(probs, generator)
     return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def dream_reveal_count(n_masked: int, t: torch.Tensor, i: int, steps: int) -> int:
+    """How many masks Dream's confidence algorithms reveal at pass ``i`` of ``steps`` (``t``: its float32
+    ``linspace(1, eps, steps + 1)``): ``int(n (1 - t[i+1] / t[i]))`` in float32 as its code computes it (the count a
+    float32 tensor), every mask at the last pass. In float64 some (length, steps, pass) give one fewer."""
+    if i >= steps - 1:
+        return n_masked
+    return int(torch.tensor(n_masked, dtype=torch.float32) * (1 - t[i + 1] / t[i]))
 
 
 def even_split(n: int, parts: int) -> list[int]:
@@ -231,7 +241,9 @@ class MDMDecoder(DiffusionDecoder):
                 i = st["i"]
                 st["i"] += 1
                 last = i >= st["steps"] - 1
-                ratio = 1.0 if last else 1.0 - float(t[i + 1] / t[i])
+                # in float32, as Dream computes it (1 - s / t on its float32 timesteps, the mask count a float32
+                # tensor): float64 reveals a different number at some (length, steps, pass)
+                ratio = torch.ones(()) if last else 1 - t[i + 1] / t[i]
                 if self.alg == "origin":
                     # drawn at the last pass too (ratio 1: every mask), as the reference does
                     commit = torch.rand(masked.numel(), generator=row.generator) < ratio
@@ -239,7 +251,7 @@ class MDMDecoder(DiffusionDecoder):
                         st["commit"] = commit
                         return
                 else:
-                    n = masked.numel() if last else int(masked.numel() * ratio)
+                    n = dream_reveal_count(masked.numel(), t, i, st["steps"])
                     if n > 0:
                         st["n_commit"] = n
                         return
@@ -339,12 +351,18 @@ class MDMDecoder(DiffusionDecoder):
             conf = top2[:, 0] - top2[:, 1]
         else:  # entropy: sum p log p (higher = more certain)
             conf = (probs * torch.log(probs + 1e-10)).sum(-1)
+        # Dream selects over the whole sequence with the non-masks at -inf, not over the masks alone: among equal
+        # confidences (many are exactly 1 under top-p) torch.topk returns other positions on the longer row
+        full = torch.full((x.numel(),), float("-inf"), dtype=conf.dtype)
+        full[masked] = conf
+        proposed = torch.full_like(x, mask_id)
+        proposed[masked] = tokens
         k = st["n_commit"]
         if self.alg_temp:
-            chosen = torch.multinomial((conf / self.alg_temp).softmax(-1), k, generator=g)
+            chosen = torch.multinomial((full / self.alg_temp).softmax(-1), k, generator=g)
         else:
-            chosen = conf.topk(k).indices
-        x[masked[chosen]] = tokens[chosen]
+            chosen = full.topk(k).indices
+        x[chosen] = proposed[chosen]
 
     def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:
         st = row.state

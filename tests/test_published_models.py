@@ -64,6 +64,15 @@ def test_load_gives_the_family_forward_and_fields(tmp_path, family):
     assert torch.equal(logits_of(again), logits_of(model))
 
 
+def test_llada_moe_placeholders_its_code_never_reads_do_not_block_loading(tmp_path):
+    """LLaDA-MoE's configuration class writes router_num_group / router_topk_group = -2, which none of its modeling
+    code reads: the folder loads, with the logits of the folder without them."""
+    plain = dlm.load_model(write_llada_moe(tmp_path / "plain"))
+    placeholders = dlm.load_model(write_llada_moe(tmp_path / "p", router_num_group=-2, router_topk_group=-2))
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["router_num_group"] == -2
+    assert torch.equal(logits_of(placeholders), logits_of(plain))
+
+
 def test_llada2_across_blocks_and_its_variants(tmp_path):
     """LLaDA2's block-causal attention over several blocks (its own block length 32 and a smaller one given in
     config.json), and the layouts' options: biased projections, no shared experts, a router without its bias,

@@ -367,8 +367,7 @@ def _llada_moe_config(fields: dict, path: Path):
         ("shared_expert_intermediate_size", "shared experts"),
         ("moe_router_enable_expert_bias", "a router expert bias"),
         ("clip_qkv", "clipped q/k/v"),
-        ("router_num_group", "group-limited routing"),
-    ):
+    ):  # (router_num_group / router_topk_group: its configuration class writes -2, none of its code reads them)
         if fields.get(key):  # null, 0 or false: not used
             raise DLMError(f"'{path}': '{key}' is {fields[key]!r}; dlm loads the LLaDA-MoE layout without {what}")
     if fields.get("moe_router_score_function", "softmax") != "softmax":

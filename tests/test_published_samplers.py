@@ -471,13 +471,14 @@ def test_token_editing_edits_and_costs_passes(models):
 
 def test_the_family_sampler_is_the_default(models):
     """Without --sampler a LLaDA checkpoint decodes with LLaDA's sampler, Dream with Dream's (alg origin), SDAR
-    with SDAR's dynamic low-confidence strategy, LLaDA2 with its own (that strategy with the block length's
-    quotas); dlm's own mdm models keep the confidence sampler."""
+    with SDAR's dynamic low-confidence strategy at its threshold 0.85, LLaDA2 with its own (that strategy with the
+    block length's quotas, threshold 0.95); dlm's own mdm models keep the confidence sampler. One rule for the
+    family's settings, whatever built the config: every setting its caller did not choose is the family's."""
     p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
     cases = [
         ("llada", "mdm", reference_llada, dict(block_length=32)),
         ("dream", "mdm", reference_dream, {}),
-        ("sdar", "block", reference_sdar, {}),
+        ("sdar", "block", reference_sdar, dict(threshold=0.85)),  # SDAR's generate.py default
         ("llada2", "block", reference_llada2, {}),  # LLaDA2's rule and its threshold 0.95
         ("llada_moe", "mdm", reference_llada, dict(block_length=32)),  # LLaDA-MoE samples as LLaDA does
     ]
@@ -490,8 +491,15 @@ def test_the_family_sampler_is_the_default(models):
     assert Engine(models["llada2"], decoder="block").decoder.threshold == 0.95  # LLaDA2's
     assert Engine(models["llada2"], decoder=make_config("block", steps=4)).decoder.threshold == 0.95  # (the CLI's)
     assert Engine(models["llada2"], decoder="block", threshold=0.5).decoder.threshold == 0.5  # given: kept
-    assert Engine(models["llada2"], decoder=BlockConfig()).decoder.threshold == 0.9  # a whole config: the caller's
-    assert Engine(models["sdar"], decoder="block").decoder.threshold == 0.9  # dlm's
+    assert Engine(models["llada2"], decoder=BlockConfig()).decoder.threshold == 0.95  # the Python API: the same
+    assert Engine(models["llada2"], decoder=BlockConfig(steps=4)).decoder.threshold == 0.95
+    assert Engine(models["llada2"], decoder=BlockConfig(threshold=0.9)).decoder.threshold == 0.9  # chosen: kept
+    chosen = BlockConfig()
+    chosen.threshold = 0.7  # assigned after construction: chosen too
+    assert Engine(models["llada2"], decoder=chosen).decoder.threshold == 0.7
+    assert Engine(models["sdar"], decoder="block").decoder.threshold == 0.85  # SDAR's
+    assert Engine(models["sdar"], decoder=BlockConfig()).decoder.threshold == 0.85
+    assert Engine(models["fast_dllm_v2"], decoder="block").decoder.threshold == 0.9  # dlm's, for the others
     from dlm.cli import build_parser
     from dlm.decode.configs import config_from_args
 

@@ -69,10 +69,28 @@ def _is_int(value) -> bool:
 
 @dataclass
 class DecoderConfig:
-    """What every decoder config has: its registry ``name`` and the keyword arguments of its decoder class."""
+    """What every decoder config has: its registry ``name`` and the keyword arguments of its decoder class.
+
+    It also knows which settings its caller chose (``given``: the fields passed to the constructor or assigned
+    later); the others take a published family's defaults when the engine runs the config on such a model
+    (:func:`with_family_defaults`), whether the config came from the CLI, the server or the caller's own
+    ``BlockConfig()``."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        names = [f.name for f in dataclasses.fields(cls) if f.init]
+        object.__setattr__(self, "given", frozenset(names[: len(args)]) | frozenset(kwargs))
+        return self
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a field assigned after construction is the caller's choice too (the constructor's first assignments are
+        # not: they are the fields' first values)
+        if name != "given" and name in self.__dict__ and "given" in self.__dict__:
+            object.__setattr__(self, "given", self.__dict__["given"] | {name})
+        object.__setattr__(self, name, value)
 
     def decoder_kwargs(self) -> dict[str, Any]:
         """The decoder class's keyword arguments (the field names, unless a field's metadata says ``arg``)."""
@@ -412,11 +430,9 @@ def _with_given(config: DecoderConfig, given: dict[str, Any]) -> DecoderConfig:
 
 
 def with_family_defaults(config: DecoderConfig, defaults: dict[str, Any]) -> DecoderConfig:
-    """``config`` with ``defaults`` for the settings its caller left out (a config built by :func:`make_config`;
-    one built directly counts as chosen in full)."""
-    given = getattr(config, "given", None)
-    if given is None:
-        return config
+    """``config`` with ``defaults`` for the settings its caller left out (``given``: passed to the constructor,
+    to :func:`make_config`, or assigned since)."""
+    given = getattr(config, "given", frozenset())
     todo = {k: v for k, v in defaults.items() if k not in given}
     if not todo:
         return config

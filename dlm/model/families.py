@@ -89,8 +89,9 @@ LLADA2_NAMES = ("llada2_moe", "llada21_moe", "LLaDA2MoeModelLM")  # 2.0 and 2.1 
 LLADA_MOE_NAMES = ("LLaDAMoEModelLM", "LLaDAMoEModel", "lladamoe", "llada_moe")
 SDAR_MOE_NAMES = ("SDARMoeForCausalLM", "sdar_moe")  # SDAR-30B-A3B: Qwen3-30B-A3B's mixture of experts
 
-# decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins)
-SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}}  # LLaDA2MoeModelLM.generate's threshold
+# decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins): LLaDA2's
+# LLaDA2MoeModelLM.generate threshold; SDAR's generate.py threshold (its function's default and its CLI's)
+SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}, "sdar": {"block": {"threshold": 0.85}}}
 
 
 def sampler_defaults(config, decoder: str) -> dict[str, Any]:

@@ -432,7 +432,7 @@ def _with_given(config: DecoderConfig, given: dict[str, Any]) -> DecoderConfig:
 def with_family_defaults(config: DecoderConfig, defaults: dict[str, Any]) -> DecoderConfig:
     """``config`` with ``defaults`` for the settings its caller left out (``given``: passed to the constructor,
     to :func:`make_config`, or assigned since)."""
-    given = getattr(config, "given", frozenset())
+    given: frozenset[str] = getattr(config, "given", frozenset())
     todo = {k: v for k, v in defaults.items() if k not in given}
     if not todo:
         return config

@@ -355,7 +355,7 @@ class MDMDecoder(DiffusionDecoder):
         # confidences (many are exactly 1 under top-p) torch.topk returns other positions on the longer row
         full = torch.full((x.numel(),), float("-inf"), dtype=conf.dtype)
         full[masked] = conf
-        proposed = torch.full_like(x, mask_id)
+        proposed = x.clone()  # the proposals at the masks (only masks can be chosen: the rest are at -inf)
         proposed[masked] = tokens
         k = st["n_commit"]
         if self.alg_temp:

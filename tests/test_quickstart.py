@@ -38,16 +38,28 @@ def test_quickstart_end_to_end_tiny(tiny_model_dir, tmp_path, capsys):
     out = tmp_path / "qs"
     assert main(_args(model, out, "--minutes", "0.05", "--curriculum", "1,2", "--strides", "2,3")) == 0
     results = json.loads((out / "results.json").read_text())
-    rows = {(r["decoder"], r["stride"], r["candidates"]): r for r in results["rows"]}
+    rows = {(r["decoder"], r["stride"], r["candidates"]): r for r in results["rows"] if "policy" not in r}
     # gated LoRA keeps the clean path = the base model, so greedy ISD output equals the base model's generate,
     # with draft candidates too (the default K = 3 row at stride 2)
     assert set(rows) == {("ar", None, None), ("isd", 2, 1), ("isd", 3, 1), ("isd", 2, 3)}
+    # the drafting policy's row (the server's default, at the model's own stride 3): what it measured and chose
+    auto = [r for r in results["rows"] if "policy" in r]
+    assert len(auto) == 1 and auto[0]["stride"] == 3 and auto[0]["identical_to_base"] == "3/3"
+    assert auto[0]["policy"]["draft"] + auto[0]["policy"]["ar"] > 0
     for key in rows:
         assert rows[key]["identical_to_base"] == "3/3", rows[key]
         assert 1.0 <= rows[key]["tpf"] <= (key[1] or 1)
         assert rows[key]["identical_to_ar"] == "3/3", rows[key]
     report = (out / "report.md").read_text()
     assert "| dlm isd | trained | 3 |" in report and "| dlm isd | trained | 2, K=3 |" in report
+    assert "| dlm isd, policy auto | trained | 3 |" in report
+    # it leads with ISD against the engine's own AR, and says what the policy chose on which figures
+    best = max(
+        (r for r in results["rows"] if r["decoder"] == "isd" and "policy" not in r), key=lambda r: r["speedup_vs_ar"]
+    )
+    first = report.split("| decoder |")[0]
+    assert "**ISD against `dlm ar`**" in first and f"**{best['speedup_vs_ar']:.2f}x** `dlm ar`" in first
+    assert "The drafting policy (`--isd-draft-budget auto`" in first and "decode steps" in first
     # what each curriculum stage did, read back from its training log (steps depend on the machine)
     stages = results["training"]
     assert [st["block_size"] for st in stages] == [1, 2] and all(st["finished"] for st in stages)
@@ -95,7 +107,11 @@ def test_quickstart_merged_adapters_tiny(tiny_model_dir, tmp_path, capsys):
     )
     results = json.loads((out / "results.json").read_text())
     assert results["adapters"] == "merged" and results["config"]["lora_targets"] == "all-linear"
-    rows = {(r["decoder"], r["stride"], r["model"]): r for r in results["rows"] if r["candidates"] in (None, 1)}
+    rows = {
+        (r["decoder"], r["stride"], r["model"]): r
+        for r in results["rows"]
+        if r["candidates"] in (None, 1) and "policy" not in r
+    }
     assert set(rows) == {("ar", None, "base"), ("ar", None, "trained"), ("isd", 2, "trained"), ("isd", 3, "trained")}
     assert [r["candidates"] for r in results["rows"]].count(3) == 1  # the default K = 3 row
     assert rows[("ar", None, "base")]["identical_to_base"] == "3/3"

@@ -229,6 +229,15 @@ class MeasuredDraft(AlwaysDraft):
         b.burst_left = self._burst_steps(mode, rows) - 1 + (mode and not self._prev)  # plus the uncounted cold start
         return mode
 
+    def describe(self, rows: int = 1) -> dict:
+        """What the policy measured at this batch size: each mode's committed tokens/s over its recent steps
+        (None where not measured) and its choice (``draft``, ``ar``, or None while undecided)."""
+        b = self.buckets.get(self.bucket_of(rows))
+        d = b.window[True].rate() if b else None
+        a = b.window[False].rate() if b else None
+        best = self._decided(self.bucket_of(rows))
+        return {"drafting_tok_s": d, "ar_tok_s": a, "choice": None if best is None else ("draft" if best else "ar")}
+
     def observe(self, rows: int, drafted: bool, seconds: float, tokens: int) -> None:
         if drafted and self._switched:
             return

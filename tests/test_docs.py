@@ -120,3 +120,29 @@ def test_docs_speak_of_the_project(path):
         if m
     ]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.slow
+def test_the_readme_python_example_runs_without_deprecated_spellings(smollm2_path):
+    """The README's Python block, executed as a user would paste it (the real embedded model), with dlm's own
+    DeprecationWarnings as errors: the example shows the current API."""
+    import re
+    import warnings
+
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"## Python\n\n```python\n(.*?)```", text, re.S)
+    assert block, "README.md has no Python example under '## Python'"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scope: dict = {}
+        exec(compile(block.group(1), "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    # a deprecation raised at the example's own lines (dlm warns at its caller) or inside dlm is the example's
+    ours = [
+        w
+        for w in caught
+        if issubclass(w.category, DeprecationWarning)
+        and (w.filename == "README.md" or "/dlm/" in w.filename.replace("\\", "/"))
+    ]
+    assert not ours, [str(w.message) for w in ours]
+    out = scope["out"]
+    assert len(out[0].token_ids) == 16 and out[0].stats.forwards <= 16

@@ -260,3 +260,22 @@ def test_cuda_graphs_capture_gated_adapters_and_stay_lossless():
     assert [r.token_ids for r in graphed.generate(PROMPTS, p)] == want
     assert graphed._static.runner.replays > 0 and graphed._static.runner.failed is None
     assert not dlm.gated_lora.sync_free  # only inside the captured forwards
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_default_is_the_captured_static_step_with_the_growing_caches_tokens():
+    """On CUDA an engine with no cache setting runs the static step captured as graphs (static_default), and in
+    fp32 gives the growing cache's tokens for ar, isd and an mdm sampler, through the Engine and generate()."""
+    from dlm.decode import generate
+
+    p = params()
+    for objective, decoder, kw in (("idlm", "ar", {}), ("idlm", "isd", dict(stride=3)), ("mdm", "mdm", {})):
+        dlm = dlm_of(objective, "llama", **({"block_size": 3} if objective == "idlm" else {})).to("cuda")
+        default = Engine(dlm, decoder=decoder, max_batch_size=3, **kw)
+        assert default._static is not None and default._static.graphs, decoder
+        growing = Engine(dlm, decoder=decoder, max_batch_size=3, static_cache=False, **kw)
+        want = [r.token_ids for r in growing.generate(PROMPTS, p)]
+        assert [r.token_ids for r in default.generate(PROMPTS, p)] == want, decoder
+        assert default._static.runner.replays > 0 and default._static.runner.failed is None
+    assert [r.token_ids for r in generate(dlm, PROMPTS, "mdm", p, batch_size=3)] == want

@@ -46,15 +46,16 @@ from dlm.errors import DLMError
 
 
 def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, generator: torch.Generator):
-    """[n, V] logits -> (tokens [n], confidence [n]): argmax or a draw, and its probability (at temperature 1 for
-    greedy, so confidences stay comparable)."""
+    """[n, V] logits -> (tokens [n], confidence [n]) on the CPU, where the rows' sequences live (the logits may be
+    on a GPU): argmax or a draw, and its probability (at temperature 1 for greedy, so confidences stay
+    comparable)."""
     if params.greedy:
         probs = suppress(logits, mask_id).softmax(-1)
         tokens = probs.argmax(-1)
     else:
         probs = probs_from_logits(logits, params, mask_id)
         tokens = sample(probs, generator)
-    return tokens, probs.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens.cpu(), probs.gather(-1, tokens[:, None]).squeeze(-1).cpu()
 
 
 def dream_reveal_count(n_masked: int, t: torch.Tensor, i: int, steps: int) -> int:
@@ -330,15 +331,15 @@ class MDMDecoder(DiffusionDecoder):
         if self.method == "llada":
             tokens = next_token(scores, p, mask_id, g)
             if self.remasking == "low_confidence":
-                conf = suppress(scores, mask_id).softmax(-1).gather(-1, tokens[:, None]).squeeze(-1)
+                conf = suppress(scores, mask_id).softmax(-1).gather(-1, tokens[:, None]).squeeze(-1).cpu()
             else:
                 conf = torch.rand(tokens.numel(), generator=g)
             top = conf.topk(st["n_commit"]).indices
-            x[masked[top]] = tokens[top]
+            x[masked[top]] = tokens.cpu()[top]
             return
         if self.alg == "origin":
             commit = st["commit"]
-            x[masked[commit]] = next_token(scores[commit], p, mask_id, g)
+            x[masked[commit]] = next_token(scores[commit.to(scores.device)], p, mask_id, g).cpu()
             return
         # Dream's confidence algorithms: the distribution after temperature / top-k / top-p (at temperature 1 when
         # greedy), its argmax or a draw, and a confidence per mask
@@ -353,15 +354,16 @@ class MDMDecoder(DiffusionDecoder):
             conf = (probs * torch.log(probs + 1e-10)).sum(-1)
         # Dream selects over the whole sequence with the non-masks at -inf, not over the masks alone: among equal
         # confidences (many are exactly 1 under top-p) torch.topk returns other positions on the longer row
-        full = torch.full((x.numel(),), float("-inf"), dtype=conf.dtype)
-        full[masked] = conf
+        # (on the logits' device, as Dream runs it there; the request's generator draws on the CPU)
+        full = torch.full((x.numel(),), float("-inf"), dtype=conf.dtype, device=conf.device)
+        full[masked.to(conf.device)] = conf
         proposed = x.clone()  # the proposals at the masks (only masks can be chosen: the rest are at -inf)
-        proposed[masked] = tokens
+        proposed[masked] = tokens.cpu()
         k = st["n_commit"]
         if self.alg_temp:
-            chosen = torch.multinomial((full / self.alg_temp).softmax(-1), k, generator=g)
+            chosen = torch.multinomial((full / self.alg_temp).softmax(-1).cpu(), k, generator=g)
         else:
-            chosen = full.topk(k).indices
+            chosen = full.topk(k).indices.cpu()
         x[chosen] = proposed[chosen]
 
     def _consume_threshold(self, engine: Engine, row: Row, logits: torch.Tensor) -> tuple[list[int], int]:

@@ -5,6 +5,7 @@ token greedy and draw for draw with a seed, batched with prompts of different le
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,12 +110,15 @@ def reference_llada(
 
 
 # -- Dream: diffusion_generate, one request -----------------------------------------------------------------------
-def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=None, eps=1e-3, suffix=()):
+def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=None, eps=1e-3, suffix=(), top_k=50):
     """Dream's diffusion_generate: t = linspace(1, eps, steps+1); logits shifted right by one; 'origin' reveals
     each mask with probability 1 - s/t (all at the last step) with a token drawn from its distribution, the others
     reveal the int(n_mask (1 - s/t)) masks of highest confidence (or drawn from softmax(conf/alg_temp)). A step
     that reveals nothing is not run (its candidate draws are not made)."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
+    # sample_tokens filters top-p, then top-k - 50 when its caller gives none (the generation config it builds
+    # from the model config carries transformers' global top_k)
+    dream = replace(params, top_k=params.top_k or top_k)
     steps = steps or gen
     x = torch.tensor(list(prompt) + [MASK] * gen + list(suffix))
     t = torch.linspace(1, eps, steps + 1)
@@ -130,7 +134,12 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
                 continue
             logits = full_logits(model, x)
             logits = torch.cat([logits[:1], logits[:-1]])  # Dream's right shift
-            x[masked[transfer]] = next_token(logits[masked[transfer]], params, MASK, g)
+            sub = logits[masked[transfer]]
+            x[masked[transfer]] = (
+                next_token(sub, params, MASK, g)
+                if params.greedy
+                else sample(probs_from_logits(sub, dream, MASK, top_p_first=True), g)
+            )
             continue
         num_mask_token = (x == MASK).sum() / 1  # Dream: mask_index.sum() / batch, a float32 tensor
         k = int(num_mask_token * (1 - s / tt)) if i < steps - 1 else int(num_mask_token)
@@ -141,8 +150,9 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
         # sample_tokens: temperature (none when greedy), top-k / top-p, softmax; a draw, or the argmax when greedy
         probs = probs_from_logits(
             logits[masked],
-            params if not params.greedy else SamplingParams(temperature=1.0, top_k=params.top_k, top_p=params.top_p),
+            dream if not params.greedy else SamplingParams(temperature=1.0, top_k=dream.top_k, top_p=params.top_p),
             MASK,
+            top_p_first=True,
         )
         x0 = sample(probs, g) if not params.greedy else probs.argmax(-1)
         if alg == "maskgit_plus":

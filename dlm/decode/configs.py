@@ -197,6 +197,11 @@ class MDMConfig(DecoderConfig):
     alg_temp: float | None = opt(
         None, "dream sampler: > 0 draws the revealed masks from softmax(confidence / alg_temp)"
     )
+    dream_top_k: int | None = opt(
+        None,
+        "dream sampler: the top-k it filters with where the request sets none, after top-p as Dream's code does "
+        "(50 on Dream checkpoints: its diffusion_generate's hidden default); None or 0: none",
+    )
 
     def __post_init__(self):
         self._check_choices()
@@ -205,6 +210,8 @@ class MDMConfig(DecoderConfig):
             self._fail("cfg_scale", f"must be >= 0 (0 = no guidance), got {self.cfg_scale!r}")
         if self.alg_temp is not None and self.alg_temp < 0:
             self._fail("alg_temp", f"must be >= 0, got {self.alg_temp!r}")
+        if self.dream_top_k is not None and (not isinstance(self.dream_top_k, int) or self.dream_top_k < 0):
+            self._fail("dream_top_k", f"must be an int >= 0 (0 = none), got {self.dream_top_k!r}")
         for field, value, owner in (
             ("cfg_scale", self.cfg_scale or None, "llada"),
             ("remasking", self.remasking, "llada"),

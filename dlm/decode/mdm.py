@@ -135,6 +135,7 @@ class MDMDecoder(DiffusionDecoder):
         remasking: str | None = None,
         alg: str | None = None,
         alg_temp: float | None = None,
+        dream_top_k: int | None = None,
         eps: float = 1e-3,
     ):
         # the checks of the settings, written once (dlm.decode.configs); method None: the sampler of the model's
@@ -148,11 +149,13 @@ class MDMDecoder(DiffusionDecoder):
             remasking=remasking,
             alg=alg,
             alg_temp=alg_temp,
+            dream_top_k=dream_top_k,
         )
         if not 0.0 <= eps < 1.0:
             raise DLMError(f"the dream sampler's eps must be in [0, 1), got {eps}")
         self.cfg_scale, self.remasking = float(cfg_scale), remasking or "low_confidence"
         self.alg, self.alg_temp, self.eps = alg or "origin", alg_temp, float(eps)
+        self.dream_top_k = int(dream_top_k or 0)
         threshold = 0.9 if threshold is None else float(threshold)
         self.method, self.steps, self.threshold, self.semi_ar_block = method, steps, threshold, semi_ar_block
         self.shift = True
@@ -337,13 +340,21 @@ class MDMDecoder(DiffusionDecoder):
             top = conf.topk(st["n_commit"]).indices
             x[masked[top]] = tokens.cpu()[top]
             return
+        # Dream's sample_tokens: temperature, then top-p, then top-k (its hidden 50 where the request sets none)
+        top_k = p.top_k or self.dream_top_k
         if self.alg == "origin":
             commit = st["commit"]
-            x[masked[commit]] = next_token(scores[commit.to(scores.device)], p, mask_id, g).cpu()
+            sub = scores[commit.to(scores.device)]
+            if p.greedy:
+                tokens = next_token(sub, p, mask_id, g)  # the argmax survives any filter
+            else:
+                tokens = sample(probs_from_logits(sub, replace(p, top_k=top_k), mask_id, top_p_first=True), g)
+            x[masked[commit]] = tokens.cpu()
             return
-        # Dream's confidence algorithms: the distribution after temperature / top-k / top-p (at temperature 1 when
-        # greedy), its argmax or a draw, and a confidence per mask
-        probs = probs_from_logits(scores, replace(p, temperature=1.0) if p.greedy else p, mask_id)
+        # Dream's confidence algorithms: the distribution after the filters (at temperature 1 when greedy), its
+        # argmax or a draw, and a confidence per mask
+        params = replace(p, temperature=1.0, top_k=top_k) if p.greedy else replace(p, top_k=top_k)
+        probs = probs_from_logits(scores, params, mask_id, top_p_first=True)
         tokens = probs.argmax(-1) if p.greedy else sample(probs, g)
         if self.alg == "maskgit_plus":
             conf = probs.gather(-1, tokens[:, None]).squeeze(-1)

@@ -252,8 +252,11 @@ def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Ten
     return torch.where(left.values >= right.values, left.indices, right.indices + (m + 1))
 
 
-def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None) -> torch.Tensor:
-    """[..., V] logits -> [..., V] probabilities after mask suppression, temperature, top-k and top-p.
+def probs_from_logits(
+    logits: torch.Tensor, params: SamplingParams, mask_token_id: int | None, top_p_first: bool = False
+) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after mask suppression, temperature, top-k and top-p (top-p then
+    top-k with ``top_p_first``, the order of Dream's sampler).
 
     For greedy params this returns the one-hot distribution of the argmax (so acceptance tests and the
     residual ``max(0, p - q)`` reduce to the greedy rules).
@@ -267,9 +270,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_i
     # smallest normal number (5e-324 would be 0 in float32: 0 / 0)
     temperature = max(params.temperature, torch.finfo(logits.dtype).tiny)
     logits = (logits - logits.amax(-1, keepdim=True)) / temperature
-    if params.top_k and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not top_p_first:
+        logits = _top_k(logits, params.top_k)
     if params.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
@@ -278,7 +280,16 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams, mask_token_i
         drop_sorted[..., 0] = False  # a top_p below float32's smallest number (5e-324) would drop every token
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
+    if top_p_first:
+        logits = _top_k(logits, params.top_k)
     return logits.softmax(-1)
+
+
+def _top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
+    if k and k < logits.shape[-1]:
+        kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return logits
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

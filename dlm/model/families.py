@@ -91,7 +91,13 @@ SDAR_MOE_NAMES = ("SDARMoeForCausalLM", "sdar_moe")  # SDAR-30B-A3B: Qwen3-30B-A
 
 # decoder settings of a family's own sampler where dlm's defaults differ (what the caller gives wins): LLaDA2's
 # LLaDA2MoeModelLM.generate threshold; SDAR's generate.py threshold (its function's default and its CLI's)
-SAMPLER_DEFAULTS = {"llada2": {"block": {"threshold": 0.95}}, "sdar": {"block": {"threshold": 0.85}}}
+# Dream's diffusion_generate filters to the top 50 tokens unless its caller passes top_k=None (transformers' global
+# default, taken from the model config rather than the folder's generation_config.json)
+SAMPLER_DEFAULTS = {
+    "llada2": {"block": {"threshold": 0.95}},
+    "sdar": {"block": {"threshold": 0.85}},
+    "dream": {"mdm": {"dream_top_k": 50}},
+}
 
 
 def sampler_defaults(config, decoder: str) -> dict[str, Any]:

@@ -172,7 +172,10 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
     path = Path(name).expanduser()
     hub = HUB_ID.match(name)
     if hub is not None and not path.exists():
-        return download(hub["repo"], hub["revision"])
+        try:
+            return download(hub["repo"], hub["revision"])
+        except DLMError as e:  # org/name is also how a relative path looks: say that no such folder exists
+            raise DLMError(f"{e} (and there is no local folder '{path}')") from e
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
         from dlm.model.families import adapter_folder_error
 

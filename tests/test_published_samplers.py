@@ -175,11 +175,15 @@ def reference_dream(model, prompt, params, steps=None, alg="origin", alg_temp=No
 
 
 # -- SDAR: JetAstra/SDAR generate.py block_diffusion_generate, one request ----------------------------------------
-def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_dynamic", threshold=0.9):
+def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_dynamic", threshold=0.9, rewrite=True):
     """SDAR's block_diffusion_generate: the canvas rounded up to whole blocks, block-causal attention, per block
-    at most `steps` passes over the block; a pass samples every position and commits its quota (the block's masks
-    split evenly over the steps, remainder first) by strategy; stop after a block holding a stop token. Greedy
-    takes the argmax (SDAR has no greedy branch)."""
+    at most `steps` passes over the block; a pass samples every position and commits its quota (the block's length
+    split evenly over the steps, remainder first) by strategy: the masks above the threshold if they fill the quota
+    (dynamic), else the top quota of the block's confidences with the non-masks at -inf - so where the quota
+    exceeds the masks left, decoded positions too, set to the pass's sample there (``rewrite``); stop after a block
+    holding a stop token. Greedy takes the argmax (SDAR has no greedy branch; it divides by the temperature). dlm's
+    one departure: in the block holding the prompt's tail the quotas split the masks, and nothing else is written
+    (SDAR overwrites prompt tokens there)."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
     b = model.block_size
     steps = steps or b
@@ -199,6 +203,16 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
             x0, x0_p = propose(logits[where - shift], params, MASK, g)
             k = min(quotas[step], where.numel())
             transfer = torch.zeros(where.numel(), dtype=torch.bool)
+            dynamic_fills = remasking == "low_confidence_dynamic" and int((x0_p > threshold).sum()) >= quotas[step]
+            if rewrite and lo >= p and remasking != "sequential" and quotas[step] > where.numel() and not dynamic_fills:
+                confidence = torch.full((hi - lo,), -torch.inf)
+                confidence[where - lo] = x0_p
+                idx = torch.topk(confidence, quotas[step]).indices + lo
+                x[where] = x0
+                decoded = idx[~torch.isin(idx, where)]
+                if decoded.numel():
+                    x[decoded] = propose(logits[decoded - shift], params, MASK, g)[0]
+                continue
             if remasking == "sequential":
                 transfer[:k] = True
             elif remasking == "low_confidence_dynamic" and int((x0_p > threshold).sum()) >= k:
@@ -354,7 +368,7 @@ CASES = [
         "block",
         dict(steps=2, remasking="low_confidence_dynamic", threshold=0.04),
         reference_sdar,
-        dict(steps=2, threshold=0.04),
+        dict(rewrite=False, steps=2, threshold=0.04),
     ),
     ("llada2", "block", dict(steps=2, threshold=0.05), reference_llada2, dict(steps=2, threshold=0.05)),
     ("llada2", "block", dict(steps=3, threshold=0.02), reference_llada2, dict(steps=3, threshold=0.02)),
@@ -640,3 +654,26 @@ def test_dream_counts_the_masks_to_reveal_in_float32():
             n -= k
         assert n == 0
     assert differ > 0
+
+
+def test_sdar_rewrites_decoded_positions_when_a_quota_exceeds_the_masks_left(models):
+    """SDAR's generate.py: a threshold pass may commit more than its quota, so a later pass's quota exceeds the
+    masks left, and its top-k over the block (non-masks at -inf) picks decoded positions too and rewrites them.
+    On SDAR checkpoints that is the default (quota_overflow='rewrite'); 'masks' commits only masks. Both equal
+    the reference run the same way, and on these prompts they differ (the rewrite does happen)."""
+    model = models["sdar"]
+    params = [
+        SamplingParams(max_new_tokens=8 + i, temperature=t, seed=7 + i, ignore_eos=True)
+        for i, t in enumerate((0.0, 1.0, 0.0, 1.0))
+    ][: len(MIXED)]
+    runs = {}
+    for overflow in ("rewrite", "masks"):
+        kw = dict(steps=2, remasking="low_confidence_dynamic", threshold=0.02, quota_overflow=overflow)
+        results = Engine(model, decoder="block", max_batch_size=3, **kw).generate(MIXED[: len(params)], params)
+        runs[overflow] = [r.token_ids for r in results]
+        for prompt, p, r in zip(MIXED, params, results):
+            want = reference_sdar(model, prompt, p, steps=2, threshold=0.02, rewrite=overflow == "rewrite")
+            assert r.token_ids == want, (overflow, prompt)
+    assert runs["rewrite"] != runs["masks"]
+    assert Engine(model, decoder="block").decoder.quota_overflow == "rewrite"  # SDAR's, by default
+    assert Engine(models["fast_dllm_v2"], decoder="block").decoder.quota_overflow == "masks"

@@ -51,6 +51,7 @@ class BlockDecoder(DiffusionDecoder):
         remasking: str | None = None,
         editing_threshold: float | None = None,
         max_post_steps: int = 16,
+        quota_overflow: str | None = None,
     ):
         BlockConfig(  # the checks, written once
             steps=steps,
@@ -58,9 +59,11 @@ class BlockDecoder(DiffusionDecoder):
             remasking=remasking,
             editing_threshold=editing_threshold,
             max_post_steps=max_post_steps,
+            quota_overflow=quota_overflow,
         )
         self.remasking = remasking
         self.editing_threshold, self.max_post_steps = editing_threshold, max_post_steps
+        self.quota_overflow = quota_overflow or "masks"
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
         self.steps, self.threshold = steps, threshold
@@ -143,9 +146,13 @@ class BlockDecoder(DiffusionDecoder):
         if masked.numel() == 0:  # a pass over a filled block (editing): no mask to commit
             commit = torch.zeros(0, dtype=torch.bool)
         elif self.remasking is not None:
-            commit = self._sdar_commit(
-                conf, st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"]) else conf.numel()
-            )
+            quota = st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"]) else conf.numel()
+            if self._rewrites(conf, quota, lo == bs):
+                self._rewrite_pass(engine, row, logits, masked, tokens, conf, quota)
+                # done: every mask and the rewritten positions (nothing left for the commit below)
+                commit, masked, tokens = torch.zeros(0, dtype=torch.bool), masked[:0], tokens[:0]
+            else:
+                commit = self._sdar_commit(conf, quota)
         elif st["pass_"] >= st["block_steps"]:
             commit = torch.ones_like(conf, dtype=torch.bool)
         elif self.threshold is not None:
@@ -170,6 +177,32 @@ class BlockDecoder(DiffusionDecoder):
         if be < x.numel():
             self._start_block(engine, row, bs + self.block_size)
         return out, keep
+
+    def _rewrites(self, conf: torch.Tensor, quota: int, no_prompt: bool) -> bool:
+        """Whether this pass takes SDAR's top-k over the whole block (``quota_overflow='rewrite'``): its quota
+        exceeds the masks left, the block holds no prompt token, and the strategy would take a top-k (not
+        'sequential', not a dynamic pass whose masks above the threshold fill the quota - they cannot, here)."""
+        return (
+            self.quota_overflow == "rewrite"
+            and no_prompt
+            and quota > conf.numel()
+            and self.remasking in ("low_confidence_static", "low_confidence_dynamic")
+        )
+
+    def _rewrite_pass(self, engine: Engine, row: Row, logits, masked, tokens, conf, quota: int) -> None:
+        """SDAR's pass when its quota exceeds the masks left: the top ``quota`` of the block's confidences with the
+        decoded positions at -inf (so every mask, and then decoded positions in torch.topk's order among equal
+        values), each chosen position set to the pass's proposal there (a decoded one is proposed anew)."""
+        st = row.state
+        x, lo, be = st["x"], st["lo"], st["be"]
+        full = torch.full((be - lo,), float("-inf"), dtype=conf.dtype)
+        full[masked - lo] = conf
+        chosen = full.topk(min(quota, be - lo)).indices + lo
+        decoded = chosen[x[chosen] != engine.mask_token_id]
+        x[masked] = tokens
+        if decoded.numel():
+            again, _ = propose(self._scores(row, logits, decoded), row.params, engine.mask_token_id, row.generator)
+            x[decoded] = again
 
     def _sdar_commit(self, conf: torch.Tensor, quota: int) -> torch.Tensor:
         """Which of the block's masks (in position order, with confidences ``conf``) this pass commits."""

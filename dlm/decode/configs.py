@@ -250,6 +250,14 @@ class BlockConfig(DecoderConfig):
         "one edits nothing (at most --max-post-steps); None: off",
     )
     max_post_steps: int = opt(16, "with --editing-threshold: the most passes over a block after its masks are filled")
+    quota_overflow: str | None = opt(
+        None,
+        "SDAR's strategies, when a pass's quota exceeds the masks left (a threshold pass committed more than its "
+        "share): 'rewrite' - its top-k also picks decoded positions of the block and rewrites them with the pass's "
+        "proposal, as SDAR's generate.py does (never in the block holding the prompt's tail); 'masks' - only the "
+        "masks left; None: rewrite on SDAR checkpoints, else masks",
+        choices=("rewrite", "masks"),
+    )
 
     def __post_init__(self):
         self._check_choices()

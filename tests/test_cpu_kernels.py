@@ -633,7 +633,7 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
 def auto_choice(monkeypatch, tmp_path):
     """DLM_CPU_KERNEL=auto with an empty choice cache of its own."""
     monkeypatch.setenv(cpu.ENV, "auto")
-    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DLM_HOME", str(tmp_path))
     return tmp_path
 
 

@@ -152,7 +152,7 @@ def test_generate_verbose_says_which_path_each_layer_kind_takes(tiny_dir, capsys
     if cpu.extension() is None:
         pytest.skip("the CPU kernels could not be built here")
     monkeypatch.setenv(cpu.ENV, "auto")
-    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DLM_HOME", str(tmp_path))
     argv = ["generate", "--model", str(tiny_dir), "--prompt", "Hi", "--max-new-tokens", "2", "--decode", "ar"]
     assert main([*argv, "-v"]) == 0
     err = capsys.readouterr().err

@@ -146,3 +146,44 @@ def test_the_readme_python_example_runs_without_deprecated_spellings(smollm2_pat
     assert not ours, [str(w.message) for w in ours]
     out = scope["out"]
     assert len(out[0].token_ids) == 16 and out[0].stats.forwards <= 16
+
+
+def test_every_dlm_environment_variable_is_read_through_settings_and_documented():
+    """dlm.settings is the one place that reads a DLM_* variable; docs/DEVELOPING.md's table is its table; every
+    DLM_* name in the code is one of its variables."""
+    import re
+
+    from dlm.settings import VARIABLES, table
+
+    text = (ROOT / "docs" / "DEVELOPING.md").read_text()
+    begin = text.index("<!-- env:begin")
+    assert text[text.index("\n", begin) + 1 : text.index("<!-- env:end -->")] == table()
+    for path in ROOT.glob("dlm/**/*.py"):
+        if path.name == "settings.py":
+            continue
+        src = path.read_text()
+        reads = re.findall(r"os\.(?:environ\.get|getenv)\(\s*[\"'](DLM_\w+)|os\.environ\[\s*[\"'](DLM_\w+)", src)
+        assert not reads, f"{path}: reads {reads} directly; use dlm.settings.env"
+        for name in set(re.findall(r"[\"'](DLM_[A-Z0-9_]+)[\"']", src)):
+            assert name in VARIABLES, f"{path}: {name} is not in dlm.settings.VARIABLES"
+
+
+def test_one_root_for_dlms_files(monkeypatch, tmp_path):
+    """DLM_HOME, else the old DLM_CACHE_DIR (with a DeprecationWarning), else $XDG_CACHE_HOME/dlm, else
+    ~/.cache/dlm: the embedded model, the measured choices and vLLM's venv all live under it."""
+    from dlm.fsutil import cache_dir
+    from dlm.model.hub import dlm_home
+    from dlm.serve.vllm import default_venv
+    from dlm.settings import home
+
+    for var in ("DLM_HOME", "DLM_CACHE_DIR", "XDG_CACHE_HOME", "DLM_VLLM_VENV"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert home() == tmp_path / "user" / ".cache" / "dlm"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert home() == tmp_path / "xdg" / "dlm"
+    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(DeprecationWarning, match="DLM_HOME"):
+        assert home() == tmp_path / "old"
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "new"))
+    assert home() == dlm_home() == cache_dir() == tmp_path / "new" and default_venv() == tmp_path / "new" / "venv-vllm"

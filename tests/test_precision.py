@@ -16,7 +16,7 @@ from dlm import device as precision
 def probe(monkeypatch, tmp_path):
     """The measurement replaced by set timings (a real one depends on the machine), counted; a fresh cache."""
     monkeypatch.delenv(precision.BF16_ENV, raising=False)
-    monkeypatch.setenv("DLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "cache"))
     calls = []
     timings = {"fp32": 10.0, "bf16": 5.0}
 

@@ -25,6 +25,7 @@ from dlm.decode.threads import THREADS_HELP
 from dlm.decode.threads import parse as parse_threads
 from dlm.serve.reasoning import CHOICES as REASONING_CHOICES
 from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
+from dlm.settings import env
 
 # a server's load varies: drafting in a large batch can cost more than it gains (ISD's drafts, prompt lookup's)
 SERVE_DEFAULTS = {"draft_budget": "auto", "lookup_budget": "auto"}
@@ -133,7 +134,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_vllm(args) -> int:
     """--engine vllm: vLLM's OpenAI server as a child process, on a folder vLLM reads as this model means."""
-    import os
     import subprocess
 
     from dlm.errors import DLMError
@@ -183,7 +183,7 @@ def run_vllm(args) -> int:
         if args.drafter
         else ngram
     )
-    api_key = args.api_key or os.environ.get("DLM_API_KEY") or None
+    api_key = args.api_key or env("DLM_API_KEY") or None
     # the dtype dlm's engine would run on this machine (vLLM's own "auto" turns a float32 checkpoint into bfloat16 on
     # a CPU, whose greedy output then drifts from the float32 model's)
     from dlm.device import get_device, get_dtype
@@ -230,7 +230,6 @@ def run_vllm(args) -> int:
 
 def run(args) -> int:
     import logging
-    import os
 
     from dlm.errors import DLMError, require
 
@@ -262,7 +261,7 @@ def run(args) -> int:
     settings = ServeSettings(
         model_name=args.served_model_name or args.model,
         max_tokens_limit=args.max_tokens_limit,
-        api_key=args.api_key or os.environ.get("DLM_API_KEY") or None,
+        api_key=args.api_key or env("DLM_API_KEY") or None,
         max_body_bytes=args.max_body_bytes,
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,

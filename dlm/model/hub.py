@@ -36,7 +36,9 @@ ALIASES = {
 
 
 def dlm_home() -> Path:
-    return Path(os.environ.get("DLM_HOME", Path.home() / ".cache" / "dlm")).expanduser()
+    from dlm.settings import home
+
+    return home()
 
 
 def gguf_location(alias: str) -> tuple[Path, str]:

@@ -38,7 +38,10 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 def default_venv() -> Path:
     """Where ``scripts/install_vllm.sh`` puts vLLM's environment by default."""
-    return Path(os.environ.get("DLM_VLLM_VENV", Path.home() / ".cache" / "dlm" / "venv-vllm")).expanduser()
+    from dlm.settings import env, home
+
+    venv = env("DLM_VLLM_VENV")
+    return Path(venv).expanduser() if venv else home() / "venv-vllm"
 
 
 def vllm_python(explicit: str | None = None) -> str:
@@ -46,7 +49,9 @@ def vllm_python(explicit: str | None = None) -> str:
     has vLLM, else the default venv's when it exists, else this Python (which :func:`check_vllm` then refuses)."""
     import importlib.util
 
-    for cand in (explicit, os.environ.get("DLM_VLLM_PYTHON")):
+    from dlm.settings import env
+
+    for cand in (explicit, env("DLM_VLLM_PYTHON")):
         if cand:
             if not Path(cand).exists():
                 raise DLMError(f"--vllm-python / $DLM_VLLM_PYTHON '{cand}' does not exist; {INSTALL_HINT}")

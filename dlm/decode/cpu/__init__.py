@@ -49,6 +49,7 @@ from dlm.decode.cpu.build import ENV, ISA_ENV, extension, isa, mode, set_isa
 from dlm.decode.cpu.fused import ATTEND_MAX_QUERIES, MAX_ROWS, active, adapter_delta, attend
 from dlm.decode.cpu.packing import QUANT_ENV
 from dlm.device import cpu_name
+from dlm.settings import env
 
 __all__ = [
     "ATTEND_MAX_QUERIES",
@@ -182,8 +183,8 @@ def _attach(model: nn.Module) -> Attached:
     if ops is None:
         return Attached(model, False, why="the kernels could not be built")
     fused._OPS[0] = ops
-    quant_env = os.environ.get(QUANT_ENV, "1").strip() != "0"
-    form = os.environ.get(fused.ADAPTER_ENV, fused.ADAPTER_FORMS[0]).strip().lower()
+    quant_env = (env(QUANT_ENV, "1") or "1").strip() != "0"
+    form = (env(fused.ADAPTER_ENV, fused.ADAPTER_FORMS[0]) or fused.ADAPTER_FORMS[0]).strip().lower()
     if form not in fused.ADAPTER_FORMS:
         from dlm.errors import DLMError
 

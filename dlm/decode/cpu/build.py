@@ -14,11 +14,12 @@ an error), ``0`` (never).
 from __future__ import annotations
 
 import hashlib
-import os
 import warnings
 from pathlib import Path
 
 import torch
+
+from dlm.settings import env
 
 ENV = "DLM_CPU_KERNEL"
 ISA_ENV = "DLM_CPU_ISA"
@@ -31,7 +32,7 @@ _built: list = []  # [torch.ops.dlm_cpu or None] once tried
 
 def mode() -> str:
     """``off``, ``on`` or ``auto`` from ``DLM_CPU_KERNEL``."""
-    v = os.environ.get(ENV, "auto").strip().lower()
+    v = (env(ENV, "auto") or "auto").strip().lower()
     return {"0": "off", "false": "off", "off": "off", "1": "on", "true": "on", "on": "on"}.get(v, "auto")
 
 
@@ -88,7 +89,7 @@ def extension():
                 stacklevel=2,
             )
     if ops is not None:
-        set_isa(os.environ.get(ISA_ENV, "auto"), ops)
+        set_isa(env(ISA_ENV, "auto") or "auto", ops)
     _built.append(ops)
     return ops
 

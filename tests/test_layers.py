@@ -1,0 +1,73 @@
+"""The layers of docs/design.md hold for every import in dlm/, at module level and inside functions: model/,
+objectives/ and data/ import nothing from train/, eval/, serve/, decode/; decode/ imports model/ (and the base
+modules) but not train/, eval/, serve/, objectives/; and the top-level packages import each other without a circle.
+(Modules of one package may import each other inside functions; the layering is between packages.)"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+UPPER = {"train", "eval", "serve", "decode", "commands", "quickstart", "cli"}
+FORBIDDEN = {
+    "model": UPPER | {"config"},
+    "objectives": UPPER,
+    "data": UPPER,
+    "decode": UPPER - {"decode"} | {"objectives"},
+}
+
+
+def _imports() -> dict[str, set[str]]:
+    """dlm module -> the dlm modules it imports anywhere in its file."""
+    out: dict[str, set[str]] = collections.defaultdict(set)
+    for path in (ROOT / "dlm").rglob("*.py"):
+        mod = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "dlm":
+                out[mod].add(node.module)
+            elif isinstance(node, ast.Import):
+                out[mod].update(a.name for a in node.names if a.name.split(".")[0] == "dlm")
+    return out
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def test_each_layer_imports_only_what_it_may():
+    bad = [
+        f"{m} imports {t}"
+        for m, targets in _imports().items()
+        for t in targets
+        if _package(t) in FORBIDDEN.get(_package(m), set())
+    ]
+    assert not bad, bad
+
+
+def test_the_packages_import_each_other_without_a_circle():
+    graph: dict[str, set[str]] = collections.defaultdict(set)
+    for m, targets in _imports().items():
+        for t in targets:
+            if _package(m) != _package(t) and _package(t) != "dlm" and _package(m) not in ("dlm", "__main__"):
+                graph[_package(m)].add(_package(t))
+    state: dict[str, int] = {}
+
+    def cycle_from(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path + [node, nxt]
+            if nxt not in state:
+                found = cycle_from(nxt, path + [node])
+                if found:
+                    return found
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = cycle_from(node, [])
+            assert found is None, " -> ".join(found)

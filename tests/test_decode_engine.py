@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from dlm import convert_ar_to_dlm
-from dlm.decode.engine import Engine, KVBatch, decode_mask
+from dlm.decode.engine import Engine, KVBatch
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
+from dlm.model.masks import decode_mask
 from dlm.testing import make_model, make_tokenizer
 
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]

@@ -51,47 +51,12 @@ from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV, static_defau
 from dlm.decode.structured import MAX_AHEAD, GrammarBook
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
+from dlm.model.masks import decode_mask
 
 TokenCallback = Callable[[object, list, bool], None]
 # What a decode step keeps of a row's chunk (Decoder.consume): how many leading tokens, or the chunk indices of a
 # tree-shaped chunk's kept tokens
 Keep = int | list[int]
-
-
-# -- masks ----------------------------------------------------------------------------------------------------
-def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:
-    """Boolean attention mask ``[B, 1, Q, K_past + Q]`` (True = may attend) for a KV-cache extend.
-
-    Query i of row b sees the past slots where ``valid_keys[b]`` is True and the new tokens 0..i (causal)::
-
-        valid_keys = [1 0 1]  q_len = 3      k: p0 p1 p2 | n0 n1 n2
-                                         q n0:  1  .  1 |  1  .  .
-                                           n1:  1  .  1 |  1  1  .
-                                           n2:  1  .  1 |  1  1  1
-
-    Padding a row's chunk at its *end* is harmless: real tokens never attend to later (pad) tokens.
-    """
-    # Prefer the shared pure mask module once it is there (same semantics); keep this fallback otherwise.
-    fn = _shared_decode_mask()
-    if fn is not None:
-        return fn(valid_keys, q_len)
-    b, k = valid_keys.shape
-    causal = torch.ones(q_len, q_len, dtype=torch.bool, device=valid_keys.device).tril_()
-    past = valid_keys[:, None, None, :].expand(b, 1, q_len, k)
-    return torch.cat([past, causal.expand(b, 1, q_len, q_len)], dim=-1)
-
-
-_SHARED_MASK: list[Callable[[torch.Tensor, int], torch.Tensor] | None] = []
-
-
-def _shared_decode_mask():
-    if not _SHARED_MASK:
-        try:
-            from dlm.model.masks import decode_mask as fn  # written by the model owner
-        except Exception:  # noqa: BLE001 - not there yet (or broken): our own identical version is used
-            fn = None
-        _SHARED_MASK.append(fn)
-    return _SHARED_MASK[0]
 
 
 # -- the batched KV cache -----------------------------------------------------------------------------------

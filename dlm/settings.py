@@ -10,7 +10,6 @@ listed.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 VARIABLES: dict[str, str] = {
@@ -43,7 +42,9 @@ def home() -> Path:
     ``$XDG_CACHE_HOME/dlm``, else ``~/.cache/dlm``."""
     root = env("DLM_HOME")
     if not root and env("DLM_CACHE_DIR"):
-        warnings.warn("DLM_CACHE_DIR is renamed DLM_HOME (the old name will be removed)", DeprecationWarning, 2)
+        from dlm import deprecations
+
+        deprecations.warn("DLM_CACHE_DIR")
         root = env("DLM_CACHE_DIR")
     if root:
         return Path(root).expanduser()

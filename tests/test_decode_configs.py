@@ -151,7 +151,7 @@ def test_old_spellings_are_read_with_a_note(capsys):
         ("block_length", "semi_ar_block", 8, "mdm"),
         ("method", "sampler", "random", "mdm"),
     ):
-        with pytest.warns(DeprecationWarning, match=f"{old}= is renamed {new}="):
+        with pytest.warns(DeprecationWarning, match=f"{old}= is deprecated and will be removed .*: use {new}="):
             assert getattr(make_config(name, **{old: value}), new) == value
 
 

@@ -121,7 +121,7 @@ def test_token_budget_is_the_old_name_of_draft_budget():
     from dlm.errors import DLMError
 
     assert isinstance(ISDDecoder(stride=3, draft_budget="auto").policy, MeasuredDraft)
-    with pytest.warns(DeprecationWarning, match="use draft_budget="):
+    with pytest.warns(DeprecationWarning, match=r"use ISDDecoder\(draft_budget=\.\.\.\)"):
         dec = ISDDecoder(stride=3, token_budget=6)
     assert dec.draft_budget == 6 and isinstance(dec.policy, TokenBudget) and dec.policy.budget == 6
     with pytest.raises(DLMError, match="not both"):

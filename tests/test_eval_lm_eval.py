@@ -106,7 +106,7 @@ def test_adapter_decoder_settings_from_model_args():
     assert DLMHarnessModel(pretrained=dlm).decoder == MDMConfig()  # auto: the model's own
     lm = DLMHarnessModel(pretrained=dlm, decoder="mdm", steps="4", sampler="random", score_batch_tokens="512")
     assert lm.decoder == MDMConfig(steps=4, sampler="random") and lm.batch_tokens == 512
-    with pytest.warns(DeprecationWarning, match="gen_steps is renamed steps"):
+    with pytest.warns(DeprecationWarning, match="model_args gen_steps is deprecated"):
         old = DLMHarnessModel(pretrained=dlm, decode="mdm", gen_steps="6", token_budget="256")
     assert old.decoder == MDMConfig(steps=6) and old.batch_tokens == 256
     assert DLMHarnessModel(pretrained=dlm, decoder=MDMConfig(steps=3)).decoder.steps == 3

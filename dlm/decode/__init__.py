@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-import warnings
-
+from dlm import deprecations
 from dlm.decode.configs import (
     CANDIDATES_HELP,
     DECODERS,
@@ -72,12 +71,7 @@ def generate(
     from dlm.decode.sampling import SamplingParams
 
     if settings:
-        warnings.warn(
-            "generate(..., **settings) is deprecated: pass the decoder's config, e.g. "
-            "generate(model, prompts, ISDConfig(stride=3), params)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        deprecations.warn("generate(..., **settings)")
     config = make_config(decoder, **settings)
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)

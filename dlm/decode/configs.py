@@ -21,10 +21,10 @@ import argparse
 import dataclasses
 import importlib
 import sys
-import warnings
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from dlm import deprecations
 from dlm.errors import DLMError, closest
 from dlm.fields import default_of, opt
 
@@ -421,10 +421,8 @@ def make_config(decoder: str | DecoderConfig, **settings) -> DecoderConfig:
         if value is None:
             continue
         if key in renamed:
-            warnings.warn(
-                f"{key}= is renamed {renamed[key]}= (the old spelling will be removed in the next release)",
-                DeprecationWarning,
-                stacklevel=3,
+            deprecations.warn(
+                "decoder keyword token_budget= / block_length= / method=", f"{key}=", 4, use=f"{renamed[key]}="
             )
             key = renamed[key]
         kw[key] = value

@@ -111,11 +111,11 @@ class DLMHarnessModel(LM):
         model.eval()
         self.model = model
         self.em = as_eval_model(model, tokenizer, scoring)
-        import warnings
+        from dlm import deprecations
 
-        for old, new in (("decode", "decoder"), ("gen_steps", "steps"), ("token_budget", "score_batch_tokens")):
+        for old in ("decode", "gen_steps", "token_budget"):
             if unused.get(old) not in (None, "", "None"):
-                warnings.warn(f"model_args {old} is renamed {new}", DeprecationWarning, stacklevel=2)
+                deprecations.warn("lm-eval model_args decode / gen_steps / token_budget", f"model_args {old}")
         if unused.get("decode") not in (None, "", "None"):
             decoder = unused.pop("decode")
         if unused.get("token_budget") not in (None, "", "None"):

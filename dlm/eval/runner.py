@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Sequence
 
+from dlm import deprecations
 from dlm.decode.configs import DecoderConfig, ISDConfig
 from dlm.errors import DLMError
 from dlm.eval.generation import GenerateFn, evaluate_drafting, evaluate_generation, resolve_decoder
@@ -35,7 +35,9 @@ def _settings(decoder, score_batch_tokens: int, deprecated: dict):
     if unknown:
         raise TypeError(f"run_eval() got unexpected keyword arguments {', '.join(sorted(unknown))}")
     for k in deprecated:
-        warnings.warn(f"run_eval({k}=...) is deprecated: use {known[k]}", DeprecationWarning, stacklevel=3)
+        deprecations.warn(
+            "run_eval(decode= / gen_steps= / stride= / candidates= / token_budget=)", f"run_eval({k}=...)", 4
+        )
     if deprecated.get("decode") is not None:
         decoder = deprecated["decode"]
     if deprecated.get("token_budget") is not None:

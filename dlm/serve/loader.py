@@ -3,8 +3,7 @@ and the :class:`~dlm.decode.engine.Engine` that runs it."""
 
 from __future__ import annotations
 
-import warnings
-
+from dlm import deprecations
 from dlm.decode.configs import DecoderConfig, entry, make_config
 from dlm.errors import DLMError
 
@@ -36,12 +35,7 @@ def load_engine(
     from dlm.model.convert import load_any
 
     if decode is not None or isd_token_budget is not None or settings:
-        warnings.warn(
-            "load_engine(decode=..., **settings) is deprecated: pass the decoder's config, e.g. "
-            "load_engine(model, ISDConfig(stride=3))",
-            DeprecationWarning,
-            stacklevel=2,
-        )
+        deprecations.warn("load_engine(decode=..., **settings)")
     if decode is not None:
         decoder = decode
     if isd_token_budget is not None:

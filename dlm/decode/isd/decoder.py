@@ -5,10 +5,9 @@ protocol's methods, each building a chunk or reading logits through the pure par
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
+from dlm import deprecations
 from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
 from dlm.decode.isd import accept, batch, policy
@@ -61,11 +60,7 @@ class ISDDecoder(Decoder):
         token_budget: int | str | policy.DraftPolicy | None = None,
     ):
         if token_budget is not None:
-            warnings.warn(
-                "ISDDecoder(token_budget=...) is deprecated: use draft_budget=... (the same drafting policy)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            deprecations.warn("ISDDecoder(token_budget=...)")
             if draft_budget is not None:
                 raise DLMError("give ISDDecoder draft_budget or its old name token_budget, not both")
             draft_budget = token_budget

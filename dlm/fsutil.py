@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 from dlm.errors import DLMError
+from dlm.settings import home
 
 
 @contextlib.contextmanager
@@ -217,17 +218,10 @@ def file_lock(path: str | os.PathLike):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def cache_dir() -> Path:
-    """Where verdicts measured once per machine are cached: dlm's root, :func:`dlm.settings.home`."""
-    from dlm.settings import home
-
-    return home()
-
-
 def read_records(file: str) -> dict:
-    """The measured verdicts cached in ``file`` under :func:`cache_dir` ({} if none or unreadable)."""
+    """The measured verdicts cached in ``file`` under :func:`dlm.settings.home` ({} if none or unreadable)."""
     try:
-        data = json.loads((cache_dir() / file).read_text())
+        data = json.loads((home() / file).read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -237,7 +231,7 @@ def write_record(file: str, key: str, record: dict) -> None:
     """Add ``record`` under ``key`` to ``file`` (written to a temporary file, then renamed: never a half-written
     cache); a read-only home is not an error: the verdict is measured again next time."""
     try:
-        d = cache_dir()
+        d = home()
         d.mkdir(parents=True, exist_ok=True)
         data = read_records(file)
         data[key] = record

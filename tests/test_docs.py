@@ -171,8 +171,7 @@ def test_every_dlm_environment_variable_is_read_through_settings_and_documented(
 def test_one_root_for_dlms_files(monkeypatch, tmp_path):
     """DLM_HOME, else the old DLM_CACHE_DIR (with a DeprecationWarning), else $XDG_CACHE_HOME/dlm, else
     ~/.cache/dlm: the embedded model, the measured choices and vLLM's venv all live under it."""
-    from dlm.fsutil import cache_dir
-    from dlm.model.hub import dlm_home
+    from dlm.fsutil import read_records, write_record
     from dlm.serve.vllm import default_venv
     from dlm.settings import home
 
@@ -186,4 +185,6 @@ def test_one_root_for_dlms_files(monkeypatch, tmp_path):
     with pytest.warns(DeprecationWarning, match="DLM_HOME"):
         assert home() == tmp_path / "old"
     monkeypatch.setenv("DLM_HOME", str(tmp_path / "new"))
-    assert home() == dlm_home() == cache_dir() == tmp_path / "new" and default_venv() == tmp_path / "new" / "venv-vllm"
+    assert home() == tmp_path / "new" and default_venv() == tmp_path / "new" / "venv-vllm"
+    write_record("probe.json", "k", {"v": 1})  # the measured choices are kept under it
+    assert (tmp_path / "new" / "probe.json").is_file() and read_records("probe.json") == {"k": {"v": 1}}

@@ -58,13 +58,19 @@ def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, g
     return tokens.cpu(), probs.gather(-1, tokens[:, None]).squeeze(-1).cpu()
 
 
+def dream_ratio(t: torch.Tensor, i: int, steps: int) -> torch.Tensor:
+    """The share of the masks Dream reveals at pass ``i`` of ``steps`` (``t``: its float32 ``linspace(1, eps,
+    steps + 1)``): ``1 - t[i+1] / t[i]`` in float32 as its code computes it, 1 at the last pass."""
+    return torch.ones(()) if i >= steps - 1 else 1 - t[i + 1] / t[i]
+
+
 def dream_reveal_count(n_masked: int, t: torch.Tensor, i: int, steps: int) -> int:
-    """How many masks Dream's confidence algorithms reveal at pass ``i`` of ``steps`` (``t``: its float32
-    ``linspace(1, eps, steps + 1)``): ``int(n (1 - t[i+1] / t[i]))`` in float32 as its code computes it (the count a
-    float32 tensor), every mask at the last pass. In float64 some (length, steps, pass) give one fewer."""
+    """How many masks Dream's confidence algorithms reveal at pass ``i`` of ``steps``: ``int(n *``
+    :func:`dream_ratio` ``)`` in float32 as its code computes it (the count a float32 tensor), every mask at the last
+    pass. In float64 some (length, steps, pass) give one fewer."""
     if i >= steps - 1:
         return n_masked
-    return int(torch.tensor(n_masked, dtype=torch.float32) * (1 - t[i + 1] / t[i]))
+    return int(torch.tensor(n_masked, dtype=torch.float32) * dream_ratio(t, i, steps))
 
 
 def even_split(n: int, parts: int) -> list[int]:
@@ -244,13 +250,9 @@ class MDMDecoder(DiffusionDecoder):
             while True:
                 i = st["i"]
                 st["i"] += 1
-                last = i >= st["steps"] - 1
-                # in float32, as Dream computes it (1 - s / t on its float32 timesteps, the mask count a float32
-                # tensor): float64 reveals a different number at some (length, steps, pass)
-                ratio = torch.ones(()) if last else 1 - t[i + 1] / t[i]
                 if self.alg == "origin":
                     # drawn at the last pass too (ratio 1: every mask), as the reference does
-                    commit = torch.rand(masked.numel(), generator=row.generator) < ratio
+                    commit = torch.rand(masked.numel(), generator=row.generator) < dream_ratio(t, i, st["steps"])
                     if bool(commit.any()):
                         st["commit"] = commit
                         return

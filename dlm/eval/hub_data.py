@@ -27,7 +27,8 @@ def hub_task_folder(module) -> Path:
 
     from dlm.eval.tasks import path_flag
     from dlm.fsutil import atomic_folder
-    from dlm.model.hub import dlm_home, snapshot
+    from dlm.model.hub import snapshot
+    from dlm.settings import home
 
     repo, config, split = module.HUB
     try:
@@ -41,7 +42,7 @@ def hub_task_folder(module) -> Path:
             f"dataset repository '{repo}' has no {config}/{split} parquet files on its {PARQUET_REVISION} branch; "
             f"pass a local file with {path_flag(module.NAME)}"
         )
-    target = dlm_home() / "data" / repo.replace("/", "--") / folder.name / config / split / module.SUBDIR
+    target = home() / "data" / repo.replace("/", "--") / folder.name / config / split / module.SUBDIR
     if target.is_dir():
         return target
     records = [r for f in files for r in pq.read_table(f).to_pylist()]

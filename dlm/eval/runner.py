@@ -29,9 +29,8 @@ def _bar(name: str, examples, em, steps: int):
 def _settings(decoder, score_batch_tokens: int, deprecated: dict):
     """(generation decoder, ISD config of isd_acceptance, scoring batch, settings for an "auto" decoder), with the
     deprecated keywords of run_eval mapped onto them (a DeprecationWarning each)."""
-    known = {"decode": "decoder", "gen_steps": "the config's steps", "stride": "ISDConfig(stride=...)"}
-    known.update(candidates="ISDConfig(candidates=...)", token_budget="score_batch_tokens")
-    unknown = set(deprecated) - set(known)
+    known = {"decode", "gen_steps", "stride", "candidates", "token_budget"}  # their new spellings: dlm.deprecations
+    unknown = set(deprecated) - known
     if unknown:
         raise TypeError(f"run_eval() got unexpected keyword arguments {', '.join(sorted(unknown))}")
     for k in deprecated:

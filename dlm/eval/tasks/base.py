@@ -79,6 +79,16 @@ def read_records(path: Path) -> list[dict] | None:
     return records
 
 
+def jsonl(records: Iterable[dict], fields: tuple[str, ...] | None = None) -> str:
+    """``records`` as JSONL text (only ``fields`` of each, where given): what :func:`read_records` reads back."""
+    return "".join(json.dumps(r if fields is None else {k: r[k] for k in fields}) + "\n" for r in records)
+
+
+def labels_text(labels: Iterable) -> str:
+    """A labels file's text: one label per line."""
+    return "".join(f"{x}\n" for x in labels)
+
+
 def read_labels(path: Path) -> list[str] | None:
     """The lines of a labels file (one small integer per line), or None when the file is not one."""
     try:

@@ -13,12 +13,19 @@ The text layout has ctx already joined (ctx_b not capitalized); it is preprocess
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 from dlm.errors import DLMError
-from dlm.eval.tasks.base import MCExample, check_nonempty, find_task_files, has_fields, parse_label, read_records
+from dlm.eval.tasks.base import (
+    MCExample,
+    check_nonempty,
+    find_task_files,
+    has_fields,
+    jsonl,
+    parse_label,
+    read_records,
+)
 
 NAME = "hellaswag"
 KIND = "mc"
@@ -32,7 +39,7 @@ HUB = ("Rowan/hellaswag", "default", "validation")
 
 
 def hub_files(records: list[dict]) -> dict[str, str]:  # the original release's JSONL, as it is
-    return {"hellaswag_val.jsonl": "".join(json.dumps(r) + "\n" for r in records)}
+    return {"hellaswag_val.jsonl": jsonl(records)}
 
 
 def preprocess(text: str) -> str:

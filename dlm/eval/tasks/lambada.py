@@ -10,11 +10,10 @@ text against the target word. Each hit is counted once (the reference counted hi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dlm.errors import DLMError
-from dlm.eval.tasks.base import GenExample, check_nonempty, find_task_files, has_fields, read_records
+from dlm.eval.tasks.base import GenExample, check_nonempty, find_task_files, has_fields, jsonl, read_records
 
 NAME = "lambada"
 KIND = "gen"
@@ -28,11 +27,8 @@ HUB = ("EleutherAI/lambada_openai", "default", "test")
 
 
 def hub_files(records: list[dict]) -> dict[str, str]:  # {text} -> the OpenAI layout {context, continuation}
-    rows = []
-    for r in records:
-        context, last = str(r["text"]).rstrip().rsplit(" ", 1)
-        rows.append(json.dumps({"context": context, "continuation": " " + last}) + "\n")
-    return {"lambada_openai.jsonl": "".join(rows)}
+    split = (str(r["text"]).rstrip().rsplit(" ", 1) for r in records)
+    return {"lambada_openai.jsonl": jsonl({"context": c, "continuation": " " + last} for c, last in split)}
 
 
 def _plain_lines(path: Path) -> list[str] | None:

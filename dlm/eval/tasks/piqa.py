@@ -5,9 +5,7 @@ Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {goal}\
 
 from __future__ import annotations
 
-import json
-
-from dlm.eval.tasks.base import MCExample, load_labeled_mc
+from dlm.eval.tasks.base import MCExample, jsonl, labels_text, load_labeled_mc
 
 NAME = "piqa"
 KIND = "mc"
@@ -18,8 +16,8 @@ HUB = ("baber/piqa", "default", "validation")
 
 
 def hub_files(records: list[dict]) -> dict[str, str]:
-    rows = "".join(json.dumps({k: r[k] for k in ("goal", "sol1", "sol2")}) + "\n" for r in records)
-    return {"valid.jsonl": rows, "valid-labels.lst": "".join(f"{int(r['label'])}\n" for r in records)}
+    labels = labels_text(int(r["label"]) for r in records)
+    return {"valid.jsonl": jsonl(records, ("goal", "sol1", "sol2")), "valid-labels.lst": labels}
 
 
 def load(path) -> list[MCExample]:

@@ -5,9 +5,7 @@ Prompt (DiffuLLaMA, docs/algorithms.md#evaluation): context ``"Question: {contex
 
 from __future__ import annotations
 
-import json
-
-from dlm.eval.tasks.base import MCExample, load_labeled_mc
+from dlm.eval.tasks.base import MCExample, jsonl, labels_text, load_labeled_mc
 
 NAME = "siqa"
 KIND = "mc"
@@ -21,9 +19,8 @@ HUB = ("allenai/social_i_qa", "default", "validation")
 
 
 def hub_files(records: list[dict]) -> dict[str, str]:
-    fields = ("context", "question", "answerA", "answerB", "answerC")
-    rows = "".join(json.dumps({k: r[k] for k in fields}) + "\n" for r in records)
-    return {"dev.jsonl": rows, "dev-labels.lst": "".join(f"{str(r['label']).strip()}\n" for r in records)}
+    rows = jsonl(records, ("context", "question", "answerA", "answerB", "answerC"))
+    return {"dev.jsonl": rows, "dev-labels.lst": labels_text(str(r["label"]).strip() for r in records)}
 
 
 def load(path) -> list[MCExample]:

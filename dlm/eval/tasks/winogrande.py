@@ -13,12 +13,19 @@ exact log-likelihood that changes no prediction).
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from dlm.errors import DLMError
-from dlm.eval.tasks.base import MCExample, check_nonempty, has_fields, parse_label, read_labeled, read_records
+from dlm.eval.tasks.base import (
+    MCExample,
+    check_nonempty,
+    has_fields,
+    jsonl,
+    parse_label,
+    read_labeled,
+    read_records,
+)
 
 NAME = "winogrande"
 KIND = "mc"
@@ -32,8 +39,7 @@ HUB = ("allenai/winogrande", "winogrande_xl", "validation")
 
 
 def hub_files(records: list[dict]) -> dict[str, str]:  # the original layout, its answer "1"/"2" in each record
-    fields = ("sentence", "option1", "option2", "answer")
-    return {"dev.jsonl": "".join(json.dumps({k: r[k] for k in fields}) + "\n" for r in records)}
+    return {"dev.jsonl": jsonl(records, ("sentence", "option1", "option2", "answer"))}
 
 
 def _layout(records) -> str | None:

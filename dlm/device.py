@@ -137,7 +137,7 @@ def cpu_bf16_choice(tokens: int = 512) -> Bf16Choice:
     """Whether bf16 autocast speeds up training on this CPU (see the module doc); cached once measured."""
     from dlm.fsutil import read_records, write_record
 
-    forced = (env(BF16_ENV, "") or "").strip().lower()
+    forced = (env(BF16_ENV) or "").strip().lower()
     if forced in ("1", "true", "on", "yes"):
         return Bf16Choice(True, f"bf16: forced by {BF16_ENV}={forced}")
     if forced in ("0", "false", "off", "no"):

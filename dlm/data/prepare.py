@@ -570,7 +570,7 @@ def _run_job(job: _Job, report) -> dict:
         dest, job.shard_prefix, job.chunk_size, job.sep_id, dtype, counter=state["counter"], pending=pending
     )
     writer.shards = list(state["shards"])
-    delay = float(env("DLM_PREPARE_TEST_DELAY_S", "0") or 0)
+    delay = float(env("DLM_PREPARE_TEST_DELAY_S") or 0)
     if state["files_done"]:
         report("file", state["files_done"])
     for k in range(state["files_done"], len(job.files)):

@@ -183,8 +183,8 @@ def _attach(model: nn.Module) -> Attached:
     if ops is None:
         return Attached(model, False, why="the kernels could not be built")
     fused._OPS[0] = ops
-    quant_env = (env(QUANT_ENV, "1") or "1").strip() != "0"
-    form = (env(fused.ADAPTER_ENV, fused.ADAPTER_FORMS[0]) or fused.ADAPTER_FORMS[0]).strip().lower()
+    quant_env = (env(QUANT_ENV) or "1").strip() != "0"
+    form = (env(fused.ADAPTER_ENV) or fused.ADAPTER_FORMS[0]).strip().lower()
     if form not in fused.ADAPTER_FORMS:
         from dlm.errors import DLMError
 

@@ -32,7 +32,7 @@ _built: list = []  # [torch.ops.dlm_cpu or None] once tried
 
 def mode() -> str:
     """``off``, ``on`` or ``auto`` from ``DLM_CPU_KERNEL``."""
-    v = (env(ENV, "auto") or "auto").strip().lower()
+    v = (env(ENV) or "auto").strip().lower()
     return {"0": "off", "false": "off", "off": "off", "1": "on", "true": "on", "on": "on"}.get(v, "auto")
 
 
@@ -89,7 +89,7 @@ def extension():
                 stacklevel=2,
             )
     if ops is not None:
-        set_isa(env(ISA_ENV, "auto") or "auto", ops)
+        set_isa(env(ISA_ENV) or "auto", ops)
     _built.append(ops)
     return ops
 

@@ -2,7 +2,7 @@
 
 Nothing here touches the network: the tokenizer is a byte-level BPE trained in milliseconds on a built-in text,
 and the models are random-initialized from small configs of the architectures people convert (Llama, Qwen2,
-Qwen3, Mistral, GPT-2).
+Qwen3, Mistral, GPT-2) and of DiffusionGemma (transformers' own class).
 """
 
 from __future__ import annotations
@@ -104,6 +104,69 @@ def save_tiny(path: str | os.PathLike, arch: str = "llama", seed: int = 0, **con
     model = make_model(arch, seed=seed, **config_kw)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def make_diffusion_gemma(
+    seed: int = 0,
+    vocab_size: int = 320,
+    canvas: int = 4,
+    window: int = 6,
+    layer_types: tuple[str, ...] = ("sliding_attention", "sliding_attention", "full_attention"),
+    experts: int = 4,
+    top_k: int = 2,
+    hidden: int = 32,
+):
+    """A tiny random ``DiffusionGemmaForBlockDiffusion`` (transformers' own class; fp32, eval mode): a short
+    sliding window so that prompts cross it, a mixture of ``experts`` beside each dense MLP, a one-layer vision
+    tower (the family always has one) and the special ids of :func:`make_tokenizer`."""
+    import torch
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden + hidden // 2,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        global_head_dim=hidden // 2,
+        num_global_key_value_heads=1,
+        sliding_window=window,
+        num_experts=experts,
+        top_k_experts=top_k,
+        moe_intermediate_size=hidden // 2,
+        layer_types=list(layer_types),
+        max_position_embeddings=512,
+        eos_token_id=0,
+        bos_token_id=0,
+        pad_token_id=3,
+    )
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=8,
+    )
+    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=canvas)
+    torch.manual_seed(seed)
+    return DiffusionGemmaForBlockDiffusion(config).eval()
+
+
+def save_tiny_diffusion_gemma(path: str | os.PathLike, seed: int = 0, generation: dict | None = None, **kw) -> Path:
+    """Write :func:`make_diffusion_gemma`'s model + :func:`make_tokenizer` as a DiffusionGemma folder (with a
+    generation_config.json of ``generation``'s sampler settings, as the published checkpoint has one)."""
+    import json
+
+    path = Path(path)
+    model = make_diffusion_gemma(seed=seed, **kw)
+    model.save_pretrained(path)
+    make_tokenizer(kw.get("vocab_size", 320)).save_pretrained(path)
+    if generation is not None:
+        (path / "generation_config.json").write_text(json.dumps(generation))
     return path
 
 

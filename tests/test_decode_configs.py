@@ -52,7 +52,7 @@ def test_registry_maps_each_name_to_its_decoder_and_config():
     from dlm.decode import DECODERS as PUBLIC
     from dlm.decode.engine import Decoder
 
-    assert PUBLIC == DECODERS == ("ar", "mdm", "block", "isd")
+    assert PUBLIC == DECODERS == ("ar", "mdm", "block", "isd", "renoise")
     for name, entry in REGISTRY.items():
         cls = entry.decoder_class()
         assert issubclass(cls, Decoder) and cls.name == name and entry.config.name == name
@@ -197,5 +197,6 @@ def test_docs_table_is_the_code_s():
 def test_auto_is_each_objective_s_own_decoder():
     from dlm.decode.configs import own_decoder
 
-    assert [own_decoder(o) for o in (None, "idlm", "mdm", "block")] == ["ar", "isd", "mdm", "block"]
-    assert {e.objective for e in REGISTRY.values()} == {None, "idlm", "mdm", "block"}
+    objectives = (None, "idlm", "mdm", "block", "renoise")
+    assert [own_decoder(o) for o in objectives] == ["ar", "isd", "mdm", "block", "renoise"]
+    assert {e.objective for e in REGISTRY.values()} == set(objectives)

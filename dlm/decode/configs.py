@@ -1,5 +1,5 @@
 """The decoders' settings, defined once: one dataclass per decoder (:class:`ARConfig`, :class:`MDMConfig`,
-:class:`BlockConfig`, :class:`ISDConfig`) and :data:`REGISTRY`, mapping a decoder's name to its decoder class and
+:class:`BlockConfig`, :class:`ISDConfig`, :class:`RenoiseConfig`) and :data:`REGISTRY`, mapping a decoder's name to its decoder class and
 its config class.
 
 Each field carries its help text, choices and command-line flag (:func:`dlm.fields.opt`), so the commands
@@ -320,6 +320,50 @@ class ISDConfig(DecoderConfig):
             self._fail("candidate_min_prob", f"must be a probability in [0, 1], got {p!r}")
 
 
+@dataclass
+class RenoiseConfig(DecoderConfig):
+    """Uniform-noise ("renoising") block diffusion (DiffusionGemma): canvas by canvas, each starting as random
+    tokens; a step samples every position, keeps the lowest-entropy ones within an entropy budget and draws the
+    others at random again, until the canvas is stable and confident or the steps run out."""
+
+    name: ClassVar[str] = "renoise"
+    summary: ClassVar[str] = "uniform-noise block diffusion (DiffusionGemma), canvas by canvas"
+
+    steps: int | None = opt(None, "denoising steps per canvas at most; None: the checkpoint's (48 by default)")
+    entropy_bound: float | None = opt(
+        None,
+        "a step accepts the lowest-entropy positions while their entropies' sum less the largest stays within "
+        "this bound (more = more tokens per step); None: the checkpoint's (0.1 by default)",
+    )
+    t_min: float | None = opt(None, "the temperature at the last step (linear schedule); None: the checkpoint's (0.4)")
+    t_max: float | None = opt(None, "the temperature at the first step; None: the checkpoint's (0.8)")
+    stability_threshold: int | None = opt(
+        None,
+        "a canvas stops early once its argmax stayed the same this many steps (0: stability not required) and "
+        "it is confident; None: the checkpoint's (1)",
+    )
+    confidence_threshold: float | None = opt(
+        None,
+        "... and the mean entropy of its scaled predictions is below this; None: the checkpoint's (0.005)",
+    )
+
+    def __post_init__(self):
+        _check_steps(self)
+        for name in ("entropy_bound", "confidence_threshold"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+                self._fail(name, f"must be a number > 0, got {v!r}")
+        for name in ("t_min", "t_max"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                self._fail(name, f"must be a number >= 0, got {v!r}")
+        if self.t_min is not None and self.t_max is not None and not self.t_max > self.t_min:
+            self._fail("t_max", f"must be above --t-min ({self.t_min}), got {self.t_max!r}")
+        s = self.stability_threshold
+        if s is not None and (not _is_int(s) or s < 0):
+            self._fail("stability_threshold", f"must be an integer >= 0, got {s!r}")
+
+
 @dataclass(frozen=True)
 class DecoderEntry:
     """A registered decoder: its name, config class, decoder class (``module:Class``, imported when used) and the
@@ -342,6 +386,7 @@ REGISTRY: dict[str, DecoderEntry] = {
         DecoderEntry("mdm", MDMConfig, "dlm.decode.mdm:MDMDecoder", "mdm"),
         DecoderEntry("block", BlockConfig, "dlm.decode.block:BlockDecoder", "block"),
         DecoderEntry("isd", ISDConfig, "dlm.decode.isd:ISDDecoder", "idlm"),
+        DecoderEntry("renoise", RenoiseConfig, "dlm.decode.renoise:RenoiseDecoder", "renoise"),
     )
 }
 DECODERS = tuple(REGISTRY)

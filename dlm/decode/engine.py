@@ -349,6 +349,13 @@ class Decoder:
 
     name = "base"
     causal = True
+    static_ok = True  # whether the static step (dlm.decode.static) can run it
+
+    def model_inputs(self, engine: Engine, rows: list[Row], pos: torch.Tensor, valid: torch.Tensor) -> dict:
+        """Extra keyword arguments of this forward's model call, for a decoder whose model takes more than the
+        tokens (the renoising decoder's canvas start and self-conditioning): ``pos [B, Q]`` the chunk's positions,
+        ``valid [B, K]`` which cached slots are live (the cache's keys come before the chunk's)."""
+        return {}
 
     def check_model(self, engine: Engine) -> None:
         pass
@@ -487,7 +494,9 @@ class Engine:
         # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never); None: the
         # device's default (static_default: on CUDA, off on a CPU)
         if static_cache is None:
-            static_cache = static_default(self.device)
+            static_cache = static_default(self.device) and self.decoder.static_ok
+        elif static_cache and not self.decoder.static_ok:
+            raise DLMError(f"--decode {self.decoder.name} does not run on the static step: drop --static-cache")
         self._static = StaticDecode(self, graphs=cuda_graphs) if static_cache else None
         self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
         # prefix_cache N: the KV of recent prompts (up to N tokens) reused by prompts that start the same way
@@ -672,7 +681,9 @@ class Engine:
             return None
         return self.prefix.lookup(row.prompt_ids)
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0):
+    def _forward(
+        self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None, cache, logits_to_keep=0, extra=None
+    ):
         self.total_forwards += 1
         watch = self._cpu_kernel and ids.numel() == 1  # a 1-row step: what the kernels' choice predicted
         t0 = time.perf_counter() if watch else 0.0
@@ -684,6 +695,7 @@ class Engine:
                 use_cache=True,
                 logits_to_keep=logits_to_keep,
                 **{self._cache_kw: cache},
+                **(extra or {}),
             )
         if watch and self._cpu is not None:
             self._cpu.observe(time.perf_counter() - t0)
@@ -769,13 +781,15 @@ class Engine:
         ids = torch.tensor([s[c:] for s in seqs], device=self.device)
         pos = torch.arange(c, n, device=self.device)[None].expand(len(seqs), n - c)
         mask = None  # same length, no holes: plain causal attention (after the given prefix), built by the model
+        extra = None
         if not self.decoder.causal:
             offsets = [self.decoder.chunk_positions(self, r, n) for r in rows]
             rel = [torch.arange(n) if o is None else torch.tensor(o) for o in offsets]
             pos = torch.stack(rel).to(self.device)
             mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
             mask = mask.to(self.device)
-        return self._forward(ids, pos, mask, kv.cache, logits_to_keep=logits_to_keep), kv
+            extra = self.decoder.model_inputs(self, rows, pos, torch.zeros(len(rows), 0, dtype=torch.bool))
+        return self._forward(ids, pos, mask, kv.cache, logits_to_keep=logits_to_keep, extra=extra), kv
 
     def _decode_step(self) -> list[StepEvent]:
         t0 = time.perf_counter()
@@ -862,6 +876,8 @@ class Engine:
                         mask[i, 0, :n, k : k + n] = attn.to(mask.device)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)
+            extra = self.decoder.model_inputs(self, rows, pos.to(self.device), valid)
+            return self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache, extra=extra)
         return self._forward(ids.to(self.device), pos.to(self.device), mask, self.kv.cache)
 
     def _chunk_mask(self, rows: list[Row], chunks: list[list[int]], pos: torch.Tensor, q: int) -> torch.Tensor:

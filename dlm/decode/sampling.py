@@ -369,6 +369,7 @@ class RequestStats:
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     proposed: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    canvas_steps: list[int] = field(default_factory=list)  # denoising steps of each canvas (renoise)
     start_time: float = 0.0
     first_token_time: float = 0.0
     end_time: float = 0.0
@@ -400,6 +401,7 @@ class RequestStats:
             "tokens_per_s": round(self.tokens_per_s, 2),
             "elapsed_s": round(self.elapsed, 4),
             "prompt_tokens": self.prompt_tokens,
+            **({"steps_per_canvas": list(self.canvas_steps)} if self.canvas_steps else {}),
         }
 
 

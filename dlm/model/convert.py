@@ -76,7 +76,7 @@ class DLMSpec:
     """The DLM fields of a checkpoint's config."""
 
     objective: str
-    mask_token_id: int
+    mask_token_id: int | None  # None: a uniform-noise (renoise) model has no mask token
     shift: bool
     block_size: int | None = None
 
@@ -95,7 +95,7 @@ class DLMSpec:
             return None
         return cls(
             objective=objective,
-            mask_token_id=int(config.mask_token_id),
+            mask_token_id=None if getattr(config, "mask_token_id", None) is None else int(config.mask_token_id),
             shift=bool(config.shift),
             block_size=getattr(config, "block_size", None),
         )

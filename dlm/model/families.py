@@ -35,8 +35,9 @@ from typing import Any
 import torch
 
 from dlm.errors import DLMError
+from dlm.model.diffusion_gemma import is_diffusion_gemma
 
-FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2", "llada2", "llada_moe")
+FAMILIES = ("llada", "dream", "sdar", "idlm", "fast_dllm_v2", "llada2", "llada_moe", "diffusion_gemma")
 MASK_IDS = {
     "llada": 126336,
     "dream": 151666,
@@ -54,6 +55,7 @@ OBJECTIVE = {
     "fast_dllm_v2": "block",
     "llada2": "block",
     "llada_moe": "mdm",
+    "diffusion_gemma": "renoise",
 }
 SHIFT = {
     "llada": False,
@@ -63,6 +65,7 @@ SHIFT = {
     "fast_dllm_v2": True,
     "llada2": False,
     "llada_moe": False,
+    "diffusion_gemma": False,
 }
 ATTENTION = {
     "llada": "bidirectional",
@@ -72,6 +75,7 @@ ATTENTION = {
     "fast_dllm_v2": "block",
     "llada2": "block",
     "llada_moe": "bidirectional",
+    "diffusion_gemma": "renoise",  # causal context, bidirectional canvas (dlm.model.diffusion_gemma)
 }
 TITLE = {
     "llada": "LLaDA",
@@ -81,6 +85,7 @@ TITLE = {
     "fast_dllm_v2": "Fast-dLLM v2",
     "llada2": "LLaDA2",
     "llada_moe": "LLaDA-MoE",
+    "diffusion_gemma": "DiffusionGemma",
 }
 IDLM_BLOCK_SIZES = (1, 2, 3)  # the I-DLM release's training block sizes (stride N = b + 1)
 LLADA2_BLOCK = 32  # the block length LLaDA2.0 / 2.1 are trained and sampled with (their config.json has none)
@@ -101,8 +106,13 @@ SAMPLER_DEFAULTS = {
 
 
 def sampler_defaults(config, decoder: str) -> dict[str, Any]:
-    """The settings :data:`SAMPLER_DEFAULTS` gives ``decoder`` on a model of this config's family ({} for others)."""
-    return dict(SAMPLER_DEFAULTS.get(getattr(config, "dlm_family", None) or "", {}).get(decoder, {}))
+    """The settings :data:`SAMPLER_DEFAULTS` gives ``decoder`` on a model of this config's family ({} for others),
+    and those the checkpoint sets itself (``dlm_sampler``: DiffusionGemma's generation_config.json)."""
+    out = dict(SAMPLER_DEFAULTS.get(getattr(config, "dlm_family", None) or "", {}).get(decoder, {}))
+    own = getattr(config, "dlm_sampler", None)
+    if isinstance(own, dict):
+        out.update(own.get(decoder, {}))
+    return out
 
 
 # config.json keys of the published files that are remote-code settings with no meaning here
@@ -142,6 +152,8 @@ def family_of(fields: dict) -> str | None:
     if not isinstance(archs, list):
         archs = [archs]
     names = [n for n in [mtype, *archs] if isinstance(n, str)]
+    if is_diffusion_gemma(fields):
+        return "diffusion_gemma"
     if any(n in LLADA_MOE_NAMES for n in names):
         return "llada_moe"
     if mtype == "llada" or "LLaDAModelLM" in archs:
@@ -771,6 +783,10 @@ def load_published(folder: str | Path, dtype=None, device=None, block_size: int 
     path = folder / "config.json"
     fields = read_fields(folder)
     family = family_of(fields)
+    if family == "diffusion_gemma":  # transformers' own class, loaded as it is
+        from dlm.model import diffusion_gemma
+
+        return diffusion_gemma.load(folder, dtype=dtype, device=device)
     if family is None:
         raise DLMError(
             f"'{path}' is not a checkpoint of {', '.join(TITLE.values())} (model_type {fields.get('model_type')!r})"

@@ -133,6 +133,17 @@ def test_batched_rows_equal_one_request_at_a_time(pair):
     assert [engine.pop_result(r).token_ids for r in [rid, *later]] == alone
 
 
+def test_tokens_stream_a_committed_canvas_at_a_time(pair):
+    hf, dlm = pair
+    c = hf.config.canvas_length
+    engine = Engine(dlm, None, decoder="renoise", steps=3)
+    rid = engine.add([5, 6, 7], SamplingParams(max_new_tokens=2 * c + 1, seed=0, ignore_eos=True))
+    pieces = []
+    while engine.has_unfinished():
+        pieces += [len(e.new_token_ids) for e in engine.step() if e.request_id == rid and e.new_token_ids]
+    assert pieces == [c, c, 1]
+
+
 def test_folder_loads_as_the_family_with_its_generation_settings(tmp_path):
     from dlm.decode import generate
     from dlm.model.convert import load_any
@@ -168,3 +179,52 @@ def test_refusals_name_the_setting(pair):
         Engine(dlm, None, decoder="renoise", t_min=0.9, t_max=0.5)
     with pytest.raises(DLMError, match="renois"):
         Engine(convert_ar_to_dlm(make_model(), "mdm", tokenizer=make_tokenizer()), None, decoder="renoise")
+
+
+def test_multiple_choice_scores_with_the_encoder_s_next_token_likelihood(pair):
+    from dlm.eval.scoring import as_eval_model, loglikelihoods
+
+    hf, dlm = pair
+    em = as_eval_model(dlm, tokenizer=make_tokenizer())
+    assert em.kind == "causal"
+    ctx, cont = [5, 9, 14, 20, 30, 31, 40, 41], [50, 60, 70]  # longer than the sliding window
+    (got, _), (short, _) = loglikelihoods(em, [(ctx, cont), (ctx[:3], cont)])
+    with torch.no_grad():
+        ids = torch.tensor([ctx + cont[:-1]])
+        h = hf.model.encoder(input_ids=ids).last_hidden_state
+        cap = hf.config.text_config.final_logit_softcapping
+        logp = (torch.tanh(hf.lm_head(h).float() / cap) * cap).log_softmax(-1)[0]
+    want = sum(float(logp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+    assert got == pytest.approx(want, abs=1e-4) and got != pytest.approx(short, abs=1e-3)
+
+
+@pytest.mark.integration
+def test_served_chat_and_completions_stream_by_committed_canvas(tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from dlm.serve.app import ServerThread, ServeSettings, create_app
+    from dlm.serve.loader import load_engine
+    from dlm.serve.scheduler import Scheduler
+
+    folder = save_tiny_diffusion_gemma(tmp_path / "dg", seed=3)
+    engine = load_engine(str(folder), "renoise", max_batch_size=4)
+    tok = engine.tokenizer
+    prompt = "Once upon a time"
+    params = SamplingParams(max_new_tokens=10, seed=5, ignore_eos=True)
+    ref = Engine(engine.model, tok, decoder="renoise").generate([tok(prompt)["input_ids"]], params)[0]
+    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name="dg", max_tokens_limit=64))
+    with ServerThread(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = client.completions.create(model="dg", prompt=prompt, max_tokens=10, seed=5, extra_body={"ignore_eos": True})
+        assert r.choices[0].text == ref.text and r.usage.completion_tokens == 10
+        chunks = list(
+            client.completions.create(
+                model="dg", prompt=prompt, max_tokens=10, seed=5, stream=True, extra_body={"ignore_eos": True}
+            )
+        )
+        assert "".join(c.choices[0].text for c in chunks) == ref.text
+        assert len([c for c in chunks if c.choices[0].text]) > 1  # streamed as canvases commit, not at the end
+        chat = client.chat.completions.create(
+            model="dg", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, seed=1
+        )
+        assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 8

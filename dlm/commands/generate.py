@@ -33,7 +33,7 @@ def add_arguments(p) -> None:
     src.add_argument("--prompts-file", help="one prompt per line, or JSONL with a 'prompt' field")
     from dlm.decode.configs import add_decoder_arguments
 
-    add_decoder_arguments(p, default="ar")
+    add_decoder_arguments(p, default=None, implied="ar; renoise on a DiffusionGemma (renoising) model")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -218,9 +218,11 @@ def _run(args) -> int:
     from dlm.device import get_device, get_dtype
     from dlm.errors import DLMError
     from dlm.model.convert import load_any
+    from dlm.model.families import default_decoder
     from dlm.model.hub import resolve_model_path
     from dlm.progress import wanted
 
+    args.decode = args.decode or default_decoder(args.model, "ar")
     decoder = config_from_args(args)  # bad values fail before the model loads
     parse_threads(args.threads)  # a bad value fails before the model loads
     check_tokens(args.prefix_cache_tokens)  # a bad value fails before the model loads
@@ -340,6 +342,8 @@ def _run(args) -> int:
                 "finish_reason": r.finish_reason,
                 "decode": args.decode,
             }
+            if s.canvas_steps:
+                rec["steps_per_canvas"] = list(s.canvas_steps)
             if r.logprobs is not None:
                 rec["logprobs"] = [
                     {"token_id": t.token_id, "token": tok.decode([t.token_id]), "logprob": t.logprob, "top": t.top}
@@ -350,8 +354,13 @@ def _run(args) -> int:
             acc = " ".join(f"{a:.2f}" for a in s.acceptance) or "-"
             lp = "" if r.logprobs is None else f", log-probability {sum(t.logprob for t in r.logprobs):.3f}"
             print(f"=== {prompt!r}\n{r.text}")
+            what = (
+                f"denoising steps per canvas [{' '.join(map(str, s.canvas_steps))}]"
+                if s.canvas_steps
+                else f"acceptance per draft position [{acc}]"
+            )
             print(
-                f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, acceptance per draft "
-                f"position [{acc}], {s.tokens_per_s:.1f} tokens/s ({r.finish_reason}{lp})"
+                f"--- {len(r.token_ids)} tokens, {s.forwards} forwards, TPF {s.tpf:.2f}, {what}, "
+                f"{s.tokens_per_s:.1f} tokens/s ({r.finish_reason}{lp})"
             )
     return 0

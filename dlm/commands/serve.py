@@ -93,7 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
     from dlm.decode.configs import add_decoder_arguments
 
-    add_decoder_arguments(p, default=None, implied="isd", command_defaults=SERVE_DEFAULTS)
+    add_decoder_arguments(
+        p, default=None, implied="isd; renoise on a DiffusionGemma (renoising) model", command_defaults=SERVE_DEFAULTS
+    )
     v = p.add_argument_group("--engine vllm")
     v.add_argument(
         "--drafter",
@@ -247,8 +249,9 @@ def run(args) -> int:
                 f"{flag} goes with --engine vllm (dlm's own engine drafts with the model itself: --decode isd)"
             )
     from dlm.decode.configs import config_from_args
+    from dlm.model.families import default_decoder
 
-    args.decode = args.decode or "isd"
+    args.decode = args.decode or default_decoder(args.model, "isd")
     decoder = config_from_args(args, command_defaults=SERVE_DEFAULTS)  # bad values fail before the model loads
     require("fastapi", "serve")
     uvicorn = require("uvicorn", "serve")

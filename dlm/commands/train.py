@@ -139,6 +139,7 @@ def overrides_from_args(args: argparse.Namespace) -> dict:
 
 def build_config(args: argparse.Namespace):
     from dlm.config import TrainingConfig, apply_mapping, load_yaml
+    from dlm.model.families import folder_objective
 
     cfg = TrainingConfig()
     mapping = load_yaml(args.config) if args.config else {}
@@ -147,7 +148,7 @@ def build_config(args: argparse.Namespace):
     given = overrides_from_args(args)
     apply_mapping(cfg, given, where=" on the command line")
     if not (_names_objective(mapping) or _names_objective(given)):  # a DLM trains on with its own objective
-        own = _own_objective(cfg.model.name)
+        own = folder_objective(cfg.model.name)
         if own is not None:
             cfg.model.objective = own
     return cfg.validate()
@@ -164,17 +165,6 @@ def _names_objective(mapping: dict) -> bool:
         if key == "model" and isinstance(value, dict) and "objective" in value:
             return True
     return False
-
-
-def _own_objective(name: str) -> str | None:
-    """The objective of a DLM folder (a dlm folder's ``dlm_objective``, a published family's), None for anything
-    else (an AR model, an alias, a path that is not there: the loader names those)."""
-    from dlm.model.families import OBJECTIVE, family_of, read_fields
-
-    fields = read_fields(name)  # {} where there is no config.json; a damaged one is named, as loading names it
-    family = family_of(fields)
-    own = fields.get("dlm_objective") or (OBJECTIVE[family] if family is not None else None)
-    return own if isinstance(own, str) else None
 
 
 def run(args: argparse.Namespace) -> int:

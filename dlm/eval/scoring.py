@@ -74,8 +74,9 @@ SCORINGS = ("auto", "causal", "diffusion")
 def as_eval_model(model, tokenizer=None, scoring: str = "auto") -> EvalModel:
     """Wrap a :class:`~dlm.model.convert.DiffusionLM` or a plain HF causal LM for scoring.
 
-    ``scoring="auto"``: causal log-likelihood for AR models and causal DLMs (I-DLM, ``dlm.is_causal``), the
-    denoising score for bidirectional DLMs (mdm, block). ``"causal"`` forces the AR likelihood (any model);
+    ``scoring="auto"``: causal log-likelihood for AR models and causal DLMs (I-DLM, ``dlm.is_causal``) and for
+    renoising models (DiffusionGemma: its causal encoder's next-token score), the denoising score for bidirectional
+    DLMs (mdm, block). ``"causal"`` forces the AR likelihood (any model);
     ``"diffusion"`` forces the denoising score (needs a mask token, i.e. a DLM).
     """
     if isinstance(model, EvalModel):
@@ -86,7 +87,8 @@ def as_eval_model(model, tokenizer=None, scoring: str = "auto") -> EvalModel:
 
     if isinstance(model, DiffusionLM):
         tok = tokenizer or model.tokenizer
-        kind = "causal" if model.is_causal else "diffusion"
+        # a renoising model (DiffusionGemma) has no mask token: its own score is its encoder's next-token one
+        kind = "causal" if model.is_causal or model.objective == "renoise" else "diffusion"
         if scoring != "auto":
             kind = scoring
         hf = model.base_model_hf

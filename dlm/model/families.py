@@ -205,6 +205,21 @@ def refuse_remote_code(folder: str | Path, fields: dict) -> None:
     )
 
 
+def folder_objective(folder: str | Path) -> str | None:
+    """The objective of a DLM folder (a dlm folder's ``dlm_objective``, a published family's), None for anything
+    else (an AR model, an alias, a path that is not there: the loader names those)."""
+    fields = read_fields(folder)  # {} where there is no config.json; a damaged one is named, as loading names it
+    family = family_of(fields)
+    own = fields.get("dlm_objective") or (OBJECTIVE[family] if family is not None else None)
+    return own if isinstance(own, str) else None
+
+
+def default_decoder(model: str, default: str) -> str:
+    """A command's decoder where its caller gave no ``--decode``: ``default``, unless the model is one that only its
+    own decoder runs (a renoising model: ``renoise``). ``model``: a folder (or a name that is not one: ``default``)."""
+    return "renoise" if folder_objective(model) == "renoise" else default
+
+
 def is_published(folder: str | Path) -> bool:
     """Whether ``folder`` holds a checkpoint of one of FAMILIES (raises for an unsupported known one)."""
     return family_of(read_fields(folder)) is not None

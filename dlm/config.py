@@ -1,6 +1,7 @@
 """Typed configuration of ``dlm train``: dataclasses, YAML presets and command-line overrides.
 
 A configuration is a :class:`TrainingConfig` made of sections (``model``, ``data``, ``mdm``, ``block``, ``idlm``,
+``renoise``,
 ``optim``, ``train``, ``eval``, ``lora``, ``wandb``). It is built in three layers, each overriding the previous:
 
 1. the dataclass defaults below;
@@ -15,7 +16,7 @@ An unknown key at any layer is a :class:`~dlm.errors.DLMError` naming the key an
 No ``eval``/``exec``: values are YAML scalars/lists coerced to the field's declared type.
 
 Each field is declared once with its help text and choices (:func:`dlm.fields.opt`): ``dlm train --help`` and the
-checks read them; the ``mdm`` / ``block`` / ``idlm`` sections are the objectives' own configs
+checks read them; the ``mdm`` / ``block`` / ``idlm`` / ``renoise`` sections are the objectives' own configs
 (:mod:`dlm.objectives.configs`). The loader is plain dataclasses plus the short coercion below rather than a
 config library (simple_parsing, jsonargparse): those bring their own flag syntax and nested-key rules, while dlm
 must accept the original trainers' flags and YAML keys (:data:`ALIASES`) and name the closest valid key on a typo;
@@ -33,9 +34,9 @@ from typing import Any
 
 from dlm.errors import DLMError, closest
 from dlm.fields import check_choices, describe, opt
-from dlm.objectives.configs import BlockConfig, IDLMConfig, MDMConfig
+from dlm.objectives.configs import BlockConfig, IDLMConfig, MDMConfig, RenoiseConfig
 
-OBJECTIVES = ("mdm", "block", "idlm")
+OBJECTIVES = ("mdm", "block", "idlm", "renoise")
 ATTN_IMPLS = ("sdpa", "eager", "flash_attention_2", "flex_attention")
 
 
@@ -189,6 +190,7 @@ class TrainingConfig:
     mdm: MDMConfig = field(default_factory=MDMConfig)
     block: BlockConfig = field(default_factory=BlockConfig)
     idlm: IDLMConfig = field(default_factory=IDLMConfig)
+    renoise: RenoiseConfig = field(default_factory=RenoiseConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -217,7 +219,7 @@ class TrainingConfig:
         """Keyword arguments of ``dlm.objectives.get_objective`` for the chosen objective."""
         name = self.model.objective
         kw = dataclasses.asdict(getattr(self, name))
-        if name in ("block", "idlm"):
+        if name in ("block", "idlm", "renoise"):
             kw["block_size"] = block_size
         if name == "mdm" and self.model.attn_impl == "flash_attention_2":
             kw["attention"] = (
@@ -354,7 +356,11 @@ ALIASES: dict[str, tuple[str, str]] = {
 }
 FLAT_KEYS: dict[str, str] = {alias: dotted for alias, (dotted, _) in ALIASES.items()}
 # Fields set from another one (the objectives' block size is the model's): not keys of their own.
-DERIVED = {"block.block_size": "model.block_size", "idlm.block_size": "model.block_size"}
+DERIVED = {
+    "block.block_size": "model.block_size",
+    "idlm.block_size": "model.block_size",
+    "renoise.block_size": "model.block_size",
+}
 # renamed keys: old section.key -> new (accepted with a warning naming the new key, for one release)
 RENAMED = {"data.block_length": "data.idlm_block_size"}
 

@@ -131,3 +131,16 @@ def test_decode_bench_runs_every_variant_with_ar_tokens(tmp_path):
     names = [" ".join(r[1:-10]) for r in rows]
     assert {"ar (loop)", "ar (rebuilt)", "isd N=2 (rebuilt)"} <= set(names), run.stdout
     assert len(rows) == 12 and all(r[-2] == "True" for r in rows), run.stdout
+
+
+@pytest.mark.integration
+def test_renoise_bench_runs_and_matches_transformers_on_a_small_vocabulary():
+    """bench/renoise.py on a tiny DiffusionGemma-shaped model: its table, every engine row's tokens equal to
+    transformers' generate (a small vocabulary: the forwards' rounding never flips a draw there)."""
+    run = _bench(
+        "renoise.py",
+        *("--hidden", "64", "--layers", "2", "--vocab", "512", "--experts", "4", "--canvas", "8"),
+        *("--steps", "3", "--prompts", "2", "--max-new-tokens", "12", "--batch-size", "2"),
+    )
+    rows = [line for line in run.stdout.splitlines() if line.startswith("| dlm renoise")]
+    assert len(rows) == 2 and all(line.rstrip().endswith("| 100% |") for line in rows), run.stdout

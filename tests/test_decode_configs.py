@@ -78,7 +78,9 @@ def test_every_command_takes_the_same_decoder_flags():
 def test_flags_build_the_config_with_each_command_s_defaults():
     from dlm.commands.serve import SERVE_DEFAULTS
 
-    assert config_from_args(parse("generate")) == ARConfig()
+    # generate: ar unless the model runs only its own decoder (a renoising model: renoise), decided with the folder
+    args = parse("generate")
+    assert args.decode is None and config_from_args(args, "ar") == ARConfig()
     args = parse("generate", "--decode", "isd", "--stride", "3", "--isd-fallback", "all", "--isd-draft-budget", "6")
     assert config_from_args(args) == ISDConfig(stride=3, fallback="all", draft_budget=6)
     args = parse("generate", "--decode", "mdm", "--sampler", "llada", "--semi-ar-block", "8", "--cfg-scale", "1.5")

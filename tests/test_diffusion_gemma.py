@@ -49,7 +49,7 @@ def _until_stop(tokens: list[int], n: int) -> list[int]:
 
 def test_logits_equal_transformers_forward_on_context_and_canvas(pair):
     hf, dlm = pair
-    lm = dlm.base_model_hf
+    lm = dlm.renoise
     c = hf.config.canvas_length
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(4, 300, (2, 9), generator=gen)
@@ -228,3 +228,6 @@ def test_served_chat_and_completions_stream_by_committed_canvas(tmp_path):
             model="dg", messages=[{"role": "user", "content": "Hi"}], max_tokens=8, seed=1
         )
         assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 8
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        with pytest.raises(openai.BadRequestError, match="image_url"):  # a request with an image: refused by name
+            client.chat.completions.create(model="dg", messages=[{"role": "user", "content": [image]}], max_tokens=4)

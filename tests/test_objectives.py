@@ -52,8 +52,8 @@ def one_hot_logits(targets_fn):
 
 
 def test_registry_and_config_errors():
-    assert OBJECTIVE_NAMES == ("mdm", "block", "idlm")
-    with pytest.raises(DLMError, match="valid objectives are mdm, block, idlm"):
+    assert OBJECTIVE_NAMES == ("mdm", "block", "idlm", "renoise")
+    with pytest.raises(DLMError, match="valid objectives are mdm, block, idlm, renoise"):
         get_objective("mdlm")
     with pytest.raises(DLMError, match="unknown setting.*'alpha'.*ce_alpha"):
         get_objective("idlm", alpha=0.3)

@@ -4,6 +4,7 @@
     dlm convert --model ./my-llama --objective mdm --output out/llama-mdm
     dlm convert --model smollm2-135m --objective idlm --lora-r 16 --gated-lora --output out/smollm2-idlm-gated
     dlm convert --model smollm2-135m --objective idlm --block-size 2 --layers 4 --output out/drafter-l4
+    dlm convert --model smollm2-135m --objective renoise --block-size 32 --output out/smollm2-renoise
 
 The weights are untouched (under a causal mask the result returns the original logits); the folder gets a mask
 token (the tokenizer's own, or a new special token with a resized embedding) and the DLM fields in config.json
@@ -22,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", required=True, help="hub id (org/name), local Hugging Face folder or alias (e.g. smollm2-135m)"
     )
-    p.add_argument("--objective", required=True, help="mdm | block | idlm")
+    p.add_argument(
+        "--objective", required=True, help="mdm | block | idlm | renoise (uniform-noise, DiffusionGemma's kind)"
+    )
     p.add_argument("--block-size", type=int, help="masks per block (block: default 4, idlm: default 1)")
     p.add_argument(
         "--shift",

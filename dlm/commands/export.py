@@ -23,6 +23,7 @@ FORMATS = {
     "llada": "LLaDA layout (model.transformer.* names, LLaDA config fields)",
     "dream": "Dream layout (Qwen2 weights, mask_token_id, generation_config.json)",
     "llada2": "LLaDA2 layout (a loaded LLaDA2: fused query_key_value, experts one by one, block_size, mask_token_id)",
+    "diffusion_gemma": "DiffusionGemma layout (a loaded DiffusionGemma, fine-tuned or not: transformers' own folder)",
     "vllm": "the folder vLLM serves as this model (a gated-LoRA I-DLM: its base model, without the adapter file)",
 }
 

@@ -95,14 +95,14 @@ class RenoiseDecoder(Decoder):
 
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
-        if spec is None or spec.objective != "renoise" or not hasattr(engine.model, "base_model_hf"):
+        lm = getattr(engine.model, "renoise", None)
+        if spec is None or spec.objective != "renoise" or lm is None:
             what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
             raise DLMError(
                 f"--decode renoise needs a uniform-noise (renoising) DLM such as a DiffusionGemma checkpoint; this "
                 f"is {what}: drop --decode (each model runs its own decoder by default)"
             )
         self.canvas = int(spec.block_size)
-        lm = engine.model.base_model_hf
         self.vocab = int(lm.get_input_embeddings().weight.shape[0])
         self._soft = lm.soft_embeddings
 
@@ -142,7 +142,7 @@ class RenoiseDecoder(Decoder):
         for i, r in enumerate(rows):
             if r.state.self_cond is not None:
                 if soft is None:
-                    width = engine.model.base_model_hf.get_input_embeddings().weight.shape[1]
+                    width = engine.model.renoise.get_input_embeddings().weight.shape[1]
                     soft = torch.zeros(*pos.shape, width, device=pos.device)
                 at = r.state.start - int(pos[i, 0])
                 soft[i, at : at + self.canvas] = self._soft(r.state.self_cond.to(pos.device))

@@ -91,7 +91,7 @@ def as_eval_model(model, tokenizer=None, scoring: str = "auto") -> EvalModel:
         kind = "causal" if model.is_causal or model.objective == "renoise" else "diffusion"
         if scoring != "auto":
             kind = scoring
-        hf = model.base_model_hf
+        hf = model.renoise or model.base_model_hf  # a renoising model scores through its wrapper's forward
         em = EvalModel(
             model=hf,
             tokenizer=tok,

@@ -28,14 +28,16 @@ from torch import nn
 
 from dlm.errors import DLMError
 
-OBJECTIVES = ("mdm", "block", "idlm")
+OBJECTIVES = ("mdm", "block", "idlm", "renoise")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
 # Attention implementations that accept an arbitrary 4D mask (the DLM objectives need one).
 MASKABLE_ATTN = ("sdpa", "eager", "flex_attention", "dlm_sdpa")  # dlm_sdpa: dlm.decode.attention
 
 
 def _hf(model) -> nn.Module:
+    """The transformers model inside ``model`` (a DiffusionLM, a renoising wrapper, a peft wrapper, or itself)."""
     m = getattr(model, "base_model_hf", model)
+    m = getattr(m, "hf", m)  # a renoising model's wrapper (dlm.model.renoise.RenoiseLM)
     return m.get_base_model() if hasattr(m, "get_base_model") else m
 
 
@@ -107,7 +109,7 @@ def default_shift(objective: str) -> bool:
 
 
 def default_block_size(objective: str) -> int | None:
-    return {"mdm": None, "block": 4, "idlm": 1}[objective]
+    return {"mdm": None, "block": 4, "idlm": 1, "renoise": 32}[objective]
 
 
 def check_objective(objective: str) -> str:
@@ -191,6 +193,11 @@ class DiffusionLM(nn.Module):
     def base_model_hf(self) -> nn.Module:
         return _hf(self.model)
 
+    @property
+    def renoise(self):
+        """The :class:`~dlm.model.renoise.RenoiseLM` a renoising model runs through (None for the others)."""
+        return self.model if hasattr(self.model, "soft_embeddings") else None
+
     def forward(self, *args, **kwargs):
         if getattr(self.hf_config, "dlm_attention", None) in ("bidirectional", "block"):
             # a published family's attention when the caller gives no 4-D mask (dlm.model.families)
@@ -255,6 +262,12 @@ class AutoDLMForCausalLM:
                 f"could not load the tokenizer of '{folder}' ({type(e).__name__}: {e}); its "
                 f"tokenizer.json / tokenizer_config.json is damaged: restore the folder"
             ) from e
+        if fields.get("dlm_objective") == "renoise":  # a converted renoising model: its self-conditioning block
+            from dlm.model.renoise import ConvertedRenoiseLM
+
+            wrapped = ConvertedRenoiseLM(model)
+            wrapped.load_extra(folder)
+            model = wrapped
         dlm = DiffusionLM(model, tokenizer)
         lora_mod.load_adapters_if_any(dlm, folder)
         if device is not None:
@@ -422,16 +435,24 @@ def convert_ar_to_dlm(
 
     if block_size is None:
         block_size = default_block_size(objective)
-    if objective in ("block", "idlm") and (not isinstance(block_size, int) or block_size < 1):
+    if objective in ("block", "idlm", "renoise") and (not isinstance(block_size, int) or block_size < 1):
         raise DLMError(f"--block-size must be a positive integer for objective '{objective}', got {block_size}")
     if objective == "mdm" and block_size is not None:
         raise DLMError("objective 'mdm' has no block size; drop --block-size or use --objective block")
     if shift is None:
         shift = default_shift(objective)
 
-    mask_id = _add_mask_token(model, tokenizer, mask_token)
-    spec = DLMSpec(objective=objective, mask_token_id=mask_id, shift=bool(shift), block_size=block_size)
-    dlm = DiffusionLM(model, tokenizer, spec)
+    if objective == "renoise":  # uniform noise: no mask token; a self-conditioning block beside the AR model
+        from dlm.model.renoise import ConvertedRenoiseLM
+
+        if shift:
+            raise DLMError("objective 'renoise' scores each canvas token at its own position: drop --shift")
+        spec = DLMSpec(objective=objective, mask_token_id=None, shift=False, block_size=block_size)
+        dlm = DiffusionLM(ConvertedRenoiseLM(model), tokenizer, spec)
+    else:
+        mask_id = _add_mask_token(model, tokenizer, mask_token)
+        spec = DLMSpec(objective=objective, mask_token_id=mask_id, shift=bool(shift), block_size=block_size)
+        dlm = DiffusionLM(model, tokenizer, spec)
     if lora is not None:
         from dlm.model.lora import prepare_model_for_lora
 

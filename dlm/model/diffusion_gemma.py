@@ -9,7 +9,7 @@ embeddings. Each layer is a dense gated MLP plus a routed mixture of experts, wi
 attention layers.
 
 dlm loads the folder with transformers' own class (no remote code, no renamed weights) and runs it through
-:class:`RenoiseLM`: one forward over the engine's usual chunk - tokens to encode (causal, their KV kept) followed
+:class:`DiffusionGemmaLM`: one forward over the engine's usual chunk - tokens to encode (causal, their KV kept) followed
 by a canvas (bidirectional over the context and itself, its KV dropped) - with the same layers. Because the
 layers are shared, that is the encoder and the decoder of transformers' forward in one pass; the tests check the
 logits of both parts against transformers' own forward, and :mod:`dlm.decode.renoise` against its ``generate``.
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dlm.errors import DLMError
+from dlm.model.renoise import RenoiseLM, unwrapped
 
 MODEL_TYPE = "diffusion_gemma"
 ARCHITECTURE = "DiffusionGemmaForBlockDiffusion"
@@ -51,27 +52,14 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config.text_config
 
 
-class RenoiseLM(nn.Module):
-    """A ``DiffusionGemmaForBlockDiffusion`` run as one forward over [tokens to encode | canvas] (module doc).
-
-    ``forward`` takes the engine's arguments (``input_ids``, ``position_ids``, a boolean ``attention_mask``
-    ``[B, 1, Q, K + Q]`` over the cached keys and the chunk, the cache) and three of its own:
-
-    - ``canvas_from [B]``: the position where each row's canvas starts; chunk tokens at or after it are canvas
-      (decoder) tokens, the ones before it context (encoder) tokens. None: the whole chunk is context;
-    - ``soft [B, Q, H]``: the self-conditioning soft embeddings of canvas tokens (:meth:`soft_embeddings` of the
-      previous step's logits; zeros = no signal, as on a canvas's first step);
-    - ``key_positions [B, K]``: the position of each cached key (-1 for a hole), for the sliding windows.
-
-    Logits are float32, soft-capped as transformers' head does; a context token's logits are the encoder's
-    hidden state through the same head (the encoder's causal language-model scores).
-    """
+class DiffusionGemmaLM(RenoiseLM):
+    """A ``DiffusionGemmaForBlockDiffusion`` run as one forward over [context | canvas] (module doc and
+    :class:`~dlm.model.renoise.RenoiseLM`). A context token's logits are the encoder's hidden state through the
+    shared head (the encoder's causal language-model scores)."""
 
     def __init__(self, hf: nn.Module):
-        super().__init__()
-        self.hf = hf
-        self.config = hf.config
-        text = _text_config(hf.config)
+        super().__init__(hf)
+        text = _text_config(self.config)
         self.window = getattr(text, "sliding_window", None)
         self.layer_types = list(text.layer_types)
         self.softcap = getattr(text, "final_logit_softcapping", None)
@@ -79,85 +67,36 @@ class RenoiseLM(nn.Module):
     # the parts (transformers ties the encoder's text layers, norm and embeddings to the decoder's)
     @property
     def text(self) -> nn.Module:
-        return self.hf.model.encoder.language_model
-
-    @property
-    def canvas_part(self) -> nn.Module:
-        return self.hf.model.decoder
+        return unwrapped(self.hf).model.encoder.language_model
 
     def get_input_embeddings(self):
         return self.text.embed_tokens
 
-    def soft_embeddings(self, logits: torch.Tensor) -> torch.Tensor:
-        """The self-conditioning signal of ``logits [..., V]`` (transformers' decoder: softmax in float32, times
-        the embedding matrix, times the embedding scale)."""
-        emb = self.canvas_part.embed_tokens
-        probs = logits.softmax(dim=-1, dtype=torch.float32).to(emb.weight.dtype)
-        return torch.matmul(probs, emb.weight) * emb.embed_scale.to(emb.weight.dtype)
+    @property
+    def mixer(self) -> nn.Module:
+        return unwrapped(self.hf).model.decoder.self_conditioning
 
-    def _masks(self, mask, pos, canvas_from, key_positions, q):
-        """{layer type: [B, 1, Q, K + Q] mask}: ``mask`` for full layers, with the sliding window for the others."""
-        if mask is None:  # a plain causal forward over the chunk (no cache)
-            mask = (
-                torch.ones(q, q, dtype=torch.bool, device=pos.device).tril_()[None, None].expand(pos.shape[0], 1, q, q)
-            )
-            if canvas_from is not None:  # canvas tokens see the whole chunk (context tokens never see the canvas)
-                canvas = pos >= canvas_from[:, None]
-                mask = mask | (canvas[:, None, :, None] & canvas[:, None, None, :])
-        masks = {"full_attention": mask}
-        if "sliding_attention" in self.layer_types and self.window:
-            b = pos.shape[0]
-            keys = pos if key_positions is None else torch.cat([key_positions.to(pos.device), pos], dim=1)
-            ref = pos if canvas_from is None else torch.where(pos >= canvas_from[:, None], canvas_from[:, None], pos)
-            near = (ref[:, :, None] - keys[:, None, :]) < self.window  # [B, Q, K + Q]; canvas keys: ref <= k
-            masks["sliding_attention"] = mask & near.view(b, 1, q, -1)
-        return masks
+    def save_folder(self, hf: nn.Module, folder: Path) -> None:
+        """A DiffusionGemma folder as transformers writes it (dlm's own fields left out: the family is recognised by
+        its model_type), which transformers, vLLM and SGLang load as they load the published one."""
+        config = hf.config
+        added = ("mask_token_id", "shift", "block_size", *getattr(config, "dlm_copied", ()))  # set by wrap()
+        ours = {k: v for k, v in vars(config).items() if k.startswith("dlm_") or k in added}
+        for k in ours:
+            delattr(config, k)
+        try:
+            hf.save_pretrained(folder)
+        finally:
+            for k, v in ours.items():
+                setattr(config, k, v)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        use_cache: bool = True,
-        logits_to_keep: int = 0,
-        canvas_from: torch.Tensor | None = None,
-        soft: torch.Tensor | None = None,
-        key_positions: torch.Tensor | None = None,
-        **kwargs,
-    ):
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        b, q = input_ids.shape
-        if cache is None:
-            cache = kwargs.pop("past_key_values", None)
-        if position_ids is None:
-            position_ids = torch.arange(q, device=input_ids.device)[None].expand(b, q)
-        if attention_mask is not None and attention_mask.dim() != 4:
-            raise DLMError("RenoiseLM takes a boolean 4-D attention mask [B, 1, Q, K + Q] (or None)")
+    def body(self, h, masks, pos, cache):
         text = self.text
-        h = text.embed_tokens(input_ids)
-        if canvas_from is not None:
-            canvas = position_ids >= canvas_from.to(position_ids.device)[:, None]
-            if bool(canvas.any()):
-                signal = torch.zeros_like(h) if soft is None else soft.to(h.dtype)
-                mixed = self.canvas_part.self_conditioning(h, signal)
-                h = torch.where(canvas[..., None], mixed, h)
-            canvas_from = canvas_from.to(position_ids.device)
-        masks = self._masks(attention_mask, position_ids, canvas_from, key_positions, q)
-        rope = {t: text.rotary_emb(h, position_ids, t) for t in set(self.layer_types)}
+        rope = {t: text.rotary_emb(h, pos, t) for t in set(self.layer_types)}
         for i, layer in enumerate(text.layers[: len(self.layer_types)]):
             kind = self.layer_types[i]
-            h = layer(
-                h, position_embeddings=rope[kind], attention_mask=masks[kind], position_ids=position_ids, cache=cache
-            )
-        h = text.norm(h)
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        logits = self.hf.lm_head(h).float()
-        if self.softcap:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return CausalLMOutputWithPast(logits=logits)  # the cache is the caller's, written in place
+            h = layer(h, position_embeddings=rope[kind], attention_mask=masks[kind], position_ids=pos, cache=cache)
+        return text.norm(h)
 
 
 def _generation_defaults(folder: Path) -> dict:
@@ -204,11 +143,12 @@ def wrap(hf: nn.Module, tokenizer=None, sampler: dict | None = None, device=None
     config.dlm_sampler = {"renoise": dict(sampler or {})}
     text = _text_config(config)
     spec = DLMSpec(objective="renoise", mask_token_id=None, shift=False, block_size=int(config.canvas_length))
-    dlm = DiffusionLM(RenoiseLM(hf), tokenizer, spec)
+    dlm = DiffusionLM(DiffusionGemmaLM(hf), tokenizer, spec)
     # the text model's sizes and stop token where dlm reads them (the top-level config of the family has none)
-    for name in ("vocab_size", "max_position_embeddings", "eos_token_id"):
-        if getattr(config, name, None) is None:
-            setattr(config, name, getattr(text, name))
+    copied = [n for n in ("vocab_size", "max_position_embeddings", "eos_token_id") if getattr(config, n, None) is None]
+    for name in copied:
+        setattr(config, name, getattr(text, name))
+    config.dlm_copied = copied  # left out again when the folder is saved
     if device is not None:
         dlm.to(device)
     dlm.eval()

@@ -1,4 +1,4 @@
-"""Write a dlm model in a published family's layout (``dlm export --format sdar|llada|dream|llada2``).
+"""Write a dlm model in a published family's layout (``dlm export --format sdar|llada|dream|llada2|diffusion_gemma``).
 
 The inverse of :mod:`dlm.model.families`: the same weights under the family's names and a config.json with the
 family's fields, so that the engines that read that family serve it (docs/models.md says which reads which).
@@ -12,6 +12,8 @@ family's fields, so that the engines that read that family serve it (docs/models
   with shift; a generation_config.json with Dream's sampler defaults.
 - ``llada2``: GLM-4-MoE block-diffusion models without shift (a loaded LLaDA2, fine-tuned or not); q/k/v fused
   into ``query_key_value``, the stacked experts written one by one, LLaDA2's names and config fields.
+- ``diffusion_gemma``: a DiffusionGemma model (loaded from such a folder, fine-tuned or not), written by
+  transformers' own ``save_pretrained`` (LoRA merged): the folder transformers, vLLM and SGLang load.
 
 No remote code is written: consumers that run the families' own modeling files need them from the family's
 release. The folder is written under a temporary name and renamed when complete.
@@ -350,7 +352,25 @@ _QKV = re.compile(r"^(model\.layers\.\d+)\.self_attn\.([qkv])_proj\.(weight|bias
 
 
 # name -> function(dlm) -> (config.json fields, state dict, generation_config.json fields or None)
-FORMATS: dict[str, Callable] = {"sdar": to_sdar, "llada": to_llada, "dream": to_dream, "llada2": to_llada2}
+def to_diffusion_gemma(dlm):
+    """A DiffusionGemma model (loaded from such a folder, fine-tuned or not) is written by transformers' own
+    ``save_pretrained`` (see :func:`export_model`): no renaming, the weights tied as transformers ties them."""
+    if getattr(dlm.hf_config, "dlm_family", None) != "diffusion_gemma" or dlm.renoise is None:
+        raise DLMError(
+            f"--format diffusion_gemma writes a DiffusionGemma model (one loaded from a DiffusionGemma folder); "
+            f"this is a '{dlm.objective}' model of {_kind(dlm)}, whose layers DiffusionGemma's do not match - "
+            f"serve or save its dlm folder instead"
+        )
+    return None
+
+
+FORMATS: dict[str, Callable] = {
+    "sdar": to_sdar,
+    "llada": to_llada,
+    "dream": to_dream,
+    "llada2": to_llada2,
+    "diffusion_gemma": to_diffusion_gemma,
+}
 
 
 def export_model(dlm, output: str | Path, fmt: str) -> Path:
@@ -367,8 +387,15 @@ def export_model(dlm, output: str | Path, fmt: str) -> Path:
             f"{closest(fmt, FORMATS)}?)"
         )
     _refuse_adapters(dlm, fmt)
-    fields, state, generation = FORMATS[fmt](dlm)
     out = Path(output)
+    if fmt == "diffusion_gemma":
+        to_diffusion_gemma(dlm)
+        with atomic_folder(out) as tmp:
+            dlm.renoise.save_pretrained(tmp)  # transformers' folder, dlm's fields left out (adapters merged)
+            if dlm.tokenizer is not None:
+                dlm.tokenizer.save_pretrained(tmp)
+        return out
+    fields, state, generation = FORMATS[fmt](dlm)
     with atomic_folder(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")

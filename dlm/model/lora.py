@@ -448,8 +448,17 @@ def prepare_model_for_lora(dlm, config):
       are frozen; the trainable parameters are the adapters and the mask token's embedding vector only.
     """
     s = _settings(config)
-    if get_gated(dlm) is not None or hasattr(dlm.model, "get_base_model"):
+    if (
+        get_gated(dlm) is not None
+        or hasattr(dlm.model, "get_base_model")
+        or hasattr(getattr(dlm.model, "hf", None), "get_base_model")
+    ):
         raise DLMError("this model already has LoRA adapters")
+    if s.gated and dlm.mask_token_id is None:
+        raise DLMError(
+            f"gated LoRA acts at mask positions, and a '{dlm.objective}' model has no mask token: use plain LoRA "
+            f"(lora.gated: false)"
+        )
     if not s.gated:
         from peft import LoraConfig, get_peft_model
 
@@ -461,7 +470,10 @@ def prepare_model_for_lora(dlm, config):
             # does not use (the routed experts of a MoE are 3-D parameters, not linear layers: they stay frozen)
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             warnings.filterwarnings("ignore", message=".*_pattern keys did not match.*", category=RuntimeWarning)
-            dlm.model = get_peft_model(dlm.model, peft_config)
+            if hasattr(dlm.model, "add_lora"):  # a wrapper of the transformers model (dlm.model.renoise)
+                dlm.model.add_lora(peft_config)
+            else:
+                dlm.model = get_peft_model(dlm.model, peft_config)
         return dlm
     return _attach_gated(dlm, s)
 
@@ -481,6 +493,9 @@ def trainable_parameters(dlm) -> list[nn.Parameter]:
 def save_model_folder(dlm, path: Path, merge_lora: bool = True) -> None:
     path = Path(path)
     model = dlm.model
+    if hasattr(model, "save_folder"):  # a renoising model writes its own folder (dlm.model.renoise)
+        model.save_pretrained(path, merge_lora=merge_lora)
+        return
     if hasattr(model, "merge_and_unload"):
         if not merge_lora:
             raise DLMError("saving unmerged peft adapters is not supported; use merge_lora=True")

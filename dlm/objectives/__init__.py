@@ -1,4 +1,5 @@
-"""Training objectives behind one registry: ``mdm``, ``block`` (BD3-LM/SDAR) and ``idlm`` (I-DLM).
+"""Training objectives behind one registry: ``mdm``, ``block`` (BD3-LM/SDAR), ``idlm`` (I-DLM) and ``renoise``
+(uniform-noise block diffusion: DiffusionGemma).
 
 ``get_objective(name, **config)`` returns an :class:`Objective`; ``objective(model, batch, step, generator)``
 returns an :class:`ObjectiveOutput` (``loss``, ``parts``, ``num_tokens``). Config field names are the YAML keys.
@@ -9,18 +10,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dlm.errors import DLMError
-from dlm.objectives.configs import CONFIGS, BlockConfig, IDLMConfig, MDMConfig
+from dlm.objectives.configs import CONFIGS, BlockConfig, IDLMConfig, MDMConfig, RenoiseConfig
 
 if TYPE_CHECKING:  # the objectives import torch: loaded on first use, so the configs stay torch-free
     from dlm.objectives.base import Objective, ObjectiveOutput
 
-OBJECTIVE_NAMES = tuple(CONFIGS)  # ("mdm", "block", "idlm")
+OBJECTIVE_NAMES = tuple(CONFIGS)  # ("mdm", "block", "idlm", "renoise")
 _LAZY = {
     "Objective": "dlm.objectives.base",
     "ObjectiveOutput": "dlm.objectives.base",
     "MDMObjective": "dlm.objectives.mdm",
     "BlockObjective": "dlm.objectives.block",
     "IDLMObjective": "dlm.objectives.idlm",
+    "RenoiseObjective": "dlm.objectives.renoise",
 }
 
 
@@ -28,8 +30,9 @@ def _objectives() -> dict[str, type]:
     from dlm.objectives.block import BlockObjective
     from dlm.objectives.idlm import IDLMObjective
     from dlm.objectives.mdm import MDMObjective
+    from dlm.objectives.renoise import RenoiseObjective
 
-    return {"mdm": MDMObjective, "block": BlockObjective, "idlm": IDLMObjective}
+    return {"mdm": MDMObjective, "block": BlockObjective, "idlm": IDLMObjective, "renoise": RenoiseObjective}
 
 
 def __getattr__(name: str):
@@ -69,4 +72,5 @@ __all__ = [
     "MDMConfig",
     "BlockConfig",
     "IDLMConfig",
+    "RenoiseConfig",
 ]

@@ -1,4 +1,4 @@
-"""The objectives' settings, defined once: the ``mdm``, ``block`` and ``idlm`` sections of ``dlm train``'s
+"""The objectives' settings, defined once: the ``mdm``, ``block``, ``idlm`` and ``renoise`` sections of ``dlm train``'s
 configuration are these classes (:mod:`dlm.config`), and each objective is built from one. Field names are the
 YAML keys; the help texts are ``dlm train --help``'s. No torch here."""
 
@@ -81,4 +81,47 @@ class IDLMConfig:
             raise DLMError(f"idlm.distill_temperature must be > 0, got {self.distill_temperature!r}")
 
 
-CONFIGS: dict[str, type] = {"mdm": MDMConfig, "block": BlockConfig, "idlm": IDLMConfig}
+@dataclass
+class RenoiseConfig:
+    """Uniform-noise ("renoising") block diffusion (DiffusionGemma)."""
+
+    block_size: int | None = opt(
+        None, "canvas length (tokens per canvas); None: the checkpoint's, else it must match it (model.block_size)"
+    )
+    noise_min: float = opt(1e-3, "smallest noise level t: the share of a canvas's tokens replaced by random ones")
+    noise_max: float = opt(1.0 - 1e-3, "largest noise level t (t ~ U(noise_min, noise_max), one per sequence)")
+    weighting: str = opt(
+        "constant",
+        "the canvas loss's weight per sequence: constant (1) or reweighted (1 / (1 - t), the rectified-flow ELBO "
+        "weight, clipped at weight_clip)",
+        choices=("constant", "reweighted"),
+    )
+    weight_clip: float | None = opt(None, "upper bound of the reweighted weight (None: none)")
+    self_conditioning: float = opt(
+        0.5,
+        "probability that a sequence is self-conditioned: a first no-grad pass predicts the canvases, and the "
+        "trained pass reads that prediction's soft embedding (0 = never)",
+    )
+    encoder_weight: float = opt(1.0, "weight of the context's causal next-token loss beside the canvas loss (0 = none)")
+
+    def __post_init__(self):
+        check_choices(self, "renoise")
+        if not 0.0 <= self.noise_min <= self.noise_max <= 1.0:
+            raise DLMError(
+                f"renoise.noise_min / noise_max must satisfy 0 <= min <= max <= 1, got {self.noise_min!r}, "
+                f"{self.noise_max!r}"
+            )
+        if not 0.0 <= self.self_conditioning <= 1.0:
+            raise DLMError(f"renoise.self_conditioning must be a probability in [0, 1], got {self.self_conditioning!r}")
+        if self.encoder_weight < 0:
+            raise DLMError(f"renoise.encoder_weight must be >= 0, got {self.encoder_weight!r}")
+        if self.weight_clip is not None and self.weight_clip <= 0:
+            raise DLMError(f"renoise.weight_clip must be > 0 (None: no clip), got {self.weight_clip!r}")
+
+
+CONFIGS: dict[str, type] = {
+    "mdm": MDMConfig,
+    "block": BlockConfig,
+    "idlm": IDLMConfig,
+    "renoise": RenoiseConfig,
+}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 MAX_LOGPROBS = 20  # alternatives per token (= dlm.decode.sampling.MAX_LOGPROBS, without importing torch here)
 MAX_N = 16  # choices per request
@@ -126,6 +126,20 @@ class ChatMessage(_Body):
     name: StrictStr | None = None
     tool_calls: list[dict] | None = None  # an assistant's earlier calls (given to the chat template)
     tool_call_id: StrictStr | None = None  # a tool message's answer to that call
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """An image (or audio, file) part is refused by its type: dlm serves text (a DiffusionGemma's vision tower
+        is kept in its folder, not run)."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind is not None and kind != "text":
+                    raise ValueError(
+                        f"content part type {kind!r} is not supported: dlm serves text only; send 'text' parts"
+                    )
+        return content
 
     def text(self) -> str:
         if self.content is None:

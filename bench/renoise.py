@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
-    from dlm.model.diffusion_gemma import wrap
+    from dlm.model.families.diffusion_gemma import wrap
 
     hf = build(args)
     dlm = wrap(hf)

@@ -13,7 +13,7 @@ from dlm.decode.engine import Engine
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.model.convert import convert_ar_to_dlm
-from dlm.model.diffusion_gemma import wrap
+from dlm.model.families.diffusion_gemma import wrap
 from dlm.testing import make_diffusion_gemma, make_model, make_tokenizer, save_tiny_diffusion_gemma
 
 pytest.importorskip("transformers.models.diffusion_gemma")

@@ -188,3 +188,50 @@ def test_one_root_for_dlms_files(monkeypatch, tmp_path):
     assert home() == tmp_path / "new" and default_venv() == tmp_path / "new" / "venv-vllm"
     write_record("probe.json", "k", {"v": 1})  # the measured choices are kept under it
     assert (tmp_path / "new" / "probe.json").is_file() and read_records("probe.json") == {"k": {"v": 1}}
+
+
+def _code_map(text: str) -> list[tuple[int, str]]:
+    """(indent, name) of each file or folder a code map names: the ``text`` block after README's "## The code"."""
+    block = text.split("## The code", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    out = []
+    for line in block.splitlines():
+        if not line.strip() or "->" in line:
+            continue
+        names = re.split(r"\s{2,}", line.strip())[0]
+        indent = len(line) - len(line.lstrip())
+        if indent and indent % 2 == 0 and re.fullmatch(r"[\w./]+(, [\w./]+)*", names):
+            out += [(indent, n) for n in names.split(", ")]
+        elif not indent and re.fullmatch(r"[\w]+/", names):
+            out.append((0, names))
+    return out
+
+
+def test_the_readme_code_map_names_files_that_exist():
+    """Every file and folder the README's code map names exists where the map puts it (its indentation is the
+    folder it is in)."""
+    stack: list[str] = []
+    missing = []
+    for indent, name in _code_map((ROOT / "README.md").read_text()):
+        depth = indent // 2
+        stack = stack[:depth]
+        path = ROOT.joinpath(*stack, name.rstrip("/"))
+        if not path.exists():
+            missing.append(str(path.relative_to(ROOT)))
+        if name.endswith("/"):
+            stack.append(name.rstrip("/"))
+    assert not missing, missing
+
+
+def test_the_design_layer_map_names_modules_that_exist():
+    """docs/design.md's layer drawing names packages and their modules (``model/ (hub, convert, ...)``): each is in
+    dlm/."""
+    text = (ROOT / "docs" / "design.md").read_text().split("```text", 1)[1].split("```", 1)[0]
+    missing = []
+    for package, inside in re.findall(r"(\w+)/ \(([^)]*)\)", text):
+        for name in re.findall(r"[\w]+/?", inside.split(":")[0]):
+            if name in ("CLI", "flags", "messages", "the", "main", "job", "engine", "decoders", "kernels"):
+                continue
+            base = ROOT / "dlm" / package / name.rstrip("/")
+            if not (base.exists() or base.with_suffix(".py").exists()):
+                missing.append(f"{package}/{name}")
+    assert not missing, missing

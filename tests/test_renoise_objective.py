@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dlm.model.diffusion_gemma import wrap
+from dlm.model.families.diffusion_gemma import wrap
 from dlm.objectives import get_objective
 from dlm.objectives.base import IGNORE, prepare_batch
 from dlm.testing import make_diffusion_gemma

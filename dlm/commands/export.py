@@ -46,17 +46,14 @@ def export_layout(args) -> None:
     from dlm.errors import DLMError
     from dlm.model.convert import load_any
     from dlm.model.export import export_model
-    from dlm.model.families import read_fields
+    from dlm.model.families import inspect_folder
     from dlm.model.hub import resolve_model_path
 
     folder = resolve_model_path(args.model)
-    fields = read_fields(folder)
-    from dlm.model.families import family_of
-
-    if "dlm_objective" not in fields and family_of(fields) is None:
+    if not inspect_folder(folder).is_dlm:
         raise DLMError(
             f"--model '{args.model}' is a plain causal LM, not a DLM; convert it first (dlm convert "
-            f"--objective mdm|block|idlm) and export that folder"
+            f"--objective mdm|block|idlm|renoise) and export that folder"
         )
     dlm = load_any(folder)
     export_model(dlm, args.output, args.format)

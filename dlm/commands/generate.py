@@ -264,23 +264,20 @@ def _run(args) -> int:
             )
     device = get_device()
     folder = resolve_model_path(args.model)
-    fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
     from dlm.decode.configs import entry
+    from dlm.model.families import inspect_folder
 
     objective = entry(args.decode).objective
-    from dlm.model.families import family_of
-
-    if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder: a DLM
-        fields = dict(fields, dlm_objective=None)
-    if "dlm_objective" in fields or args.decode != "ar":
-        if "dlm_objective" not in fields and args.decode in ("mdm", "block"):
+    is_dlm = inspect_folder(folder).is_dlm  # a dlm folder or a published family's
+    if is_dlm or args.decode != "ar":
+        if not is_dlm and args.decode in ("mdm", "block"):
             print(
                 f"dlm generate: note: '{args.model}' is a plain AR model; converting to an untrained "
                 f"'{objective}' DLM on the fly (expect noise)",
                 file=sys.stderr,
             )
         convert_kw = {}
-        if "dlm_objective" not in fields and args.decode == "isd" and decoder.stride:
+        if not is_dlm and args.decode == "isd" and decoder.stride:
             convert_kw["block_size"] = decoder.stride - 1  # untrained anyway: no stride warning on the fly
         model = load_any(folder, convert_to=objective, dtype=get_dtype(args.dtype, device), device=device, **convert_kw)
     else:

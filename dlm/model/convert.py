@@ -243,10 +243,10 @@ class AutoDLMForCausalLM:
             raise DLMError(f"'{folder}' has no config.json")
         fields = read_json_file(config_path, "model folder")
         check_model_folder(folder)  # damaged files: an error naming the file, not a traceback or wrong weights
-        from dlm.model.families import family_of, load_published
+        from dlm.model.families import family_of, inspect_folder, load_published
 
-        if family_of(fields) is not None:  # a published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folder
-            return load_published(folder, dtype=dtype, device=device)
+        if family_of(fields) is not None:  # a published folder (LLaDA, Dream, SDAR, DiffusionGemma, ...)
+            return load_published(inspect_folder(folder), dtype=dtype, device=device)
         if "dlm_objective" not in fields:
             raise DLMError(
                 f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "
@@ -287,18 +287,14 @@ def load_any(
     """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias. ``objective``: the
     objective a DLM folder must have and the one an AR model is converted to; ``convert_to``: only the latter (a
     DLM folder loads whatever its objective). Conversion defaults to idlm."""
-    from dlm.fsutil import read_json_file
+    from dlm.model.families import inspect_folder, load_published
     from dlm.model.hub import resolve_model_path
 
-    folder = resolve_model_path(name_or_path)
-    fields = read_json_file(folder / "config.json", "model folder") if (folder / "config.json").is_file() else {}
-    from dlm.model.families import family_of
-
-    if "dlm_objective" in fields or family_of(fields) is not None:
-        if family_of(fields) is not None:  # a published folder: a block_size where its config lacks one
-            from dlm.model.families import load_published
-
-            dlm = load_published(folder, dtype=dtype, device=device, block_size=convert_kw.get("block_size"))
+    info = inspect_folder(resolve_model_path(name_or_path))
+    folder = info.path
+    if info.is_dlm:
+        if info.family is not None:  # a published folder: a block_size where its config lacks one
+            dlm = load_published(info, dtype=dtype, device=device, block_size=convert_kw.get("block_size"))
         else:
             dlm = AutoDLMForCausalLM.from_pretrained(folder, dtype=dtype, device=device)
         if objective is not None and objective != dlm.objective:
@@ -389,21 +385,21 @@ def convert_ar_to_dlm(
     check_objective(objective)
     if isinstance(model_or_path, (str, os.PathLike)):
         folder = resolve_model_path(model_or_path)
-        from dlm.model.families import OBJECTIVE, family_of, load_published, read_fields, refuse_remote_code
+        from dlm.model.families import inspect_folder, load_published, refuse_remote_code
 
-        fields = read_fields(folder)
-        refuse_remote_code(folder, fields)
-        family = family_of(fields)
+        info = inspect_folder(folder)
+        refuse_remote_code(folder, info.fields)
+        family = info.family
         if family is not None:  # a published DLM: loaded as it is (block_size where its config lacks one)
-            if objective != OBJECTIVE[family]:
+            if objective != family.objective:
                 raise DLMError(
-                    f"'{model_or_path}' is a published '{family}' checkpoint, a "
-                    f"'{OBJECTIVE[family]}' DLM already: use --objective {OBJECTIVE[family]}"
+                    f"'{model_or_path}' is a published '{family.name}' checkpoint, a "
+                    f"'{family.objective}' DLM already: use --objective {family.objective}"
                 )
-            dlm = load_published(folder, dtype=dtype, block_size=block_size)
+            dlm = load_published(info, dtype=dtype, block_size=block_size)
             if shift is not None and bool(shift) != dlm.shift:
                 raise DLMError(
-                    f"'{model_or_path}' ({family}) has shift={dlm.shift} by construction; drop --shift/--no-shift"
+                    f"'{model_or_path}' ({family.name}) has shift={dlm.shift} by construction; drop --shift/--no-shift"
                 )
             return dlm
         if tokenizer is None:

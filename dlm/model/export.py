@@ -118,7 +118,7 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     )
     if moe and "num_local_experts" in fields:  # transformers' own name; Qwen3-MoE's config.json says num_experts
         fields["num_experts"] = fields.pop("num_local_experts")
-    from dlm.model.families import STACKED_EXPERTS, unstacked_experts
+    from dlm.model.families.base import STACKED_EXPERTS, unstacked_experts
 
     state: dict[str, torch.Tensor] = {}
     for name, t in _state(dlm).items():
@@ -127,7 +127,7 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 
 
 def to_llada(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
-    from dlm.model.families import llama_to_llada
+    from dlm.model.families.llada import llama_to_llada
 
     spec, c = dlm.spec, dlm.hf_config
     if _kind(dlm) != "llama" or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
@@ -255,7 +255,7 @@ def to_dream(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 
 def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     """A GLM-4-MoE block-diffusion model (a loaded LLaDA2, fine-tuned or not) in LLaDA2's Bailing-style layout:
-    the inverse of :func:`dlm.model.families._llada2_state`."""
+    the inverse of :func:`dlm.model.families.llada2.rename`."""
     spec, c = dlm.spec, dlm.hf_config
     if _kind(dlm) != "glm4_moe":
         raise DLMError(
@@ -325,7 +325,8 @@ def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
             "mask_token_id": spec.mask_token_id,
         },
     )
-    from dlm.model.families import STACKED_EXPERTS, glm4_moe_to_llada2, unstacked_experts
+    from dlm.model.families.base import STACKED_EXPERTS, unstacked_experts
+    from dlm.model.families.llada2 import glm4_moe_to_llada2
 
     weights = _state(dlm)
     state: dict[str, torch.Tensor] = {}
@@ -351,26 +352,37 @@ def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 _QKV = re.compile(r"^(model\.layers\.\d+)\.self_attn\.([qkv])_proj\.(weight|bias)$")
 
 
-# name -> function(dlm) -> (config.json fields, state dict, generation_config.json fields or None)
 def to_diffusion_gemma(dlm):
     """A DiffusionGemma model (loaded from such a folder, fine-tuned or not) is written by transformers' own
-    ``save_pretrained`` (see :func:`export_model`): no renaming, the weights tied as transformers ties them."""
+    ``save_pretrained`` (LoRA merged, dlm's fields left out): no renaming, the weights tied as transformers ties
+    them. Returns the function that writes the folder."""
     if getattr(dlm.hf_config, "dlm_family", None) != "diffusion_gemma" or dlm.renoise is None:
         raise DLMError(
             f"--format diffusion_gemma writes a DiffusionGemma model (one loaded from a DiffusionGemma folder); "
             f"this is a '{dlm.objective}' model of {_kind(dlm)}, whose layers DiffusionGemma's do not match - "
             f"serve or save its dlm folder instead"
         )
-    return None
+    return dlm.renoise.save_pretrained
 
 
-FORMATS: dict[str, Callable] = {
-    "sdar": to_sdar,
-    "llada": to_llada,
-    "dream": to_dream,
-    "llada2": to_llada2,
-    "diffusion_gemma": to_diffusion_gemma,
-}
+def formats() -> dict[str, Callable]:
+    """``dlm export --format`` name -> its writer, from the registered families' ``export`` entries: a writer
+    takes the model and returns ``(config.json fields, state dict, generation_config.json fields or None)``, or a
+    function that writes the folder itself."""
+    import importlib
+
+    from dlm.model.families import REGISTRY
+
+    out: dict[str, Callable] = {}
+    for family in REGISTRY:
+        if family.export is None or family.export[0] in out:
+            continue
+        name, writer = family.export
+        if isinstance(writer, str):
+            module, attr = writer.split(":")
+            writer = getattr(importlib.import_module(module), attr)
+        out[name] = writer
+    return out
 
 
 def export_model(dlm, output: str | Path, fmt: str) -> Path:
@@ -379,23 +391,24 @@ def export_model(dlm, output: str | Path, fmt: str) -> Path:
 
     from dlm.fsutil import atomic_folder
 
-    if fmt not in FORMATS:
+    writers = formats()
+    if fmt not in writers:
         from dlm.errors import closest
 
         raise DLMError(
-            f"unknown export format '{fmt}' (--format): use one of {', '.join(FORMATS)} (did you mean "
-            f"{closest(fmt, FORMATS)}?)"
+            f"unknown export format '{fmt}' (--format): use one of {', '.join(writers)} (did you mean "
+            f"{closest(fmt, writers)}?)"
         )
     _refuse_adapters(dlm, fmt)
     out = Path(output)
-    if fmt == "diffusion_gemma":
-        to_diffusion_gemma(dlm)
+    written = writers[fmt](dlm)
+    if callable(written):  # the writer writes the folder itself (transformers' own save_pretrained)
         with atomic_folder(out) as tmp:
-            dlm.renoise.save_pretrained(tmp)  # transformers' folder, dlm's fields left out (adapters merged)
+            written(tmp)
             if dlm.tokenizer is not None:
                 dlm.tokenizer.save_pretrained(tmp)
         return out
-    fields, state, generation = FORMATS[fmt](dlm)
+    fields, state, generation = written
     with atomic_folder(out) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(fields, indent=2, sort_keys=True) + "\n")

@@ -216,12 +216,13 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
     path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
         raise DLMError(f"'{path}' holds a tokenizer but no model (config.json missing)")
-    from dlm.model.families import FAMILIES, family_of, read_fields, refuse_remote_code
+    from dlm.model import families
 
-    fields = read_fields(path)
-    refuse_remote_code(path, fields)
-    if family_of(fields) is not None or fields.get("dlm_family") in FAMILIES:
-        # published LLaDA / Dream / SDAR / I-DLM / Fast-dLLM v2 folders (and dlm folders saved from them): a
+    info = families.inspect_folder(path)
+    refuse_remote_code = families.refuse_remote_code
+    refuse_remote_code(path, info.fields)
+    if info.family is not None or info.fields.get("dlm_family") in families.names() or info.objective == "renoise":
+        # published folders (and dlm folders saved from them), renoising models (their own forward): a
         # DiffusionLM, whose forward applies the family's attention (dlm.model.families)
         from dlm.model.convert import AutoDLMForCausalLM
 

@@ -8,7 +8,7 @@ within their canvas, over the context before the canvas). A noisy token's input 
 two RMS norms. :class:`RenoiseLM` holds that logic once; a subclass says how its model embeds, runs its layers
 and projects to logits:
 
-- :class:`dlm.model.diffusion_gemma.DiffusionGemmaLM`: transformers' ``DiffusionGemmaForBlockDiffusion``
+- :class:`dlm.model.families.diffusion_gemma.DiffusionGemmaLM`: transformers' ``DiffusionGemmaForBlockDiffusion``
   (its encoder and decoder share the layers, so one pass runs both);
 - :class:`ConvertedRenoiseLM`: any Hugging Face causal LM (Llama, Qwen2/3, Gemma, ...) with a new
   self-conditioning block (zero-initialised output, so the converted model starts as the AR model on every token);

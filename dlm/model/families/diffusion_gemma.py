@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dlm.errors import DLMError
+from dlm.model.families.base import Family
 from dlm.model.renoise import RenoiseLM, unwrapped
 
 MODEL_TYPE = "diffusion_gemma"
@@ -153,3 +154,15 @@ def wrap(hf: nn.Module, tokenizer=None, sampler: dict | None = None, device=None
         dlm.to(device)
     dlm.eval()
     return dlm
+
+
+FAMILY = Family(
+    name=MODEL_TYPE,
+    title=TITLE,
+    objective="renoise",
+    shift=False,
+    attention="renoise",  # causal context, bidirectional canvas (DiffusionGemmaLM)
+    recognise=is_diffusion_gemma,
+    load=load,
+    export=("diffusion_gemma", "dlm.model.export:to_diffusion_gemma"),
+)

@@ -179,8 +179,9 @@ class MDMDecoder(DiffusionDecoder):
             )
         self.shift = bool(spec.shift)
         if self.method is None:
-            family = getattr(engine.config, "dlm_family", None)
-            self.method = {"llada": "llada", "llada_moe": "llada", "dream": "dream"}.get(family or "", "confidence")
+            from dlm.model.families import sampler_defaults  # the family's record says which sampler is its own
+
+            self.method = sampler_defaults(engine.config, "mdm").get("sampler") or "confidence"
         if self.cfg_scale and self.method != "llada":
             raise DLMError("--cfg-scale is a setting of --sampler llada; drop it or use --sampler llada")
 

@@ -26,6 +26,6 @@ FAMILY = Family(
     config=dream_config,
     # Dream's diffusion_generate filters to the top 50 tokens unless its caller passes top_k=None (transformers'
     # global default, taken from the model config rather than the folder's generation_config.json)
-    samplers={"mdm": {"dream_top_k": 50}},
+    samplers={"mdm": {"sampler": "dream", "dream_top_k": 50}},
     export=("dream", "dlm.model.export:to_dream"),
 )

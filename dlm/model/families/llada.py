@@ -148,5 +148,6 @@ FAMILY = Family(
     mask_id=126336,
     config=llada_config,
     rename=rename,
+    samplers={"mdm": {"sampler": "llada"}},
     export=("llada", "dlm.model.export:to_llada"),
 )

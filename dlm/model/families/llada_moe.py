@@ -93,4 +93,5 @@ FAMILY = Family(
     mask_id=156895,
     config=llada_moe_config,
     rename=rename,
+    samplers={"mdm": {"sampler": "llada"}},  # LLaDA's sampler, as its model card samples
 )

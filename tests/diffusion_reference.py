@@ -14,6 +14,17 @@ from dlm.decode.block import block_mask
 from dlm.decode.mdm import propose
 from dlm.model.convert import cache_kw
 
+# the references take their samplers' own names (LLaDA's block_length, the old method=); the decoders' configs
+# name them sampler= and semi_ar_block=
+CONFIG_NAMES = {"method": "sampler", "block_length": "semi_ar_block"}
+
+
+def decoder_config(decoder: str, kw: dict):
+    """The decoder config of ``decoder`` for the settings ``kw`` spelled as the references spell them."""
+    from dlm.decode.configs import make_config
+
+    return make_config(decoder, **{CONFIG_NAMES.get(k, k): v for k, v in kw.items()})
+
 
 def _full(n):
     return torch.ones(1, 1, n, n, dtype=torch.bool)

@@ -115,6 +115,7 @@ def test_record_verify_counts_per_draft_position():
     assert s.acceptance == [2 / 3, 0.5, 1.0]
 
 
+@pytest.mark.filterwarnings("ignore::dlm.deprecations.DLMDeprecationWarning")  # the old name, meant
 def test_token_budget_is_the_old_name_of_draft_budget():
     from dlm.decode.isd import ISDDecoder
     from dlm.decode.schedule import MeasuredDraft, TokenBudget

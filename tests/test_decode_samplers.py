@@ -3,11 +3,12 @@ reproducible for a seed, the right errors."""
 
 import pytest
 import torch
-from diffusion_reference import reference_block, reference_mdm
+from diffusion_reference import decoder_config, reference_block, reference_mdm
 
 from dlm import convert_ar_to_dlm
 from dlm.decode import generate
 from dlm.decode.block import block_mask
+from dlm.decode.configs import BlockConfig
 from dlm.decode.engine import Engine
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
@@ -43,15 +44,15 @@ def test_diffusion_samplers_resolve_every_mask_and_are_seeded(objective, kw, con
     for k in (1, 7):
         for temperature in (0.0, 1.0):
             p = SamplingParams(max_new_tokens=k, temperature=temperature, top_p=0.9, seed=11, ignore_eos=True)
-            res = generate(dlm, PROMPTS, objective, p, **kw)
-            again = generate(dlm, PROMPTS, objective, p, **kw)
+            res = generate(dlm, PROMPTS, decoder_config(objective, kw), p)
+            again = generate(dlm, PROMPTS, decoder_config(objective, kw), p)
             for r, r2 in zip(res, again):
                 assert len(r.token_ids) == k and dlm.mask_token_id not in r.token_ids
                 assert r.token_ids == r2.token_ids and r.stats.forwards >= 1
                 assert isinstance(r.text, str)
     # the confidence sampler uses exactly `steps` passes; block uses at most `steps` per block
     if kw.get("method") == "confidence":
-        r = generate(dlm, PROMPTS[:1], "mdm", SamplingParams(8, ignore_eos=True), **kw)[0]
+        r = generate(dlm, PROMPTS[:1], decoder_config("mdm", kw), SamplingParams(8, ignore_eos=True))[0]
         assert r.stats.forwards == kw["steps"]
 
 
@@ -74,7 +75,7 @@ def test_batched_engine_equals_the_one_request_reference(objective, kw, conv):
             SamplingParams(max_new_tokens=5 + i, temperature=temperature, top_k=20, seed=100 + i, ignore_eos=True)
             for i in range(len(MIXED))
         ]
-        results = Engine(dlm, decoder=objective, max_batch_size=3, **kw).generate(MIXED, params)
+        results = Engine(dlm, decoder=decoder_config(objective, kw), max_batch_size=3).generate(MIXED, params)
         for prompt, p, r in zip(MIXED, params, results):
             ids, forwards = reference(dlm, objective, prompt, p, kw)
             assert r.token_ids == ids, (prompt, temperature)
@@ -86,14 +87,13 @@ def test_batched_engine_equals_the_one_request_reference(objective, kw, conv):
 @pytest.mark.parametrize("objective,kw,conv", [CASES[0], CASES[2], CASES[5]])
 def test_diffusion_decoders_stream_in_order_and_stop_early(objective, kw, conv):
     dlm = dlm_of(objective, **conv)
-    full = generate(dlm, MIXED[:2], objective, SamplingParams(12, ignore_eos=True), **kw)
+    full = generate(dlm, MIXED[:2], decoder_config(objective, kw), SamplingParams(12, ignore_eos=True))
     streamed = {}
     got = generate(
         dlm,
         MIXED[:2],
-        objective,
+        decoder_config(objective, kw),
         SamplingParams(12, ignore_eos=True),
-        **kw,
         on_tokens=lambda rid, new, done: streamed.setdefault(rid, []).append(list(new)),
     )
     for rid, (a, b) in enumerate(zip(full, got)):
@@ -105,7 +105,7 @@ def test_diffusion_decoders_stream_in_order_and_stop_early(objective, kw, conv):
     r = full[0]
     stop = r.token_ids[len(r.token_ids) // 2]
     cut = r.token_ids[: r.token_ids.index(stop) + 1]
-    s = generate(dlm, MIXED[:1], objective, SamplingParams(12, stop_token_ids=(stop,)), **kw)[0]
+    s = generate(dlm, MIXED[:1], decoder_config(objective, kw), SamplingParams(12, stop_token_ids=(stop,)))[0]
     assert s.token_ids == cut and s.finish_reason == "stop"
     assert s.stats.forwards <= r.stats.forwards
 
@@ -116,7 +116,7 @@ def test_diffusion_decoders_refuse_what_does_not_fit():
     with pytest.raises(DLMError, match="exceed the model's context"):
         generate(dlm, [[5] * (limit - 3)], "mdm", SamplingParams(8))
     with pytest.raises(DLMError, match="--sampler"):
-        Engine(dlm, decoder="mdm", method="best")
+        Engine(dlm, decoder="mdm", sampler="best")
     with pytest.raises(DLMError, match="--steps"):
         Engine(dlm, decoder="mdm", steps=0)
     with pytest.raises(DLMError, match="--threshold"):
@@ -141,7 +141,7 @@ def test_block_kv_cache_equals_full_recompute():
     tokens as recomputing the whole sequence under the block-causal mask (the cache is exact)."""
     dlm = dlm_of("block", block_size=2)
     p = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    got = generate(dlm, [PROMPTS[0]], "block", p, steps=1, threshold=None)[0].token_ids
+    got = generate(dlm, [PROMPTS[0]], BlockConfig(steps=1, threshold=None), p)[0].token_ids
     x = list(PROMPTS[0]) + [dlm.mask_token_id] * 6
     b = 2
     with torch.no_grad():

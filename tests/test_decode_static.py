@@ -78,9 +78,9 @@ def test_static_isd_candidates_and_sampling_equal_the_dynamic_path():
 @pytest.mark.parametrize(
     "objective,kw,conv",
     [
-        ("mdm", dict(method="confidence", steps=4), dict()),
-        ("mdm", dict(method="threshold", block_length=4, threshold=0.9), dict(shift=False)),  # re-fed rows
-        ("mdm", dict(method="llada", steps=4, cfg_scale=1.0), dict()),  # two copies per chunk (own positions)
+        ("mdm", dict(sampler="confidence", steps=4), dict()),
+        ("mdm", dict(sampler="threshold", semi_ar_block=4, threshold=0.9), dict(shift=False)),  # re-fed rows
+        ("mdm", dict(sampler="llada", steps=4, cfg_scale=1.0), dict()),  # two copies per chunk (own positions)
         ("block", dict(steps=2, threshold=0.9), dict(block_size=4)),
         ("block", dict(steps=4), dict(block_size=4, shift=True)),
     ],

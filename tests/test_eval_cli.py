@@ -5,6 +5,7 @@ import json
 import pytest
 
 from dlm.cli import main
+from dlm.decode.configs import ISDConfig
 from dlm.eval import append_history, read_history, run_eval
 from dlm.eval.history import format_history_table
 from dlm.eval.scoring import encode_pair
@@ -130,7 +131,12 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     )
     dlm = _idlm(block_size=2)
     r = run_eval(
-        dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, stride=3, batch_size=3, keep_predictions=True
+        dlm,
+        "isd_acceptance",
+        paths={"isd_acceptance": str(prompts)},
+        decoder=ISDConfig(stride=3),
+        batch_size=3,
+        keep_predictions=True,
     )["isd_acceptance"]
     ex = load_task("isd_acceptance", paths={"isd_acceptance": str(prompts)})
     assert [e.prompt for e in ex] == [f"tell me about item {i}" for i in range(5)]
@@ -138,10 +144,9 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     direct = generate(
         dlm,
         [_prompt_ids(em, e) for e in ex],
-        "isd",
+        ISDConfig(stride=3),
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
         batch_size=3,
-        stride=3,
     )
     prop = [sum(x.stats.proposed[i] for x in direct) for i in range(2)]
     acc = [sum(x.stats.accepted[i] for x in direct) for i in range(2)]
@@ -151,15 +156,16 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     assert r["tpf"] == sum(len(x.token_ids) for x in direct) / sum(x.stats.forwards for x in direct)
     assert r["identical"] == 1.0 and all(p["identical_to_ar"] for p in r["predictions"])
     # with draft candidates: the engine's counts again, stride 2, output still AR's
-    k3 = run_eval(dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, candidates=3, batch_size=3)
+    k3 = run_eval(
+        dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, decoder=ISDConfig(candidates=3), batch_size=3
+    )
     k3 = k3["isd_acceptance"]
     direct = generate(
         dlm,
         [_prompt_ids(em, e) for e in ex],
-        "isd",
+        ISDConfig(candidates=3),
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
         batch_size=3,
-        candidates=3,
     )
     assert k3["stride"] == 2 and k3["candidates"] == 3 and k3["identical"] == 1.0
     assert k3["drafts"] == [sum(x.stats.proposed[0] for x in direct)]

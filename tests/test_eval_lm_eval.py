@@ -93,6 +93,7 @@ def test_adapter_rolling_and_generate(tiny_model_dir):
     assert first == dlm_lm.loglikelihood(reqs) and all(v < 0 for v, _ in first)
 
 
+@pytest.mark.filterwarnings("ignore::dlm.deprecations.DLMDeprecationWarning")  # the old model_args, meant
 def test_adapter_decoder_settings_from_model_args():
     """model_args are strings: the generation decoder and its settings by config field name, parsed by type; the
     old names (decode, gen_steps, token_budget) still read; a config object in Python."""

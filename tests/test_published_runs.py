@@ -153,24 +153,24 @@ def test_dlm_eval_scores_a_published_bidirectional_checkpoint(tmp_path, task_dat
 @pytest.mark.parametrize(
     "writer,decode,kw",
     [
-        (write_llada, "mdm", dict(method="llada", steps=4, block_length=4)),
-        (write_dream, "mdm", dict(method="dream", steps=4, alg="entropy")),
+        (write_llada, "mdm", dict(sampler="llada", steps=4, semi_ar_block=4)),
+        (write_dream, "mdm", dict(sampler="dream", steps=4, alg="entropy")),
         (write_llada2, "block", dict(steps=4)),
-        (write_llada_moe, "mdm", dict(method="llada", steps=4, block_length=4)),
+        (write_llada_moe, "mdm", dict(sampler="llada", steps=4, semi_ar_block=4)),
     ],
 )
 def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
+    from dlm.decode.configs import make_config
     from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
     folder = writer(tmp_path / "ckpt")
-    eng = load_engine(str(folder), decode=decode, max_batch_size=3, **kw)
+    config = make_config(decode, **kw)
+    eng = load_engine(str(folder), config, max_batch_size=3)
     prompts = [("The cat " * (i % 3 + 1), 3 + i) for i in range(5)]
-    refs = [
-        generate(eng.model, [eng.tokenizer(p)["input_ids"]], decode, SamplingParams(m), **kw)[0] for p, m in prompts
-    ]
+    refs = [generate(eng.model, [eng.tokenizer(p)["input_ids"]], config, SamplingParams(m))[0] for p, m in prompts]
     app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name="tiny", max_tokens_limit=32))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -181,15 +181,11 @@ def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):
         suffix = " sat on the mat."
         fill = SamplingParams(6, suffix_ids=tuple(eng.tokenizer(suffix, add_special_tokens=False)["input_ids"]))
         if decode == "mdm":
-            ref = generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], decode, fill, **kw)[0]
+            ref = generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], config, fill)[0]
             r = client.completions.create(model="tiny", prompt="The cat", suffix=suffix, max_tokens=6, temperature=0)
             assert r.choices[0].text == ref.text and r.usage.completion_tokens == len(ref.token_ids)
-            assert (
-                ref.token_ids
-                != generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], decode, SamplingParams(6), **kw)[
-                    0
-                ].token_ids
-            )
+            plain = generate(eng.model, [eng.tokenizer("The cat")["input_ids"]], config, SamplingParams(6))[0]
+            assert ref.token_ids != plain.token_ids
         else:
             with pytest.raises(openai.BadRequestError, match="suffix"):
                 client.completions.create(model="tiny", prompt="The cat", suffix=suffix, max_tokens=6)

@@ -23,6 +23,7 @@ from published_layouts import (
 import dlm
 from dlm.cli import main
 from dlm.decode import generate
+from dlm.decode.configs import MDMConfig
 from dlm.decode.engine import Engine
 from dlm.decode.mdm import MDMDecoder, propose
 from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
@@ -302,45 +303,45 @@ def reference_llada21(model, prompt, params, threshold=0.95, editing_threshold=0
 
 
 CASES = [
-    ("llada", "mdm", dict(method="llada", steps=None, block_length=4), reference_llada, dict(block_length=4)),
-    ("llada", "mdm", dict(method="llada", steps=6, block_length=3), reference_llada, dict(steps=6, block_length=3)),
+    ("llada", "mdm", dict(sampler="llada", steps=None, semi_ar_block=4), reference_llada, dict(block_length=4)),
+    ("llada", "mdm", dict(sampler="llada", steps=6, semi_ar_block=3), reference_llada, dict(steps=6, block_length=3)),
     (
         "llada",
         "mdm",
-        dict(method="llada", steps=4, block_length=8, cfg_scale=1.5),
+        dict(sampler="llada", steps=4, semi_ar_block=8, cfg_scale=1.5),
         reference_llada,
         dict(steps=4, block_length=8, cfg_scale=1.5),
     ),
     (
         "llada",
         "mdm",
-        dict(method="llada", steps=5, block_length=4, remasking="random"),
+        dict(sampler="llada", steps=5, semi_ar_block=4, remasking="random"),
         reference_llada,
         dict(steps=5, block_length=4, remasking="random"),
     ),
-    ("dream", "mdm", dict(method="dream", steps=5), reference_dream, dict(steps=5)),
+    ("dream", "mdm", dict(sampler="dream", steps=5), reference_dream, dict(steps=5)),
     (
         "dream",
         "mdm",
-        dict(method="dream", steps=4, alg="maskgit_plus"),
+        dict(sampler="dream", steps=4, alg="maskgit_plus"),
         reference_dream,
         dict(steps=4, alg="maskgit_plus"),
     ),
     (
         "dream",
         "mdm",
-        dict(method="dream", steps=6, alg="topk_margin"),
+        dict(sampler="dream", steps=6, alg="topk_margin"),
         reference_dream,
         dict(steps=6, alg="topk_margin"),
     ),
     (
         "dream",
         "mdm",
-        dict(method="dream", steps=5, alg="entropy", alg_temp=0.5),
+        dict(sampler="dream", steps=5, alg="entropy", alg_temp=0.5),
         reference_dream,
         dict(steps=5, alg="entropy", alg_temp=0.5),
     ),
-    ("dream", "mdm", dict(method="dream", steps=3, alg="entropy"), reference_dream, dict(steps=3, alg="entropy")),
+    ("dream", "mdm", dict(sampler="dream", steps=3, alg="entropy"), reference_dream, dict(steps=3, alg="entropy")),
     (
         "sdar",
         "block",
@@ -397,7 +398,7 @@ CASES = [
     (
         "llada_moe",
         "mdm",
-        dict(method="llada", steps=4, block_length=4),
+        dict(sampler="llada", steps=4, semi_ar_block=4),
         reference_llada,
         dict(steps=4, block_length=4),
     ),
@@ -447,14 +448,14 @@ def test_a_suffix_is_filled_up_to(models):
     left-to-right decoder refuses it naming the fix."""
     suffix = (40, 41, 42, 43, 44)
     cases = [
-        ("llada", dict(method="llada", block_length=4), reference_llada, dict(block_length=4)),
+        ("llada", dict(sampler="llada", semi_ar_block=4), reference_llada, dict(block_length=4)),
         (
             "llada",
-            dict(method="llada", steps=4, block_length=8, cfg_scale=1.5),
+            dict(sampler="llada", steps=4, semi_ar_block=8, cfg_scale=1.5),
             reference_llada,
             dict(steps=4, block_length=8, cfg_scale=1.5),
         ),
-        ("dream", dict(method="dream", steps=5, alg="entropy"), reference_dream, dict(steps=5, alg="entropy")),
+        ("dream", dict(sampler="dream", steps=5, alg="entropy"), reference_dream, dict(steps=5, alg="entropy")),
     ]
     for family, kw, ref, ref_kw in cases:
         model = models[family]
@@ -465,8 +466,8 @@ def test_a_suffix_is_filled_up_to(models):
                 assert r.token_ids == ref(model, prompt, p, suffix=suffix, **ref_kw), (family, temperature)
                 assert len(r.token_ids) == p.max_new_tokens
     greedy = [params_for(i, 0.0) for i in range(len(MIXED))]
-    plain = Engine(models["llada"], decoder="mdm", method="llada", block_length=4).generate(MIXED, greedy)
-    filled = Engine(models["llada"], decoder="mdm", method="llada", block_length=4).generate(
+    plain = Engine(models["llada"], decoder="mdm", sampler="llada", semi_ar_block=4).generate(MIXED, greedy)
+    filled = Engine(models["llada"], decoder="mdm", sampler="llada", semi_ar_block=4).generate(
         MIXED, [params_for(i, 0.0, suffix_ids=suffix) for i in range(len(MIXED))]
     )
     assert [r.token_ids for r in plain] != [r.token_ids for r in filled]
@@ -507,9 +508,9 @@ def test_the_family_sampler_is_the_default(models):
         ("llada_moe", "mdm", reference_llada, dict(block_length=32)),  # LLaDA-MoE samples as LLaDA does
     ]
     for family, decode, ref, ref_kw in cases:
-        got = generate(models[family], [MIXED[0]], decode, p, method=None)[0].token_ids
+        got = generate(models[family], [MIXED[0]], decode, p)[0].token_ids
         assert got == ref(models[family], MIXED[0], p, **ref_kw), family
-    assert Engine(models["llada"], decoder="mdm", method=None).decoder.method == "llada"
+    assert Engine(models["llada"], decoder="mdm").decoder.method == "llada"
     from dlm.decode.configs import BlockConfig, make_config
 
     assert Engine(models["llada2"], decoder="block").decoder.threshold == 0.95  # LLaDA2's
@@ -556,7 +557,7 @@ def test_sampler_option_errors():
 
 
 def test_too_few_steps_refused_when_the_request_is_added(models):
-    engine = Engine(models["llada"], decoder="mdm", method="llada", steps=2, block_length=4)
+    engine = Engine(models["llada"], decoder="mdm", sampler="llada", steps=2, semi_ar_block=4)
     with pytest.raises(DLMError, match="--steps 2 is fewer than the 3 blocks"):
         engine.add([5, 6, 7], SamplingParams(max_new_tokens=12))
     assert not engine.has_unfinished()
@@ -588,7 +589,7 @@ def test_generate_command_on_published_folders(tmp_path, capsys):
     model = dlm.load_model(folder)
     tok = model.tokenizer
     fill = SamplingParams(6, seed=0, suffix_ids=tuple(tok(" on the mat.", add_special_tokens=False)["input_ids"]))
-    assert got == generate(model, [tok("The cat")["input_ids"]], "mdm", fill, semi_ar_block=3)[0].token_ids
+    assert got == generate(model, [tok("The cat")["input_ids"]], MDMConfig(semi_ar_block=3), fill)[0].token_ids
     assert main([*argv[:6], "ar", "--suffix", "x"]) == 2
     assert "--suffix" in capsys.readouterr().err
     assert (
@@ -626,7 +627,7 @@ def test_dream_breaks_ties_as_its_own_code_does(models):
             SamplingParams(max_new_tokens=9 + 3 * i, temperature=0.0, top_p=1e-3, ignore_eos=True)
             for i in range(len(MIXED))
         ]
-        results = Engine(model, decoder="mdm", max_batch_size=3, method="dream", steps=3, alg=alg).generate(
+        results = Engine(model, decoder="mdm", max_batch_size=3, sampler="dream", steps=3, alg=alg).generate(
             MIXED, params
         )
         for prompt, p, r in zip(MIXED, params, results):

@@ -13,6 +13,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from dlm.decode.configs import ISDConfig, make_config  # noqa: E402
 from dlm.decode.engine import Engine  # noqa: E402
 from dlm.decode.sampling import SamplingParams  # noqa: E402
 from dlm.errors import DLMError  # noqa: E402
@@ -42,7 +43,7 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     # drafting at every step (not the measured default): the tests count drafting steps and draft metrics
-    return load_engine(str(tiny_dir), decode="isd", stride=3, draft_budget="always", max_batch_size=16)
+    return load_engine(str(tiny_dir), ISDConfig(stride=3, draft_budget="always"), max_batch_size=16)
 
 
 @pytest.fixture(scope="module")
@@ -235,8 +236,8 @@ def test_64_concurrent_streams_equal_alone(server, engine, client):
 @pytest.mark.parametrize(
     "decode,kw",
     [
-        ("mdm", dict(method="confidence", steps=6)),
-        ("mdm", dict(method="threshold", block_length=4)),
+        ("mdm", dict(sampler="confidence", steps=6)),
+        ("mdm", dict(sampler="threshold", semi_ar_block=4)),
         ("block", dict(steps=2)),
     ],
 )
@@ -245,11 +246,10 @@ def test_diffusion_decoders_are_served_batched(tiny_dir, decode, kw):
     prompt lengths and max_tokens each get what `dlm generate` gives the request alone."""
     from dlm.decode import generate
 
-    eng = load_engine(str(tiny_dir), decode=decode, max_batch_size=4, **kw)
+    config = make_config(decode, **kw)
+    eng = load_engine(str(tiny_dir), config, max_batch_size=4)
     requests = [(f"Request {i}: " + "the cat " * (i % 4), 4 + (i % 5)) for i in range(12)]
-    refs = [
-        generate(eng.model, [encode(eng, p)], decode, SamplingParams(m), batch_size=1, **kw)[0] for p, m in requests
-    ]
+    refs = [generate(eng.model, [encode(eng, p)], config, SamplingParams(m), batch_size=1)[0] for p, m in requests]
     app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT))
 
     async def one(aclient, p, m):
@@ -550,6 +550,7 @@ def test_text_stream_holds_back_possible_stop_prefixes(tiny_tokenizer):
     assert "".join(ts2.feed([i]) for i in ids) + ts2.finish("The cat sat on the mat") == "The cat sat on the mat"
 
 
+@pytest.mark.filterwarnings("ignore::dlm.deprecations.DLMDeprecationWarning")  # the old keyword spellings
 def test_settings_and_engine_errors(tiny_dir):
     with pytest.raises(DLMError, match="--max-tokens-limit"):
         ServeSettings(max_tokens_limit=0)
@@ -628,12 +629,12 @@ def test_isd_draft_budget_flag_reaches_the_decoder(tiny_dir):
     with pytest.raises(DLMError, match="--isd-fallback must be one of"):
         load_engine("/nonexistent", ISDConfig(fallback="sometimes"))
     with pytest.raises(DLMError, match="--isd-fallback is an ISD setting"):
-        load_engine("/nonexistent", "ar", fallback="all")
+        make_config("ar", fallback="all")
     with pytest.raises(DLMError, match="not both"):
-        load_engine("/nonexistent", ARConfig(), fallback="all")
+        make_config(ARConfig(), fallback="all")
     eng = load_engine(str(tiny_dir), ISDConfig(candidates=3))
     assert eng.decoder.candidates == 3 and eng.decoder.stride == 2
     with pytest.raises(DLMError, match="--isd-candidates is an ISD setting"):
-        load_engine("/nonexistent", "ar", candidates=2)
+        make_config("ar", candidates=2)
     with pytest.raises(DLMError, match="--isd-candidates must be an integer"):
         load_engine("/nonexistent", ISDConfig(candidates=12))

@@ -14,6 +14,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 
+from dlm.decode.configs import ISDConfig  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
@@ -31,7 +32,7 @@ def srv(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("faults") / "tiny-llama", "llama")
-    engine = load_engine(str(folder), decode="isd", stride=2, max_batch_size=8)
+    engine = load_engine(str(folder), ISDConfig(stride=2), max_batch_size=8)
     scheduler = Scheduler(engine, threads=1)
     app = create_app(scheduler, ServeSettings(model_name=MODEL, max_tokens_limit=400))
     with ServerThread(app) as server:

@@ -15,6 +15,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
+from dlm.decode.configs import ISDConfig, MDMConfig  # noqa: E402
 from dlm.decode.sampling import token_logprobs  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
@@ -34,7 +35,7 @@ def engine(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("serve-lp") / "tiny-llama", "llama")
-    return load_engine(str(folder), decode="isd", stride=3, max_batch_size=8)
+    return load_engine(str(folder), ISDConfig(stride=3), max_batch_size=8)
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +236,7 @@ def test_refused_with_a_diffusion_decoder(tmp_path):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path / "tiny", "llama")
-    eng = load_engine(str(folder), decode="mdm", max_batch_size=2, steps=4)
+    eng = load_engine(str(folder), MDMConfig(steps=4), max_batch_size=2)
     app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=8))
     with ServerThread(app) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 1}, timeout=60)

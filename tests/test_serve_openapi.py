@@ -33,7 +33,7 @@ def engine(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("openapi") / "tiny-llama", "llama")
-    return load_engine(str(folder), decode="ar", max_batch_size=4)
+    return load_engine(str(folder), "ar", max_batch_size=4)
 
 
 def make_app(engine, api_key=None):

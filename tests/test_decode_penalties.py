@@ -177,7 +177,7 @@ def test_refusals():
     with pytest.raises(DLMError, match="outside the vocabulary"):
         Engine(model).add(PROMPTS[0], SamplingParams(4, logit_bias={10_000: 1.0}))
     mdm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
-    with pytest.raises(DLMError, match="need a left-to-right decoder"):
+    with pytest.raises(DLMError, match=r"penalties: not with --decode \w+.*use a left-to-right decoder"):
         Engine(mdm, decoder="mdm", steps=4).add(PROMPTS[0], SamplingParams(4, repetition_penalty=1.2))
 
 

@@ -243,7 +243,7 @@ def test_refusals():
     with pytest.raises(DLMError, match="grammar of the structured output is invalid"):
         eng.add(prompts()[0], SamplingParams(4, structured=StructuredOutput(grammar="start: nope")))
     mdm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=TOK)
-    with pytest.raises(DLMError, match="need a left-to-right decoder"):
+    with pytest.raises(DLMError, match=r"penalties: not with --decode \w+.*use a left-to-right decoder"):
         Engine(mdm, decoder="mdm", steps=4).add(prompts()[0], SamplingParams(4, structured=SPECS["choice"]))
     bare = idlm()
     bare.tokenizer = None

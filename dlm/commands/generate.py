@@ -242,29 +242,25 @@ def _run(args) -> int:
         min_tokens=args.min_tokens,
         structured=structured,
     )
-    if args.suffix is not None and args.decode != "mdm":
-        raise DLMError(
-            f"--suffix (text after the answer: fill-in-the-middle) needs --decode mdm on a bidirectional DLM, which "
-            f"sees both sides of the masks it fills; --decode {args.decode} does not"
+    from dlm.decode.configs import entry
+    from dlm.decode.engine import refuse
+
+    decoder_class = entry(args.decode).decoder_class()  # what it can do: refused before the model loads
+    if args.suffix is not None:
+        refuse(decoder_class, "suffix", "--suffix (text after the answer: fill-in-the-middle)")
+    used = [
+        f
+        for f, on in (
+            ("--logprobs", params.logprobs is not None),
+            ("a structured output", structured is not None),
+            ("the penalties", params.adjusts and structured is None),
         )
-    if args.decode not in ("ar", "isd"):
-        used = [
-            f
-            for f, on in (
-                ("--logprobs", params.logprobs is not None),
-                ("a structured output", structured is not None),
-                ("the penalties", params.adjusts and structured is None),
-            )
-            if on
-        ]
-        if used:
-            raise DLMError(
-                f"{' and '.join(used)} need --decode ar or isd; --decode {args.decode} commits tokens out of order, "
-                f"not from the model's next-token distribution"
-            )
+        if on
+    ]
+    if used:
+        refuse(decoder_class, "scores", " and ".join(used))
     device = get_device()
     folder = resolve_model_path(args.model)
-    from dlm.decode.configs import entry
     from dlm.model.families import inspect_folder
 
     objective = entry(args.decode).objective

@@ -364,6 +364,36 @@ class RenoiseConfig(DecoderConfig):
             self._fail("stability_threshold", f"must be an integer >= 0, got {s!r}")
 
 
+# What a request may ask that only some decoders do: the Decoder class attribute that says a decoder can, why one that
+# cannot does not, and what to use instead. The engine, `dlm generate` and the server refuse with refusal()'s words.
+CAPABILITIES: dict[str, tuple[str, str, str]] = {
+    "scores": (  # log-probabilities, logit bias, penalties, a minimum length, structured outputs
+        "causal",
+        "commits tokens out of order, not from the model's next-token distribution",
+        "a left-to-right decoder (--decode ar or isd)",
+    ),
+    "suffix": (  # text after the answer (fill-in-the-middle)
+        "fills_middle",
+        "writes the answer in order, with nothing after it",
+        "--decode mdm on a bidirectional DLM, which sees both sides of the masks it fills",
+    ),
+}
+
+
+def refusal_message(decoder_name: str, capability: str, what: str) -> str:
+    """The message refusing ``what`` (the request's parameter as its user names it: ``logprobs``, ``--suffix``)
+    on a decoder without ``capability`` (a key of :data:`CAPABILITIES`)."""
+    _, why, use = CAPABILITIES[capability]
+    return f"{what}: not with --decode {decoder_name}, which {why}; use {use}"
+
+
+def refusal(decoder, capability: str, what: str) -> str | None:
+    """None where ``decoder`` (a decoder or its class) has ``capability``; else :func:`refusal_message`."""
+    if getattr(decoder, CAPABILITIES[capability][0], False):
+        return None
+    return refusal_message(decoder.name, capability, what)
+
+
 @dataclass(frozen=True)
 class DecoderEntry:
     """A registered decoder: its name, config class, decoder class (``module:Class``, imported when used) and the

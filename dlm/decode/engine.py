@@ -583,29 +583,17 @@ class Engine:
             on_tokens=on_tokens,
             stats=RequestStats(prompt_tokens=len(prompt_ids)),
         )
-        if (params.logprobs is not None or params.prompt_logprobs is not None) and not self.decoder.causal:
-            raise DLMError(
-                f"logprobs need a left-to-right decoder (--decode ar or isd); {self.decoder.name!r} commits "
-                f"tokens out of order, not from the model's next-token distribution"
-            )
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            refuse(self.decoder, "scores", "logprobs")
         if params.suffix_ids:
-            if not getattr(self.decoder, "fills_middle", False):
-                raise DLMError(
-                    f"a suffix (text after the answer: fill-in-the-middle) needs --decode mdm on a bidirectional "
-                    f"DLM, which sees both sides of the masks it fills; --decode {self.decoder.name} writes the "
-                    f"answer in order, with nothing after it"
-                )
+            refuse(self.decoder, "suffix", "a suffix (text after the answer: fill-in-the-middle)")
             vocab = int(self.config.vocab_size)
             if any(not 0 <= t < vocab or t == self.mask_token_id for t in params.suffix_ids):
                 raise DLMError(f"the suffix holds a token id outside the vocabulary (0..{vocab - 1}) or the mask id")
         if params.logprobs is not None:
             row.logprobs = []
         if params.adjusts:
-            if not self.decoder.causal:
-                raise DLMError(
-                    f"logit_bias, min_tokens, structured outputs and the repetition / presence / frequency "
-                    f"penalties need a left-to-right decoder (--decode ar or isd), not {self.decoder.name!r}"
-                )
+            refuse(self.decoder, "scores", "logit_bias, min_tokens, structured outputs and the penalties")
             vocab = int(self.config.vocab_size)
             bad = [t for t, _ in params.logit_bias if not 0 <= t < vocab]
             if bad:
@@ -1088,6 +1076,15 @@ class Engine:
                 progress.update(len(self.results) - done)
                 done = len(self.results)
         return [self.pop_result(i) for i in ids]
+
+
+def refuse(decoder, capability: str, what: str) -> None:
+    """DLMError with :func:`dlm.decode.configs.refusal`'s message where ``decoder`` lacks ``capability``."""
+    from dlm.decode.configs import refusal
+
+    message = refusal(decoder, capability, what)
+    if message is not None:
+        raise DLMError(message)
 
 
 def warn(message: str) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dlm.decode.configs import refusal_message
 from dlm.serve.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from dlm.serve.settings import ServeSettings
 
@@ -226,13 +227,8 @@ class RequestValidator:
         """A completion's ``suffix`` as token ids: 400 naming it unless the decoder fills the middle (mdm) and
         every prompt, its answer and the suffix fit the context together."""
         if not self.fills_middle:
-            raise APIError(
-                400,
-                f"suffix (text after the answer: fill-in-the-middle) needs a bidirectional DLM served with --decode "
-                f"mdm, which sees both sides of the masks it fills; this server decodes with {self.decoder!r}",
-                param="suffix",
-                code="unsupported_parameter",
-            )
+            message = refusal_message(str(self.decoder), "suffix", "suffix (text after the answer: fill-in-the-middle)")
+            raise APIError(400, message, param="suffix", code="unsupported_parameter")
         ids = self.encode(text)
         if self.mask_token_id is not None and self.mask_token_id in ids:
             raise APIError(400, "the suffix holds the mask token; remove it", param="suffix")
@@ -505,13 +501,8 @@ class RequestValidator:
         """400 naming ``param`` (log-probabilities, a bias, a penalty) unless the decoder draws tokens left to
         right."""
         if not self.left_to_right:
-            raise APIError(
-                400,
-                f"{param} needs a left-to-right decoder (dlm serve --decode ar or isd); this server decodes with "
-                f"{self.decoder!r}, which commits tokens out of order",
-                param=param,
-                code="unsupported_parameter",
-            )
+            message = refusal_message(str(self.decoder), "scores", param)
+            raise APIError(400, message, param=param, code="unsupported_parameter")
 
     def prompt_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         """``ids`` if the model can take them as a prompt: non-empty, shorter than the context, in the vocabulary,

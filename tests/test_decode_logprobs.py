@@ -138,7 +138,9 @@ def test_logprobs_stop_with_the_output_and_are_in_the_result_dict():
 def test_logprobs_are_refused_for_the_diffusion_decoders():
     model = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
     eng = Engine(model, decoder="mdm", steps=4)
-    with pytest.raises(DLMError, match=r"logprobs: not with --decode \w+, which commits tokens out of order.*a left-to-right decoder"):
+    with pytest.raises(
+        DLMError, match=r"logprobs: not with --decode \w+, which commits tokens out of order.*a left-to-right decoder"
+    ):
         eng.add(PROMPTS[0], SamplingParams(8, logprobs=1))
     with pytest.raises(DLMError, match="logprobs must be an integer in 0..20"):
         SamplingParams(8, logprobs=21)

@@ -169,7 +169,9 @@ def test_folder_loads_as_the_family_with_its_generation_settings(tmp_path):
 def test_refusals_name_the_setting(pair):
     _, dlm = pair
     engine = Engine(dlm, None, decoder="renoise")
-    with pytest.raises(DLMError, match=r"logprobs: not with --decode \w+, which commits tokens out of order.*a left-to-right decoder"):
+    with pytest.raises(
+        DLMError, match=r"logprobs: not with --decode \w+, which commits tokens out of order.*a left-to-right decoder"
+    ):
         engine.add([5, 6], SamplingParams(max_new_tokens=4, logprobs=1))
     with pytest.raises(DLMError, match="logit_bias"):
         engine.add([5, 6], SamplingParams(max_new_tokens=4, logit_bias={5: 1.0}))

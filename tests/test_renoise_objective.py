@@ -5,6 +5,7 @@ loss; and its random draws in distribution."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -244,3 +245,26 @@ def test_convert_turns_an_ar_model_into_a_renoising_one_that_trains_saves_and_de
     first = Engine(tuned, tuned.tokenizer, decoder="renoise", steps=3).generate([[5, 6, 7]], params)[0]
     again = Engine(load_any(out), None, decoder="renoise", steps=3).generate([[5, 6, 7]], params)[0]
     assert len(first.token_ids) == 9 and first.token_ids == again.token_ids
+
+
+def test_the_commands_convert_decode_and_refuse_to_export_a_converted_model(tmp_path, capsys):
+    """`dlm convert --objective renoise` writes the folder and says it has no mask token; `dlm generate` on it picks
+    --decode renoise by itself; --format diffusion_gemma refuses a model whose layers are not DiffusionGemma's."""
+    from dlm.cli import main
+    from dlm.testing import save_tiny
+
+    ar = save_tiny(tmp_path / "ar", "qwen2")
+    out = tmp_path / "rn"
+    assert (
+        main(["convert", "--model", str(ar), "--objective", "renoise", "--block-size", "4", "--output", str(out)]) == 0
+    )
+    assert (
+        "objective=renoise block_size=4" in capsys.readouterr().out
+        and (out / "dlm_self_conditioning.safetensors").is_file()
+    )
+    argv = ["generate", "--model", str(out), "--prompt", "The cat", "--max-new-tokens", "6", "--steps", "2", "--json"]
+    assert main(argv) == 0
+    rec = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rec["decode"] == "renoise" and rec["steps_per_canvas"] == [2, 2] and len(rec["token_ids"]) == 6
+    assert main(["export", "--model", str(out), "--format", "diffusion_gemma", "--output", str(tmp_path / "x")]) == 2
+    assert "a 'renoise' model of qwen2" in capsys.readouterr().err and not (tmp_path / "x").exists()

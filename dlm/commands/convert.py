@@ -128,9 +128,11 @@ def run(args) -> int:
     extra = ""
     if lora is not None:
         extra = f", gated LoRA r={lora['r']} on {len(dlm.gated_lora.adapters)} layers"
+    if spec.mask_token_id is None:  # uniform noise (renoise): no mask token
+        mask = "no mask token (uniform noise), a self-conditioning block beside the weights"
+    else:
+        mask = f"mask_token_id={spec.mask_token_id} ({dlm.tokenizer.convert_ids_to_tokens(spec.mask_token_id)})"
     print(
-        f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} "
-        f"mask_token_id={spec.mask_token_id} ({dlm.tokenizer.convert_ids_to_tokens(spec.mask_token_id)})"
-        f"{extra}"
+        f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} {mask}{extra}"
     )
     return 0

@@ -1,5 +1,7 @@
 """The decoding engine's CPU kernels (dlm.decode.cpu): every instruction set this CPU runs, the choice at attach."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -977,3 +979,22 @@ def test_outputs_do_not_depend_on_the_thread_count():
                 assert all(torch.equal(a, b) for a, b in zip(run(rows), want)), (rows, threads)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.integration
+def test_a_build_killed_midway_does_not_hang_later_processes():
+    """torch's build guard is a ``lock`` file that a killed build leaves in the build folder; a later process then
+    waited for it forever. dlm builds under an flock (released when its holder dies) and removes such a file."""
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import _get_build_directory
+
+    from dlm.decode.cpu.build import _tag
+
+    stale = Path(_get_build_directory(f"dlm_cpu_{_tag()}", False)) / "lock"
+    stale.touch()  # what a killed build leaves
+    code = "from dlm.decode.cpu.build import extension; import sys; sys.exit(0 if extension() is not None else 3)"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900)
+    assert run.returncode in (0, 3), run.stderr[-2000:]  # (3: no compiler here - but it did not hang)
+    assert not stale.exists()

@@ -13,6 +13,7 @@ an error), ``0`` (never).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import warnings
 from pathlib import Path
@@ -53,16 +54,37 @@ def _load():
 
     name = f"dlm_cpu_{_tag()}"
     if not hasattr(torch.ops.dlm_cpu, "linear"):  # not loaded in this process yet
-        load(
-            name,
-            sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
-            extra_cflags=_FLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(SOURCES)],
-            is_python_module=False,
-            verbose=False,
-        )
+        with _build_turn(name):
+            load(
+                name,
+                sources=[str(p) for p in _sources() if p.suffix == ".cpp"],
+                extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(SOURCES)],
+                is_python_module=False,
+                verbose=False,
+            )
     return torch.ops.dlm_cpu
+
+
+@contextlib.contextmanager
+def _build_turn(name: str):
+    """One process at a time builds or loads the extension ``name``, under an ``flock`` (which the system releases
+    when its holder dies). torch's own guard is a ``lock`` file in the build folder that a killed build (a Ctrl-C
+    during the first run's compile) leaves behind, after which every later load waits for it forever; holding the
+    flock, no other dlm process is building, so such a file is stale and is removed."""
+    from dlm.fsutil import file_lock
+
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        folder = Path(_get_build_directory(name, False))
+    except (ImportError, OSError):  # another torch: its own guard alone
+        yield
+        return
+    with file_lock(folder.parent / f"{name}.dlm-lock"):
+        (folder / "lock").unlink(missing_ok=True)
+        yield
 
 
 def extension():

@@ -132,7 +132,5 @@ def run(args) -> int:
         mask = "no mask token (uniform noise), a self-conditioning block beside the weights"
     else:
         mask = f"mask_token_id={spec.mask_token_id} ({dlm.tokenizer.convert_ids_to_tokens(spec.mask_token_id)})"
-    print(
-        f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} {mask}{extra}"
-    )
+    print(f"wrote {out}: objective={spec.objective} block_size={spec.block_size} shift={spec.shift} {mask}{extra}")
     return 0

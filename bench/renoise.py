@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 import warnings
@@ -31,61 +30,36 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from shapes import machine  # noqa: E402  (bench/shapes.py)
+
 
 def build(args):
-    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    """The random model: :func:`dlm.testing.make_diffusion_gemma` at the benchmark's shape (Gemma's 5:1 sliding to
+    full layers, a window longer than the prompts)."""
+    from dlm.testing import make_diffusion_gemma
 
     h = args.hidden
     heads = max(h // 64, 2)
     layer_types = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(args.layers)]
     layer_types[-1] = "full_attention"
-    text = dict(
+    return make_diffusion_gemma(
         vocab_size=args.vocab,
-        hidden_size=h,
+        canvas=args.canvas,
+        window=512,
+        layer_types=tuple(layer_types),
+        experts=args.experts,
+        top_k=2,
+        hidden=h,
         intermediate_size=int(h * 8 / 3),
-        num_hidden_layers=args.layers,
         num_attention_heads=heads,
         num_key_value_heads=max(heads // 3, 1),
         head_dim=h // heads,
         global_head_dim=2 * (h // heads),
-        num_global_key_value_heads=1,
-        sliding_window=512,
-        num_experts=args.experts,
-        top_k_experts=2,
-        moe_intermediate_size=h // 2,
-        layer_types=layer_types,
         max_position_embeddings=4096,
         eos_token_id=1,
+        bos_token_id=2,
         pad_token_id=0,
     )
-    vision = dict(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    torch.manual_seed(0)
-    config = DiffusionGemmaConfig(text_config=text, vision_config=vision, canvas_length=args.canvas)
-    return DiffusionGemmaForBlockDiffusion(config).eval()
-
-
-def load_average() -> str:
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "?"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "?"
 
 
 def main(argv=None) -> int:
@@ -171,7 +145,8 @@ def main(argv=None) -> int:
         f"{args.experts} experts (top 2), {params_m:.1f}M text parameters; canvas {args.canvas}, {args.steps} steps, "
         f"{len(prompts)} prompts x {n} new tokens, fp32"
     )
-    print(f"CPU: {cpu_name()}, {torch.get_num_threads()} torch threads, load average {load_average()}")
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"CPU: {machine()}, {torch.get_num_threads()} torch threads, load average {load}")
     print(f"canvas logits, dlm's one pass vs transformers' forward: max |difference| {logit_diff:.1e}")
     print("| engine | batch | tokens/s | vs transformers | forwards | TPF | tokens equal to transformers' |")
     print("|---|---|---|---|---|---|---|")

@@ -116,10 +116,12 @@ def make_diffusion_gemma(
     experts: int = 4,
     top_k: int = 2,
     hidden: int = 32,
+    **text_config,
 ):
     """A tiny random ``DiffusionGemmaForBlockDiffusion`` (transformers' own class; fp32, eval mode): a short
     sliding window so that prompts cross it, a mixture of ``experts`` beside each dense MLP, a one-layer vision
-    tower (the family always has one) and the special ids of :func:`make_tokenizer`."""
+    tower (the family always has one) and the special ids of :func:`make_tokenizer`. ``text_config``: fields of its
+    ``DiffusionGemmaTextConfig`` to set otherwise (a larger shape for a benchmark)."""
     import torch
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
 
@@ -143,6 +145,7 @@ def make_diffusion_gemma(
         bos_token_id=0,
         pad_token_id=3,
     )
+    text.update(text_config)
     vision = dict(
         hidden_size=16,
         intermediate_size=32,

@@ -51,7 +51,6 @@ class CanvasState:
     history: torch.Tensor | None  # [S, C] the last S readings (stability), -1 before any
     self_cond: torch.Tensor | None = None  # [C, V] the previous step's scaled logits
     encode: list[int] = field(default_factory=list)  # a committed canvas, fed before this one in the next chunk
-    steps: list[int] = field(default_factory=list)  # steps each finished canvas took
 
 
 def accept_mask(entropy: torch.Tensor, bound: float) -> torch.Tensor:
@@ -97,10 +96,12 @@ class RenoiseDecoder(Decoder):
         spec = engine.spec
         lm = getattr(engine.model, "renoise", None)
         if spec is None or spec.objective != "renoise" or lm is None:
+            from dlm.decode.configs import own_decoder
+
             what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
             raise DLMError(
                 f"--decode renoise needs a uniform-noise (renoising) DLM such as a DiffusionGemma checkpoint; this "
-                f"is {what}: drop --decode (each model runs its own decoder by default)"
+                f"is {what}: use --decode {own_decoder(None if spec is None else spec.objective)}"
             )
         self.canvas = int(spec.block_size)
         self.vocab = int(lm.get_input_embeddings().weight.shape[0])

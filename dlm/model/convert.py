@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from dlm.errors import DLMError
+from dlm.model.renoise import unwrapped
 
 OBJECTIVES = ("mdm", "block", "idlm", "renoise")
 DEFAULT_MASK_TOKEN = "<|mdm_mask|>"
@@ -37,8 +38,7 @@ MASKABLE_ATTN = ("sdpa", "eager", "flex_attention", "dlm_sdpa")  # dlm_sdpa: dlm
 def _hf(model) -> nn.Module:
     """The transformers model inside ``model`` (a DiffusionLM, a renoising wrapper, a peft wrapper, or itself)."""
     m = getattr(model, "base_model_hf", model)
-    m = getattr(m, "hf", m)  # a renoising model's wrapper (dlm.model.renoise.RenoiseLM)
-    return m.get_base_model() if hasattr(m, "get_base_model") else m
+    return unwrapped(getattr(m, "hf", m))  # (hf: a renoising model's wrapper, dlm.model.renoise.RenoiseLM)
 
 
 _CACHE_KW: dict[type, str] = {}
@@ -243,10 +243,11 @@ class AutoDLMForCausalLM:
             raise DLMError(f"'{folder}' has no config.json")
         fields = read_json_file(config_path, "model folder")
         check_model_folder(folder)  # damaged files: an error naming the file, not a traceback or wrong weights
-        from dlm.model.families import family_of, inspect_folder, load_published
+        from dlm.model.families import inspect_folder, load_published
 
-        if family_of(fields) is not None:  # a published folder (LLaDA, Dream, SDAR, DiffusionGemma, ...)
-            return load_published(inspect_folder(folder), dtype=dtype, device=device)
+        info = inspect_folder(folder, fields)
+        if info.family is not None:  # a published folder (LLaDA, Dream, SDAR, DiffusionGemma, ...)
+            return load_published(info, dtype=dtype, device=device)
         if "dlm_objective" not in fields:
             raise DLMError(
                 f"'{folder}' is a plain causal LM, not a DLM (no 'dlm_objective' in config.json); "

@@ -219,8 +219,7 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
     from dlm.model import families
 
     info = families.inspect_folder(path)
-    refuse_remote_code = families.refuse_remote_code
-    refuse_remote_code(path, info.fields)
+    families.refuse_remote_code(path, info.fields)
     if info.family is not None or info.fields.get("dlm_family") in families.names() or info.objective == "renoise":
         # published folders (and dlm folders saved from them), renoising models (their own forward): a
         # DiffusionLM, whose forward applies the family's attention (dlm.model.families)

@@ -110,10 +110,11 @@ class Folder:
         return self.objective is not None
 
 
-def inspect_folder(path: str | Path) -> Folder:
-    """:class:`Folder` of ``path`` (a path that is not a model folder gives empty fields: the loader names it)."""
+def inspect_folder(path: str | Path, fields: dict | None = None) -> Folder:
+    """:class:`Folder` of ``path`` (a path that is not a model folder gives empty fields: the loader names it);
+    ``fields``: its config.json, where the caller has read it already."""
     path = Path(path)
-    fields = read_fields(path)
+    fields = read_fields(path) if fields is None else fields
     family = family_of(fields)
     own = fields.get("dlm_objective") or (family.objective if family is not None else None)
     return Folder(path, fields, family, own if isinstance(own, str) else None)

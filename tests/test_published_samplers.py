@@ -183,8 +183,8 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
     (dynamic), else the top quota of the block's confidences with the non-masks at -inf - so where the quota
     exceeds the masks left, decoded positions too, set to the pass's sample there (``rewrite``); stop after a block
     holding a stop token. Greedy takes the argmax (SDAR has no greedy branch; it divides by the temperature). dlm's
-    one departure: in the block holding the prompt's tail the quotas split the masks, and nothing else is written
-    (SDAR overwrites prompt tokens there)."""
+    one departure: a prompt position the top-k chooses is not written (SDAR overwrites it). Without ``rewrite``
+    (dlm's 'masks' rule) the quotas split the masks of the block and only masks are written."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
     b = model.block_size
     steps = steps or b
@@ -195,7 +195,7 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
     allowed = (i[None, :] // b) <= (i[:, None] // b)
     for blk in range(p // b, total // b):
         lo, hi = blk * b, (blk + 1) * b
-        quotas = split(int((x[lo:hi] == MASK).sum()), steps)
+        quotas = split(hi - lo if rewrite else int((x[lo:hi] == MASK).sum()), steps)
         for step in range(steps + 1):
             where = (x[lo:hi] == MASK).nonzero().squeeze(-1) + lo
             if where.numel() == 0:
@@ -205,12 +205,12 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
             k = min(quotas[step], where.numel())
             transfer = torch.zeros(where.numel(), dtype=torch.bool)
             dynamic_fills = remasking == "low_confidence_dynamic" and int((x0_p > threshold).sum()) >= quotas[step]
-            if rewrite and lo >= p and remasking != "sequential" and quotas[step] > where.numel() and not dynamic_fills:
+            if rewrite and remasking != "sequential" and quotas[step] > where.numel() and not dynamic_fills:
                 confidence = torch.full((hi - lo,), -torch.inf)
                 confidence[where - lo] = x0_p
                 idx = torch.topk(confidence, quotas[step]).indices + lo
                 x[where] = x0
-                decoded = idx[~torch.isin(idx, where)]
+                decoded = idx[~torch.isin(idx, where) & (idx >= p)]
                 if decoded.numel():
                     x[decoded] = propose(logits[decoded - shift], params, MASK, g)[0]
                 continue
@@ -230,12 +230,12 @@ def reference_sdar(model, prompt, params, steps=None, remasking="low_confidence_
 def reference_llada2(model, prompt, params, steps=None, threshold=0.95):
     """LLaDA2's generate(): the canvas rounded up to whole blocks, block-causal attention, from the block holding
     the prompt's end; per block at most `steps` passes, each scoring the block's masks and committing every one
-    above `threshold` if there are at least the pass's quota of them (the *block length* split over the steps,
-    remainder first), else the quota's most confident (at most the masks left); stop after a block holding a
-    stop token."""
+    above `threshold` if there are at least the pass's quota of them (the *block length* split over the steps -
+    at most max_new_tokens of them - remainder first), else the quota's most confident (at most the masks left);
+    stop after a block holding a stop token."""
     gen, g, p = params.max_new_tokens, params.make_generator(), len(prompt)
     b = model.block_size
-    steps = steps or b
+    steps = min(steps or b, gen)  # generate(): steps = min(steps, gen_length // minimal_topk), minimal_topk 1
     total = -(-(p + gen) // b) * b
     x = torch.tensor(list(prompt) + [MASK] * (total - p))
     i = torch.arange(total)

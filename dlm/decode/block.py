@@ -16,8 +16,10 @@ past ``max_new_tokens`` are never returned), each block's masks are split evenly
 remainder to the first ones) and a pass commits its quota: the leftmost masks (``sequential``), the most confident
 (``low_confidence_static``), or every mask above ``threshold`` when there are at least the quota of them, else the
 most confident (``low_confidence_dynamic``, the default for SDAR and LLaDA2 checkpoints: LLaDA2's own sampler is
-this one). The quota counts the block's masks (on LLaDA2 checkpoints the block's length, as LLaDA2's sampler splits
-it; a pass commits at most the masks left), so the prompt's tail in the first block is never overwritten.
+this one). The quotas split the block's length, as SDAR's and LLaDA2's samplers do (LLaDA2's commits at most the
+masks left and runs at most max_new_tokens passes a block; SDAR's top-k then also reaches decoded positions:
+``quota_overflow='rewrite'``, never a prompt position); with ``quota_overflow='masks'`` they split the block's
+masks and only masks are written.
 
 On the engine, rows of a batch sit in different blocks at different passes; the prefill forward is the first
 block's first pass (the prompt before that block is cached by it). A finished block is streamed at once, and a
@@ -68,7 +70,7 @@ class BlockDecoder(DiffusionDecoder):
             threshold = None  # top-k commits
         self.steps, self.threshold = steps, threshold
         self.block_size, self.shift = 1, False
-        self.length_quotas = False
+        self.length_quotas = self.steps_at_most_new_tokens = False
 
     def check_model(self, engine: Engine) -> None:
         spec = engine.spec
@@ -81,9 +83,13 @@ class BlockDecoder(DiffusionDecoder):
             )
         self.block_size, self.shift = spec.block_size, bool(spec.shift)
         family = getattr(engine.config, "dlm_family", None)
-        # LLaDA2's sampler splits the block's length over the passes (each commits at most the masks left); SDAR's
-        # splits the block's masks, which differs only in a first block that holds the prompt's tail
-        self.length_quotas = family == "llada2"
+        # LLaDA2's sampler splits the block's length over the passes (each commits at most the masks left), and so
+        # does SDAR's (where a quota exceeds the masks left, its top-k reaches decoded positions: 'rewrite');
+        # dlm's own rule splits the block's masks - they differ only in a first block that holds the prompt's tail
+        self.length_quotas = family == "llada2" or self.quota_overflow == "rewrite"
+        # LLaDA2.0's generate() runs at most max_new_tokens passes a block (steps = min(steps, gen_length)); 2.1's
+        # editing loop has no step schedule
+        self.steps_at_most_new_tokens = family == "llada2" and self.editing_threshold is None
         if self.remasking is None and family in ("sdar", "llada2"):
             self.remasking = "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
 
@@ -106,6 +112,8 @@ class BlockDecoder(DiffusionDecoder):
         lo = max(bs, st["p"])
         n0 = int((st["x"][lo:be] == engine.mask_token_id).sum())
         steps = self.steps or self.block_size
+        if self.steps_at_most_new_tokens:
+            steps = min(steps, row.params.max_new_tokens)
         st.update(
             bs=bs,
             be=be,
@@ -147,7 +155,7 @@ class BlockDecoder(DiffusionDecoder):
             commit = torch.zeros(0, dtype=torch.bool)
         elif self.remasking is not None:
             quota = st["quotas"][st["pass_"] - 1] if st["pass_"] <= len(st["quotas"]) else conf.numel()
-            if self._rewrites(conf, quota, lo == bs):
+            if self._rewrites(conf, quota):
                 self._rewrite_pass(engine, row, logits, masked, tokens, conf, quota)
                 # done: every mask and the rewritten positions (nothing left for the commit below)
                 commit, masked, tokens = torch.zeros(0, dtype=torch.bool), masked[:0], tokens[:0]
@@ -178,27 +186,27 @@ class BlockDecoder(DiffusionDecoder):
             self._start_block(engine, row, bs + self.block_size)
         return out, keep
 
-    def _rewrites(self, conf: torch.Tensor, quota: int, no_prompt: bool) -> bool:
+    def _rewrites(self, conf: torch.Tensor, quota: int) -> bool:
         """Whether this pass takes SDAR's top-k over the whole block (``quota_overflow='rewrite'``): its quota
-        exceeds the masks left, the block holds no prompt token, and the strategy would take a top-k (not
-        'sequential', not a dynamic pass whose masks above the threshold fill the quota - they cannot, here)."""
+        exceeds the masks left and the strategy would take a top-k (not 'sequential', not a dynamic pass whose
+        masks above the threshold fill the quota - they cannot, here)."""
         return (
             self.quota_overflow == "rewrite"
-            and no_prompt
             and quota > conf.numel()
             and self.remasking in ("low_confidence_static", "low_confidence_dynamic")
         )
 
     def _rewrite_pass(self, engine: Engine, row: Row, logits, masked, tokens, conf, quota: int) -> None:
-        """SDAR's pass when its quota exceeds the masks left: the top ``quota`` of the block's confidences with the
-        decoded positions at -inf (so every mask, and then decoded positions in torch.topk's order among equal
-        values), each chosen position set to the pass's proposal there (a decoded one is proposed anew)."""
+        """SDAR's pass when its quota exceeds the masks left: the top ``quota`` of the block's confidences with
+        every other position at -inf (so every mask, and then other positions in torch.topk's order among equal
+        values), each chosen position set to the pass's proposal there (a decoded one is proposed anew) - except
+        the prompt's: SDAR's code writes there too, in the block holding the prompt's tail; dlm never does."""
         st = row.state
-        x, lo, be = st["x"], st["lo"], st["be"]
-        full = torch.full((be - lo,), float("-inf"), dtype=conf.dtype)
-        full[masked - lo] = conf
-        chosen = full.topk(min(quota, be - lo)).indices + lo
-        decoded = chosen[x[chosen] != engine.mask_token_id]
+        x, bs, be, p = st["x"], st["bs"], st["be"], st["p"]
+        full = torch.full((be - bs,), float("-inf"), dtype=conf.dtype)
+        full[masked - bs] = conf
+        chosen = full.topk(min(quota, be - bs)).indices + bs
+        decoded = chosen[(x[chosen] != engine.mask_token_id) & (chosen >= p)]
         x[masked] = tokens
         if decoded.numel():
             again, _ = propose(self._scores(row, logits, decoded), row.params, engine.mask_token_id, row.generator)

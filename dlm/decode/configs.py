@@ -253,9 +253,10 @@ class BlockConfig(DecoderConfig):
     quota_overflow: str | None = opt(
         None,
         "SDAR's strategies, when a pass's quota exceeds the masks left (a threshold pass committed more than its "
-        "share): 'rewrite' - its top-k also picks decoded positions of the block and rewrites them with the pass's "
-        "proposal, as SDAR's generate.py does (never in the block holding the prompt's tail); 'masks' - only the "
-        "masks left; None: rewrite on SDAR checkpoints, else masks",
+        "share, or the block holds the prompt's tail): 'rewrite' - the quotas split the block's length and such a "
+        "pass's top-k also picks decoded positions of the block and rewrites them with the pass's proposal, as "
+        "SDAR's generate.py does (never a prompt position); 'masks' - the quotas split the block's masks and only "
+        "masks are written; None: rewrite on SDAR checkpoints, else masks",
         choices=("rewrite", "masks"),
     )
 

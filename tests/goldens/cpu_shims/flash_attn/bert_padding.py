@@ -1,0 +1,1 @@
+index_first_axis = pad_input = unpad_input = None

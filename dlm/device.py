@@ -170,3 +170,12 @@ def training_precision(device: torch.device, tokens: int = 512) -> tuple[str, st
         choice = cpu_bf16_choice(tokens)
         return ("bf16" if choice.use else "no"), choice.why
     return "no", f"fp32: bf16 autocast is not chosen automatically on {device.type}"
+
+
+def peak_memory_mib(device: torch.device) -> float:
+    """This process's peak memory so far: the CUDA allocator's peak on a GPU, else the peak resident set (RSS)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux

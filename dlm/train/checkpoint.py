@@ -185,12 +185,18 @@ def export_model(accelerator, dlm, wrapped, path: Path) -> None:
         _export(accelerator, dlm, wrapped, path, DistributedType)
 
 
-def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
-    sharded = accelerator.distributed_type == DistributedType.FSDP or (
+def sharded_weights(accelerator) -> bool:
+    """Whether the run's weights are sharded over its processes (FSDP, DeepSpeed ZeRO-3): no rank holds them whole."""
+    from accelerate.utils import DistributedType
+
+    return accelerator.distributed_type == DistributedType.FSDP or (
         accelerator.distributed_type == DistributedType.DEEPSPEED
         and getattr(getattr(accelerator.state, "deepspeed_plugin", None), "zero_stage", 0) == 3
     )
-    if sharded:
+
+
+def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
+    if sharded_weights(accelerator):
         full = accelerator.get_state_dict(wrapped)  # collective; full weights on the main process
         if accelerator.is_main_process:
             _save_from_state_dict(dlm, full, path)
@@ -199,7 +205,7 @@ def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
         dlm.save_pretrained(path)
 
 
-def _save_from_state_dict(dlm, full: dict, path: Path) -> None:  # pragma: no cover - needs FSDP/ZeRO-3 hardware
+def _save_from_state_dict(dlm, full: dict, path: Path) -> None:
     if hasattr(dlm.model, "merge_and_unload"):
         raise DLMError("exporting LoRA models trained with FSDP/ZeRO-3 is not supported; use DDP or ZeRO-2")
     inner = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")} or full

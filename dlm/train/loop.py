@@ -514,6 +514,8 @@ class Trainer:
                 "time": time.time(),
                 "checkpoint": str(self.resume_from) if self.resume_from else None,
                 "world_size": self.world,
+                "distributed_type": str(self.accelerator.distributed_type.value),
+                "distributed_note": self.engine_note,
                 "mixed_precision": self.mixed_precision,
                 "mixed_precision_why": self.precision_note,
                 "mixed_precision_by_rank": precision_by_rank,
@@ -522,6 +524,33 @@ class Trainer:
         )
 
     # -- setup ---------------------------------------------------------------------------------------------
+    def _engine_on_cpu(self) -> None:
+        """accelerate turns an FSDP or DeepSpeed launch into plain DDP when the processes run on the CPU (its
+        branches for them only cover accelerator devices). torch's FSDP2 shards over gloo, so the launch's FSDP
+        settings are put back and a CPU run trains the way the same launch trains on GPUs; DeepSpeed's CPU backend
+        needs oneCCL, so that run stays DDP and says so."""
+        import os
+
+        from accelerate.state import PartialState
+        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+        acc = self.accelerator
+        self.engine_note = None
+        if acc.distributed_type != DistributedType.MULTI_CPU:
+            return
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
+            self.engine_note = (
+                "DeepSpeed does not run on CPU processes (accelerate takes it only on accelerator devices): this "
+                "run is DDP - use dlm/configs/accelerate/fsdp_cpu.yaml to shard on CPUs"
+            )
+            if acc.is_main_process:
+                print(f"dlm train: warning: {self.engine_note}", file=sys.stderr)
+        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+            acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # the launcher's fsdp_config, from the env
+            acc.state.distributed_type = DistributedType.FSDP
+            # (every later AcceleratorState() copies the process state's type over its own)
+            PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+
     def _setup_accelerator(self) -> None:
         """bf16 autocast is the trainer's own (``torch.autocast`` around the forward, fp32 weights), so one process
         may train several runs with different precisions; fp16 (which needs loss scaling), DeepSpeed and FSDP keep
@@ -553,6 +582,15 @@ class Trainer:
             )
         except ValueError as e:  # accelerate's precision is fixed per process once set
             raise DLMError(f"train.mixed_precision={mp}: {e}; run this training in a new process") from e
+        self._engine_on_cpu()
+        if self.cfg.lora.r > 0 and ckpt_mod.sharded_weights(
+            self.accelerator
+        ):  # before anything is trained: the export could not write it
+            raise DLMError(
+                "--lora-r with FSDP / DeepSpeed ZeRO-3: exporting sharded LoRA weights is not supported; "
+                "launch with DDP or ZeRO-2 (dlm/configs/accelerate/ddp_cpu.yaml, deepspeed_zero2.yaml), or train "
+                "without LoRA"
+            )
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.main = self.accelerator.is_main_process
         if cfg.train.mixed_precision == "auto" and self.world > 1 and not in_accelerate:
@@ -887,6 +925,10 @@ class Trainer:
             device=acc.device,
         )
         checksums = acc.gather(checksum).tolist() if self.world > 1 else [float(checksum)]
+        from dlm.device import peak_memory_mib
+
+        peak = torch.tensor([peak_memory_mib(acc.device)], dtype=torch.float64, device=acc.device)
+        peaks = acc.gather(peak).tolist() if self.world > 1 else [float(peak)]
         self.log.write(
             {
                 "event": "end",
@@ -895,5 +937,6 @@ class Trainer:
                 "time": time.time(),
                 "tokens": self.tokens_total,
                 "param_checksum": checksums,
+                "peak_memory_mib": [round(p, 1) for p in peaks],  # per rank: RSS on a CPU, CUDA peak on a GPU
             }
         )

@@ -50,7 +50,7 @@ def test_forward_equals_the_familys_own(models, family):
     allowed = f.get("attention", torch.ones(n, n, dtype=torch.bool))
     with torch.inference_mode():
         logits = models[family](input_ids=ids[None], attention_mask=allowed[None, None]).logits[0].float()
-    assert (logits - f["logits"]).abs().max() < 2e-5
+    assert (logits - f["logits"]).abs().max() < 5e-5  # float32, other summation orders (LLaDA and Dream: 0)
 
 
 def engine_call(family: str, call: dict) -> tuple[str, dict, SamplingParams]:

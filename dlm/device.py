@@ -179,3 +179,14 @@ def peak_memory_mib(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def memory_mib(device: torch.device) -> float:
+    """This process's memory now: the CUDA allocator's on a GPU, else the resident set (RSS; 0 where /proc is not)."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device) / 2**20
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    except (OSError, StopIteration):
+        return 0.0

@@ -913,7 +913,10 @@ class Trainer:
         return metrics
 
     def _write_final(self, stopped: str) -> None:
+        from dlm.device import memory_mib, peak_memory_mib
+
         cfg, acc = self.cfg, self.accelerator
+        trained = torch.tensor([memory_mib(acc.device)], dtype=torch.float64, device=acc.device)  # before the export
         staging = cfg.output_dir / ".final_model.tmp"
         ckpt_mod.export_model(acc, self.dlm, self.wrapped, staging)
         acc.wait_for_everyone()
@@ -925,10 +928,9 @@ class Trainer:
             device=acc.device,
         )
         checksums = acc.gather(checksum).tolist() if self.world > 1 else [float(checksum)]
-        from dlm.device import peak_memory_mib
-
         peak = torch.tensor([peak_memory_mib(acc.device)], dtype=torch.float64, device=acc.device)
         peaks = acc.gather(peak).tolist() if self.world > 1 else [float(peak)]
+        resident = acc.gather(trained).tolist() if self.world > 1 else [float(trained)]
         self.log.write(
             {
                 "event": "end",
@@ -937,6 +939,8 @@ class Trainer:
                 "time": time.time(),
                 "tokens": self.tokens_total,
                 "param_checksum": checksums,
-                "peak_memory_mib": [round(p, 1) for p in peaks],  # per rank: RSS on a CPU, CUDA peak on a GPU
+                # per rank: RSS on a CPU, the CUDA allocator's on a GPU - the peak, and what training left held
+                "peak_memory_mib": [round(p, 1) for p in peaks],
+                "trained_memory_mib": [round(m, 1) for m in resident],
             }
         )

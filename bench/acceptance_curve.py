@@ -72,7 +72,7 @@ def main() -> None:
 
     from dlm.config import load_config
     from dlm.device import get_device
-    from dlm.eval import run_eval
+    from dlm.eval import EvalSettings, run_eval
     from dlm.model.convert import convert_ar_to_dlm
     from dlm.quickstart import lora_settings, stage_overrides
     from dlm.train.loop import train
@@ -105,7 +105,9 @@ def main() -> None:
         r0 = next((r for r in prev if r["step"] == 0), None)
     else:
         t = time.perf_counter()
-        r0 = run_eval(dlm, ["isd_acceptance"], limit=a.eval_prompts, batch_size=a.eval_batch_size)["isd_acceptance"]
+        r0 = run_eval(dlm, ["isd_acceptance"], EvalSettings(limit=a.eval_prompts, batch_size=a.eval_batch_size))[
+            "isd_acceptance"
+        ]
         print(
             f"step 0: acceptance {r0['acceptance']} TPF {r0['tpf']:.3f} ({time.perf_counter() - t:.1f} s)", flush=True
         )

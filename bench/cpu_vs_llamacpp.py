@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from dlm.decode.options import EngineOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lambada" / "lambada_openai.head300.jsonl"
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
         if args.batch > 1:
             ctx = contexts[0]
             prompts = [prompt_ids(tok, ctx + i, DEFAULT_DATA)[i:] for i in range(args.batch)]
-            eng = Engine(dlm, tok, decoder="ar", max_batch_size=args.batch)
+            eng = Engine(dlm, tok, decoder="ar", options=EngineOptions(max_batch_size=args.batch))
             engine_ms(eng, prompts[:1], 4)
             ms = min(engine_ms(eng, prompts, args.tokens) for _ in range(args.repeats))
             rows.append(

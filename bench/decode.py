@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from dlm.decode.options import EngineOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "lambada" / "lambada_openai.head300.jsonl"
@@ -191,20 +193,29 @@ def main(argv=None) -> int:
         methods += [f"{m} (f32 adapters)" for m in engine_rows if m.startswith("isd")]
     engines = {}
     for b in batch_sizes:
-        engines[b] = {"ar": Engine(dlm, tok, decoder="ar", max_batch_size=b)}
+        engines[b] = {"ar": Engine(dlm, tok, decoder="ar", options=EngineOptions(max_batch_size=b))}
         for n in strides:
             for f in fallbacks:
                 engines[b][f"isd N={n}{names[f]}"] = Engine(
-                    dlm, tok, decoder="isd", max_batch_size=b, stride=n, fallback=f
+                    dlm, tok, decoder="isd", options=EngineOptions(max_batch_size=b), stride=n, fallback=f
                 )
         for x in budgets:  # one engine per batch size: the policy learns over every group, as a server's would
             for n in strides:
                 engines[b][f"isd N={n} {x}"] = Engine(
-                    dlm, tok, decoder=ISDConfig(stride=n, fallback=fallbacks[0], draft_budget=x), max_batch_size=b
+                    dlm,
+                    tok,
+                    decoder=ISDConfig(stride=n, fallback=fallbacks[0], draft_budget=x),
+                    options=EngineOptions(max_batch_size=b),
                 )
         for c in cands:
             engines[b][f"isd N=2 K={c}"] = Engine(
-                dlm, tok, decoder="isd", max_batch_size=b, stride=2, candidates=c, fallback=fallbacks[0]
+                dlm,
+                tok,
+                decoder="isd",
+                options=EngineOptions(max_batch_size=b),
+                stride=2,
+                candidates=c,
+                fallback=fallbacks[0],
             )
     pad = hf.generation_config.pad_token_id
 

@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from decode import DEFAULT_DATA, read_prompts  # noqa: E402  (bench/decode.py)
 
+from dlm.decode.options import EngineOptions  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -104,7 +106,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         for b in sorted({1, args.batch_size}):
-            engine = Engine(dlm, tok, decoder=objective, max_batch_size=b, **kw)
+            engine = Engine(dlm, tok, decoder=objective, options=EngineOptions(max_batch_size=b), **kw)
             t = time.perf_counter()
             res = engine.generate(prompts, params)
             s = time.perf_counter() - t

@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from dlm.decode.options import EngineOptions
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
@@ -139,7 +141,7 @@ def served(folder, decode: str, task: str, include: str, hf_samples: list, batch
     from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
-    engine = load_engine(str(folder), decode=decode, max_batch_size=16)
+    engine = load_engine(str(folder), decode=decode, options=EngineOptions(max_batch_size=16))
     app = create_app(Scheduler(engine), ServeSettings(model_name="dlm", max_tokens_limit=16))
     with ServerThread(app) as srv:
         t0 = time.perf_counter()

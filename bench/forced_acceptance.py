@@ -28,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 from shapes import machine, random_gated_adapters, random_idlm  # noqa: E402
 
+from dlm.decode.options import EngineOptions
+
 
 def where(device) -> str:
     import torch
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
         for static in statics:
 
             def run(decoder):
-                eng = Engine(dlm, decoder=decoder, max_batch_size=B, static_cache=static)
+                eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=B, static_cache=static))
                 try:
                     # warm-up on the whole batch, long enough to meet the chunk sizes the run will: with the static
                     # step on CUDA each (batch, chunk, key span) shape is captured once, outside the timed run

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dlm.decode.options import EngineOptions
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -54,7 +56,7 @@ def main(argv=None) -> int:
                 for _ in range(args.repeats):
                     for growing in (False, True):
                         engine_mod.GROWING_CACHE = growing
-                        eng = Engine(dlm, dlm.tokenizer, decoder=dec, max_batch_size=b, **kw)
+                        eng = Engine(dlm, dlm.tokenizer, decoder=dec, options=EngineOptions(max_batch_size=b), **kw)
                         t = time.perf_counter()
                         out = [r.token_ids for r in eng.generate(prompts, params)]
                         s = time.perf_counter() - t

@@ -31,6 +31,8 @@ import statistics
 import sys
 import time
 
+from dlm.decode.options import EngineOptions
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
@@ -69,7 +71,7 @@ def main() -> None:
 
     def first_step(prompts, eng=None) -> float:
         own = eng is None
-        eng = eng or Engine(model, decoder=args.decode, max_batch_size=len(prompts))
+        eng = eng or Engine(model, decoder=args.decode, options=EngineOptions(max_batch_size=len(prompts)))
         for p in prompts:
             eng.add(p, params)
         t0 = time.perf_counter()
@@ -93,8 +95,10 @@ def main() -> None:
         for length in [int(x) for x in args.prompt_tokens.split(",")]:
             for new in [int(x) for x in args.new_tokens.split(",")]:
                 shared = rand(length)
-                off = Engine(model, decoder=args.decode, max_batch_size=1)
-                on = Engine(model, decoder=args.decode, max_batch_size=1, prefix_cache=4 * (length + new))
+                off = Engine(model, decoder=args.decode, options=EngineOptions(max_batch_size=1))
+                on = Engine(
+                    model, decoder=args.decode, options=EngineOptions(max_batch_size=1, prefix_cache=4 * (length + new))
+                )
                 first_step([shared + rand(new)], on)  # warm-up; the cache now holds the shared tokens
                 first_step([shared + rand(new)], off)
                 t_off, t_on = [], []
@@ -169,7 +173,11 @@ def chat(args, model, rand) -> None:
     users = [[rand(new) for _ in range(args.turns)] for _ in range(args.conversations)]
 
     def run(kind: str) -> tuple[float, int, int, int, list]:
-        eng = Engine(model, decoder=args.decode, max_batch_size=1, prefix_cache=args.cache_tokens if kind else 0)
+        eng = Engine(
+            model,
+            decoder=args.decode,
+            options=EngineOptions(max_batch_size=1, prefix_cache=args.cache_tokens if kind else 0),
+        )
         if kind == "flat":
             eng.prefix = FlatPrefixCache(args.cache_tokens)
         chats = [list(system) for _ in range(args.conversations)]

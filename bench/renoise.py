@@ -32,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from shapes import machine  # noqa: E402  (bench/shapes.py)
 
+from dlm.decode.options import EngineOptions  # noqa: E402
+
 
 def build(args):
     """The random model: :func:`dlm.testing.make_diffusion_gemma` at the benchmark's shape (Gemma's 5:1 sliding to
@@ -99,13 +101,25 @@ def main(argv=None) -> int:
         theirs.append(out.sequences[0, len(p) : len(p) + n].tolist())
     t_hf = time.perf_counter() - t0
 
-    engine = Engine(dlm, None, decoder="renoise", steps=args.steps, confidence_threshold=1e-9, max_batch_size=1)
+    engine = Engine(
+        dlm,
+        None,
+        decoder="renoise",
+        steps=args.steps,
+        confidence_threshold=1e-9,
+        options=EngineOptions(max_batch_size=1),
+    )
     engine.generate([prompts[0]], params)  # warm-up (the CPU kernels' measured choice, allocations)
     t0 = time.perf_counter()
     ours = [engine.generate([p], params)[0] for p in prompts]
     t_one = time.perf_counter() - t0
     batched = Engine(
-        dlm, None, decoder="renoise", steps=args.steps, confidence_threshold=1e-9, max_batch_size=args.batch_size
+        dlm,
+        None,
+        decoder="renoise",
+        steps=args.steps,
+        confidence_threshold=1e-9,
+        options=EngineOptions(max_batch_size=args.batch_size),
     )
     batched.generate(prompts[:1], params)
     t0 = time.perf_counter()

@@ -33,7 +33,7 @@ import statistics
 import sys
 import time
 
-PREFIX_CACHE_DEFAULT = 4096  # = dlm serve's --prefix-cache-tokens default (dlm.commands.serve)
+from dlm.decode.options import SERVER, EngineOptions
 
 PROMPTS = [
     "What is the capital of France?",
@@ -154,8 +154,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--prefix-cache-tokens",
         type=int,
-        default=PREFIX_CACHE_DEFAULT,
-        help=f"the engines' prefix cache (default {PREFIX_CACHE_DEFAULT}, as dlm serve; 0 = off)",
+        default=SERVER.prefix_cache,
+        help=f"the engines' prefix cache (default {SERVER.prefix_cache}, as dlm serve; 0 = off)",
     )
     ap.add_argument(
         "--rounds",
@@ -210,10 +210,16 @@ def main(argv=None) -> int:
             if name == "ar" and "prompt_lookup" in kw:
                 kw.setdefault("lookup_budget", "auto")  # dlm serve's default
             engine = Engine(
-                dlm, dlm.tokenizer, decoder=name, max_batch_size=batch, prefix_cache=args.prefix_cache_tokens, **kw
+                dlm,
+                dlm.tokenizer,
+                decoder=name,
+                options=EngineOptions(
+                    max_batch_size=batch, threads=args.threads, prefix_cache=args.prefix_cache_tokens
+                ),
+                **kw,
             )
             app = create_app(
-                Scheduler(engine, threads=args.threads),
+                Scheduler(engine),
                 ServeSettings(model_name="bench", max_tokens_limit=args.max_tokens),
             )
             srv = stack.enter_context(ServerThread(app))

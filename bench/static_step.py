@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from shapes import random_gated_adapters, random_idlm  # noqa: E402
 
+from dlm.decode.options import EngineOptions
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -101,9 +103,9 @@ def main(argv=None) -> int:
                     eng = Engine(
                         dlm,
                         decoder=name,
-                        max_batch_size=B,
-                        static_cache=mode != "dynamic",
-                        cuda_graphs=mode == "graphs",
+                        options=EngineOptions(
+                            max_batch_size=B, static_cache=mode != "dynamic", cuda_graphs=mode == "graphs"
+                        ),
                         **kw,
                     )
                     times = []

@@ -29,6 +29,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from shapes import machine  # noqa: E402
 
+from dlm.decode.options import EngineOptions
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -88,9 +90,9 @@ def main() -> None:
     args = ap.parse_args()
 
     from dlm.decode import ARConfig, ISDConfig, generate
+    from dlm.decode.options import parse_threads
     from dlm.decode.sampling import SamplingParams
     from dlm.decode.structured import Constraint, StructuredOutput
-    from dlm.decode.threads import parse as parse_threads
     from dlm.model.convert import load_any
     from dlm.model.hub import resolve_model_path
 
@@ -111,9 +113,11 @@ def main() -> None:
     def run(config, params, forced=True):
         Constraint.forced = own_forced if forced else (lambda self, limit=0: [])
         try:
-            generate(model, prompts[:1], config, params, batch_size=1, threads=threads)  # warm-up
+            generate(
+                model, prompts[:1], config, params, options=EngineOptions(max_batch_size=1, threads=threads)
+            )  # warm-up
             t0 = time.perf_counter()
-            res = generate(model, prompts, config, params, batch_size=1, threads=threads)
+            res = generate(model, prompts, config, params, options=EngineOptions(max_batch_size=1, threads=threads))
             return res, time.perf_counter() - t0
         finally:
             Constraint.forced = own_forced

@@ -27,6 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dlm.decode.options import EngineOptions
 from dlm.errors import DLMError
 
 
@@ -145,7 +146,9 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=get_device())  # a GPU, where there is one (fp32: the same greedy answers)
-    engine = Engine(model, tokenizer, decoder="ar", max_batch_size=cfg.distill_batch_size, threads="auto")
+    engine = Engine(
+        model, tokenizer, decoder="ar", options=EngineOptions(max_batch_size=cfg.distill_batch_size, threads="auto")
+    )
     params = SamplingParams(max_new_tokens=cfg.answer_tokens, temperature=0.0)
 
     def generate(batch: list[str]) -> list[str]:
@@ -326,7 +329,11 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
             config = ISDConfig(draft_budget="auto")
         else:
             config = ISDConfig(stride=stride, candidates=cands) if decoder == "isd" else ARConfig()
-        engines.append(Engine(dlm if which == "trained" else base, tokenizer, decoder=config, max_batch_size=1))
+        engines.append(
+            Engine(
+                dlm if which == "trained" else base, tokenizer, decoder=config, options=EngineOptions(max_batch_size=1)
+            )
+        )
         fns.append(engine_run(engines[-1]))
     acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
     bar = None

@@ -194,7 +194,9 @@ def every_isd_path(model, prompts, params, truth: dict, max_batch_size: int = 3)
     id -> AR tokens, prompt included), fallback ``all``, the batched verify, the static cache, oracle candidates,
     untrained masks at stride 4 - and yield ``(name, results)``: tests check each against the AR output they
     promise (greedy logit adjustments, structured outputs)."""
+    from dlm.decode.configs import ISDConfig
     from dlm.decode.engine import Engine
+    from dlm.decode.options import EngineOptions
 
     batched = oracle_isd(truth, 0.7, stride=3)
     batched.batch_verify = True
@@ -205,9 +207,9 @@ def every_isd_path(model, prompts, params, truth: dict, max_batch_size: int = 3)
         ("isd-batched", batched, {}),
         ("isd-static", oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
         ("isd-candidates", oracle_candidates(truth, 0.3, candidates=3, candidate_min_prob=0.0), {}),
-        ("isd-untrained", "isd", {"stride": 4}),
+        ("isd-untrained", ISDConfig(stride=4), {}),
     ]:
-        eng = Engine(model, decoder=dec, max_batch_size=max_batch_size, **kw)
+        eng = Engine(model, decoder=dec, options=EngineOptions(max_batch_size=max_batch_size, **kw))
         ids = [eng.add(p, params, request_id=i) for i, p in enumerate(prompts)]
         while eng.has_unfinished():
             eng.step()

@@ -8,6 +8,7 @@ from torch import nn
 
 from dlm.decode import cpu
 from dlm.decode.cpu import fused, packing
+from dlm.decode.options import EngineOptions, parse_threads
 from dlm.testing import CallCounter
 
 ext = cpu.extension()
@@ -353,7 +354,7 @@ def test_engine_decode_steps_take_the_stack_in_one_call(tiny_model_dir, decoder,
 
     def run(one: bool):
         monkeypatch.setattr(fused, "ONE_CALL", [one])
-        with Engine(model, decoder=config, max_batch_size=2) as engine:
+        with Engine(model, decoder=config, options=EngineOptions(max_batch_size=2)) as engine:
             counting = CallCounter(fused._OPS[0])
             monkeypatch.setattr(fused, "_OPS", [counting])
             out = [r.token_ids for r in engine.generate(prompts, params)]
@@ -919,9 +920,10 @@ def test_thread_policy_uses_the_idle_cores_and_puts_the_callers_count_back(monke
     assert torch.get_num_threads() == saved
     monkeypatch.setattr(threads, "busy_cores", lambda: 5)
     assert threads.auto_threads() == 1  # never below one
-    assert threads.parse("torch") is None and threads.parse("3") == 3
-    with pytest.raises(DLMError, match="--threads"):
-        threads.parse("0")
+    assert parse_threads("torch") is None and parse_threads("3") == 3 and parse_threads(2) == 2
+    for bad in ("0", 0, True, 1.5, "two"):
+        with pytest.raises(DLMError, match="--threads"):
+            parse_threads(bad)
 
 
 def test_busy_cores_counts_other_processes_runnable_tasks_only(monkeypatch):

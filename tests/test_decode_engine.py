@@ -5,6 +5,7 @@ import torch
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine, KVBatch
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.model.masks import decode_mask
@@ -44,7 +45,7 @@ def test_ar_greedy_equals_transformers_generate(arch):
     single = hf_greedy(dlm.model, PROMPTS, k)
     assert Engine(dlm, decoder="ar").generate([PROMPTS[0]], params)[0].token_ids == single[0]  # batch 1
     # a batch with different prompt lengths, fewer slots than prompts (requests join and leave)
-    res = Engine(dlm, decoder="ar", max_batch_size=3).generate(PROMPTS, params)
+    res = Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(PROMPTS, params)
     assert [r.token_ids for r in res] == single
     assert hf_greedy(dlm.model, PROMPTS, k, batched=True) == single
     assert all(r.stats.forwards == k and r.stats.tpf == 1.0 for r in res)
@@ -151,8 +152,11 @@ def test_growing_cache_appends_and_tail_crops_write_in_place():
 def test_holes_and_compaction_do_not_change_outputs():
     dlm = idlm("qwen3")
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    ref = [r.token_ids for r in Engine(dlm, decoder="isd", stride=3, max_batch_size=1).generate(PROMPTS, params)]
-    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=4, compact_threshold=0.0)
+    ref = [
+        r.token_ids
+        for r in Engine(dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=1)).generate(PROMPTS, params)
+    ]
+    eng = Engine(dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=4, compact_threshold=0.0))
     assert [r.token_ids for r in eng.generate(PROMPTS, params)] == ref
 
 
@@ -189,7 +193,9 @@ def test_seeded_sampling_reproducible_and_independent_of_neighbours():
     p = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=7, ignore_eos=True)
     alone = Engine(dlm, decoder="ar").generate([PROMPTS[0]], p)[0].token_ids
     others = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
-    mixed = Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS[1:] + [PROMPTS[0]], others + [p])
+    mixed = Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(
+        PROMPTS[1:] + [PROMPTS[0]], others + [p]
+    )
     assert mixed[-1].token_ids == alone
     other_seed = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=50, top_p=0.9, seed=8, ignore_eos=True)
     assert Engine(dlm, decoder="ar").generate([PROMPTS[0]], other_seed)[0].token_ids != alone
@@ -289,7 +295,7 @@ def test_generate_progress_counts_each_finished_prompt():
     model, bar = make_model("llama"), Bar()
     lengths = [1, 3, 6, 9]
     params = [SamplingParams(max_new_tokens=n, temperature=0.0) for n in lengths]
-    out = generate(model, [[5, 6, 7]] * 4, "ar", params, batch_size=4, progress=bar)
+    out = generate(model, [[5, 6, 7]] * 4, "ar", params, options=EngineOptions(max_batch_size=4), progress=bar)
     assert [len(r.token_ids) for r in out] == lengths
     assert sum(bar.updates) == 4 and len(bar.updates) == 4  # one finished request per update here
 
@@ -328,10 +334,16 @@ def test_ar_batched_greedy_step_equals_row_by_row(monkeypatch):
         return batched(self, engine, rows, logits, lengths)
 
     monkeypatch.setattr(ARDecoder, "consume_batch", counted)
-    got = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    got = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(PROMPTS, params)
+    ]
     assert max(calls) == 4
     monkeypatch.setattr(ARDecoder, "consume_batch", Decoder.consume_batch)
-    want = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    want = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(PROMPTS, params)
+    ]
     assert got == want
     assert all(dlm.mask_token_id not in t for t in got)
 
@@ -350,7 +362,7 @@ def test_identical_prompts_are_prefilled_once(decoder):
         SamplingParams(9, ignore_eos=True),
     ]
     kw = {"stride": 3} if decoder == "isd" else {}
-    eng = Engine(dlm, decoder=decoder, max_batch_size=8, **kw)
+    eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=8), **kw)
     rows_fed = []
     forward = eng._forward
 
@@ -386,7 +398,9 @@ def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
     ]
     kw = {"stride": 3} if decoder == "isd" else {}
     want = [Engine(dlm, decoder=decoder, **kw).generate([p], sp)[0] for p, sp in zip(prompts, params)]
-    eng = Engine(dlm, decoder=decoder, max_batch_size=2, prefix_cache=1000, static_cache=static, **kw)
+    eng = Engine(
+        dlm, decoder=decoder, options=EngineOptions(max_batch_size=2, prefix_cache=1000, static_cache=static), **kw
+    )
     fed = []
     forward = eng._forward
 
@@ -479,7 +493,7 @@ def test_prefix_cache_keeps_a_finished_answer_for_the_next_turn(decoder):
     dlm = idlm("llama")
     kw = {"stride": 3} if decoder == "isd" else {}
     p1 = list(range(40, 60))
-    eng = Engine(dlm, decoder=decoder, max_batch_size=2, prefix_cache=1000, **kw)
+    eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=2, prefix_cache=1000), **kw)
     # beside a longer prompt, p1's row is left-padded with holes in the batch cache
     first = eng.generate([p1, list(range(100, 135))], SamplingParams(12, ignore_eos=True))[0].token_ids
     p2 = p1 + first + [90, 91, 92]
@@ -489,3 +503,46 @@ def test_prefix_cache_keeps_a_finished_answer_for_the_next_turn(decoder):
     assert second.stats.cached_tokens == len(p1) + len(first) - 1
     alone = Engine(dlm, decoder=decoder, **kw).generate([p2], SamplingParams(8, ignore_eos=True))[0]
     assert second.token_ids == alone.token_ids
+
+
+def test_engine_options_are_one_object_checked_once_and_loose_keywords_are_refused_by_name(tmp_path):
+    """The engine's settings travel as one EngineOptions (Engine, generate, load_engine, the server's rebuild): bad
+    values fail when it is built, naming the flag; the old loose keywords are refused with the new spelling."""
+    from dlm.decode import generate
+    from dlm.eval import EvalSettings, run_eval
+    from dlm.serve.loader import load_engine
+
+    for bad, flag in [
+        ({"max_batch_size": 0}, "--batch-size / --max-batch-size"),
+        ({"max_batch_size": 2.0}, "--batch-size"),
+        ({"threads": "many"}, "--threads"),
+        ({"threads": 0}, "--threads"),
+        ({"prefix_cache": -1}, "--prefix-cache-tokens"),
+        ({"static_cache": "yes"}, "static_cache"),
+        ({"compact_threshold": 1.5}, "compact_threshold"),
+    ]:
+        with pytest.raises(DLMError, match=flag):
+            EngineOptions(**bad)
+    assert EngineOptions(threads="AUTO").threads == "auto" and EngineOptions(threads="3").threads == 3
+    assert EngineOptions(threads="torch").threads is None
+    model = idlm()
+    with pytest.raises(DLMError, match=r"options=EngineOptions\(max_batch_size=\.\.\.\), not max_batch_size="):
+        Engine(model, decoder="ar", max_batch_size=2)
+    with pytest.raises(DLMError, match=r"EngineOptions\(max_batch_size=\.\.\., prefix_cache=\.\.\.\)"):
+        generate(model, [[5, 6]], "ar", batch_size=2, prefix_cache=16)
+    with pytest.raises(DLMError, match=r"options=EngineOptions\(threads=\.\.\.\)"):
+        load_engine(str(tmp_path), "ar", threads=1)  # before anything loads
+    with pytest.raises(DLMError, match="takes an EngineOptions"):
+        Engine(model, decoder="ar", options={"max_batch_size": 2})
+    with pytest.raises(DLMError, match=r"EvalSettings\(limit=\.\.\.\)"):
+        run_eval(model, "lambada", limit=2)
+    with pytest.raises(DLMError, match="--limit"):
+        EvalSettings(limit=-1)
+    # the options reach the engine: batch 2 runs two rows at once, and the engine keeps the object it was given
+    opts = EngineOptions(max_batch_size=2, prefix_cache=64)
+    eng = Engine(model, decoder="ar", options=opts)
+    assert eng.options is opts and eng.max_batch_size == 2 and eng.prefix is not None
+    for p in ([5, 6, 7], [8, 9], [10, 11, 12, 13]):
+        eng.add(p, SamplingParams(max_new_tokens=3, ignore_eos=True))
+    eng.step()
+    assert len(eng.rows) == 2 and len(eng.waiting) == 1

@@ -10,6 +10,7 @@ import torch
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.model.convert import DiffusionLM, DLMSpec
@@ -29,11 +30,16 @@ def idlm(arch, seed=1, block_size=3):
 def test_isd_greedy_equals_ar_greedy(arch):
     dlm = idlm(arch)
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(PROMPTS, params)
+    ]
     for stride, fallback in itertools.product((2, 3, 4), ("predict", "all", "off")):
         one = Engine(dlm, decoder="isd", stride=stride, fallback=fallback).generate([PROMPTS[2]], params)[0]
         assert one.token_ids == ar[2], (arch, stride, fallback)
-        batch = Engine(dlm, decoder="isd", stride=stride, fallback=fallback, max_batch_size=3).generate(PROMPTS, params)
+        batch = Engine(
+            dlm, decoder="isd", stride=stride, fallback=fallback, options=EngineOptions(max_batch_size=3)
+        ).generate(PROMPTS, params)
         assert [r.token_ids for r in batch] == ar, (arch, stride, fallback)
         assert all(1.0 <= r.stats.tpf <= stride for r in batch)
 
@@ -190,7 +196,7 @@ def exact_ar_distribution(dlm, prompt, k):
 def empirical(dlm, prompt, k, n, **engine_kw):
     m = dlm.mask_token_id
     params = [SamplingParams(max_new_tokens=k, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    res = Engine(dlm, max_batch_size=n, **engine_kw).generate([prompt] * n, params)
+    res = Engine(dlm, options=EngineOptions(max_batch_size=n), **engine_kw).generate([prompt] * n, params)
     counts = torch.zeros(m**k)
     for r in res:
         counts[sum(t * m ** (k - 1 - j) for j, t in enumerate(r.token_ids))] += 1
@@ -251,22 +257,32 @@ def test_isd_greedy_equals_ar_on_smollm2(smollm2_path):
         for t in ["The capital of France is", "Once upon a time, in a small village", "def fibonacci(n):"]
     ]
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(prompts, params)]
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(prompts, params)
+    ]
     for stride in (2, 3, 4):
         assert Engine(dlm, decoder="isd", stride=stride).generate([prompts[0]], params)[0].token_ids == ar[0]
-        batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
-        assert [r.token_ids for r in batch] == ar
-    for min_prob in (0.0, 0.05):  # every candidate verified / only those the mask gives >= 5% (the default)
-        batch = Engine(dlm, decoder="isd", candidates=3, candidate_min_prob=min_prob, max_batch_size=3).generate(
+        batch = Engine(dlm, decoder="isd", stride=stride, options=EngineOptions(max_batch_size=3)).generate(
             prompts, params
         )
         assert [r.token_ids for r in batch] == ar
+    for min_prob in (0.0, 0.05):  # every candidate verified / only those the mask gives >= 5% (the default)
+        batch = Engine(
+            dlm, decoder="isd", candidates=3, candidate_min_prob=min_prob, options=EngineOptions(max_batch_size=3)
+        ).generate(prompts, params)
+        assert [r.token_ids for r in batch] == ar
     # with penalties (each verify row's history holds the drafts before it): still AR's output, and a different one
     adjusted = SamplingParams(max_new_tokens=24, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.5)
-    ar_adj = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(prompts, adjusted)]
+    ar_adj = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(prompts, adjusted)
+    ]
     assert ar_adj != ar
     for stride in (2, 3):
-        batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, adjusted)
+        batch = Engine(dlm, decoder="isd", stride=stride, options=EngineOptions(max_batch_size=3)).generate(
+            prompts, adjusted
+        )
         assert [r.token_ids for r in batch] == ar_adj
 
 
@@ -342,7 +358,10 @@ def test_accept_calibration_learns_that_unconfident_drafts_are_right():
 def test_isd_candidates_greedy_equals_ar_greedy(arch):
     dlm = idlm(arch)
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(PROMPTS, params)]
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(PROMPTS, params)
+    ]
     # a random tiny model's mask spreads its mass thinly: candidate_min_prob=0 makes every step verify all K
     for k, fallback in itertools.product((2, 3), ("predict", "off")):
         one = Engine(dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0).generate(
@@ -350,7 +369,12 @@ def test_isd_candidates_greedy_equals_ar_greedy(arch):
         )[0]
         assert one.token_ids == ar[2], (arch, k, fallback)
         batch = Engine(
-            dlm, decoder="isd", candidates=k, fallback=fallback, candidate_min_prob=0.0, max_batch_size=3
+            dlm,
+            decoder="isd",
+            candidates=k,
+            fallback=fallback,
+            candidate_min_prob=0.0,
+            options=EngineOptions(max_batch_size=3),
         ).generate(PROMPTS, params)
         assert [r.token_ids for r in batch] == ar, (arch, k, fallback)
         assert all(1.0 <= r.stats.tpf <= 2 for r in batch)
@@ -467,7 +491,7 @@ def test_isd_candidates_settings_and_errors():
             assert r.token_ids == ar
     # top-k 2 leaves q two tokens with mass: at most two candidates are drawn, the chunk shrinks to match
     dec = ISDDecoder(candidates=3)
-    r = Engine(idlm("llama"), decoder=dec, max_batch_size=2).generate(
+    r = Engine(idlm("llama"), decoder=dec, options=EngineOptions(max_batch_size=2)).generate(
         [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True)
     )
     assert [len(x.token_ids) for x in r] == [12, 12] and set(dec._trees.layouts) == {(2, ("cands", 2, True))}
@@ -526,7 +550,7 @@ def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = Engine(small, decoder="ar").generate([[1, 2, 3], [3, 1]], params)
     dec = ISDDecoder(candidates=3, candidate_min_prob=0.25)
-    got = Engine(small, decoder=dec, max_batch_size=2).generate([[1, 2, 3], [3, 1]], params)
+    got = Engine(small, decoder=dec, options=EngineOptions(max_batch_size=2)).generate([[1, 2, 3], [3, 1]], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     assert len({key[1][1] for key in dec._trees.layouts}) >= 2, dec._trees.layouts  # chunks of more than one size ran
 
@@ -547,13 +571,13 @@ def test_prefix_cache_changes_no_token_on_smollm2(smollm2_path):
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     first = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?"]
     for decoder in ("ar", "isd"):
-        eng = Engine(dlm, decoder=decoder, max_batch_size=3, prefix_cache=4096)
+        eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=3, prefix_cache=4096))
         ids = [tok(chat(q), add_special_tokens=False)["input_ids"] for q in first]
         got = eng.generate(ids, params)
         answer = tok.decode(got[0].token_ids, skip_special_tokens=True)
         follow = tok(chat(first[0], answer, "And of Italy?"), add_special_tokens=False)["input_ids"]
         again = eng.generate([follow], params)[0]
         assert eng.prefix.hits >= 3 and again.stats.cached_tokens > len(ids[0])
-        plain = Engine(dlm, decoder=decoder, max_batch_size=3)
+        plain = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=3))
         assert [r.token_ids for r in got] == [r.token_ids for r in plain.generate(ids, params)]
         assert again.token_ids == plain.generate([follow], params)[0].token_ids

@@ -9,6 +9,7 @@ import torch
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder, batch
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.model.convert import DiffusionLM, DLMSpec
 from dlm.testing import HostReads, make_model, make_tokenizer, oracle_isd
@@ -51,7 +52,7 @@ class Calls:
 
 
 def run(dlm, dec, prompts, params, batch_size):
-    eng = Engine(dlm, decoder=dec, max_batch_size=batch_size)
+    eng = Engine(dlm, decoder=dec, options=EngineOptions(max_batch_size=batch_size))
     ids = [eng.add(p, sp, request_id=i) for i, (p, sp) in enumerate(zip(prompts, params))]
     gens = {}
     while eng.has_unfinished():
@@ -93,7 +94,7 @@ def both(dlm, make, prompts, params, batch_size, monkeypatch):
 def test_batched_greedy_equals_per_row_with_oracle_drafts(stride, monkeypatch):
     dlm = idlm()
     params = [SamplingParams(max_new_tokens=k, ignore_eos=True) for k in (17, 9, 21, 13, 15)]
-    ar = Engine(dlm, decoder="ar", max_batch_size=5).generate(PROMPTS, params)
+    ar = Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=5)).generate(PROMPTS, params)
     truth = {i: p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, ar))}
     for fallback in ("predict", "all", "off"):
         got = both(dlm, lambda: OracleDrafts(truth, stride=stride, fallback=fallback), PROMPTS, params, 3, monkeypatch)
@@ -162,7 +163,7 @@ def test_a_batched_step_moves_one_small_tensor_to_the_host(temperature, monkeypa
     for fused in (True, False):
         dec = ISDDecoder(stride=n)
         dec.batch_verify = fused
-        Engine(dlm, decoder=wrap(dec), max_batch_size=4).generate(prompts, params)
+        Engine(dlm, decoder=wrap(dec), options=EngineOptions(max_batch_size=4)).generate(prompts, params)
     for rows, conversions in seen[True]:
         assert conversions == [("tolist", (rows, 2 + 2 * (n - 1)))], conversions
     assert sum(len(c) for _, c in seen[False]) > 2 * len(seen[False])
@@ -186,7 +187,7 @@ def test_accept_rows_greedy_and_sampled_against_the_per_row_rules():
     drafts = torch.where(torch.arange(n - 1)[None] < cut[:, None], best[:, : n - 1], (best[:, : n - 1] + 1) % m)
     nd = torch.full((g,), n - 1)
     windows = torch.tensor([[-1] * (n - 1) + [n]] * g)  # only the all-accepted outcome's masks (fallback 'off')
-    out, _ = batch.accept_rows(logits, greedy, m, n, nd, drafts, windows, None, None, None, conf=True)
+    out, _ = batch.accept_rows(logits, greedy, m, batch.VerifyGroup(n, nd, drafts, windows), conf=True)
     for j in range(g):
         a, c = verify_greedy(drafts[j].tolist(), best[j].tolist())
         assert out[j, 0] == a and out[j, 1] == (c if c is not None else best[j, n - 1])
@@ -201,7 +202,7 @@ def test_accept_rows_greedy_and_sampled_against_the_per_row_rules():
     ref_gens = [torch.Generator().manual_seed(s) for s in range(g)]
     drafts = torch.stack([sample(q[j], torch.Generator().manual_seed(100 + j)) for j in range(g)])
     rand, _ = batch.draws(gens, [True] * g, [False] * g, [False] * g, n, v, sample_drafts=True)
-    out, _ = batch.accept_rows(logits, params, m, n, nd, drafts, None, q, torch.arange(g), rand)
+    out, _ = batch.accept_rows(logits, params, m, batch.VerifyGroup(n, nd, drafts, None, q, torch.arange(g), rand))
     p = probs_from_logits(logits[:, :n], params, m)
     outcomes = set()
     for j in range(g):

@@ -7,6 +7,7 @@ import torch
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams, token_logprobs
 from dlm.errors import DLMError
 from dlm.testing import make_model, make_tokenizer, oracle_candidates, oracle_isd
@@ -40,7 +41,7 @@ def assert_same(got, want):
 def decoders(model, params):
     """name -> a decoder (or name) and its settings; the oracles draft the AR output at a set acceptance."""
     truth = {}
-    eng = Engine(model, decoder="ar", max_batch_size=4)
+    eng = Engine(model, decoder="ar", options=EngineOptions(max_batch_size=4))
     ids = [eng.add(p, SamplingParams(max_new_tokens=params.max_new_tokens + 4, ignore_eos=True)) for p in PROMPTS]
     while eng.has_unfinished():
         eng.step()
@@ -68,7 +69,9 @@ def test_logprobs_are_the_models_distribution_at_each_returned_token(name, tempe
     ks = [3, 0, None, 5]  # per request: 3 alternatives, the token's own only, none, 5
     base = SamplingParams(max_new_tokens=13, ignore_eos=True, temperature=temperature)
     dec, kw = decoders(model, base)[name]
-    eng = Engine(model, decoder=dec, max_batch_size=3, **kw)  # 4 requests, 3 rows: one joins a running batch
+    eng = Engine(
+        model, decoder=dec, options=EngineOptions(max_batch_size=3, **kw)
+    )  # 4 requests, 3 rows: one joins a running batch
     streamed: dict = {}
     ids = []
     for p, k in zip(PROMPTS, ks):
@@ -108,7 +111,7 @@ def test_prompt_logprobs_are_teacher_forcing_over_the_prompt(decoder):
     model = idlm()
     prompts = [PROMPTS[0], [30, 31, 32, 33, 34], [40]]  # two of one length share a prefill forward
     ks = [2, None, 0]
-    eng = Engine(model, decoder=decoder, max_batch_size=4)
+    eng = Engine(model, decoder=decoder, options=EngineOptions(max_batch_size=4))
     ids = [eng.add(p, SamplingParams(6, ignore_eos=True, prompt_logprobs=k, logprobs=1)) for p, k in zip(prompts, ks)]
     while eng.has_unfinished():
         eng.step()

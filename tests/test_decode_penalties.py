@@ -10,6 +10,7 @@ import torch
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams, token_logprobs
 from dlm.errors import DLMError
 from dlm.model.convert import DiffusionLM, DLMSpec
@@ -62,9 +63,11 @@ def test_ar_and_every_isd_path_equal_the_reference_with_penalties():
     params = SamplingParams(14, ignore_eos=True, logit_bias=((40, 3.0), (41, -100.0)), **STRONG)
     plain = SamplingParams(14, ignore_eos=True)
     ref = [reference_greedy(model, p, params) for p in PROMPTS]
-    unadjusted = [r.token_ids for r in Engine(model, max_batch_size=4).generate(PROMPTS, plain)]
+    unadjusted = [r.token_ids for r in Engine(model, options=EngineOptions(max_batch_size=4)).generate(PROMPTS, plain)]
     assert ref != unadjusted  # the adjustment changes the output, so a decoder that ignored it would fail
-    assert [r.token_ids for r in Engine(model, max_batch_size=3).generate(PROMPTS, params)] == ref
+    assert [
+        r.token_ids for r in Engine(model, options=EngineOptions(max_batch_size=3)).generate(PROMPTS, params)
+    ] == ref
     truth = {i: p + r for i, (p, r) in enumerate(zip(PROMPTS, ref))}
     for name, res in every_isd_path(model, PROMPTS, params, truth):
         assert [r.token_ids for r in res] == ref, name
@@ -79,14 +82,16 @@ def test_min_tokens_holds_the_stop_tokens_back_on_every_path():
     params = SamplingParams(14, stop_token_ids=stops, min_tokens=6)
     ref = [reference_greedy(model, p, params) for p in PROMPTS]
     assert all(len(r) >= 6 for r in ref) and any(len(r) < 14 for r in ref)  # held back, then a stop
-    assert [r.token_ids for r in Engine(model, max_batch_size=3).generate(PROMPTS, params)] == ref
+    assert [
+        r.token_ids for r in Engine(model, options=EngineOptions(max_batch_size=3)).generate(PROMPTS, params)
+    ] == ref
     truth = {i: p + r.token_ids for i, (p, r) in enumerate(zip(PROMPTS, free))}
     for name, dec, kw in [
         ("isd-n3", oracle_isd(truth, 0.7, stride=3), {}),
         ("isd-candidates", oracle_candidates(truth, 0.3, candidates=2), {}),
         ("isd-untrained", "isd", {"stride": 4}),
     ]:
-        eng = Engine(model, decoder=dec, max_batch_size=3, **kw)
+        eng = Engine(model, decoder=dec, options=EngineOptions(max_batch_size=3), **kw)
         ids = [eng.add(p, params, request_id=i) for i, p in enumerate(PROMPTS)]
         while eng.has_unfinished():
             eng.step()
@@ -143,7 +148,7 @@ def test_sampled_isd_has_the_adjusted_ar_distribution():
         ("isd2", dict(decoder="isd", stride=2)),
         ("isd3", dict(decoder="isd", stride=3)),
     ]:
-        res = Engine(dlm, max_batch_size=n, **kw).generate(
+        res = Engine(dlm, options=EngineOptions(max_batch_size=n), **kw).generate(
             [prompt] * n, [SamplingParams(k, seed=s, **params) for s in range(n)]
         )
         counts = torch.zeros(K)

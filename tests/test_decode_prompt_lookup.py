@@ -12,6 +12,7 @@ from test_decode_penalties import STRONG, exact_distribution, tiny_idlm
 from dlm.decode.ar import NgramIndex
 from dlm.decode.configs import make_config
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.testing import make_model, make_tokenizer
@@ -58,7 +59,9 @@ def test_greedy_output_is_ar_token_for_token(static):
         SamplingParams(7, ignore_eos=True),  # the length limit inside a chunk's drafts
     ]
     want = Engine(model, TOK, decoder="ar").generate(ps, params)
-    eng = Engine(model, TOK, decoder="ar", prompt_lookup=5, max_batch_size=3, static_cache=static)
+    eng = Engine(
+        model, TOK, decoder="ar", prompt_lookup=5, options=EngineOptions(max_batch_size=3, static_cache=static)
+    )
     got = eng.generate(ps, params)
     for w, g in zip(want, got):
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason and g.text == w.text
@@ -68,7 +71,7 @@ def test_greedy_output_is_ar_token_for_token(static):
     assert sum(r.stats.new_tokens for r in got) > 1.2 * sum(r.stats.forwards for r in got)
     assert sum(r.stats.accepted[0] for r in got if r.stats.accepted) > 0
     # the prefix cache: a prompt that starts like a stored one, with the lookup over the whole prompt
-    cached = Engine(model, TOK, decoder="ar", prompt_lookup=5, prefix_cache=4096)
+    cached = Engine(model, TOK, decoder="ar", prompt_lookup=5, options=EngineOptions(prefix_cache=4096))
     cached.generate(ps[:1], params[0])
     again = cached.generate([ps[0] + ps[1]], params[0])[0]
     assert again.token_ids == Engine(model, TOK, decoder="ar").generate([ps[0] + ps[1]], params[0])[0].token_ids
@@ -82,9 +85,13 @@ def test_the_drafting_policy_decides_when_a_step_drafts():
     ps = prompts()
     params = SamplingParams(40, ignore_eos=True)
     want = [r.token_ids for r in Engine(model, TOK, decoder="ar").generate(ps, params)]
-    never = Engine(model, TOK, decoder="ar", prompt_lookup=4, lookup_budget=1, max_batch_size=4).generate(ps, params)
+    never = Engine(
+        model, TOK, decoder="ar", prompt_lookup=4, lookup_budget=1, options=EngineOptions(max_batch_size=4)
+    ).generate(ps, params)
     assert [r.token_ids for r in never] == want and all(r.stats.tpf <= 1.0 for r in never)
-    eng = Engine(model, TOK, decoder="ar", prompt_lookup=4, lookup_budget="auto", max_batch_size=4)
+    eng = Engine(
+        model, TOK, decoder="ar", prompt_lookup=4, lookup_budget="auto", options=EngineOptions(max_batch_size=4)
+    )
     assert [r.token_ids for r in eng.generate(ps, params)] == want
     assert any(b.window[True].steps and b.window[False].steps for b in eng.decoder.policy.buckets.values())
     with pytest.raises(DLMError, match="--prompt-lookup-budget must be"):
@@ -100,7 +107,9 @@ def test_a_structured_output_with_prompt_lookup():
     params = SamplingParams(60, structured=spec)
     ps = prompts()
     want = Engine(model, TOK, decoder="ar").generate(ps, params)
-    got = Engine(model, TOK, decoder="ar", prompt_lookup=4, max_batch_size=2).generate(ps, params)
+    got = Engine(model, TOK, decoder="ar", prompt_lookup=4, options=EngineOptions(max_batch_size=2)).generate(
+        ps, params
+    )
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
 
 
@@ -114,7 +123,7 @@ def test_sampled_output_has_the_ar_distribution():
     eps = math.sqrt((m**k * math.log(2) + math.log(1e4)) / (2 * n))  # delta 1e-4
     for extra in ({}, dict(logit_bias=((2, 1.5),), **STRONG)):
         exact = exact_distribution(dlm, prompt, k, SamplingParams(k, temperature=1.0, **extra))
-        eng = Engine(dlm, decoder="ar", prompt_lookup=3, prompt_lookup_min=1, max_batch_size=n)
+        eng = Engine(dlm, decoder="ar", prompt_lookup=3, prompt_lookup_min=1, options=EngineOptions(max_batch_size=n))
         res = eng.generate(
             [prompt] * n, [SamplingParams(k, temperature=1.0, seed=s, ignore_eos=True, **extra) for s in range(n)]
         )

@@ -10,6 +10,7 @@ from dlm.decode import generate
 from dlm.decode.block import block_mask
 from dlm.decode.configs import BlockConfig
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.errors import DLMError
 from dlm.testing import make_model, make_tokenizer
@@ -75,7 +76,9 @@ def test_batched_engine_equals_the_one_request_reference(objective, kw, conv):
             SamplingParams(max_new_tokens=5 + i, temperature=temperature, top_k=20, seed=100 + i, ignore_eos=True)
             for i in range(len(MIXED))
         ]
-        results = Engine(dlm, decoder=decoder_config(objective, kw), max_batch_size=3).generate(MIXED, params)
+        results = Engine(dlm, decoder=decoder_config(objective, kw), options=EngineOptions(max_batch_size=3)).generate(
+            MIXED, params
+        )
         for prompt, p, r in zip(MIXED, params, results):
             ids, forwards = reference(dlm, objective, prompt, p, kw)
             assert r.token_ids == ids, (prompt, temperature)

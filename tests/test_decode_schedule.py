@@ -7,6 +7,7 @@ import pytest
 
 from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, TokenBudget, make_policy
 from dlm.errors import DLMError
@@ -153,9 +154,12 @@ class Alternate(AlwaysDraft):
 def test_any_policy_keeps_greedy_isd_equal_to_ar(budget):
     dlm = idlm()
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(PROMPTS, params)]
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(PROMPTS, params)
+    ]
     policy = Alternate() if budget == "alternate" else budget
-    eng = Engine(dlm, decoder="isd", stride=3, draft_budget=policy, max_batch_size=3)
+    eng = Engine(dlm, decoder="isd", stride=3, draft_budget=policy, options=EngineOptions(max_batch_size=3))
     out = eng.generate(PROMPTS, params)
     assert [r.token_ids for r in out] == ar
     if budget == "alternate":
@@ -171,7 +175,7 @@ def test_token_budget_drafts_alone_and_steps_ar_when_busy():
     steps."""
     dlm = idlm()
     sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    eng = Engine(dlm, decoder="isd", stride=3, draft_budget=5, max_batch_size=8)
+    eng = Engine(dlm, decoder="isd", stride=3, draft_budget=5, options=EngineOptions(max_batch_size=8))
     assert eng.decoder.verify_len == 5  # 'predict' carries one branch of masks: the plain verify chunk's length
     lone = eng.generate([PROMPTS[0]], sp)[0]
     assert sum(lone.stats.proposed) > 0

@@ -11,6 +11,7 @@ from dlm import convert_ar_to_dlm
 from dlm.decode import static
 from dlm.decode.engine import Engine, KVBatch
 from dlm.decode.isd import ISDDecoder
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 from dlm.testing import make_model, make_tokenizer
 
@@ -42,8 +43,8 @@ def params(k=12, temperature=0.0):
 
 def both(dlm, decoder, p, batch=3, **kw):
     """(dynamic tokens, static tokens, static engine)."""
-    dyn = Engine(dlm, decoder=decoder, max_batch_size=batch, **kw).generate(PROMPTS, p)
-    eng = Engine(dlm, decoder=decoder, max_batch_size=batch, static_cache=True, **kw)
+    dyn = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=batch), **kw).generate(PROMPTS, p)
+    eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=batch, static_cache=True), **kw)
     st = eng.generate(PROMPTS, p)
     assert [r.stats.forwards for r in st] == [r.stats.forwards for r in dyn]
     return [r.token_ids for r in dyn], [r.token_ids for r in st], eng
@@ -118,7 +119,7 @@ def test_holes_growth_compaction_and_the_captured_span_do_not_change_outputs(mon
     truth = Engine(dlm, decoder="ar").generate([PROMPTS[0]], SamplingParams(40, ignore_eos=True))[0].token_ids
 
     def run(**kw):
-        eng = Engine(dlm, decoder=OracleCandidates(truth, candidates=3), max_batch_size=3, **kw)
+        eng = Engine(dlm, decoder=OracleCandidates(truth, candidates=3), options=EngineOptions(max_batch_size=3, **kw))
         return [r.token_ids for r in eng.generate(PROMPTS, p)], eng
 
     ref, _ = run()
@@ -146,7 +147,9 @@ def test_holes_growth_compaction_and_the_captured_span_do_not_change_outputs(mon
     assert any(holes) and eng.kv.generation > 2 and calls and all(calls)  # holes, growth, compaction
     monkeypatch.setattr(static, "INITIAL_CAPACITY", 256)
     monkeypatch.setattr(static, "SPAN_GRANULE", 64)
-    eng = Engine(dlm, decoder=OracleCandidates(truth, candidates=3), max_batch_size=3, static_cache=True)
+    eng = Engine(
+        dlm, decoder=OracleCandidates(truth, candidates=3), options=EngineOptions(max_batch_size=3, static_cache=True)
+    )
     eng.kv.graphs = True  # the span rule of the captured form, run uncaptured
     assert [r.token_ids for r in eng.generate(PROMPTS, p)] == ref
 
@@ -202,7 +205,7 @@ def test_room_is_planned_per_request_and_rows_preallocated():
     kv.plan(2000)
     assert kv.capacity >= 2000 and kv.generation == 2 and kv.bufs[0][0][0, 0, :3, 0].tolist() == [0, 1, 2]
     dlm = dlm_of("idlm", "llama", block_size=3)
-    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=3, static_cache=True)
+    eng = Engine(dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=3, static_cache=True))
     eng.generate(PROMPTS[2:3], SamplingParams(max_new_tokens=300, ignore_eos=True))
     assert eng.kv.generation == 1 and eng.kv.capacity >= 300 + len(PROMPTS[2])
 
@@ -220,10 +223,13 @@ def test_buckets_and_graph_eligibility():
     handle = dlm.base_model_hf.model.layers[0].register_forward_hook(lambda m, a, o: None)
     assert "forward hooks" in static.graphs_unsupported(dlm)
     handle.remove()
-    eng = Engine(dlm, decoder="ar", static_cache=True)  # CPU: never captured
+    eng = Engine(dlm, decoder="ar", options=EngineOptions(static_cache=True))  # CPU: never captured
     assert eng._static is not None and not eng._static.graphs and eng._static.runner is None
     assert Engine(dlm, decoder="ar")._static is None  # a CPU's default: the growing cache
-    assert not Engine(dlm, decoder="ar", static_cache=False)._static and Engine(dlm, static_cache=True)._static
+    assert (
+        not Engine(dlm, decoder="ar", options=EngineOptions(static_cache=False))._static
+        and Engine(dlm, options=EngineOptions(static_cache=True))._static
+    )
     # CUDA's default: the static step (captured); the one rule for both, read without a GPU
     assert static.static_default("cuda") and static.static_default(torch.device("cuda", 1))
     assert not static.static_default("cpu") and not static.static_default("mps")
@@ -235,8 +241,12 @@ def test_cuda_graphs_equal_the_uncaptured_static_step():
     dlm = dlm_of("idlm", "llama", block_size=3).to("cuda")
     p = params()
     for decoder, kw in (("ar", {}), ("isd", dict(stride=3))):
-        eager = Engine(dlm, decoder=decoder, max_batch_size=3, static_cache=True, cuda_graphs=False, **kw)
-        graphed = Engine(dlm, decoder=decoder, max_batch_size=3, static_cache=True, cuda_graphs=True, **kw)
+        eager = Engine(
+            dlm, decoder=decoder, options=EngineOptions(max_batch_size=3, static_cache=True, cuda_graphs=False), **kw
+        )
+        graphed = Engine(
+            dlm, decoder=decoder, options=EngineOptions(max_batch_size=3, static_cache=True, cuda_graphs=True), **kw
+        )
         a = [r.token_ids for r in eager.generate(PROMPTS, p)]
         assert [r.token_ids for r in graphed.generate(PROMPTS, p)] == a
         assert graphed._static.runner.replays > 0 and graphed._static.runner.failed is None
@@ -251,12 +261,16 @@ def test_cuda_graphs_capture_gated_adapters_and_stay_lossless():
 
     dlm = dlm_of("idlm", "llama", block_size=3).to("cuda")
     p = params()
-    want = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=3).generate(PROMPTS, p)]
+    want = [
+        r.token_ids for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(PROMPTS, p)
+    ]
     prepare_model_for_lora(dlm, LoraSettings(r=4, alpha=8, gated=True, target_modules="all-linear"))
     with torch.no_grad():
         for a in dlm.gated_lora.adapters.values():
             a.B.normal_(0, 0.3)
-    graphed = Engine(dlm, decoder="isd", stride=3, max_batch_size=3, static_cache=True, cuda_graphs=True)
+    graphed = Engine(
+        dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=3, static_cache=True, cuda_graphs=True)
+    )
     assert [r.token_ids for r in graphed.generate(PROMPTS, p)] == want
     assert graphed._static.runner.replays > 0 and graphed._static.runner.failed is None
     assert not dlm.gated_lora.sync_free  # only inside the captured forwards
@@ -272,10 +286,10 @@ def test_cuda_default_is_the_captured_static_step_with_the_growing_caches_tokens
     p = params()
     for objective, decoder, kw in (("idlm", "ar", {}), ("idlm", "isd", dict(stride=3)), ("mdm", "mdm", {})):
         dlm = dlm_of(objective, "llama", **({"block_size": 3} if objective == "idlm" else {})).to("cuda")
-        default = Engine(dlm, decoder=decoder, max_batch_size=3, **kw)
+        default = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=3), **kw)
         assert default._static is not None and default._static.graphs, decoder
-        growing = Engine(dlm, decoder=decoder, max_batch_size=3, static_cache=False, **kw)
+        growing = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=3, static_cache=False), **kw)
         want = [r.token_ids for r in growing.generate(PROMPTS, p)]
         assert [r.token_ids for r in default.generate(PROMPTS, p)] == want, decoder
         assert default._static.runner.replays > 0 and default._static.runner.failed is None
-    assert [r.token_ids for r in generate(dlm, PROMPTS, "mdm", p, batch_size=3)] == want
+    assert [r.token_ids for r in generate(dlm, PROMPTS, "mdm", p, options=EngineOptions(max_batch_size=3))] == want

@@ -15,6 +15,7 @@ from llguidance import LLMatcher  # noqa: E402
 
 from dlm import convert_ar_to_dlm  # noqa: E402
 from dlm.decode.engine import Engine  # noqa: E402
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams, token_logprobs  # noqa: E402
 from dlm.decode.structured import Constraint, GrammarBook, StructuredOutput  # noqa: E402
 from dlm.errors import DLMError  # noqa: E402
@@ -79,20 +80,24 @@ def test_ar_and_every_isd_path_equal_the_constrained_reference(kind):
     ps = prompts()
     params = SamplingParams(24, structured=spec)
     ref = [reference_greedy(model, p, spec, 24, stop) for p in ps]
-    free = [r.token_ids for r in Engine(model, max_batch_size=3).generate(ps, SamplingParams(24))]
+    free = [
+        r.token_ids for r in Engine(model, options=EngineOptions(max_batch_size=3)).generate(ps, SamplingParams(24))
+    ]
     assert ref != free  # the grammar changes the output, so a decoder that ignored it would fail
-    ar = Engine(model, max_batch_size=2).generate(ps, params)
+    ar = Engine(model, options=EngineOptions(max_batch_size=2)).generate(ps, params)
     assert [r.token_ids for r in ar] == ref
     if kind == "json":  # the schema's forced keys and punctuation verified in one forward (jump-forward)
         assert sum(len(r.token_ids) for r in ar) > 1.2 * sum(r.stats.forwards for r in ar)
-    static = Engine(model, max_batch_size=2, static_cache=True).generate(ps, params)
+    static = Engine(model, options=EngineOptions(max_batch_size=2, static_cache=True)).generate(ps, params)
     assert [r.token_ids for r in static] == ref
     long = [p + [5, 6, 7] * 6 for p in ps]  # over the prefix cache's 16-token minimum
     for decoder in ("ar", "isd"):  # a forced start fed after a prompt whose KV comes from the prefix cache
-        eng = Engine(model, decoder=decoder, max_batch_size=1, prefix_cache=4096)
+        eng = Engine(model, decoder=decoder, options=EngineOptions(max_batch_size=1, prefix_cache=4096))
         eng.generate(long, params)
         again = eng.generate([p + [8, 9] for p in long], params)  # the stored prompts' KV reused
-        alone = Engine(model, decoder=decoder, max_batch_size=1).generate([p + [8, 9] for p in long], params)
+        alone = Engine(model, decoder=decoder, options=EngineOptions(max_batch_size=1)).generate(
+            [p + [8, 9] for p in long], params
+        )
         assert [r.token_ids for r in again] == [r.token_ids for r in alone], decoder
         assert eng.prefix.hits >= 3 and all(r.stats.cached_tokens > 0 for r in again), decoder
     truth = {i: p + r for i, (p, r) in enumerate(zip(ps, ref))}
@@ -106,7 +111,7 @@ def test_outputs_match_their_grammar_and_end_with_it():
     model = idlm()
     ps = prompts()
     for decoder, kw in [("ar", {}), ("isd", {"stride": 3})]:
-        eng = Engine(model, decoder=decoder, max_batch_size=3, **kw)
+        eng = Engine(model, decoder=decoder, options=EngineOptions(max_batch_size=3), **kw)
         for temperature in (0.0, 1.0):
             choice = eng.generate(ps, SamplingParams(16, temperature=temperature, seed=0, structured=SPECS["choice"]))
             for r in choice:
@@ -194,7 +199,7 @@ def test_sampled_isd_has_the_constrained_ar_distribution():
         ("isd3", dict(decoder="isd", stride=3)),
         ("isd3-cold", dict(decoder="isd", stride=3, fallback="off")),  # cold starts after every rejection
     ]:
-        res = Engine(model, max_batch_size=n, **kw).generate(
+        res = Engine(model, options=EngineOptions(max_batch_size=n), **kw).generate(
             [prompt] * n, [SamplingParams(8, temperature=1.0, seed=s, structured=spec) for s in range(n)]
         )
         counts = torch.zeros(len(keys))
@@ -291,16 +296,18 @@ def test_structured_outputs_on_smollm2(smollm2_path, monkeypatch):
     ]
     for compact in (True, False):
         params = SamplingParams(64, structured=StructuredOutput(json=schema, disable_any_whitespace=compact))
-        ar = Engine(dlm, decoder="ar", max_batch_size=3).generate(prompts, params)
+        ar = Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(prompts, params)
         for r in ar:
             assert r.finish_reason == "stop" and list(json.loads(r.text)) == ["city", "population"], r.text
         for kw in [dict(stride=2), dict(stride=3), dict(stride=3, fallback="off"), dict(candidates=3)]:
-            res = Engine(dlm, decoder="isd", max_batch_size=3, **kw).generate(prompts, params)
+            res = Engine(dlm, decoder="isd", options=EngineOptions(max_batch_size=3), **kw).generate(prompts, params)
             assert [r.token_ids for r in res] == [r.token_ids for r in ar], kw
             if compact and "candidates" not in kw:  # against the masks' own drafts alone
                 with monkeypatch.context() as m:
                     m.setattr(Constraint, "forced", lambda self, limit=0: [])
-                    own = Engine(dlm, decoder="isd", max_batch_size=3, **kw).generate(prompts, params)
+                    own = Engine(dlm, decoder="isd", options=EngineOptions(max_batch_size=3), **kw).generate(
+                        prompts, params
+                    )
                 assert [r.token_ids for r in own] == [r.token_ids for r in ar], kw
                 tpf = [sum(len(r.token_ids) for r in x) / sum(r.stats.forwards for r in x) for x in (res, own)]
                 assert tpf[0] > tpf[1], (kw, tpf)
@@ -393,7 +400,7 @@ def test_a_grammar_after_the_reasoning_block_on_every_path(mode):
     assert mode == "open" or all(r[0] == OPEN for r in ref)
     logit_bias = tuple((t, float(bias[t])) for t in (OPEN, CLOSE) if bias[t])
     params = SamplingParams(64, structured=spec, logit_bias=logit_bias, frequency_penalty=fp)
-    ar = Engine(model, tokenizer=tok, max_batch_size=2).generate(ps, params)
+    ar = Engine(model, tokenizer=tok, options=EngineOptions(max_batch_size=2)).generate(ps, params)
     assert [r.token_ids for r in ar] == ref
     for r in ar:
         after = tok.decode(r.token_ids[r.token_ids.index(CLOSE) + 1 :])

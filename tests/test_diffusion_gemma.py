@@ -19,6 +19,8 @@ from dlm.testing import make_diffusion_gemma, make_model, make_tokenizer, save_t
 pytest.importorskip("transformers.models.diffusion_gemma")
 from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig  # noqa: E402
 
+from dlm.decode.options import EngineOptions
+
 EOS, PAD = 0, 3
 CONFIGS = {
     # a window shorter than the prompts (the sliding layers' cut), 2 of 4 experts per token
@@ -119,7 +121,7 @@ def test_generate_equals_transformers_token_for_token(pair, setting):
 
 def test_batched_rows_equal_one_request_at_a_time(pair):
     _, dlm = pair
-    engine = Engine(dlm, None, decoder="renoise", steps=4, max_batch_size=3)
+    engine = Engine(dlm, None, decoder="renoise", steps=4, options=EngineOptions(max_batch_size=3))
     prompts = [[5, 6, 7], list(range(10, 23)), [40, 41, 42, 43, 44, 45]]
     params = SamplingParams(max_new_tokens=13, seed=11)
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
@@ -176,7 +178,7 @@ def test_refusals_name_the_setting(pair):
     with pytest.raises(DLMError, match="logit_bias"):
         engine.add([5, 6], SamplingParams(max_new_tokens=4, logit_bias={5: 1.0}))
     with pytest.raises(DLMError, match="static"):
-        Engine(dlm, None, decoder="renoise", static_cache=True)
+        Engine(dlm, None, decoder="renoise", options=EngineOptions(static_cache=True))
     with pytest.raises(DLMError, match="--t-max"):
         Engine(dlm, None, decoder="renoise", t_min=0.9, t_max=0.5)
     with pytest.raises(DLMError, match="renois"):
@@ -209,12 +211,12 @@ def test_served_chat_and_completions_stream_by_committed_canvas(tmp_path):
     from dlm.serve.scheduler import Scheduler
 
     folder = save_tiny_diffusion_gemma(tmp_path / "dg", seed=3)
-    engine = load_engine(str(folder), "renoise", max_batch_size=4)
+    engine = load_engine(str(folder), "renoise", options=EngineOptions(threads=1, max_batch_size=4))
     tok = engine.tokenizer
     prompt = "Once upon a time"
     params = SamplingParams(max_new_tokens=10, seed=5, ignore_eos=True)
     ref = Engine(engine.model, tok, decoder="renoise").generate([tok(prompt)["input_ids"]], params)[0]
-    app = create_app(Scheduler(engine, threads=1), ServeSettings(model_name="dg", max_tokens_limit=64))
+    app = create_app(Scheduler(engine), ServeSettings(model_name="dg", max_tokens_limit=64))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = client.completions.create(model="dg", prompt=prompt, max_tokens=10, seed=5, extra_body={"ignore_eos": True})

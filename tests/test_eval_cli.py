@@ -6,7 +6,8 @@ import pytest
 
 from dlm.cli import main
 from dlm.decode.configs import ISDConfig
-from dlm.eval import append_history, read_history, run_eval
+from dlm.decode.options import EngineOptions
+from dlm.eval import EvalSettings, append_history, read_history, run_eval
 from dlm.eval.history import format_history_table
 from dlm.eval.scoring import encode_pair
 from dlm.testing import make_model, make_tokenizer
@@ -60,11 +61,11 @@ def test_generation_tasks_with_controlled_generator(task_data):
     em = as_eval_model(model, tok)
     ex = load_task("lambada", task_data)[:6]
     targets = [encode_pair(em, e.prompt, " " + e.target)[1] for e in ex]
-    r = run_eval(model, "lambada", tokenizer=tok, data_dir=task_data, limit=6, generate_fn=oracle)
+    r = run_eval(model, "lambada", EvalSettings(data_dir=task_data, limit=6), tokenizer=tok, generate_fn=oracle)
     assert r["lambada"]["acc"] == 0.5
     poems = load_task("poem_reverse", task_data)[:4]
     targets = [tok("前言 " + e.target + " 后记", add_special_tokens=False)["input_ids"] for e in poems]
-    r = run_eval(model, "poem_reverse", tokenizer=tok, data_dir=task_data, limit=4, generate_fn=oracle)
+    r = run_eval(model, "poem_reverse", EvalSettings(data_dir=task_data, limit=4), tokenizer=tok, generate_fn=oracle)
     assert r["poem_reverse"]["acc"] == 0.5
 
 
@@ -73,7 +74,7 @@ def test_diffusion_model_generation_runs(task_data):
 
     for objective, decoder in (("mdm", "mdm"), ("block", "block"), ("idlm", "isd")):
         dlm = convert_ar_to_dlm(make_model("llama"), objective, tokenizer=make_tokenizer())
-        r = run_eval(dlm, "lambada", data_dir=task_data, limit=2, keep_predictions=True)
+        r = run_eval(dlm, "lambada", EvalSettings(data_dir=task_data, limit=2, keep_predictions=True))
         assert r["lambada"]["decode"] == decoder and r["lambada"]["n"] == 2
         assert all(isinstance(p["output"], str) for p in r["lambada"]["predictions"])
 
@@ -133,10 +134,9 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     r = run_eval(
         dlm,
         "isd_acceptance",
-        paths={"isd_acceptance": str(prompts)},
-        decoder=ISDConfig(stride=3),
-        batch_size=3,
-        keep_predictions=True,
+        EvalSettings(
+            paths={"isd_acceptance": str(prompts)}, decoder=ISDConfig(stride=3), batch_size=3, keep_predictions=True
+        ),
     )["isd_acceptance"]
     ex = load_task("isd_acceptance", paths={"isd_acceptance": str(prompts)})
     assert [e.prompt for e in ex] == [f"tell me about item {i}" for i in range(5)]
@@ -146,7 +146,7 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
         [_prompt_ids(em, e) for e in ex],
         ISDConfig(stride=3),
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
-        batch_size=3,
+        options=EngineOptions(max_batch_size=3),
     )
     prop = [sum(x.stats.proposed[i] for x in direct) for i in range(2)]
     acc = [sum(x.stats.accepted[i] for x in direct) for i in range(2)]
@@ -157,7 +157,9 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     assert r["identical"] == 1.0 and all(p["identical_to_ar"] for p in r["predictions"])
     # with draft candidates: the engine's counts again, stride 2, output still AR's
     k3 = run_eval(
-        dlm, "isd_acceptance", paths={"isd_acceptance": str(prompts)}, decoder=ISDConfig(candidates=3), batch_size=3
+        dlm,
+        "isd_acceptance",
+        EvalSettings(paths={"isd_acceptance": str(prompts)}, decoder=ISDConfig(candidates=3), batch_size=3),
     )
     k3 = k3["isd_acceptance"]
     direct = generate(
@@ -165,7 +167,7 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
         [_prompt_ids(em, e) for e in ex],
         ISDConfig(candidates=3),
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
-        batch_size=3,
+        options=EngineOptions(max_batch_size=3),
     )
     assert k3["stride"] == 2 and k3["candidates"] == 3 and k3["identical"] == 1.0
     assert k3["drafts"] == [sum(x.stats.proposed[0] for x in direct)]
@@ -184,7 +186,7 @@ def test_isd_acceptance_of_a_perfect_drafter_is_one():
     bias = torch.zeros(hf.config.vocab_size)
     bias[42] = 5.0
     hf.lm_head.register_forward_hook(lambda mod, inp, out: out + bias)
-    r = run_eval(dlm, "isd_acceptance", limit=3)["isd_acceptance"]  # the built-in held-out instructions
+    r = run_eval(dlm, "isd_acceptance", EvalSettings(limit=3))["isd_acceptance"]  # the built-in held-out instructions
     assert r["acc"] == 1.0 and r["identical"] == 1.0 and r["stride"] == 2
     # 64 tokens: the prefill commits 1 and drafts, then every forward commits 2 -> 1 + 32 forwards (the last one
     # commits only the 64th token's share) - TPF well above 1.9
@@ -210,11 +212,15 @@ def test_isd_acceptance_data_and_bad_input(tmp_path, capsys):
     with pytest.raises(DLMError, match="known isd_acceptance layout"):
         load_task("isd_acceptance", paths={"isd_acceptance": str(bad)})
     with pytest.raises(DLMError, match="measures the drafts of an I-DLM"):
-        run_eval(make_model("llama"), "isd_acceptance", tokenizer=make_tokenizer(), limit=1)
+        run_eval(make_model("llama"), "isd_acceptance", EvalSettings(limit=1), tokenizer=make_tokenizer())
     from dlm.model.convert import convert_ar_to_dlm
 
     with pytest.raises(DLMError, match="'mdm' model"):
-        run_eval(convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer()), "isd_acceptance", limit=1)
+        run_eval(
+            convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer()),
+            "isd_acceptance",
+            EvalSettings(limit=1),
+        )
     # the CLI: a table with TPF and the exactness row; a bad file is a one-line error, exit 2
     model = tmp_path / "idlm"
     _idlm(block_size=1).save_pretrained(model)

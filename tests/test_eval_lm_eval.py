@@ -105,11 +105,16 @@ def test_adapter_decoder_settings_from_model_args():
 
     dlm = convert_ar_to_dlm(make_model("llama"), "mdm", tokenizer=make_tokenizer())
     assert DLMHarnessModel(pretrained=dlm).decoder == MDMConfig()  # auto: the model's own
-    lm = DLMHarnessModel(pretrained=dlm, decoder="mdm", steps="4", sampler="random", score_batch_tokens="512")
-    assert lm.decoder == MDMConfig(steps=4, sampler="random") and lm.batch_tokens == 512
+    lm = DLMHarnessModel(
+        pretrained=dlm, decoder="mdm", steps="4", sampler="random", score_batch_tokens="512", diffusion_steps="8"
+    )
+    assert lm.decoder == MDMConfig(steps=4, sampler="random") and lm.settings.score_batch_tokens == 512
+    assert lm.settings.diffusion_steps == 8 and lm.settings.batch_size == 8  # the EvalSettings of dlm eval
+    with pytest.raises(DLMError, match="model_args seed must be an integer"):
+        DLMHarnessModel(pretrained=dlm, seed="x")
     with pytest.warns(DeprecationWarning, match="model_args gen_steps is deprecated"):
         old = DLMHarnessModel(pretrained=dlm, decode="mdm", gen_steps="6", token_budget="256")
-    assert old.decoder == MDMConfig(steps=6) and old.batch_tokens == 256
+    assert old.decoder == MDMConfig(steps=6) and old.settings.score_batch_tokens == 256
     assert DLMHarnessModel(pretrained=dlm, decoder=MDMConfig(steps=3)).decoder.steps == 3
     with pytest.raises(DLMError, match="--decode block needs a diffusion LM|block-diffusion"):
         DLMHarnessModel(pretrained=make_model("llama"), tokenizer=make_tokenizer(), decoder=BlockConfig())

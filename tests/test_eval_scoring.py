@@ -155,9 +155,11 @@ def test_run_eval_progress_bar_counts_every_scored_row(tmp_path, monkeypatch):
     bars = []
     make = runner._bar
     monkeypatch.setattr(runner, "_bar", lambda *a: bars.append(make(*a)) or bars[-1])
-    res = runner.run_eval(make_model("llama"), "piqa", tokenizer=make_tokenizer(), data_dir=tmp_path, progress=True)
+    res = runner.run_eval(
+        make_model("llama"), "piqa", runner.EvalSettings(data_dir=tmp_path), tokenizer=make_tokenizer(), progress=True
+    )
     assert res["piqa"]["n"] == 5 and len(bars) == 1 and bars[0].n == bars[0].total == 10
-    runner.run_eval(make_model("llama"), "piqa", tokenizer=make_tokenizer(), data_dir=tmp_path)
+    runner.run_eval(make_model("llama"), "piqa", runner.EvalSettings(data_dir=tmp_path), tokenizer=make_tokenizer())
     assert len(bars) == 1  # progress=False (the default, and dlm eval --quiet or a non-terminal stderr): no bar
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from dlm.decode.options import EngineOptions
 from dlm.model import masks
 from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
 from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY, GatedLoRA, LoraSettings, _Group, prepare_model_for_lora
@@ -486,7 +487,9 @@ def test_engine_isd_with_gated_adapters_is_the_base_model(targets):
     with torch.no_grad():
         for a in dlm.gated_lora.adapters.values():
             a.B.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
-    res = Engine(dlm, decoder="isd", stride=3, max_batch_size=2).generate(prompts, SamplingParams(k, ignore_eos=True))
+    res = Engine(dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=2)).generate(
+        prompts, SamplingParams(k, ignore_eos=True)
+    )
     assert [r.token_ids for r in res] == want
 
 
@@ -573,7 +576,7 @@ def test_engine_isd_with_a_sync_free_gate_is_the_base_model(static_cache):
     with torch.no_grad():
         for a in dlm.gated_lora.adapters.values():
             a.B.normal_(0, 0.3, generator=torch.Generator().manual_seed(0))
-    eng = Engine(dlm, decoder="isd", stride=3, max_batch_size=2, static_cache=static_cache)
+    eng = Engine(dlm, decoder="isd", stride=3, options=EngineOptions(max_batch_size=2, static_cache=static_cache))
     with sync_free(dlm):
         res = eng.generate(prompts, SamplingParams(12, ignore_eos=True))
         assert dlm.gated_lora._n_gated == -1  # the forwards went through the uncounted gate
@@ -806,9 +809,9 @@ def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatc
     try:
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = [[3, 4, 5, 6, 7], [8, 9, 10]]
-        with Engine(dlm, decoder="ar", max_batch_size=2) as e:
+        with Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=2)) as e:
             ar = [r.token_ids for r in e.generate(prompts, params)]
-        with Engine(dlm, decoder=ISDConfig(stride=2), max_batch_size=2) as e:
+        with Engine(dlm, decoder=ISDConfig(stride=2), options=EngineOptions(max_batch_size=2)) as e:
             isd = [r.token_ids for r in e.generate(prompts, params)]
     finally:
         cpu.detach(dlm)

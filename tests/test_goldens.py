@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 import dlm
 from dlm.decode.engine import Engine
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 
 GOLDENS = Path(__file__).parent / "goldens"
@@ -108,7 +109,9 @@ def test_batched_requests_equal_the_familys_own_one_by_one(models):
             decode, kw = json.loads(key)
             prompts = [r["prompt"] for r, _ in group] * 2
             params = [p for _, p in group] * 2
-            results = Engine(models[family], decoder=decode, max_batch_size=3, **kw).generate(prompts, params)
+            results = Engine(models[family], decoder=decode, options=EngineOptions(max_batch_size=3), **kw).generate(
+                prompts, params
+            )
             assert [res.token_ids for res in results] == [r["output"] for r, _ in group] * 2, (family, key)
 
 

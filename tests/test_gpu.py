@@ -10,6 +10,8 @@ import json
 import pytest
 import torch
 
+from dlm.decode.options import EngineOptions
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -31,9 +33,14 @@ def test_isd_greedy_equals_ar_greedy_on_cuda(arch):
     prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22]]
     dlm = convert_ar_to_dlm(make_model(arch, seed=1), "idlm", block_size=3, tokenizer=make_tokenizer()).to("cuda")
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ar = [r.token_ids for r in Engine(dlm, decoder="ar", max_batch_size=4).generate(prompts, params)]
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=4)).generate(prompts, params)
+    ]
     for stride in (2, 3, 4):
-        batch = Engine(dlm, decoder="isd", stride=stride, max_batch_size=3).generate(prompts, params)
+        batch = Engine(dlm, decoder="isd", stride=stride, options=EngineOptions(max_batch_size=3)).generate(
+            prompts, params
+        )
         assert [r.token_ids for r in batch] == ar, (arch, stride)
 
 

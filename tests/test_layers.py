@@ -1,7 +1,8 @@
 """The layers of docs/design.md hold for every import in dlm/, at module level and inside functions: model/,
 objectives/ and data/ import nothing from train/, eval/, serve/, decode/; decode/ imports model/ (and the base
 modules) but not train/, eval/, serve/, objectives/; and the top-level packages import each other without a circle.
-(Modules of one package may import each other inside functions; the layering is between packages.)"""
+(Modules of one package may import each other inside functions; the layering is between packages.) And no function
+of dlm/ takes more than ten parameters."""
 
 from __future__ import annotations
 
@@ -71,3 +72,26 @@ def test_the_packages_import_each_other_without_a_circle():
         if node not in state:
             found = cycle_from(node, [])
             assert found is None, " -> ".join(found)
+
+
+MAX_PARAMETERS = 10
+
+
+def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+    """A function's named parameters (``self`` / ``cls`` and ``*args`` / ``**kwargs`` not counted)."""
+    a = fn.args
+    names = [x.arg for x in a.posonlyargs + a.args + a.kwonlyargs]
+    return names[1:] if names and names[0] in ("self", "cls") else names
+
+
+def test_no_function_takes_more_than_ten_parameters():
+    """Settings travel in their config objects (a decoder's config, EngineOptions, EvalSettings, the training
+    config), not as long keyword lists: no function or method in dlm/ names more than ten parameters."""
+    long = []
+    for path in sorted((ROOT / "dlm").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = len(_parameters(node))
+                if n > MAX_PARAMETERS:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}() takes {n}")
+    assert not long, "group these settings in the config object they belong to:\n" + "\n".join(long)

@@ -12,6 +12,7 @@ from published_layouts import MASK, write_dream, write_idlm, write_llada, write_
 import dlm
 from dlm.cli import main
 from dlm.decode import generate
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -24,8 +25,10 @@ def test_idlm_checkpoint_isd_at_its_stride_equals_greedy_ar(tmp_path, block_size
     model = dlm.load_model(write_idlm(tmp_path / "idlm", seed=block_size, block_size=block_size))
     assert model.objective == "idlm" and model.is_causal
     p = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    ar = generate(model, PROMPTS, "ar", p, batch_size=3)
-    isd = generate(model, PROMPTS, "isd", p, batch_size=3)  # stride: the model's block size + 1
+    ar = generate(model, PROMPTS, "ar", p, options=EngineOptions(max_batch_size=3))
+    isd = generate(
+        model, PROMPTS, "isd", p, options=EngineOptions(max_batch_size=3)
+    )  # stride: the model's block size + 1
     for a, b in zip(ar, isd):
         assert b.token_ids == a.token_ids and len(a.token_ids) == 12
         assert len(b.stats.proposed) == block_size  # drafts at N - 1 = block_size positions
@@ -168,10 +171,10 @@ def test_published_checkpoints_are_served(tmp_path, writer, decode, kw):
 
     folder = writer(tmp_path / "ckpt")
     config = make_config(decode, **kw)
-    eng = load_engine(str(folder), config, max_batch_size=3)
+    eng = load_engine(str(folder), config, options=EngineOptions(threads=1, max_batch_size=3))
     prompts = [("The cat " * (i % 3 + 1), 3 + i) for i in range(5)]
     refs = [generate(eng.model, [eng.tokenizer(p)["input_ids"]], config, SamplingParams(m))[0] for p, m in prompts]
-    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name="tiny", max_tokens_limit=32))
+    app = create_app(Scheduler(eng), ServeSettings(model_name="tiny", max_tokens_limit=32))
     with ServerThread(app) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
         for (p, m), ref in zip(prompts, refs):

@@ -26,6 +26,7 @@ from dlm.decode import generate
 from dlm.decode.configs import MDMConfig
 from dlm.decode.engine import Engine
 from dlm.decode.mdm import MDMDecoder, propose
+from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams, next_token, probs_from_logits, sample, suppress
 from dlm.errors import DLMError
 
@@ -421,7 +422,7 @@ def test_batched_engine_equals_the_one_request_reference(models, family, decode,
     model = models[family]
     for temperature, filt in ((0.0, {}), (1.0, {"top_k": 20}), (0.8, {"top_p": 0.9})):
         params = [params_for(i, temperature, **filt) for i in range(len(MIXED))]
-        results = Engine(model, decoder=decode, max_batch_size=3, **kw).generate(MIXED, params)
+        results = Engine(model, decoder=decode, options=EngineOptions(max_batch_size=3), **kw).generate(MIXED, params)
         for prompt, p, r in zip(MIXED, params, results):
             assert r.token_ids == ref(model, prompt, p, **ref_kw), (prompt, temperature)
             assert len(r.token_ids) == p.max_new_tokens and MASK not in r.token_ids
@@ -461,7 +462,9 @@ def test_a_suffix_is_filled_up_to(models):
         model = models[family]
         for temperature in (0.0, 1.0):
             params = [params_for(i, temperature, suffix_ids=suffix) for i in range(len(MIXED))]
-            results = Engine(model, decoder="mdm", max_batch_size=3, **kw).generate(MIXED, params)
+            results = Engine(model, decoder="mdm", options=EngineOptions(max_batch_size=3), **kw).generate(
+                MIXED, params
+            )
             for prompt, p, r in zip(MIXED, params, results):
                 assert r.token_ids == ref(model, prompt, p, suffix=suffix, **ref_kw), (family, temperature)
                 assert len(r.token_ids) == p.max_new_tokens
@@ -488,7 +491,9 @@ def test_token_editing_edits_and_costs_passes(models):
         ("edit", dict(threshold=0.03, editing_threshold=0.02)),
         ("edit0", dict(threshold=0.03, editing_threshold=0.02, max_post_steps=0)),
     ):
-        results = Engine(models["llada2"], decoder="block", max_batch_size=3, **kw).generate(MIXED, p)
+        results = Engine(models["llada2"], decoder="block", options=EngineOptions(max_batch_size=3), **kw).generate(
+            MIXED, p
+        )
         runs[name] = ([r.token_ids for r in results], sum(r.stats.forwards for r in results))
     assert runs["edit"][0] != runs["plain"][0]
     assert runs["edit"][1] > runs["edit0"][1]
@@ -627,9 +632,9 @@ def test_dream_breaks_ties_as_its_own_code_does(models):
             SamplingParams(max_new_tokens=9 + 3 * i, temperature=0.0, top_p=1e-3, ignore_eos=True)
             for i in range(len(MIXED))
         ]
-        results = Engine(model, decoder="mdm", max_batch_size=3, sampler="dream", steps=3, alg=alg).generate(
-            MIXED, params
-        )
+        results = Engine(
+            model, decoder="mdm", options=EngineOptions(max_batch_size=3), sampler="dream", steps=3, alg=alg
+        ).generate(MIXED, params)
         for prompt, p, r in zip(MIXED, params, results):
             assert r.token_ids == reference_dream(model, prompt, p, steps=3, alg=alg), (alg, prompt)
 
@@ -670,7 +675,9 @@ def test_sdar_rewrites_decoded_positions_when_a_quota_exceeds_the_masks_left(mod
     runs = {}
     for overflow in ("rewrite", "masks"):
         kw = dict(steps=2, remasking="low_confidence_dynamic", threshold=0.02, quota_overflow=overflow)
-        results = Engine(model, decoder="block", max_batch_size=3, **kw).generate(MIXED[: len(params)], params)
+        results = Engine(model, decoder="block", options=EngineOptions(max_batch_size=3), **kw).generate(
+            MIXED[: len(params)], params
+        )
         runs[overflow] = [r.token_ids for r in results]
         for prompt, p, r in zip(MIXED, params, results):
             want = reference_sdar(model, prompt, p, steps=2, threshold=0.02, rewrite=overflow == "rewrite")

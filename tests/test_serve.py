@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn")
 
 from dlm.decode.configs import ISDConfig, make_config  # noqa: E402
 from dlm.decode.engine import Engine  # noqa: E402
+from dlm.decode.options import EngineOptions  # noqa: E402
 from dlm.decode.sampling import SamplingParams  # noqa: E402
 from dlm.errors import DLMError  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, TextStream, create_app, load_engine  # noqa: E402
@@ -43,13 +44,15 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(tiny_dir):
     # drafting at every step (not the measured default): the tests count drafting steps and draft metrics
-    return load_engine(str(tiny_dir), ISDConfig(stride=3, draft_budget="always"), max_batch_size=16)
+    return load_engine(
+        str(tiny_dir), ISDConfig(stride=3, draft_budget="always"), options=EngineOptions(threads=1, max_batch_size=16)
+    )
 
 
 @pytest.fixture(scope="module")
 def server(engine):
     app = create_app(
-        Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT, max_body_bytes=64 * 1024)
+        Scheduler(engine), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT, max_body_bytes=64 * 1024)
     )
     with ServerThread(app) as srv:
         yield srv
@@ -63,7 +66,7 @@ def client(server):
 def alone(engine, ids, max_tokens, decoder="isd", stop=(), ignore_eos=False):
     """The same greedy request served alone (batch 1) by a fresh engine on the same model."""
     kw = {"stride": 3} if decoder == "isd" else {}
-    eng = Engine(engine.model, engine.tokenizer, decoder=decoder, max_batch_size=1, **kw)
+    eng = Engine(engine.model, engine.tokenizer, decoder=decoder, options=EngineOptions(max_batch_size=1), **kw)
     sp = SamplingParams(max_new_tokens=max_tokens, temperature=0.0, stop_strings=tuple(stop), ignore_eos=ignore_eos)
     return eng.generate([ids], sp)[0]
 
@@ -247,10 +250,15 @@ def test_diffusion_decoders_are_served_batched(tiny_dir, decode, kw):
     from dlm.decode import generate
 
     config = make_config(decode, **kw)
-    eng = load_engine(str(tiny_dir), config, max_batch_size=4)
+    eng = load_engine(str(tiny_dir), config, options=EngineOptions(max_batch_size=4))
     requests = [(f"Request {i}: " + "the cat " * (i % 4), 4 + (i % 5)) for i in range(12)]
-    refs = [generate(eng.model, [encode(eng, p)], config, SamplingParams(m), batch_size=1)[0] for p, m in requests]
-    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT))
+    refs = [
+        generate(
+            eng.model, [encode(eng, p)], config, SamplingParams(m), options=EngineOptions(threads=1, max_batch_size=1)
+        )[0]
+        for p, m in requests
+    ]
+    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, max_tokens_limit=LIMIT))
 
     async def one(aclient, p, m):
         stream = await aclient.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0, stream=True)
@@ -482,8 +490,8 @@ def test_bad_input_leaves_the_server_serving(server, client):
 
 # -- auth -----------------------------------------------------------------------------------------------------
 def test_api_key(engine):
-    eng = Engine(engine.model, engine.tokenizer, decoder="ar", max_batch_size=4)
-    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, api_key="sekret"))
+    eng = Engine(engine.model, engine.tokenizer, decoder="ar", options=EngineOptions(threads=1, max_batch_size=4))
+    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, api_key="sekret"))
     with ServerThread(app) as srv:
         body = {"model": MODEL, "prompt": "The cat", "max_tokens": 3, "temperature": 0}
         err = assert_error_shape(httpx.post(srv.url + "/v1/completions", json=body), 401)
@@ -505,8 +513,8 @@ def test_max_queue_answers_503_past_capacity(engine):
     """``--max-queue``: a request whose choices would make more than that many engine requests wait for a batch
     slot is a 503 with ``Retry-After`` in the OpenAI shape, at once (n choices count n); the requests let in are
     served as always, and the server serves again once the queue drains."""
-    eng = Engine(engine.model, engine.tokenizer, decoder="ar", max_batch_size=1)
-    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_queue=2))
+    eng = Engine(engine.model, engine.tokenizer, decoder="ar", options=EngineOptions(threads=1, max_batch_size=1))
+    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, max_queue=2))
     with ServerThread(app) as srv:
         url = srv.url + "/v1/completions"
         body = {"model": MODEL, "prompt": "The cat", "max_tokens": 48, "temperature": 0, "ignore_eos": True}
@@ -586,14 +594,16 @@ def test_cli_registers_serve():
     )
     assert args.command == "serve" and args.decode == "ar" and args.host == "127.0.0.1" and args.port == 8000
     assert args.max_batch_size == 4 and args.served_model_name == "m"
-    from dlm.commands.serve import PREFIX_CACHE_DEFAULT
+    from dlm.decode.options import COMMANDS, SERVER, EngineOptions, from_args
 
-    assert args.prefix_cache_tokens == PREFIX_CACHE_DEFAULT == 4096  # the prefix cache is on by default
+    # the commands' defaults are the options module's: the prefix cache on, the idle cores, a larger server batch
+    assert args.prefix_cache_tokens == SERVER.prefix_cache == COMMANDS.prefix_cache == 4096
+    assert from_args(build_parser().parse_args(["serve"])) == SERVER
+    assert from_args(build_parser().parse_args(["generate", "--prompt", "p"])) == COMMANDS
+    assert SERVER.max_batch_size == 16 and COMMANDS.max_batch_size == EngineOptions().max_batch_size == 8
+    assert EngineOptions().threads is None and EngineOptions().prefix_cache == 0  # the library leaves the process be
     bench = (Path(__file__).resolve().parents[1] / "bench" / "serve.py").read_text()
-    assert f"PREFIX_CACHE_DEFAULT = {PREFIX_CACHE_DEFAULT}" in bench  # the benchmark serves with the same default
-    from dlm.decode.prefix import DEFAULT_TOKENS
-
-    assert DEFAULT_TOKENS == PREFIX_CACHE_DEFAULT  # the CLI's copy (it parses without importing torch)
+    assert "default=SERVER.prefix_cache" in bench  # the benchmark serves with the same default
     assert build_parser().parse_args(["serve", "--prefix-cache-tokens", "0"]).prefix_cache_tokens == 0
     for cmd in (["serve"], ["generate", "--prompt", "p"]):  # the static step: the device's default unless a flag says
         assert build_parser().parse_args(cmd).static_cache is None

@@ -15,6 +15,7 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 
 from dlm.decode.configs import ISDConfig  # noqa: E402
+from dlm.decode.options import EngineOptions
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
@@ -32,8 +33,8 @@ def srv(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("faults") / "tiny-llama", "llama")
-    engine = load_engine(str(folder), ISDConfig(stride=2), max_batch_size=8)
-    scheduler = Scheduler(engine, threads=1)
+    engine = load_engine(str(folder), ISDConfig(stride=2), options=EngineOptions(threads=1, max_batch_size=8))
+    scheduler = Scheduler(engine)
     app = create_app(scheduler, ServeSettings(model_name=MODEL, max_tokens_limit=400))
     with ServerThread(app) as server:
         server.scheduler = scheduler

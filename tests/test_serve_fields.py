@@ -16,6 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
 from dlm.decode.configs import ISDConfig, MDMConfig  # noqa: E402
+from dlm.decode.options import EngineOptions  # noqa: E402
 from dlm.decode.sampling import token_logprobs  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
@@ -35,7 +36,7 @@ def engine(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("serve-lp") / "tiny-llama", "llama")
-    return load_engine(str(folder), ISDConfig(stride=3), max_batch_size=8)
+    return load_engine(str(folder), ISDConfig(stride=3), options=EngineOptions(threads=1, max_batch_size=8))
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def server(engine):
     settings = ServeSettings(
         model_name=MODEL, max_tokens_limit=160, tool_call_parser="hermes", reasoning_parser="think"
     )
-    app = create_app(Scheduler(engine, threads=1), settings)
+    app = create_app(Scheduler(engine), settings)
     with ServerThread(app) as srv:
         yield srv
 
@@ -236,8 +237,8 @@ def test_refused_with_a_diffusion_decoder(tmp_path):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path / "tiny", "llama")
-    eng = load_engine(str(folder), MDMConfig(steps=4), max_batch_size=2)
-    app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=8))
+    eng = load_engine(str(folder), MDMConfig(steps=4), options=EngineOptions(threads=1, max_batch_size=2))
+    app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, max_tokens_limit=8))
     with ServerThread(app) as srv:
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "logprobs": 1}, timeout=60)
         assert r.status_code == 400 and json.loads(r.text)["error"]["param"] == "logprobs"
@@ -342,8 +343,8 @@ def test_prefix_cache_serves_a_conversations_next_turn(tmp_path):
     turn1 = [{"role": "system", "content": "You are a careful assistant. " * 4}, {"role": "user", "content": "Hi"}]
     answers = {}
     for tokens in (0, 2048):
-        eng = load_engine(str(folder), "isd", max_batch_size=4, prefix_cache=tokens)
-        app = create_app(Scheduler(eng, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=16))
+        eng = load_engine(str(folder), "isd", options=EngineOptions(threads=1, max_batch_size=4, prefix_cache=tokens))
+        app = create_app(Scheduler(eng), ServeSettings(model_name=MODEL, max_tokens_limit=16))
         with ServerThread(app) as srv:
             c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
             first = c.chat.completions.create(model=MODEL, messages=turn1, max_tokens=8, temperature=0)
@@ -360,7 +361,7 @@ def test_prefix_cache_serves_a_conversations_next_turn(tmp_path):
         assert (20 < float(kept[0].split()[-1]) <= tokens) if tokens else not kept, kept  # the turns, kept once
     assert answers[0] == answers[2048]
     with pytest.raises(Exception, match="prefix-cache-tokens must be an integer"):
-        load_engine(str(folder), "isd", prefix_cache=-1)
+        load_engine(str(folder), "isd", options=EngineOptions(prefix_cache=-1))
 
 
 SCHEMA = {

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
 from dlm.decode.configs import ISDConfig  # noqa: E402
+from dlm.decode.options import EngineOptions  # noqa: E402
 from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
@@ -41,10 +42,8 @@ def fuzz_server(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("fuzz") / "tiny-llama", "llama")
-    engine = load_engine(str(folder), ISDConfig(stride=2), max_batch_size=16)
-    app = create_app(
-        Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, max_tokens_limit=4, max_body_bytes=64 * 1024)
-    )
+    engine = load_engine(str(folder), ISDConfig(stride=2), options=EngineOptions(threads=1, max_batch_size=16))
+    app = create_app(Scheduler(engine), ServeSettings(model_name=MODEL, max_tokens_limit=4, max_body_bytes=64 * 1024))
     with ServerThread(app) as srv:
         yield srv
 

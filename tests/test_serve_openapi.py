@@ -11,6 +11,7 @@ pytest.importorskip("httpx")
 from fastapi.routing import APIRoute  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 
+from dlm.decode.options import EngineOptions
 from dlm.serve.app import ServeSettings, create_app, load_engine  # noqa: E402
 from dlm.serve.scheduler import Scheduler  # noqa: E402
 
@@ -33,11 +34,11 @@ def engine(tmp_path_factory):
     from dlm.testing import save_tiny
 
     folder = save_tiny(tmp_path_factory.mktemp("openapi") / "tiny-llama", "llama")
-    return load_engine(str(folder), "ar", max_batch_size=4)
+    return load_engine(str(folder), "ar", options=EngineOptions(threads=1, max_batch_size=4))
 
 
 def make_app(engine, api_key=None):
-    return create_app(Scheduler(engine, threads=1), ServeSettings(model_name=MODEL, api_key=api_key))
+    return create_app(Scheduler(engine), ServeSettings(model_name=MODEL, api_key=api_key))
 
 
 def routes(app) -> list[APIRoute]:

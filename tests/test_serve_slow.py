@@ -5,6 +5,8 @@ import asyncio
 
 import pytest
 
+from dlm.decode.options import EngineOptions
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
@@ -18,7 +20,7 @@ def test_smollm2_chat_greedy_equals_ar_generate(smollm2_path):
     from dlm.serve.app import ServerThread, ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
-    engine = load_engine("smollm2-135m", "isd", max_batch_size=4)
+    engine = load_engine("smollm2-135m", "isd", options=EngineOptions(max_batch_size=4))
     tok = engine.tokenizer
     questions = ["What is the capital of France?", "Name three colours."]
     refs = []

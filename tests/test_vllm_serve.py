@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from dlm.decode.options import EngineOptions
+
 openai = pytest.importorskip("openai")
 
 pytestmark = pytest.mark.slow
@@ -126,7 +128,7 @@ def dlm_ar_reference(model) -> list[list[int]]:
         tok = m.tokenizer
     else:
         m, tok = load_model(folder), load_tokenizer(folder)
-    engine = Engine(m, tok, decoder="ar", max_batch_size=1)
+    engine = Engine(m, tok, decoder="ar", options=EngineOptions(max_batch_size=1))
     try:
         out = []
         for q in QUESTIONS:

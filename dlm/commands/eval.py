@@ -137,10 +137,11 @@ def run(args) -> int:
     if not args.model:
         raise DLMError("give --model PATH_OR_ALIAS to evaluate (or --history-paths to print a history)")
 
+    import dataclasses
     import json
 
     from dlm.device import get_device, get_dtype
-    from dlm.eval.runner import run_eval
+    from dlm.eval.runner import EvalSettings, run_eval
     from dlm.eval.tasks import load_task, parse_task_list
     from dlm.model.convert import load_any
     from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
@@ -155,6 +156,19 @@ def run(args) -> int:
         decoder = config_from_args(args)  # bad values fail before the model loads
     else:
         owning_decoders(given_settings(args))  # settings of no one decoder fail before the model loads
+    settings = EvalSettings(  # bad values fail before the model loads
+        data_dir=args.data_dir,
+        paths=paths,
+        limit=args.limit,
+        scoring=args.scoring,
+        diffusion_steps=args.diffusion_steps,
+        score_batch_tokens=args.score_batch_tokens,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        poem_direction=args.poem_direction,
+        poem_gen_length=args.gen_length,
+        keep_predictions=args.predictions,
+    )
     for name in parse_task_list(args.eval_tasks):  # fail on bad data before loading the model
         options = {"direction": args.poem_direction} if name == "poem_reverse" else {}
         load_task(name, args.data_dir, paths, **options)
@@ -172,22 +186,12 @@ def run(args) -> int:
         from dlm.decode.configs import own_decoder
 
         decoder = config_from_args(args, own_decoder(getattr(model, "objective", None)))
+    settings = dataclasses.replace(settings, decoder=decoder)
     results = run_eval(
         model,
         args.eval_tasks,
+        settings,
         tokenizer=tokenizer,
-        data_dir=args.data_dir,
-        paths=paths,
-        limit=args.limit,
-        scoring=args.scoring,
-        diffusion_steps=args.diffusion_steps,
-        seed=args.seed,
-        decoder=decoder,
-        poem_direction=args.poem_direction,
-        poem_gen_length=args.gen_length,
-        batch_size=args.batch_size,
-        score_batch_tokens=args.score_batch_tokens,
-        keep_predictions=args.predictions,
         log=lambda s: print(s, flush=True),
         progress=wanted(args.quiet),
     )

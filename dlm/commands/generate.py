@@ -10,20 +10,11 @@ equals AR greedy, only slower). --prompts-file: one prompt per line, or JSONL wi
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from dlm.decode.threads import THREADS_HELP
-from dlm.decode.threads import parse as parse_threads
-
-PREFIX_CACHE_DEFAULT = 4096  # = dlm.decode.prefix.DEFAULT_TOKENS (the CLI does not import torch to parse)
-STATIC_CACHE_HELP = (
-    "decode steps with fixed shapes over a preallocated KV cache (dlm.decode.static), captured as CUDA "
-    "graphs on CUDA where the model has no forward hooks; default: on on CUDA, off on a CPU (same tokens, slower "
-    "there); --no-static-cache turns it off"
-)
+from dlm.decode import options as engine_options
 
 
 def add_arguments(p) -> None:
@@ -94,17 +85,8 @@ def add_arguments(p) -> None:
         help="each new token's log-probability under the model and its K most likely alternatives (0..20; "
         "--decode ar or isd): a 'logprobs' list in --json output, their sum in the summary line",
     )
-    p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", default="auto", help=THREADS_HELP)
-    p.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None, help=STATIC_CACHE_HELP)
-    p.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=PREFIX_CACHE_DEFAULT,
-        help="keep the KV of earlier prompts, up to this many tokens, for prompts that start the same way (a shared "
-        f"system prompt or chat template, a document); 0 = off (default {PREFIX_CACHE_DEFAULT}; ar and isd)",
-    )
+    engine_options.add_flags(p, engine_options.COMMANDS, "--batch-size", "prompts decoded together")
     p.add_argument(
         "--quiet",
         action="store_true",
@@ -213,7 +195,6 @@ def _run(args) -> int:
 
     from dlm.decode import generate
     from dlm.decode.configs import config_from_args
-    from dlm.decode.prefix import check_tokens
     from dlm.decode.sampling import SamplingParams
     from dlm.device import get_device, get_dtype
     from dlm.errors import DLMError
@@ -224,8 +205,7 @@ def _run(args) -> int:
 
     args.decode = args.decode or default_decoder(args.model, "ar")
     decoder = config_from_args(args)  # bad values fail before the model loads
-    parse_threads(args.threads)  # a bad value fails before the model loads
-    check_tokens(args.prefix_cache_tokens)  # a bad value fails before the model loads
+    options = engine_options.from_args(args)  # bad values fail before the model loads
     prompts = read_prompts(args)
     structured = structured_from_args(args)
     params = SamplingParams(
@@ -312,11 +292,8 @@ def _run(args) -> int:
             decoder,
             params,
             tokenizer=tok,
-            batch_size=args.batch_size,
-            threads=parse_threads(args.threads),
-            static_cache=args.static_cache,
+            options=options,
             progress=len(ids) > 1 and wanted(args.quiet),
-            prefix_cache=args.prefix_cache_tokens,
         )
     for w in caught:
         if issubclass(w.category, UserWarning):

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from dlm.commands.generate import PREFIX_CACHE_DEFAULT, STATIC_CACHE_HELP
-from dlm.decode.threads import THREADS_HELP
-from dlm.decode.threads import parse as parse_threads
+from dlm.decode import options as engine_options
 from dlm.serve.reasoning import CHOICES as REASONING_CHOICES
 from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
 from dlm.settings import env
@@ -46,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch (default 16)")
+    engine_options.add_flags(p, engine_options.SERVER, "--max-batch-size", "requests in the running batch")
     p.add_argument(
         "--max-tokens-limit",
         type=int,
@@ -65,15 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="the model id clients send (default: the --model string)")
     p.add_argument("--device", help="cpu, cuda, cuda:1, mps (default: $DLM_DEVICE or the best available)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", default="auto", help=THREADS_HELP)
-    p.add_argument("--static-cache", action=argparse.BooleanOptionalAction, default=None, help=STATIC_CACHE_HELP)
-    p.add_argument(
-        "--prefix-cache-tokens",
-        type=int,
-        default=PREFIX_CACHE_DEFAULT,
-        help="keep the KV of recent prompts, up to this many tokens, for prompts that start the same way (a chat's "
-        f"next turn, a shared system prompt or document); 0 = off (default {PREFIX_CACHE_DEFAULT}; ar and isd)",
-    )
     p.add_argument(
         "--tool-call-parser",
         default="auto",
@@ -191,7 +180,7 @@ def run_vllm(args) -> int:
     from dlm.device import get_device, get_dtype
 
     dtype = str(get_dtype(args.dtype, get_device(args.device))).replace("torch.", "")
-    server = vllm.server_args(
+    server = vllm.VLLMServer(
         folder,
         host=args.host,
         port=args.port,
@@ -204,8 +193,8 @@ def run_vllm(args) -> int:
         dtype=dtype,
         prefix_caching=args.prefix_cache_tokens > 0,
         tool_call_parser=resolve(args.tool_call_parser, template_in_folder(folder)),
-        extra=args.vllm_arg,
-    )
+        extra=tuple(args.vllm_arg or ()),
+    ).args()
     cmd = vllm.server_command(python, server)
     print(
         f"dlm serve: vLLM {version} serving '{args.served_model_name or args.model}' ({folder})"
@@ -258,7 +247,7 @@ def run(args) -> int:
     from dlm.serve.app import ServeSettings, create_app, load_engine
     from dlm.serve.scheduler import Scheduler
 
-    threads = parse_threads(args.threads)
+    options = engine_options.from_args(args)  # bad values fail before the model loads
     if not 0 < args.port < 65536:
         raise DLMError(f"--port must be in 1..65535, got {args.port}")
     settings = ServeSettings(
@@ -274,14 +263,11 @@ def run(args) -> int:
     engine = load_engine(
         args.model,
         decoder,
-        max_batch_size=args.max_batch_size,
+        options=options,
         device=args.device,
         dtype=args.dtype,
-        threads=threads,
-        static_cache=args.static_cache,
-        prefix_cache=args.prefix_cache_tokens,
     )
-    app = create_app(Scheduler(engine, threads=threads if isinstance(threads, int) else None), settings)
+    app = create_app(Scheduler(engine), settings)
     stride = getattr(engine.decoder, "stride", None)
     policy = getattr(getattr(engine.decoder, "policy", None), "name", None)
     parser = app.state.validator.tool_parser

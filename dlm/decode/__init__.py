@@ -6,6 +6,8 @@
 - ``block`` (:mod:`dlm.decode.block`): block diffusion (SDAR/BD3, SDAR's remasking strategies);
 - :mod:`dlm.decode.configs`: one config class per decoder (``ARConfig``, ``MDMConfig``, ``BlockConfig``,
   ``ISDConfig``) and the registry of decoders; every command builds its decoder flags from them;
+- :class:`EngineOptions` (:mod:`dlm.decode.options`): the engine's own settings (batch, threads, caches), one
+  default each;
 - :func:`generate` runs a list of prompts with a decoder config (or name), for the CLI and evaluation.
 """
 
@@ -25,6 +27,7 @@ from dlm.decode.configs import (
     MDMConfig,
     make_config,
 )
+from dlm.decode.options import EngineOptions, misplaced
 
 __all__ = [
     "ARConfig",
@@ -32,6 +35,7 @@ __all__ = [
     "CANDIDATES_HELP",
     "DECODERS",
     "DecoderConfig",
+    "EngineOptions",
     "FALLBACK_HELP",
     "FALLBACK_MODES",
     "ISDConfig",
@@ -49,27 +53,23 @@ def generate(
     params=None,
     *,
     tokenizer=None,
-    batch_size: int = 8,
+    options: EngineOptions | None = None,
     on_tokens=None,
-    threads=None,
-    static_cache: bool | None = None,
     progress=None,
-    prefix_cache: int = 0,
     **settings,
 ):
     """Decode token-id prompts with ``decoder`` (a config, :mod:`dlm.decode.configs`, e.g. ``ISDConfig(stride=3)``;
-    or a decoder name for its defaults), ``batch_size`` at a time with continuous batching; ``params``: one
-    SamplingParams for all prompts or one per prompt. Returns one GenerationResult per prompt (``token_ids`` =
-    generated ids, ``text`` when a tokenizer is known, ``stats`` with forwards/TPF/acceptance). ``threads``: CPU
-    threads while decoding (None: torch's setting; an int; ``'auto'``: the cores other processes leave idle,
-    :mod:`dlm.decode.threads`). ``progress``: ``None``, ``True`` (a bar on stderr: prompts done, rate, ETA) or an
-    object with ``update(n)``, told of each finished prompt. ``prefix_cache``: tokens of recent prompts' KV kept for
-    prompts that start the same way (0: off; :mod:`dlm.decode.prefix`). ``static_cache``: the static decode step
-    (:mod:`dlm.decode.static`; None: on CUDA, off on a CPU). ``settings``: the decoder's fields as keywords
+    or a decoder name for its defaults) with continuous batching; ``params``: one SamplingParams for all prompts or
+    one per prompt. Returns one GenerationResult per prompt (``token_ids`` = generated ids, ``text`` when a tokenizer
+    is known, ``stats`` with forwards/TPF/acceptance). ``options``: the engine's settings
+    (:class:`~dlm.decode.options.EngineOptions`: rows batched together, CPU threads, the static step, the prefix
+    cache). ``progress``: ``None``, ``True`` (a bar on stderr: prompts done, rate, ETA) or an object with
+    ``update(n)``, told of each finished prompt. ``settings``: the decoder's fields as keywords
     (``generate(model, prompts, "isd", stride=3)``), deprecated: pass a config."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
 
+    misplaced(settings, "generate()")
     if settings:
         deprecations.warn("generate(..., **settings)")
     config = make_config(decoder, **settings)
@@ -80,15 +80,7 @@ def generate(
     own_bar = progress is True
     bar = progress_bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
     try:
-        with Engine(
-            model,
-            tokenizer,
-            decoder=config,
-            max_batch_size=batch_size,
-            threads=threads,
-            static_cache=static_cache,
-            prefix_cache=prefix_cache,
-        ) as engine:
+        with Engine(model, tokenizer, config, options) as engine:
             return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)
     finally:
         if own_bar and bar is not None:

@@ -23,7 +23,7 @@ steps (``index_select`` on the batch dimension). The prefill forward is also the
 
 Public API::
 
-    engine = Engine(model, tokenizer, decoder="isd", stride=3, max_batch_size=8)
+    engine = Engine(model, tokenizer, ISDConfig(stride=3), EngineOptions(max_batch_size=8))
     rid = engine.add(prompt_ids, SamplingParams(max_new_tokens=64, seed=0), on_tokens=callback)
     while engine.has_unfinished():
         for event in engine.step():        # StepEvent(request_id, new_token_ids, finished)
@@ -45,7 +45,8 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
-from dlm.decode.prefix import PrefixCache, check_tokens
+from dlm.decode.options import EngineOptions, misplaced
+from dlm.decode.prefix import PrefixCache
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
 from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV, static_default
 from dlm.decode.structured import MAX_AHEAD, GrammarBook
@@ -444,17 +445,16 @@ class Engine:
         model,
         tokenizer=None,
         decoder="ar",
-        max_batch_size: int = 8,
-        compact_threshold: float = 0.5,
-        threads=None,
-        static_cache: bool | None = None,
-        cuda_graphs: bool | None = None,
-        prefix_cache: int = 0,
+        options: EngineOptions | None = None,
         **decoder_kw,
     ):
         from dlm.decode.attention import use_for_decoding
         from dlm.model.convert import cache_kw, max_positions
 
+        misplaced(decoder_kw, "Engine")
+        self.options = options = options if options is not None else EngineOptions()
+        if not isinstance(options, EngineOptions):
+            raise DLMError(f"Engine(options=...) takes an EngineOptions, got {type(options).__name__}")
         self.model = model
         self.tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
         self.config, self.spec = _model_fields(model)
@@ -476,6 +476,7 @@ class Engine:
         self._cpu_kernel = bool(self._cpu)
         # threads: None leaves torch's setting; an int or "auto" (the cores other processes leave idle, looked at
         # again while decoding: dlm.decode.threads) is set in the thread that steps, and put back by close()
+        threads = options.threads
         self._threads = ThreadPolicy(threads) if threads is not None and self.device.type == "cpu" else None
         if not isinstance(decoder, Decoder):  # a published family's own sampler settings, where the caller gave none
             from dlm.decode.configs import make_config, with_family_defaults
@@ -486,22 +487,19 @@ class Engine:
             decoder = with_family_defaults(decoder, sampler_defaults(self.config, decoder.name))
         self.decoder = make_decoder(decoder, **decoder_kw)
         self.decoder.check_model(self)
-        if max_batch_size < 1:
-            raise DLMError(f"--batch-size must be >= 1, got {max_batch_size}")
-        self.max_batch_size = max_batch_size
-        self.compact_threshold = compact_threshold
         # static_cache: the decode forward runs with fixed shapes over preallocated KV buffers (dlm.decode.static),
         # captured as CUDA graphs on CUDA (cuda_graphs None: wherever the model allows; False: never); None: the
         # device's default (static_default: on CUDA, off on a CPU)
+        static_cache = options.static_cache
         if static_cache is None:
             static_cache = static_default(self.device) and self.decoder.static_ok
         elif static_cache and not self.decoder.static_ok:
             raise DLMError(f"--decode {self.decoder.name} does not run on the static step: drop --static-cache")
-        self._static = StaticDecode(self, graphs=cuda_graphs) if static_cache else None
+        self._static = StaticDecode(self, graphs=options.cuda_graphs) if static_cache else None
         self.kv: KVBatch | StaticKV = self._static.kv if self._static is not None else KVBatch()
         # prefix_cache N: the KV of recent prompts (up to N tokens) reused by prompts that start the same way
         # (dlm.decode.prefix; causal decoders only)
-        check_tokens(prefix_cache)
+        prefix_cache = options.prefix_cache
         self.prefix = PrefixCache(prefix_cache) if prefix_cache and self.decoder.causal else None
         self.rows: list[Row] = []
         self.waiting: list[Row] = []
@@ -516,6 +514,14 @@ class Engine:
             eos = getattr(self.config, "eos_token_id", None)
         self.default_stop = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._grammars: GrammarBook | None = None  # structured outputs' compiler, on first use
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.options.max_batch_size
+
+    @property
+    def compact_threshold(self) -> float:
+        return self.options.compact_threshold
 
     @property
     def kernels(self):

@@ -13,7 +13,7 @@ with the prompt, not with what is stored. Beyond ``max_tokens`` stored tokens th
 (a leaf: the end of a stored sequence no other continues). SGLang's RadixAttention keeps its KV pages the same way;
 here the tree holds copies, since the engine's batch cache is not paged.
 
-The engine (``Engine(prefix_cache=N)``, ``dlm serve --prefix-cache-tokens N``) stores each prefilled prompt and
+The engine (``EngineOptions(prefix_cache=N)``, ``dlm serve --prefix-cache-tokens N``) stores each prefilled prompt and
 each finished request's prompt + output (its live cache slots; not with ``static_cache``, whose buffers are laid out
 differently), starts a prefill from the cached KV and feeds only the rest of the prompt; decoders that are not causal, and requests that ask for the
 prompt's log-probabilities (which need the logits of every prompt position), always prefill in full.
@@ -23,17 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from dlm.errors import DLMError
-
 MIN_TOKENS = 16  # shorter common prefixes are not worth a lookup hit's copy
-DEFAULT_TOKENS = 4096  # the commands' default budget (SmolLM2-135M's KV in fp32: 45 KB a token, 180 MB)
-
-
-def check_tokens(n) -> int:
-    """``n`` as a prefix-cache budget (``--prefix-cache-tokens``), or a DLMError naming the flag."""
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise DLMError(f"--prefix-cache-tokens must be an integer >= 0 (0 = off), got {n}")
-    return n
 
 
 class _Node:

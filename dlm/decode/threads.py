@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from dlm.decode.options import parse_threads
+
 INTERVAL = 2.0  # seconds between two looks at the machine's load while decoding
 SAMPLES = 5
 
@@ -72,40 +74,16 @@ def auto_threads() -> int:
     return n if busy is None else max(1, min(n, n - busy))
 
 
-def parse(value) -> int | str | None:
-    """``--threads``: ``auto``, a positive integer, or None/``torch`` (leave torch's setting)."""
-    from dlm.errors import DLMError
-
-    if value is None or value == "torch":
-        return None
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return "auto"
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if n < 1:
-        raise DLMError(f"--threads takes 'auto', 'torch' or a positive integer, got {value!r}")
-    return n
-
-
-THREADS_HELP = (
-    "CPU threads while decoding: auto (default: the cores other processes leave idle, looked at again "
-    "every few seconds; on a busy 2-core machine 1 thread is ~3x faster than 2), a number, or torch "
-    "(torch's own setting)"
-)
-
-
 class ThreadPolicy:
-    """Sets torch's thread count for an engine (see the module doc); :meth:`restore` puts the caller's back."""
+    """Sets torch's thread count for an engine (see the module doc) in the thread that runs its forwards, on its
+    first :meth:`tick` (not when built: a server builds its engine in one thread and steps it in another, and the
+    builder's own count is left alone); :meth:`restore` puts the caller's back."""
 
     def __init__(self, threads):
-        self.mode = parse(threads)
+        self.mode = parse_threads(threads)
         self._saved = torch.get_num_threads()
         self._next = 0.0
         self.current = self._saved
-        if isinstance(self.mode, int):
-            self._set(self.mode)
 
     def _set(self, n: int) -> None:
         if n != torch.get_num_threads():

@@ -13,20 +13,17 @@ class TaskEvaluation:
         from dlm.eval import run_eval  # noqa: F401 - fail before the first step where evaluation cannot run
 
     def on_evaluate(self, trainer, step: int) -> dict:
-        from dlm.eval import run_eval
+        from dlm.eval import EvalSettings, run_eval
 
         cfg, dlm = trainer.cfg, trainer.dlm
         was = dlm.training
         dlm.eval()
         try:
             with torch.no_grad():
-                result = run_eval(
-                    dlm,
-                    tasks=list(cfg.eval.eval_tasks),
-                    data_dir=cfg.eval.eval_data_dir,
-                    limit=cfg.eval.eval_limit,
-                    batch_size=cfg.eval.eval_batch_size,
+                settings = EvalSettings(
+                    data_dir=cfg.eval.eval_data_dir, limit=cfg.eval.eval_limit, batch_size=cfg.eval.eval_batch_size
                 )
+                result = run_eval(dlm, list(cfg.eval.eval_tasks), settings)
         finally:
             dlm.train(was)
         return dict(result) if isinstance(result, dict) else {"tasks": result}

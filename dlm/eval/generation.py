@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config, own_decoder
+from dlm.decode.options import EngineOptions
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
@@ -47,7 +48,7 @@ def generate_tokens(
     tokens for prompt i (fewer if the model stops at EOS). One engine run: requests of different lengths share the
     batch. ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
     from dlm.decode import generate
-    from dlm.decode.prefix import DEFAULT_TOKENS
+    from dlm.decode.options import COMMANDS, EngineOptions
     from dlm.decode.sampling import SamplingParams
 
     config = resolve_decoder(em, decoder)
@@ -59,9 +60,9 @@ def generate_tokens(
         config,
         params,
         tokenizer=em.tokenizer,
-        batch_size=batch_size,
+        # prompts under one chat template or few-shot preamble prefill only what differs
+        options=EngineOptions(max_batch_size=batch_size, prefix_cache=COMMANDS.prefix_cache),
         progress=progress,
-        prefix_cache=DEFAULT_TOKENS,  # prompts under one chat template or few-shot preamble prefill what differs
     )
     return [list(r.token_ids) for r in results]
 
@@ -177,10 +178,18 @@ def evaluate_drafting(
             decoder,
             params,
             tokenizer=em.tokenizer,
-            batch_size=batch_size,
+            options=EngineOptions(max_batch_size=batch_size),
             progress=bar,
         )
-        ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, batch_size=batch_size, progress=bar)
+        ar = generate(
+            em.dlm,
+            prompts,
+            "ar",
+            params,
+            tokenizer=em.tokenizer,
+            options=EngineOptions(max_batch_size=batch_size),
+            progress=bar,
+        )
     finally:
         if bar is not None:
             bar.close()

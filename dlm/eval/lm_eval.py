@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from dataclasses import replace
 
 from dlm.errors import DLMError, require
 
@@ -39,8 +40,8 @@ from lm_eval.api.registry import register_model  # noqa: E402
 
 from dlm.decode.configs import DecoderConfig, parse_settings  # noqa: E402
 from dlm.eval.generation import generate_tokens, resolve_decoder  # noqa: E402
+from dlm.eval.runner import EvalSettings  # noqa: E402
 from dlm.eval.scoring import (  # noqa: E402
-    DEFAULT_BATCH_TOKENS,
     as_eval_model,
     denoising_scores,
     encode,
@@ -48,11 +49,56 @@ from dlm.eval.scoring import (  # noqa: E402
     loglikelihoods,
 )
 
+HARNESS_SETTINGS = ("scoring", "diffusion_steps", "seed", "decoder", "score_batch_tokens", "batch_size")
+_DEPRECATED = {"decode": "decoder", "gen_steps": "steps", "token_budget": "score_batch_tokens"}
 
-def _bool_or_int(value, default):
-    if value is None or value == "auto":
-        return default
-    return int(value)
+
+def _settings(model_args: dict) -> tuple[EvalSettings, dict]:
+    """The :class:`EvalSettings` in ``model_args`` (lm-eval passes strings: numbers are converted) and what is
+    left: the decoder's own settings. lm-eval's ``max_batch_size`` is not used; ``batch_size`` ``auto`` is 8."""
+    from dlm import deprecations
+
+    args = {k: v for k, v in model_args.items() if k != "max_batch_size"}
+    for old, new in _DEPRECATED.items():
+        value = args.pop(old, None)
+        if value not in (None, "", "None"):
+            deprecations.warn("lm-eval model_args decode / gen_steps / token_budget", f"model_args {old}")
+            args[new] = value
+    given = {k: args.pop(k) for k in HARNESS_SETTINGS if k in args}
+    if given.get("batch_size") in (None, "auto"):
+        given.pop("batch_size", None)
+    for k in ("diffusion_steps", "seed", "score_batch_tokens", "batch_size"):
+        if k in given:
+            try:
+                given[k] = int(given[k])
+            except (TypeError, ValueError):
+                raise DLMError(f"model_args {k} must be an integer, got {given[k]!r}") from None
+    return EvalSettings(**given), parse_settings(args)
+
+
+def _load(pretrained: str, objective, device, dtype):
+    """(model, tokenizer or None) of a path or alias: a DLM folder (or ``objective``: an AR model converted on the
+    fly) loads with its tokenizer, a plain AR folder as a causal LM."""
+    import json
+    import warnings
+
+    import torch
+
+    from dlm.device import get_device, get_dtype
+    from dlm.model.convert import load_any
+    from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
+
+    if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+        # lm_eval's command line defaults to --device cuda; on a machine without CUDA run where we can.
+        warnings.warn(f"--device {device} requested but CUDA is not available; using {get_device()}", stacklevel=3)
+        device = None
+    dev = get_device(device)
+    dt = get_dtype(dtype, dev)
+    folder = resolve_model_path(pretrained)
+    fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if "dlm_objective" in fields or objective:
+        return load_any(folder, objective=objective, dtype=dt, device=dev), None
+    return load_model(folder, dtype=dt, device=dev), load_tokenizer(folder)
 
 
 @register_model("dlm")
@@ -63,71 +109,37 @@ class DLMHarnessModel(LM):
         self,
         pretrained=None,
         objective: str | None = None,
-        scoring: str = "auto",
-        diffusion_steps: int = 32,
-        seed: int = 0,
-        decoder: str | DecoderConfig = "auto",
-        score_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-        batch_size=8,
         device: str | None = None,
         dtype: str = "auto",
         diffusion_ll: str = "mean",
         tokenizer=None,
-        max_batch_size=None,
-        **unused,
+        **model_args,
     ):
+        """``pretrained``: a path / alias or a loaded model; ``objective``, ``device``, ``dtype``: how a path loads;
+        ``model_args``: the :class:`~dlm.eval.runner.EvalSettings` fields the harness uses (``scoring``,
+        ``diffusion_steps``, ``seed``, ``decoder``, ``score_batch_tokens``, ``batch_size``) and the decoder's own
+        settings by their config names (see the module doc)."""
         super().__init__()
         if pretrained is None:
             raise DLMError("lm_eval --model dlm needs --model_args pretrained=PATH_OR_ALIAS")
         if diffusion_ll not in ("mean", "sum"):
             raise DLMError(f"model_args diffusion_ll must be mean or sum, got '{diffusion_ll}'")
+        settings, decoder_settings = _settings(model_args)  # bad values fail before the model loads
         if isinstance(pretrained, str):
-            import json
-
-            import torch
-
-            from dlm.device import get_device, get_dtype
-            from dlm.model.convert import load_any
-            from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
-
-            if device and str(device).startswith("cuda") and not torch.cuda.is_available():
-                # lm_eval's command line defaults to --device cuda; on a machine without CUDA run where we can.
-                import warnings
-
-                warnings.warn(
-                    f"--device {device} requested but CUDA is not available; using {get_device()}", stacklevel=2
-                )
-                device = None
-            dev = get_device(device)
-            dt = get_dtype(dtype, dev)
-            folder = resolve_model_path(pretrained)
-            fields = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
-            if "dlm_objective" in fields or objective:
-                model = load_any(folder, objective=objective, dtype=dt, device=dev)
-            else:
-                model, tokenizer = load_model(folder, dtype=dt, device=dev), load_tokenizer(folder)
+            model, tokenizer = _load(pretrained, objective, device, dtype)
         else:
             model = pretrained  # an already loaded model object
         model.eval()
         self.model = model
-        self.em = as_eval_model(model, tokenizer, scoring)
-        from dlm import deprecations
-
-        for old in ("decode", "gen_steps", "token_budget"):
-            if unused.get(old) not in (None, "", "None"):
-                deprecations.warn("lm-eval model_args decode / gen_steps / token_budget", f"model_args {old}")
-        if unused.get("decode") not in (None, "", "None"):
-            decoder = unused.pop("decode")
-        if unused.get("token_budget") not in (None, "", "None"):
-            score_batch_tokens = unused.pop("token_budget")
-        if unused.get("gen_steps") not in (None, "", "None"):
-            unused["steps"] = unused.pop("gen_steps")
-        self.steps, self.seed = int(diffusion_steps), int(seed)
+        self.em = as_eval_model(model, tokenizer, settings.scoring)
         # the generation decoder: a config, or a name / "auto" with its settings from the model_args
-        self.decoder = resolve_decoder(self.em, decoder, **parse_settings(unused))
-        self.batch_tokens = int(score_batch_tokens)
-        self.batch_size = _bool_or_int(batch_size, 8)
+        self.settings = replace(settings, decoder=resolve_decoder(self.em, settings.decoder, **decoder_settings))
         self.diffusion_ll = diffusion_ll
+
+    @property
+    def decoder(self) -> DecoderConfig:
+        """The generation tasks' decoder config."""
+        return self.settings.decoder
 
     # -- lm-eval API --------------------------------------------------------------------------------------
     @property
@@ -144,9 +156,14 @@ class DLMHarnessModel(LM):
 
     def _score(self, pairs, keys) -> list[tuple[float, bool]]:
         if self.em.kind == "causal":
-            return loglikelihoods(self.em, pairs, self.batch_tokens)
+            return loglikelihoods(self.em, pairs, self.settings.score_batch_tokens)
         scores = denoising_scores(
-            self.em, pairs, keys, steps=self.steps, seed=self.seed, batch_tokens=self.batch_tokens
+            self.em,
+            pairs,
+            keys,
+            steps=self.settings.diffusion_steps,
+            seed=self.settings.seed,
+            batch_tokens=self.settings.score_batch_tokens,
         )
         if self.diffusion_ll == "sum":
             return [(-s * len(cont), False) for s, (_, cont) in zip(scores, pairs)]
@@ -178,10 +195,15 @@ class DLMHarnessModel(LM):
             ]
             keys = [zlib.crc32(f"{text}:{i}".encode()) for i in range(len(windows))]
             if self.em.kind == "causal":
-                out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.batch_tokens)))
+                out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.settings.score_batch_tokens)))
             else:  # an estimate of the total log-likelihood: minus (mean denoising CE x tokens)
                 scores = denoising_scores(
-                    self.em, windows, keys, steps=self.steps, seed=self.seed, batch_tokens=self.batch_tokens
+                    self.em,
+                    windows,
+                    keys,
+                    steps=self.settings.diffusion_steps,
+                    seed=self.settings.seed,
+                    batch_tokens=self.settings.score_batch_tokens,
                 )
                 out.append(-sum(s * len(c) for s, (_, c) in zip(scores, windows)))
         return out
@@ -204,8 +226,8 @@ class DLMHarnessModel(LM):
             prompts,
             lengths,
             decoder=self.decoder,
-            seed=self.seed,
-            batch_size=self.batch_size,
+            seed=self.settings.seed,
+            batch_size=self.settings.batch_size,
         )
         texts = []
         for out, until in zip(outs, stops):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 
 from dlm import deprecations
 from dlm.decode.configs import DecoderConfig, ISDConfig
@@ -13,6 +15,7 @@ from dlm.eval.multiple_choice import evaluate_multiple_choice
 from dlm.eval.scoring import DEFAULT_BATCH_TOKENS, as_eval_model
 from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
 from dlm.eval.tasks.base import limit as _limit
+from dlm.eval.tasks.poem_reverse import GEN_LENGTH as POEM_GEN_LENGTH
 from dlm.model.convert import dense_mask_attention
 
 
@@ -26,86 +29,121 @@ def _bar(name: str, examples, em, steps: int):
     return bar(total, f"dlm eval {name}", "row")
 
 
-def _settings(decoder, score_batch_tokens: int, deprecated: dict):
-    """(generation decoder, ISD config of isd_acceptance, scoring batch, settings for an "auto" decoder), with the
-    deprecated keywords of run_eval mapped onto them (a DeprecationWarning each)."""
-    known = {"decode", "gen_steps", "stride", "candidates", "token_budget"}  # their new spellings: dlm.deprecations
-    unknown = set(deprecated) - known
+@dataclass(frozen=True)
+class EvalSettings:
+    """How :func:`run_eval` evaluates: which examples, how multiple choice is scored, how generation tasks decode.
+    ``dlm eval``'s flags, the trainer's ``eval.*`` fields and lm-evaluation-harness's ``model_args`` all become
+    one of these."""
+
+    data_dir: str | Path | None = None
+    """Folder with ``<task>/`` files."""
+    paths: Mapping[str, str | Path] | None = None
+    """A file or folder per task (``{"piqa": FILE_OR_DIR}``), before ``data_dir``."""
+    limit: int | None = None
+    """The first N examples of each task (None: all)."""
+    scoring: str = "auto"
+    """Multiple choice: ``auto`` follows the model's kind (the exact AR log-likelihood for AR models and I-DLM, the
+    denoising score for mdm / block DLMs), ``causal`` or ``diffusion``."""
+    diffusion_steps: int = 32
+    """Masks of the denoising score (mdm / block DLMs)."""
+    score_batch_tokens: int = DEFAULT_BATCH_TOKENS
+    """Tokens (rows x padded length) per scoring forward."""
+    seed: int = 0
+    """Seeds the denoising score's masks and the generations: a run is deterministic for it."""
+    decoder: str | DecoderConfig = "auto"
+    """Generation tasks (lambada, poem_reverse) decode greedily with this: a config (:mod:`dlm.decode.configs`,
+    e.g. ``MDMConfig(steps=16)``), a decoder name, or ``auto`` (the model's own). ``isd_acceptance`` (I-DLM only)
+    takes its ``ISDConfig``'s stride and candidates when it is one."""
+    batch_size: int = 8
+    """Prompts decoded together by the generation tasks."""
+    poem_direction: str = "ftb"
+    """poem_reverse: ``ftb`` (first line given, the next asked) or ``btf``."""
+    poem_gen_length: int = POEM_GEN_LENGTH
+    """poem_reverse: tokens generated per answer."""
+    keep_predictions: bool = False
+    """Keep each example's prediction in the result (``predictions``)."""
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size < 1:
+            raise DLMError(
+                f"--batch-size (EvalSettings.batch_size) must be a positive integer, got {self.batch_size!r}"
+            )
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 0):
+            raise DLMError(f"--limit (EvalSettings.limit) must be an integer >= 0, got {self.limit!r}")
+
+
+SETTING_NAMES = frozenset(f.name for f in fields(EvalSettings))
+_OLD = {"decode", "gen_steps", "stride", "candidates", "token_budget"}  # their new spellings: dlm.deprecations
+
+
+def _with_deprecated(settings: EvalSettings, deprecated: dict) -> tuple[EvalSettings, ISDConfig, dict]:
+    """(settings, the ISD config of isd_acceptance, settings for an "auto" decoder), with the deprecated keywords of
+    run_eval mapped onto them (a DeprecationWarning each); settings given as loose keywords are refused by name."""
+    loose = sorted(set(deprecated) & SETTING_NAMES)
+    if loose:
+        fix = ", ".join(f"{k}=..." for k in loose)
+        raise DLMError(f"run_eval() takes its settings as EvalSettings({fix}), not {', '.join(k + '=' for k in loose)}")
+    unknown = set(deprecated) - _OLD
     if unknown:
         raise TypeError(f"run_eval() got unexpected keyword arguments {', '.join(sorted(unknown))}")
     for k in deprecated:
         deprecations.warn(
             "run_eval(decode= / gen_steps= / stride= / candidates= / token_budget=)", f"run_eval({k}=...)", 4
         )
+    decoder = settings.decoder
     if deprecated.get("decode") is not None:
         decoder = deprecated["decode"]
     if deprecated.get("token_budget") is not None:
-        score_batch_tokens = deprecated["token_budget"]
+        settings = replace(settings, score_batch_tokens=int(deprecated["token_budget"]))
     isd = {k: deprecated[k] for k in ("stride", "candidates") if deprecated.get(k) is not None}
-    if isinstance(decoder, ISDConfig):
-        drafting = decoder
-    else:
-        drafting = ISDConfig(**isd)
+    drafting = decoder if isinstance(decoder, ISDConfig) else ISDConfig(**isd)
     if decoder == "isd" and isd:
         decoder = drafting
     gen = {"steps": deprecated["gen_steps"]} if deprecated.get("gen_steps") is not None else {}
-    return decoder, drafting, int(score_batch_tokens), gen
+    return replace(settings, decoder=decoder), drafting, gen
 
 
 def run_eval(
     model,
     tasks: str | Sequence[str] = DEFAULT_TASKS,
+    settings: EvalSettings | None = None,
     *,
     tokenizer=None,
-    data_dir=None,
-    paths: dict | None = None,
-    limit: int | None = None,
-    scoring: str = "auto",
-    diffusion_steps: int = 32,
-    seed: int = 0,
-    decoder: str | DecoderConfig = "auto",
-    poem_direction: str = "ftb",
-    poem_gen_length: int = 28,
-    batch_size: int = 8,
-    score_batch_tokens: int = DEFAULT_BATCH_TOKENS,
-    keep_predictions: bool = False,
     generate_fn: GenerateFn | None = None,
     log=None,
     progress: bool = False,
     **deprecated,
 ) -> dict:
-    """Evaluate ``model`` on ``tasks`` and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n",
-    "seconds", ...}}``.
+    """Evaluate ``model`` on ``tasks`` with ``settings`` (:class:`EvalSettings`: the examples, the scoring, the
+    generation decoder) and return ``{task: {"acc", "acc_stderr", ["acc_norm", ...], "n", "seconds", ...}}``.
 
     - ``model``: a :class:`~dlm.model.convert.DiffusionLM` (carries its tokenizer) or a plain HF causal LM with
-      ``tokenizer=``. Scoring follows the model's kind (``scoring="auto"``): the exact AR log-likelihood for AR
-      models and I-DLM, the denoising score with ``diffusion_steps`` masks for mdm/block DLMs, in batches of at most
-      ``score_batch_tokens`` tokens (rows x padded length) per forward.
-    - Task data: ``paths={"piqa": FILE_OR_DIR, ...}`` per task, else ``data_dir/<task>/``. ``limit``: first N
-      examples of each task.
-    - Generation tasks (lambada, poem_reverse) decode greedily with ``decoder``: a decoder config
-      (:mod:`dlm.decode.configs`, e.g. ``MDMConfig(steps=16)``), a decoder name, or ``"auto"``: the model's own.
-    - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD, with ``decoder``'s settings when it is an
-      :class:`~dlm.decode.configs.ISDConfig` (``stride``, default the model's ``block_size + 1``; ``candidates``),
-      and reports acceptance per draft position, TPF and whether the output equals greedy AR.
+      ``tokenizer=``.
+    - ``isd_acceptance`` (I-DLM only) decodes greedily with ISD and reports acceptance per draft position, TPF and
+      whether the output equals greedy AR.
+    - ``generate_fn``: replaces the generation tasks' decoding (tests).
     - Deprecated keywords (one release): ``decode`` (-> ``decoder``), ``gen_steps`` (-> the config's ``steps``),
       ``stride`` / ``candidates`` (-> ``ISDConfig``), ``token_budget`` (-> ``score_batch_tokens``).
-    - Deterministic for a ``seed``. Runs without gradients; the model's train/eval mode is restored afterwards,
+    - Deterministic for a seed. Runs without gradients; the model's train/eval mode is restored afterwards,
       so a training loop can call this between steps. ``log(str)`` receives one line per finished task;
       ``progress``: a progress bar per task on stderr (rate, ETA): rows scored, or prompts generated.
     Flatten the result with :func:`dlm.eval.history.flatten_metrics` / append it with
     :func:`dlm.eval.history.append_history`.
     """
-    decoder, drafting, score_batch_tokens, gen_settings = _settings(decoder, score_batch_tokens, deprecated)
+    if settings is None:
+        settings = EvalSettings()
+    elif not isinstance(settings, EvalSettings):
+        raise DLMError(f"run_eval(settings=...) takes an EvalSettings, got {type(settings).__name__}")
+    s, drafting, gen_settings = _with_deprecated(settings, deprecated)
     names = parse_task_list(tasks)
-    em = as_eval_model(model, tokenizer, scoring)
+    em = as_eval_model(model, tokenizer, s.scoring)
     was_training = model.training
     results: dict = {}
     # Load every task first: a bad file fails in a second, not after an hour of scoring the tasks before it.
     loaded = {}
     for name in names:
-        options = {"direction": poem_direction, "gen_length": poem_gen_length} if name == "poem_reverse" else {}
-        loaded[name] = _limit(load_task(name, data_dir, paths, **options), limit)
+        options = {"direction": s.poem_direction, "gen_length": s.poem_gen_length} if name == "poem_reverse" else {}
+        loaded[name] = _limit(load_task(name, s.data_dir, s.paths, **options), s.limit)
     model.eval()
     with dense_mask_attention(model):
         try:
@@ -114,28 +152,28 @@ def run_eval(
                 t0 = time.perf_counter()
                 examples = loaded[name]
                 if not examples:
-                    raise DLMError(f"{name}: --limit {limit} leaves no examples; use a positive --limit")
+                    raise DLMError(f"{name}: --limit {s.limit} leaves no examples; use a positive --limit")
                 if module.KIND == "isd":
                     res = evaluate_drafting(
                         em,
                         examples,
                         name,
                         drafting,
-                        batch_size=batch_size,
-                        keep_predictions=keep_predictions,
+                        batch_size=s.batch_size,
+                        keep_predictions=s.keep_predictions,
                         progress=progress,
                     )
                 elif module.KIND == "mc":
-                    bar = _bar(name, examples, em, diffusion_steps) if progress else None
+                    bar = _bar(name, examples, em, s.diffusion_steps) if progress else None
                     try:
                         res = evaluate_multiple_choice(
                             em,
                             examples,
                             name,
-                            steps=diffusion_steps,
-                            seed=seed,
-                            batch_tokens=score_batch_tokens,
-                            keep_predictions=keep_predictions,
+                            steps=s.diffusion_steps,
+                            seed=s.seed,
+                            batch_tokens=s.score_batch_tokens,
+                            keep_predictions=s.keep_predictions,
                             progress=bar,
                         )
                     finally:
@@ -146,11 +184,11 @@ def run_eval(
                         em,
                         examples,
                         name,
-                        decoder=resolve_decoder(em, decoder, **gen_settings),
-                        seed=seed,
-                        batch_size=batch_size,
+                        decoder=resolve_decoder(em, s.decoder, **gen_settings),
+                        seed=s.seed,
+                        batch_size=s.batch_size,
                         generate_fn=generate_fn,
-                        keep_predictions=keep_predictions,
+                        keep_predictions=s.keep_predictions,
                         progress=progress,
                     )
                 res["seconds"] = time.perf_counter() - t0

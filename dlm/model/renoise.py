@@ -131,7 +131,6 @@ class RenoiseLM(nn.Module):
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         cache=None,
-        use_cache: bool = True,
         logits_to_keep: int = 0,
         canvas_from: torch.Tensor | None = None,
         noisy: torch.Tensor | None = None,

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from dlm import deprecations
 from dlm.decode.configs import DecoderConfig, entry, make_config
+from dlm.decode.options import EngineOptions, misplaced
 from dlm.errors import DLMError
 
 
 def load_engine(
     model: str,
     decoder: str | DecoderConfig = "isd",
+    options: EngineOptions | None = None,
     *,
-    max_batch_size: int = 16,
     device: str | None = None,
     dtype: str | None = None,
-    threads=None,
-    static_cache: bool | None = None,
-    prefix_cache: int = 0,
     decode: str | None = None,
     isd_token_budget=None,
     **settings,
@@ -25,23 +23,23 @@ def load_engine(
     """Load ``model`` (DLM folder, AR folder or alias; a plain AR model is converted on the fly: to an I-DLM for
     ``isd``/``ar``, to an untrained mdm/block DLM for those decoders) and build the decoding
     :class:`~dlm.decode.engine.Engine` running ``decoder``: a config of :mod:`dlm.decode.configs` (e.g.
-    ``ISDConfig(stride=3, draft_budget="auto")``) or a decoder name for its defaults. Bad settings fail before the
-    model loads. ``prefix_cache``: tokens of recent prompts' KV kept for prompts that start the same way (0: off;
-    :mod:`dlm.decode.prefix`). ``settings`` (the config's fields as keywords) and the old ``decode=`` / ``isd_token_budget=``
-    keywords are deprecated: pass a config."""
+    ``ISDConfig(stride=3, draft_budget="auto")``) or a decoder name for its defaults, with ``options``
+    (:class:`~dlm.decode.options.EngineOptions`; ``dlm serve`` passes :data:`~dlm.decode.options.SERVER`'s defaults
+    and its flags). Bad settings fail before the model loads. ``settings`` (the config's fields as keywords) and the
+    old ``decode=`` / ``isd_token_budget=`` keywords are deprecated: pass a config."""
     from dlm.decode.engine import Engine
-    from dlm.decode.prefix import check_tokens
     from dlm.device import get_device, get_dtype
     from dlm.model.convert import load_any
 
+    misplaced(settings, "load_engine()")
     if decode is not None or isd_token_budget is not None or settings:
         deprecations.warn("load_engine(decode=..., **settings)")
     if decode is not None:
         decoder = decode
     if isd_token_budget is not None:
         settings["draft_budget"] = isd_token_budget
-    if not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise DLMError(f"--max-batch-size must be a positive integer, got {max_batch_size}")
+    if options is not None and not isinstance(options, EngineOptions):
+        raise DLMError(f"load_engine(options=...) takes an EngineOptions, got {type(options).__name__}")
     config = make_config(decoder, **settings)
     dev = get_device(device)
     dlm = load_any(
@@ -50,13 +48,4 @@ def load_engine(
         dtype=get_dtype(dtype, dev),
         device=dev,
     )
-    check_tokens(prefix_cache)  # before the model loads
-    return Engine(
-        dlm,
-        dlm.tokenizer,
-        decoder=config,
-        max_batch_size=max_batch_size,
-        threads=threads,
-        static_cache=static_cache,
-        prefix_cache=prefix_cache,
-    )
+    return Engine(dlm, dlm.tokenizer, config, options)

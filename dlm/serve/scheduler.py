@@ -53,11 +53,10 @@ class Handle:
 class Scheduler:
     """Runs ``engine`` in a background thread; see the module docstring."""
 
-    def __init__(self, engine, metrics=None, idle_wait: float = 0.5, threads: int | None = None):
+    def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
         from dlm.serve.metrics import Metrics
 
         self.engine = engine
-        self.threads = threads  # torch intra-op threads of the engine thread (None: torch's default)
         self.metrics = metrics or Metrics()
         self.idle_wait = idle_wait
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -123,8 +122,6 @@ class Scheduler:
     def _run(self) -> None:
         import torch
 
-        if self.threads:
-            torch.set_num_threads(self.threads)  # per OS thread: it must be set here, in the engine thread
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
@@ -233,20 +230,11 @@ class Scheduler:
             h.push("error", (500, message))
         self._handles.clear()
         old = self.engine
-        threads = old._threads.mode if old._threads is not None else None
         try:
             old.close()
         except Exception:  # noqa: BLE001 - a broken engine may fail to close; the new one replaces it anyway
             log.exception("closing the failed engine")
-        self.engine = Engine(
-            old.model,
-            old.tokenizer,
-            decoder=old.decoder,
-            max_batch_size=old.max_batch_size,
-            compact_threshold=old.compact_threshold,
-            threads=threads,
-            prefix_cache=old.prefix.max_tokens if old.prefix is not None else 0,
-        )
+        self.engine = Engine(old.model, old.tokenizer, old.decoder, old.options)
 
 
 class _EmptyStats:

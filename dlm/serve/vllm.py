@@ -23,6 +23,7 @@ import os
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from dlm.errors import DLMError
@@ -140,49 +141,45 @@ def speculative_config(drafter: str | os.PathLike, target=None, num_speculative_
     return {"method": "draft_model", "model": str(folder), "num_speculative_tokens": k, "parallel_drafting": True}
 
 
-def server_args(
-    model_folder: Path,
-    *,
-    host: str,
-    port: int,
-    served_model_name: str,
-    api_key: str | None,
-    spec: dict | None,
-    enforce_eager: bool = True,
-    max_model_len: int | None = None,
-    max_num_seqs: int | None = None,
-    dtype: str = "auto",
-    prefix_caching: bool = True,
-    tool_call_parser: str | None = None,
-    extra: list[str] | None = None,
-) -> list[str]:
-    """The flags both ``python -m vllm.entrypoints.openai.api_server`` and ``vllm serve`` take (model first)."""
-    args = [
-        str(model_folder),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--served-model-name",
-        served_model_name,
-        "--dtype",
-        dtype,
-    ]
-    if api_key:
-        args += ["--api-key", api_key]
-    if spec:
-        args += ["--speculative-config", json.dumps(spec, separators=(",", ":"))]
-    if enforce_eager:
-        args += ["--enforce-eager"]
-    if max_model_len:
-        args += ["--max-model-len", str(max_model_len)]
-    if max_num_seqs:
-        args += ["--max-num-seqs", str(max_num_seqs)]
-    if not prefix_caching:  # vLLM's own prefix cache is on by default (its KV blocks, sized by its cache)
-        args += ["--no-enable-prefix-caching"]
-    if tool_call_parser:  # tool_choice "auto" read in the model's format (vLLM's parser of the same name)
-        args += ["--enable-auto-tool-choice", "--tool-call-parser", tool_call_parser]
-    return args + list(extra or [])
+@dataclass(frozen=True)
+class VLLMServer:
+    """What ``dlm serve --engine vllm`` asks of vLLM's server; :meth:`args` gives its command-line flags."""
+
+    model_folder: Path
+    host: str
+    port: int
+    served_model_name: str
+    api_key: str | None = None
+    spec: dict | None = None
+    """vLLM's ``--speculative-config`` (:func:`speculative_config`)."""
+    enforce_eager: bool = True
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    dtype: str = "auto"
+    prefix_caching: bool = True
+    tool_call_parser: str | None = None
+    extra: tuple[str, ...] = ()
+    """Flags passed on as they are (``--vllm-arg``)."""
+
+    def args(self) -> list[str]:
+        """The flags both ``python -m vllm.entrypoints.openai.api_server`` and ``vllm serve`` take (model first)."""
+        args = [str(self.model_folder), "--host", self.host, "--port", str(self.port)]
+        args += ["--served-model-name", self.served_model_name, "--dtype", self.dtype]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
+        if self.spec:
+            args += ["--speculative-config", json.dumps(self.spec, separators=(",", ":"))]
+        if self.enforce_eager:
+            args += ["--enforce-eager"]
+        if self.max_model_len:
+            args += ["--max-model-len", str(self.max_model_len)]
+        if self.max_num_seqs:
+            args += ["--max-num-seqs", str(self.max_num_seqs)]
+        if not self.prefix_caching:  # vLLM's own prefix cache is on by default (its KV blocks, sized by its cache)
+            args += ["--no-enable-prefix-caching"]
+        if self.tool_call_parser:  # tool_choice "auto" read in the model's format (vLLM's parser of the same name)
+            args += ["--enable-auto-tool-choice", "--tool-call-parser", self.tool_call_parser]
+        return args + list(self.extra)
 
 
 def redact(args: list[str]) -> list[str]:
@@ -194,7 +191,7 @@ def redact(args: list[str]) -> list[str]:
 
 
 def vllm_serve_command(args: list[str]) -> str:
-    """The ``vllm serve`` command line equivalent to :func:`server_args` (the API key shown as a variable)."""
+    """The ``vllm serve`` command line equivalent to :meth:`VLLMServer.args` (the API key shown as a variable)."""
     shown = redact(args)
     return "vllm serve " + " ".join(a if a == "$DLM_API_KEY" else shlex.quote(a) for a in shown)
 

@@ -81,28 +81,39 @@ def rewind(generator: torch.Generator, state: torch.Tensor | None) -> None:
         generator.set_state(state)
 
 
+@dataclass
+class VerifyGroup:
+    """What one verify-and-accept needs of a group of ``g`` rows besides their logits (see :func:`accept_rows`)."""
+
+    n: int
+    """The stride."""
+    n_drafts: torch.Tensor
+    """[g] long: drafts each row verifies (n-1, or 0 for a cold start / AR step)."""
+    drafts: torch.Tensor | None = None
+    """[g, n-1] long (None: no row verifies)."""
+    windows: torch.Tensor | None = None
+    """[g, n] long: for each accepted count a = 0..n-1, the chunk index of the first of the N-1 masks that give the
+    row's next drafts, -1 where the chunk did not carry that outcome's masks (None: no row drafts)."""
+    q: torch.Tensor | None = None
+    """[R, n-1, V]: the verify rows' drafts' distributions (sampling)."""
+    q_rows: torch.Tensor | None = None
+    """Row j's distributions are ``q[q_rows[j]]``."""
+    rand: Draws | None = None
+    """The group's :func:`draws` (sampling)."""
+
+
 def accept_rows(
     logits: torch.Tensor,
     params: SamplingParams,
     mask_token_id: int | None,
-    n: int,
-    n_drafts: torch.Tensor,
-    drafts: torch.Tensor | None,
-    windows: torch.Tensor | None,
-    q: torch.Tensor | None,
-    q_rows: torch.Tensor | None,
-    rand: Draws | None,
+    group: VerifyGroup,
     draft: str = "sample",
     conf: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One verify-and-accept for a group of ``g`` rows with the same sampling settings ``params``.
 
-    ``logits`` [g, Q, V]: the rows' chunk logits (position 0 at each row's pending token); ``n``: the stride;
-    ``n_drafts`` [g] long: drafts each row verifies (n-1, or 0 for a cold start / AR step); ``drafts`` [g, n-1]
-    long (None: no row verifies); ``windows`` [g, n] long: for each accepted count a = 0..n-1, the chunk index of
-    the first of the N-1 masks that give the row's next drafts, -1 where the chunk did not carry that outcome's
-    masks (None: no row drafts); ``q`` [R, n-1, V]: the verify rows' drafts' distributions (sampling), row
-    ``q_rows[j]`` for row j; ``rand``: the group's :func:`draws` (sampling); ``draft``: 'sample' or 'argmax';
+    ``logits`` [g, Q, V]: the rows' chunk logits (position 0 at each row's pending token); ``group``: their drafts,
+    next-draft windows, drafts' distributions and draws (:class:`VerifyGroup`); ``draft``: 'sample' or 'argmax';
     ``conf``: also each next draft's probability under its own distribution.
 
     Returns ``out`` [g, 2 + 2 (n-1)] float64: accepted count, emitted token, the next drafts, their
@@ -110,9 +121,10 @@ def accept_rows(
     A greedy row accepts d_i iff it is the argmax of p_i and emits the argmax at position ``accepted``; a sampled
     row accepts d_i iff u_i q_i(d_i) < p_i(d_i) (in float64, as the per-row rule compares Python floats) and
     emits a draw from max(0, p - q) at the first rejection (p if that has no mass), else from p."""
+    n, drafts, windows, q, q_rows, rand = group.n, group.drafts, group.windows, group.q, group.q_rows, group.rand
     g, _, v = logits.shape
     dev = logits.device
-    nd = n_drafts
+    nd = group.n_drafts
     verifying = drafts is not None
     npos = n if verifying else 1
     greedy = params.greedy

@@ -484,19 +484,17 @@ class ISDDecoder(Decoder):
                 vocab,
                 sample_drafts=self.draft == "sample",
             )
-        out, q_next = batch.accept_rows(
-            sub,
-            params,
-            engine.mask_token_id,
+        group = batch.VerifyGroup(
             n,
             small[:, 0],
-            small[:, 1:n] if any_verify else None,
-            small[:, n:] if any(may_draft) else None,
-            q,
-            q_rows,
-            rand,
-            draft=self.draft,
-            conf=self.fallback == "predict",
+            drafts=small[:, 1:n] if any_verify else None,
+            windows=small[:, n:] if any(may_draft) else None,
+            q=q,
+            q_rows=q_rows,
+            rand=rand,
+        )
+        out, q_next = batch.accept_rows(
+            sub, params, engine.mask_token_id, group, draft=self.draft, conf=self.fallback == "predict"
         )
         return out, q_next, saved
 

@@ -83,17 +83,13 @@ class EngineOptions:
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise DLMError(f"EngineOptions.compact_threshold is a share in [0, 1], got {c!r}")
 
-    def replace(self, **changes) -> EngineOptions:
-        """A copy with ``changes`` (checked as a new object is)."""
-        return replace(self, **changes)
-
 
 NAMES = frozenset(f.name for f in fields(EngineOptions))
 
 COMMANDS = EngineOptions(threads="auto", prefix_cache=4096)
-"""``dlm generate`` and ``dlm eval``: the idle cores, and a prefix cache (SmolLM2-135M's KV in fp32 is 45 KB a token:
-4096 tokens are 180 MB) for prompts under one chat template or few-shot preamble."""
-SERVER = COMMANDS.replace(max_batch_size=16)
+"""``dlm generate``: the idle cores, and a prefix cache (SmolLM2-135M's KV in fp32 is 45 KB a token: 4096 tokens are
+180 MB) for prompts under one chat template or few-shot preamble (evaluation's generation tasks keep the same)."""
+SERVER = replace(COMMANDS, max_batch_size=16)
 """``dlm serve``: as the commands, with more requests in the running batch (concurrent clients)."""
 
 

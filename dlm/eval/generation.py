@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config, own_decoder
-from dlm.decode.options import EngineOptions
+from dlm.decode.options import COMMANDS, EngineOptions
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
@@ -48,7 +48,6 @@ def generate_tokens(
     tokens for prompt i (fewer if the model stops at EOS). One engine run: requests of different lengths share the
     batch. ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
     from dlm.decode import generate
-    from dlm.decode.options import COMMANDS, EngineOptions
     from dlm.decode.sampling import SamplingParams
 
     config = resolve_decoder(em, decoder)
@@ -171,25 +170,10 @@ def evaluate_drafting(
         from dlm.progress import bar as progress_bar
 
         bar = progress_bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
+    options = EngineOptions(max_batch_size=batch_size)
     try:
-        isd = generate(
-            em.dlm,
-            prompts,
-            decoder,
-            params,
-            tokenizer=em.tokenizer,
-            options=EngineOptions(max_batch_size=batch_size),
-            progress=bar,
-        )
-        ar = generate(
-            em.dlm,
-            prompts,
-            "ar",
-            params,
-            tokenizer=em.tokenizer,
-            options=EngineOptions(max_batch_size=batch_size),
-            progress=bar,
-        )
+        isd = generate(em.dlm, prompts, decoder, params, tokenizer=em.tokenizer, options=options, progress=bar)
+        ar = generate(em.dlm, prompts, "ar", params, tokenizer=em.tokenizer, options=options, progress=bar)
     finally:
         if bar is not None:
             bar.close()

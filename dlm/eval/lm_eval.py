@@ -154,17 +154,17 @@ class DLMHarnessModel(LM):
     def chat_template(self, chat_template=False):
         return getattr(self.em.tokenizer, "chat_template", None)
 
+    def _denoising(self, pairs, keys) -> list[float]:
+        """The denoising scores of (context, continuation) pairs under the settings' steps, seed and batch."""
+        s = self.settings
+        return denoising_scores(
+            self.em, pairs, keys, steps=s.diffusion_steps, seed=s.seed, batch_tokens=s.score_batch_tokens
+        )
+
     def _score(self, pairs, keys) -> list[tuple[float, bool]]:
         if self.em.kind == "causal":
             return loglikelihoods(self.em, pairs, self.settings.score_batch_tokens)
-        scores = denoising_scores(
-            self.em,
-            pairs,
-            keys,
-            steps=self.settings.diffusion_steps,
-            seed=self.settings.seed,
-            batch_tokens=self.settings.score_batch_tokens,
-        )
+        scores = self._denoising(pairs, keys)
         if self.diffusion_ll == "sum":
             return [(-s * len(cont), False) for s, (_, cont) in zip(scores, pairs)]
         return [(-s, False) for s in scores]
@@ -197,14 +197,7 @@ class DLMHarnessModel(LM):
             if self.em.kind == "causal":
                 out.append(sum(ll for ll, _ in loglikelihoods(self.em, windows, self.settings.score_batch_tokens)))
             else:  # an estimate of the total log-likelihood: minus (mean denoising CE x tokens)
-                scores = denoising_scores(
-                    self.em,
-                    windows,
-                    keys,
-                    steps=self.settings.diffusion_steps,
-                    seed=self.settings.seed,
-                    batch_tokens=self.settings.score_batch_tokens,
-                )
+                scores = self._denoising(windows, keys)
                 out.append(-sum(s * len(c) for s, (_, c) in zip(scores, windows)))
         return out
 

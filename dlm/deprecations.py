@@ -16,7 +16,6 @@ TABLE: dict[str, str] = {
     "generate(..., **settings)": "the decoder's config: generate(model, prompts, ISDConfig(stride=3), params)",
     "load_engine(decode=..., **settings)": "the decoder's config: load_engine(model, ISDConfig(stride=3))",
     "decoder keyword token_budget= / block_length= / method=": "draft_budget= / semi_ar_block= / sampler=",
-    "ISDDecoder(token_budget=...)": "ISDDecoder(draft_budget=...), the same drafting policy",
     "run_eval(decode= / gen_steps= / stride= / candidates= / token_budget=)": (
         "decoder= (a config: its steps, ISDConfig(stride=, candidates=)) and score_batch_tokens="
     ),

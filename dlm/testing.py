@@ -221,11 +221,12 @@ def _oracle_candidates_class():
         return _ORACLE[1]
     import torch
 
+    from dlm.decode.configs import ISDConfig
     from dlm.decode.isd import ISDDecoder
 
     class OracleCandidates(ISDDecoder):
         def __init__(self, truth, miss, seed, **kw):
-            super().__init__(**kw)
+            super().__init__(ISDConfig(**kw))
             self.truth, self.miss = truth, miss
             self.rng = torch.Generator().manual_seed(seed)
 
@@ -255,11 +256,12 @@ def _oracle_class():
         return _ORACLE[0]
     import torch
 
+    from dlm.decode.configs import ISDConfig
     from dlm.decode.isd import ISDDecoder
 
     class OracleISD(ISDDecoder):
         def __init__(self, truth, accept, seed, **kw):
-            super().__init__(**kw)
+            super().__init__(ISDConfig(**kw))
             if not 0.0 <= accept <= 1.0:
                 raise ValueError(f"accept must be in [0, 1], got {accept!r}")
             self.truth, self.accept = truth, accept

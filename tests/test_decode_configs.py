@@ -56,11 +56,12 @@ def test_registry_maps_each_name_to_its_decoder_and_config():
     for name, entry in REGISTRY.items():
         cls = entry.decoder_class()
         assert issubclass(cls, Decoder) and cls.name == name and entry.config.name == name
-        decoder = build_decoder(entry.config())
-        assert isinstance(decoder, cls)
-        # every config field reaches a parameter of the decoder's constructor
-        params = inspect.signature(cls.__init__).parameters
-        assert set(entry.config().decoder_kwargs()) <= set(params), name
+        config = entry.config()
+        decoder = build_decoder(config)
+        assert isinstance(decoder, cls) and decoder.config is config
+        # a decoder is constructed from its config alone: no keyword spelling of its settings
+        assert list(inspect.signature(cls.__init__).parameters) == ["self", "config"], name
+        assert isinstance(cls().config, entry.config), name  # no config: the config's defaults
 
 
 def test_every_command_takes_the_same_decoder_flags():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from dlm import convert_ar_to_dlm
+from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder
 from dlm.decode.options import EngineOptions
@@ -49,7 +50,7 @@ class OracleDrafts(ISDDecoder):
     drafts from a verify step), partial acceptance and rejection at every draft position."""
 
     def __init__(self, truth, prompt_len, corrupt, seed=0, **kw):
-        super().__init__(**kw)
+        super().__init__(ISDConfig(**kw))
         self.truth, self.prompt_len, self.corrupt = truth, prompt_len, corrupt
         self.rng = torch.Generator().manual_seed(seed)
 
@@ -88,7 +89,7 @@ class CountFallbacks(ISDDecoder):
     """Counts verify steps whose rejection was followed by drafts from that branch's masks."""
 
     def __init__(self, **kw):
-        super().__init__(**kw)
+        super().__init__(ISDConfig(**kw))
         self.fallbacks = 0
 
     def _next_drafts(self, engine, row, logits, outcome):
@@ -308,7 +309,7 @@ def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length(
     verify chunk stays 2N-1 tokens; ``all`` carries every branch; ``off`` only the all-accepted one."""
     from dlm.decode.isd import ISDRowState, branch_layout
 
-    dec = ISDDecoder(stride=3)
+    dec = ISDDecoder(ISDConfig(stride=3))
     row = ISDRowState()
     for conf, want in [
         ([0.9, 0.9], (0,)),  # P(0) .81
@@ -321,13 +322,16 @@ def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length(
         if conf == [0.6, 0.6]:
             want = (1,)
         assert got == want, (conf, got)
-    assert ISDDecoder(stride=3, fallback="off")._branches(row) == (0,)
-    assert ISDDecoder(stride=3, fallback="all")._branches(row) == (0, 1, 2)
-    assert ISDDecoder(stride=3).verify_len == 5 and ISDDecoder(stride=3, fallback="all").verify_len == 9
+    assert ISDDecoder(ISDConfig(stride=3, fallback="off"))._branches(row) == (0,)
+    assert ISDDecoder(ISDConfig(stride=3, fallback="all"))._branches(row) == (0, 1, 2)
+    assert (
+        ISDDecoder(ISDConfig(stride=3)).verify_len == 5
+        and ISDDecoder(ISDConfig(stride=3, fallback="all")).verify_len == 9
+    )
     offsets, attn = branch_layout(2, (1,))
     assert offsets == [0, 1, 1] and attn.tolist() == [[1, 0, 0], [1, 1, 0], [1, 0, 1]]
     with pytest.raises(DLMError, match="--isd-fallback"):
-        ISDDecoder(fallback="sometimes")
+        ISDDecoder(ISDConfig(fallback="sometimes"))
 
 
 def test_accept_calibration_learns_that_unconfident_drafts_are_right():
@@ -346,7 +350,7 @@ def test_accept_calibration_learns_that_unconfident_drafts_are_right():
         cal.observe(1, 0.9, False)
     assert cal.p_accept(1, 0.9) < 0.01 and cal.counts[(1, 9)][1] <= cal.cap  # capped: it can turn again
 
-    dec = ISDDecoder(stride=2)
+    dec = ISDDecoder(ISDConfig(stride=2))
     row = ISDRowState(conf=[0.2])
     assert dec._branches(row) == (1,)
     dec._calib = cal
@@ -385,7 +389,7 @@ class OracleCandidates(ISDDecoder):
     ``miss``): every candidate slot gets accepted sometimes, so the kept KV is non-contiguous in the chunk."""
 
     def __init__(self, truth, prompt_len, miss, seed=0, **kw):
-        super().__init__(**kw)
+        super().__init__(ISDConfig(**kw))
         self.truth, self.prompt_len, self.miss = truth, prompt_len, miss
         self.rng = torch.Generator().manual_seed(seed)
         self.slots = []
@@ -472,13 +476,16 @@ def test_isd_sampling_with_candidates_has_the_ar_distribution():
 
 
 def test_isd_candidates_settings_and_errors():
-    assert ISDDecoder(candidates=3).verify_len == 8 and ISDDecoder(candidates=3, fallback="off").verify_len == 7
+    assert (
+        ISDDecoder(ISDConfig(candidates=3)).verify_len == 8
+        and ISDDecoder(ISDConfig(candidates=3, fallback="off")).verify_len == 7
+    )
     assert Engine(idlm("llama", block_size=3), decoder="isd", candidates=2).decoder.stride == 2  # not block + 1
     for bad in (0, 9, "2", 2.0, True):
         with pytest.raises(DLMError, match="--isd-candidates must be an integer from 1 to 8"):
-            ISDDecoder(candidates=bad)
+            ISDDecoder(ISDConfig(candidates=bad))
     with pytest.raises(DLMError, match="--stride 2 only, got --stride 3"):
-        ISDDecoder(stride=3, candidates=2)
+        ISDDecoder(ISDConfig(stride=3, candidates=2))
     # more candidates than the vocabulary has tokens: every token is a candidate (never the mask), all accepted
     small = tiny_idlm(vocab=5)
     params = SamplingParams(max_new_tokens=9, ignore_eos=True)
@@ -490,7 +497,7 @@ def test_isd_candidates_settings_and_errors():
         if not sampled:
             assert r.token_ids == ar
     # top-k 2 leaves q two tokens with mass: at most two candidates are drawn, the chunk shrinks to match
-    dec = ISDDecoder(candidates=3)
+    dec = ISDDecoder(ISDConfig(candidates=3))
     r = Engine(idlm("llama"), decoder=dec, options=EngineOptions(max_batch_size=2)).generate(
         [[5, 6, 7], [8, 9]], SamplingParams(max_new_tokens=12, temperature=1.0, top_k=2, seed=1, ignore_eos=True)
     )
@@ -540,16 +547,16 @@ def test_isd_candidates_beyond_the_first_only_where_the_mask_gives_them_mass():
     candidate_min_prob (default 0.05): a confident mask costs a 4-token chunk, an unsure one the full tree; the
     output stays AR's, greedy and sampled (the count comes from q alone, before any draw)."""
     probs = torch.tensor([0.7, 0.2, 0.03])
-    assert ISDDecoder(candidates=3)._candidate_count(probs) == 2
-    assert ISDDecoder(candidates=3, candidate_min_prob=0.0)._candidate_count(probs) == 3
-    assert ISDDecoder(candidates=3)._candidate_count(torch.tensor([0.97, 0.02, 0.01])) == 1
+    assert ISDDecoder(ISDConfig(candidates=3))._candidate_count(probs) == 2
+    assert ISDDecoder(ISDConfig(candidates=3, candidate_min_prob=0.0))._candidate_count(probs) == 3
+    assert ISDDecoder(ISDConfig(candidates=3))._candidate_count(torch.tensor([0.97, 0.02, 0.01])) == 1
     for bad in (-0.1, 1.5, "0.1", True):
         with pytest.raises(DLMError, match="--isd-candidate-min-prob must be a probability"):
-            ISDDecoder(candidates=2, candidate_min_prob=bad)
+            ISDDecoder(ISDConfig(candidates=2, candidate_min_prob=bad))
     small = tiny_idlm(vocab=5)  # its mask spreads over 4 tokens: some steps above 0.25 for a 2nd/3rd, some not
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     ar = Engine(small, decoder="ar").generate([[1, 2, 3], [3, 1]], params)
-    dec = ISDDecoder(candidates=3, candidate_min_prob=0.25)
+    dec = ISDDecoder(ISDConfig(candidates=3, candidate_min_prob=0.25))
     got = Engine(small, decoder=dec, options=EngineOptions(max_batch_size=2)).generate([[1, 2, 3], [3, 1]], params)
     assert [r.token_ids for r in got] == [r.token_ids for r in ar]
     assert len({key[1][1] for key in dec._trees.layouts}) >= 2, dec._trees.layouts  # chunks of more than one size ran

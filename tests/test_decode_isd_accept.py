@@ -115,15 +115,18 @@ def test_record_verify_counts_per_draft_position():
     assert s.acceptance == [2 / 3, 0.5, 1.0]
 
 
-@pytest.mark.filterwarnings("ignore::dlm.deprecations.DLMDeprecationWarning")  # the old name, meant
-def test_token_budget_is_the_old_name_of_draft_budget():
+def test_the_decoder_is_built_from_its_config():
+    from dlm.decode.configs import BlockConfig, ISDConfig
     from dlm.decode.isd import ISDDecoder
     from dlm.decode.schedule import MeasuredDraft, TokenBudget
     from dlm.errors import DLMError
 
-    assert isinstance(ISDDecoder(stride=3, draft_budget="auto").policy, MeasuredDraft)
-    with pytest.warns(DeprecationWarning, match=r"use ISDDecoder\(draft_budget=\.\.\.\)"):
-        dec = ISDDecoder(stride=3, token_budget=6)
+    config = ISDConfig(stride=3, draft_budget=6)
+    dec = ISDDecoder(config)
+    assert dec.config is config and dec.stride == 3
     assert dec.draft_budget == 6 and isinstance(dec.policy, TokenBudget) and dec.policy.budget == 6
-    with pytest.raises(DLMError, match="not both"):
-        ISDDecoder(draft_budget=4, token_budget=6)
+    assert isinstance(ISDDecoder(ISDConfig(stride=3, draft_budget="auto")).policy, MeasuredDraft)
+    with pytest.raises(DLMError, match=r"constructed from its config, a ISDConfig object, not a BlockConfig"):
+        ISDDecoder(BlockConfig())
+    with pytest.raises(TypeError):
+        ISDDecoder(stride=3)  # no keyword spelling of a setting: the config is the one place

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dlm import convert_ar_to_dlm
+from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Engine
 from dlm.decode.isd import ISDDecoder, batch
 from dlm.decode.options import EngineOptions
@@ -121,7 +122,12 @@ def test_batched_sampling_equals_per_row_generator_for_generator(stride, monkeyp
     for fallback in ("predict", "all", "off"):
         for draft in ("sample", "argmax"):
             got = both(
-                dlm, lambda: ISDDecoder(stride=stride, fallback=fallback, draft=draft), prompts, params, 4, monkeypatch
+                dlm,
+                lambda: ISDDecoder(ISDConfig(stride=stride, fallback=fallback, draft=draft)),
+                prompts,
+                params,
+                4,
+                monkeypatch,
             )
             acc = [a for r in got for a in r.stats.acceptance]
             assert max(acc) > 0.3 and min(acc) < 0.95, (fallback, draft, acc)
@@ -133,9 +139,9 @@ def test_batched_path_with_ar_steps_and_a_single_row(monkeypatch):
     dlm = tiny_idlm()
     params = [SamplingParams(max_new_tokens=12 + 2 * i, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(4)]
     prompts = [[1, 2, 3], [2, 1], [3, 0, 1], [1]]
-    dec = lambda: ISDDecoder(stride=3, draft_budget=10)  # noqa: E731 - two rows of 5 draft, more run AR
+    dec = lambda: ISDDecoder(ISDConfig(stride=3, draft_budget=10))  # noqa: E731 - two rows of 5 draft, more run AR
     both(dlm, dec, prompts, params, 3, monkeypatch)
-    both(dlm, lambda: ISDDecoder(stride=3), prompts[:1], params[:1], 1, monkeypatch)
+    both(dlm, lambda: ISDDecoder(ISDConfig(stride=3)), prompts[:1], params[:1], 1, monkeypatch)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -161,7 +167,7 @@ def test_a_batched_step_moves_one_small_tensor_to_the_host(temperature, monkeypa
 
     params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=0, ignore_eos=True)
     for fused in (True, False):
-        dec = ISDDecoder(stride=n)
+        dec = ISDDecoder(ISDConfig(stride=n))
         dec.batch_verify = fused
         Engine(dlm, decoder=wrap(dec), options=EngineOptions(max_batch_size=4)).generate(prompts, params)
     for rows, conversions in seen[True]:

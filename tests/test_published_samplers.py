@@ -515,7 +515,7 @@ def test_the_family_sampler_is_the_default(models):
     for family, decode, ref, ref_kw in cases:
         got = generate(models[family], [MIXED[0]], decode, p)[0].token_ids
         assert got == ref(models[family], MIXED[0], p, **ref_kw), family
-    assert Engine(models["llada"], decoder="mdm").decoder.method == "llada"
+    assert Engine(models["llada"], decoder="mdm").decoder.sampler.name == "llada"
     from dlm.decode.configs import BlockConfig, make_config
 
     assert Engine(models["llada2"], decoder="block").decoder.threshold == 0.95  # LLaDA2's
@@ -541,20 +541,20 @@ def test_the_family_sampler_is_the_default(models):
 
 
 def test_sampler_option_errors():
+    from dlm.decode.configs import BlockConfig, MDMConfig
+
     for kw, words in (
-        (dict(method="dream", cfg_scale=1.0), "--cfg-scale"),
-        (dict(method="llada", alg="entropy"), "--alg"),
+        (dict(sampler="dream", cfg_scale=1.0), "--cfg-scale"),
+        (dict(sampler="llada", alg="entropy"), "--alg"),
         (dict(alg="nope"), "--alg"),
-        (dict(method="llada", remasking="x"), "--remasking"),
+        (dict(sampler="llada", remasking="x"), "--remasking"),
         (dict(cfg_scale=-1.0), "--cfg-scale"),
-        (dict(method="dream", alg_temp=-1.0), "--alg-temp"),
+        (dict(sampler="dream", alg_temp=-1.0), "--alg-temp"),
     ):
         with pytest.raises(DLMError, match=words):
-            MDMDecoder(**kw)
-    from dlm.decode.block import BlockDecoder
-
+            MDMDecoder(MDMConfig(**kw))
     with pytest.raises(DLMError, match="--remasking"):
-        BlockDecoder(remasking="low_confidence")
+        BlockConfig(remasking="low_confidence")
     from dlm.decode.mdm import llada_quotas
 
     with pytest.raises(DLMError, match="--steps 2"):

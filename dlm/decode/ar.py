@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from dlm.decode.configs import ARConfig, decoder_config
 from dlm.decode.engine import Decoder, Engine, Row
 from dlm.decode.isd.accept import verify_forced
 from dlm.decode.sampling import argmax_no_mask, next_token
@@ -37,12 +38,16 @@ class ARDecoder(Decoder):
     # verifies, "drafted": whether they are drafts, "lookup": the row's n-gram index (NgramIndex), "k": how many
     # drafts it proposes next}
 
-    def __init__(
-        self, prompt_lookup: int = 0, prompt_lookup_min: int = 2, prompt_lookup_max: int = 4, lookup_budget=None
-    ):
+    def __init__(self, config: ARConfig | None = None):
         from dlm.decode.schedule import make_policy
 
-        self.prompt_lookup, self.lookup_min, self.lookup_max = prompt_lookup, prompt_lookup_min, prompt_lookup_max
+        self.config = config = decoder_config(self.name, config)
+        prompt_lookup, lookup_budget = config.prompt_lookup, config.lookup_budget
+        self.prompt_lookup, self.lookup_min, self.lookup_max = (
+            prompt_lookup,
+            config.prompt_lookup_min,
+            config.prompt_lookup_max,
+        )
         # when a step drafts (dlm.decode.schedule, as ISD's --isd-draft-budget): a row feeds K + 1 tokens
         self.policy = (
             make_policy(lookup_budget, 2, prompt_lookup + 1, "--prompt-lookup-budget") if prompt_lookup else None

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from dlm.decode.configs import BlockConfig
+from dlm.decode.configs import BlockConfig, decoder_config
 from dlm.decode.engine import Engine, Row
 from dlm.decode.mdm import DiffusionDecoder, even_split, propose
 from dlm.errors import DLMError
@@ -46,29 +46,15 @@ def block_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, b: int) -> torch.Tensor
 class BlockDecoder(DiffusionDecoder):
     name = "block"
 
-    def __init__(
-        self,
-        steps: int | None = None,
-        threshold: float | None = 0.9,
-        remasking: str | None = None,
-        editing_threshold: float | None = None,
-        max_post_steps: int = 16,
-        quota_overflow: str | None = None,
-    ):
-        BlockConfig(  # the checks, written once
-            steps=steps,
-            threshold=threshold,
-            remasking=remasking,
-            editing_threshold=editing_threshold,
-            max_post_steps=max_post_steps,
-            quota_overflow=quota_overflow,
-        )
-        self.remasking = remasking
-        self.editing_threshold, self.max_post_steps = editing_threshold, max_post_steps
-        self.quota_overflow = quota_overflow or "masks"
+    def __init__(self, config: BlockConfig | None = None):
+        self.config = config = decoder_config(self.name, config)
+        threshold = config.threshold
+        self.remasking = config.remasking  # None: the family's (check_model)
+        self.editing_threshold, self.max_post_steps = config.editing_threshold, config.max_post_steps
+        self.quota_overflow = config.quota_overflow or "masks"
         if threshold is not None and float(threshold) <= 0.0:
             threshold = None  # top-k commits
-        self.steps, self.threshold = steps, threshold
+        self.steps, self.threshold = config.steps, threshold
         self.block_size, self.shift = 1, False
         self.length_quotas = self.steps_at_most_new_tokens = False
 

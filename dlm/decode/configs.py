@@ -69,7 +69,8 @@ def _is_int(value) -> bool:
 
 @dataclass
 class DecoderConfig:
-    """What every decoder config has: its registry ``name`` and the keyword arguments of its decoder class.
+    """What every decoder config has: its registry ``name``; its fields are its decoder's settings (a decoder is
+    constructed from its config: :func:`decoder_config`).
 
     It also knows which settings its caller chose (``given``: the fields passed to the constructor or assigned
     later); the others take a published family's defaults when the engine runs the config on such a model
@@ -91,10 +92,6 @@ class DecoderConfig:
         if name != "given" and name in self.__dict__ and "given" in self.__dict__:
             object.__setattr__(self, "given", self.__dict__["given"] | {name})
         object.__setattr__(self, name, value)
-
-    def decoder_kwargs(self) -> dict[str, Any]:
-        """The decoder class's keyword arguments (the field names, unless a field's metadata says ``arg``)."""
-        return {f.metadata.get("arg") or f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def _fail(self, field: str, message: str):
         f = next(f for f in dataclasses.fields(self) if f.name == field)
@@ -166,6 +163,10 @@ def _check_steps(cfg: MDMConfig | BlockConfig) -> None:
         cfg._fail("steps", f"must be a positive integer, got {steps!r}")
 
 
+# the settings that belong to one masked-diffusion sampler (0 / None: not set)
+MDM_SAMPLER_SETTINGS = {"cfg_scale": "llada", "remasking": "llada", "alg": "dream", "alg_temp": "dream"}
+
+
 @dataclass
 class MDMConfig(DecoderConfig):
     """Masked-diffusion sampling for bidirectional DLMs (MDLM / DiffuLLaMA / LLaDA / Dream)."""
@@ -178,7 +179,6 @@ class MDMConfig(DecoderConfig):
         "the sampler; None: the model family's (llada, dream), else confidence",
         choices=MDM_SAMPLERS,
         flag="--sampler",
-        arg="method",
         old=(None, "method"),
     )
     steps: int | None = opt(None, "denoising passes per request; None: one per generated token")
@@ -212,18 +212,20 @@ class MDMConfig(DecoderConfig):
             self._fail("alg_temp", f"must be >= 0, got {self.alg_temp!r}")
         if self.dream_top_k is not None and (not isinstance(self.dream_top_k, int) or self.dream_top_k < 0):
             self._fail("dream_top_k", f"must be an int >= 0 (0 = none), got {self.dream_top_k!r}")
-        for field, value, owner in (
-            ("cfg_scale", self.cfg_scale or None, "llada"),
-            ("remasking", self.remasking, "llada"),
-            ("alg", self.alg, "dream"),
-            ("alg_temp", self.alg_temp, "dream"),
-        ):
-            if value is not None and self.sampler is not None and self.sampler != owner:
-                self._fail(field, f"is a setting of --sampler {owner}; drop it or use --sampler {owner}")
+        if self.sampler is not None:
+            self.check_sampler(self.sampler)
         if self.sampler == "threshold" and not 0.0 <= float(self.threshold or 0.9) < 1.0:
             self._fail("threshold", f"must be in [0, 1) for the threshold sampler, got {self.threshold!r}")
         if not _is_int(self.semi_ar_block) or self.semi_ar_block < 1:
             self._fail("semi_ar_block", f"must be a positive integer, got {self.semi_ar_block!r}")
+
+    def check_sampler(self, sampler: str) -> None:
+        """Refuse a setting of another sampler than ``sampler`` (the one given, or the model family's where none
+        was: the decoder checks again once it knows the model)."""
+        for field, owner in MDM_SAMPLER_SETTINGS.items():
+            value = getattr(self, field)
+            if value is not None and value != 0 and sampler != owner:
+                self._fail(field, f"is a setting of --sampler {owner}; drop it or use --sampler {owner}")
 
 
 @dataclass
@@ -532,7 +534,21 @@ def with_family_defaults(config: DecoderConfig, defaults: dict[str, Any]) -> Dec
 
 def build_decoder(config: DecoderConfig):
     """The decoder object that runs ``config``."""
-    return entry(config.name).decoder_class()(**config.decoder_kwargs())
+    return entry(config.name).decoder_class()(config)
+
+
+def decoder_config(name: str, config: DecoderConfig | None) -> DecoderConfig:
+    """The config the decoder ``name`` is constructed from: ``config`` (an instance of the decoder's registered
+    config class), or that class's defaults when None. Each decoder's ``__init__`` takes it through here."""
+    cls = entry(name).config
+    if config is None:
+        return cls()
+    if not isinstance(config, cls):
+        raise DLMError(
+            f"the {name} decoder is constructed from its config, a {cls.__name__} object, not a {type(config).__name__}; "
+            f"build one with {cls.__name__}(...) or dlm.decode.configs.make_config({name!r}, ...)"
+        )
+    return config
 
 
 # -- command-line flags ---------------------------------------------------------------------------------------

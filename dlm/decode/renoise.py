@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlm.decode.configs import RenoiseConfig, decoder_config, own_decoder
 from dlm.decode.engine import Decoder, Engine, Row
 from dlm.errors import DLMError
 
@@ -66,24 +67,9 @@ class RenoiseDecoder(Decoder):
     causal = False
     static_ok = False  # its forward takes the canvas start and the self-conditioning signal
 
-    def __init__(
-        self,
-        steps: int | None = None,
-        entropy_bound: float | None = None,
-        t_min: float | None = None,
-        t_max: float | None = None,
-        stability_threshold: int | None = None,
-        confidence_threshold: float | None = None,
-    ):
-        given = {
-            "steps": steps,
-            "entropy_bound": entropy_bound,
-            "t_min": t_min,
-            "t_max": t_max,
-            "stability_threshold": stability_threshold,
-            "confidence_threshold": confidence_threshold,
-        }
-        s = {k: (DEFAULTS[k] if v is None else v) for k, v in given.items()}
+    def __init__(self, config: RenoiseConfig | None = None):
+        self.config = config = decoder_config(self.name, config)
+        s = {k: (DEFAULTS[k] if getattr(config, k) is None else getattr(config, k)) for k in DEFAULTS}
         if not s["t_max"] > s["t_min"]:
             raise DLMError(f"--t-max ({s['t_max']}) must be above --t-min ({s['t_min']})")
         self.steps, self.entropy_bound = int(s["steps"]), float(s["entropy_bound"])
@@ -96,8 +82,6 @@ class RenoiseDecoder(Decoder):
         spec = engine.spec
         lm = getattr(engine.model, "renoise", None)
         if spec is None or spec.objective != "renoise" or lm is None:
-            from dlm.decode.configs import own_decoder
-
             what = "a plain causal LM" if spec is None else f"a '{spec.objective}' model"
             raise DLMError(
                 f"--decode renoise needs a uniform-noise (renoising) DLM such as a DiffusionGemma checkpoint; this "

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from dlm import deprecations
-from dlm.decode.configs import ISDConfig
+from dlm.decode.configs import ISDConfig, decoder_config
 from dlm.decode.engine import Decoder, Engine, Keep, Row, warn
 from dlm.decode.isd import accept, batch, policy
 from dlm.decode.isd.accept import verify_forced
@@ -49,36 +48,15 @@ class ISDDecoder(Decoder):
     # already are on the host and the per-row path measured as fast or faster (vocabulary 49,152, 1-16 rows)
     batch_verify: bool | None = None
 
-    def __init__(
-        self,
-        stride: int | None = None,
-        draft: str = "sample",
-        draft_budget: int | str | policy.DraftPolicy | None = None,
-        fallback: str = "predict",
-        candidates: int = 1,
-        candidate_min_prob: float = policy.CANDIDATE_MIN_PROB,
-        token_budget: int | str | policy.DraftPolicy | None = None,
-    ):
-        if token_budget is not None:
-            deprecations.warn("ISDDecoder(token_budget=...)")
-            if draft_budget is not None:
-                raise DLMError("give ISDDecoder draft_budget or its old name token_budget, not both")
-            draft_budget = token_budget
-        # the checks of the settings, written once (dlm.decode.configs)
-        ISDConfig(
-            stride=stride,
-            draft=draft,
-            draft_budget=draft_budget,
-            fallback=fallback,
-            candidates=candidates,
-            candidate_min_prob=candidate_min_prob,
-        )
-        self.stride = stride
-        self.draft = draft
+    def __init__(self, config: ISDConfig | None = None):
+        self.config = config = decoder_config(self.name, config)
+        stride, draft_budget = config.stride, config.draft_budget
+        self.stride = stride  # None: the model's (check_model)
+        self.draft = config.draft
         self.draft_budget = draft_budget
-        self.fallback = fallback
-        self.candidates = candidates
-        self.candidate_min_prob = float(candidate_min_prob)
+        self.fallback = config.fallback
+        self.candidates = config.candidates
+        self.candidate_min_prob = float(config.candidate_min_prob)
         self._trees = LayoutCache()
         self._window_cache: dict[tuple[int, ...], list[int]] = {}  # branches -> _windows(branches)
         self._calib = policy.AcceptCalibration()
@@ -86,11 +64,6 @@ class ISDDecoder(Decoder):
         # refuses a bad value at construction, before the model is checked; rebuilt in check_model for the stride
         self.policy: policy.DraftPolicy = policy.make_policy(draft_budget, stride or 2)
         self._drafting = True  # this step's choice (plan_step)
-
-    @property
-    def token_budget(self) -> int | str | policy.DraftPolicy | None:
-        """The old name of :attr:`draft_budget`."""
-        return self.draft_budget
 
     @property
     def n(self) -> int:

@@ -9,6 +9,7 @@ import torch
 
 from dlm import convert_ar_to_dlm
 from dlm.decode import static
+from dlm.decode.configs import ISDConfig
 from dlm.decode.engine import Engine, KVBatch
 from dlm.decode.isd import ISDDecoder
 from dlm.decode.options import EngineOptions
@@ -98,7 +99,7 @@ class OracleCandidates(ISDDecoder):
     sometimes, so a row's kept KV is not a prefix of its chunk (holes in the static layout)."""
 
     def __init__(self, truth, seed=0, **kw):
-        super().__init__(**kw)
+        super().__init__(ISDConfig(**kw))
         self.truth, self.rng = truth, torch.Generator().manual_seed(seed)
 
     def _draft(self, engine, row, mask_logits, first_pos):

@@ -41,7 +41,7 @@ class ARDecoder(Decoder):
     def __init__(self, config: ARConfig | None = None):
         from dlm.decode.schedule import make_policy
 
-        self.config = config = decoder_config(self.name, config)
+        self.config = config = decoder_config(ARConfig, config)
         prompt_lookup, lookup_budget = config.prompt_lookup, config.lookup_budget
         self.prompt_lookup, self.lookup_min, self.lookup_max = (
             prompt_lookup,

@@ -47,7 +47,7 @@ class BlockDecoder(DiffusionDecoder):
     name = "block"
 
     def __init__(self, config: BlockConfig | None = None):
-        self.config = config = decoder_config(self.name, config)
+        self.config = config = decoder_config(BlockConfig, config)
         threshold = config.threshold
         self.remasking = config.remasking  # None: the family's (check_model)
         self.editing_threshold, self.max_post_steps = config.editing_threshold, config.max_post_steps

@@ -22,7 +22,7 @@ import dataclasses
 import importlib
 import sys
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from dlm import deprecations
 from dlm.errors import DLMError, closest
@@ -537,16 +537,19 @@ def build_decoder(config: DecoderConfig):
     return entry(config.name).decoder_class()(config)
 
 
-def decoder_config(name: str, config: DecoderConfig | None) -> DecoderConfig:
-    """The config the decoder ``name`` is constructed from: ``config`` (an instance of the decoder's registered
-    config class), or that class's defaults when None. Each decoder's ``__init__`` takes it through here."""
-    cls = entry(name).config
+C = TypeVar("C", bound=DecoderConfig)
+
+
+def decoder_config(cls: type[C], config: C | None) -> C:
+    """The config a decoder is constructed from: ``config`` (an instance of ``cls``, the decoder's config class as
+    registered), or ``cls``'s defaults when None. Each decoder's ``__init__`` takes it through here."""
     if config is None:
         return cls()
     if not isinstance(config, cls):
         raise DLMError(
-            f"the {name} decoder is constructed from its config, a {cls.__name__} object, not a {type(config).__name__}; "
-            f"build one with {cls.__name__}(...) or dlm.decode.configs.make_config({name!r}, ...)"
+            f"the {cls.name} decoder is constructed from its config, a {cls.__name__} object, not a "
+            f"{type(config).__name__}; build one with {cls.__name__}(...) or "
+            f"dlm.decode.configs.make_config({cls.name!r}, ...)"
         )
     return config
 

@@ -68,7 +68,7 @@ class RenoiseDecoder(Decoder):
     static_ok = False  # its forward takes the canvas start and the self-conditioning signal
 
     def __init__(self, config: RenoiseConfig | None = None):
-        self.config = config = decoder_config(self.name, config)
+        self.config = config = decoder_config(RenoiseConfig, config)
         s = {k: (DEFAULTS[k] if getattr(config, k) is None else getattr(config, k)) for k in DEFAULTS}
         if not s["t_max"] > s["t_min"]:
             raise DLMError(f"--t-max ({s['t_max']}) must be above --t-min ({s['t_min']})")

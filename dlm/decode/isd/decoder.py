@@ -49,7 +49,7 @@ class ISDDecoder(Decoder):
     batch_verify: bool | None = None
 
     def __init__(self, config: ISDConfig | None = None):
-        self.config = config = decoder_config(self.name, config)
+        self.config = config = decoder_config(ISDConfig, config)
         stride, draft_budget = config.stride, config.draft_budget
         self.stride = stride  # None: the model's (check_model)
         self.draft = config.draft

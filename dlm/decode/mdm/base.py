@@ -11,6 +11,7 @@ from dlm.decode.engine import Decoder, Engine, Row
 from dlm.decode.sampling import SamplingParams, check_fits_context, probs_from_logits, sample, suppress
 
 if TYPE_CHECKING:
+    from dlm.decode.configs import MDMConfig
     from dlm.decode.mdm.decoder import MDMDecoder
 
 
@@ -25,6 +26,11 @@ def propose(logits: torch.Tensor, params: SamplingParams, mask_id: int | None, g
         probs = probs_from_logits(logits, params, mask_id)
         tokens = sample(probs, generator)
     return tokens.cpu(), probs.gather(-1, tokens[:, None]).squeeze(-1).cpu()
+
+
+def no_positions() -> torch.Tensor:
+    """An empty index tensor: a sampler state's positions before its first plan."""
+    return torch.empty(0, dtype=torch.long)
 
 
 def even_split(n: int, parts: int) -> list[int]:
@@ -84,7 +90,7 @@ class Sampler:
 
     def __init__(self, decoder: MDMDecoder):
         self.decoder = decoder
-        self.config = decoder.config
+        self.config: MDMConfig = decoder.config
 
     @property
     def shift(self) -> bool:

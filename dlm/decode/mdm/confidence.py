@@ -4,19 +4,19 @@ the most confident so that ``floor(n0 * (T - s) / T)`` stay masked after pass s 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm.base import Sampler, propose
+from dlm.decode.mdm.base import Sampler, no_positions, propose
 
 
 @dataclass
 class ConfidenceState:
     steps: int
     s: int = 0  # passes planned so far
-    masked: torch.Tensor | None = None
+    masked: torch.Tensor = field(default_factory=no_positions)
     n_commit: int = 0
 
 

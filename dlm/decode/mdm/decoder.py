@@ -26,7 +26,7 @@ class MDMDecoder(DiffusionDecoder):
     fills_middle = True  # a bidirectional model sees the suffix while it fills the masks before it
 
     def __init__(self, config: MDMConfig | None = None):
-        self.config = config = decoder_config(self.name, config)
+        self.config = config = decoder_config(MDMConfig, config)
         self.threshold = 0.9 if config.threshold is None else float(config.threshold)
         self.shift = True
         # None: the sampler of the model's family (llada / dream), else confidence (chosen in check_model)

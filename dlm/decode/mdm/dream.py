@@ -9,12 +9,12 @@ then top-k, as Dream's ``sample_tokens`` (its hidden top-k 50 where the request 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm.base import Sampler
+from dlm.decode.mdm.base import Sampler, no_positions
 from dlm.decode.sampling import next_token, probs_from_logits, sample
 
 EPS = 1e-3  # Dream's diffusion_generate default: the last noise level of its schedule
@@ -40,8 +40,10 @@ class DreamState:
     steps: int
     t: torch.Tensor  # float32 linspace(1, eps, steps + 1)
     i: int = 0  # the next pass
-    masked: torch.Tensor | None = None
-    commit: torch.Tensor | None = None  # origin: [masked] bool, which masks the next pass reveals
+    masked: torch.Tensor = field(default_factory=no_positions)
+    commit: torch.Tensor = field(
+        default_factory=no_positions
+    )  # origin: [masked] bool, which masks the next pass reveals
     n_commit: int = 0  # the confidence algorithms: how many
 
 

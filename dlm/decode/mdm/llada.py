@@ -8,12 +8,12 @@ forward (two copies in the row's chunk, each attending to itself only, both at p
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm.base import Sampler, even_split
+from dlm.decode.mdm.base import Sampler, even_split, no_positions
 from dlm.decode.sampling import next_token, suppress
 from dlm.errors import DLMError
 
@@ -36,7 +36,7 @@ class LLaDAState:
     quotas: list[list[int]]  # per block, the masks each of its passes commits
     block: int = 0
     pass_: int = 0  # the block's next pass
-    masked: torch.Tensor | None = None  # the planned pass's block's masks
+    masked: torch.Tensor = field(default_factory=no_positions)  # the planned pass's block's masks
     n_commit: int = 0
 
 

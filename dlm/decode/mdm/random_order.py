@@ -3,19 +3,19 @@ resolved at k = 0); tokens by temperature/top-p sampling. A step that would comm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dlm.decode.engine import Engine, Row
-from dlm.decode.mdm.base import Sampler, propose
+from dlm.decode.mdm.base import Sampler, no_positions, propose
 
 
 @dataclass
 class RandomState:
     k: int  # passes left after the next one
-    masked: torch.Tensor | None = None
-    commit: torch.Tensor | None = None  # [masked] bool: which masks the next pass commits
+    masked: torch.Tensor = field(default_factory=no_positions)
+    commit: torch.Tensor = field(default_factory=no_positions)  # [masked] bool: which masks the next pass commits
 
 
 class RandomSampler(Sampler):

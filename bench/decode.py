@@ -63,11 +63,12 @@ def next_verify(engine) -> float | None:
     return b["predicted"] / b["verify"] if b and b["verify"] else None
 
 
-# rows run again with one of the CPU kernels' settings (dlm.decode.cpu.fused) changed: row suffix -> (setting, value)
+# rows run again with one of the CPU kernels' settings (dlm.decode.cpu.runtime.KernelOptions) changed: row suffix ->
+# (setting, value)
 VARIANTS = {
-    " (loop)": ("ONE_CALL", False),
-    " (rebuilt)": ("KEEP_PLANS", False),
-    " (f32 adapters)": ("ADAPTER_FORM", "f32"),
+    " (loop)": ("one_call", False),
+    " (rebuilt)": ("keep_plans", False),
+    " (f32 adapters)": ("adapter_form", "f32"),
 }
 
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     from dlm.decode.configs import ISDConfig
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import runtime as cpu_runtime
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.model.convert import load_any
@@ -234,17 +235,18 @@ def main(argv=None) -> int:
         suffix = next((x for x in VARIANTS if method.endswith(x)), "")
         engine = engines[b][method.removesuffix(suffix) if suffix else method]
         engine.total_forwards = 0
-        setting = getattr(fused, VARIANTS[suffix][0]) if suffix else None
-        before = setting[0] if setting else None
+        options = cpu_runtime.OPTIONS
+        setting = VARIANTS[suffix][0] if suffix else None
+        before = getattr(options, setting) if setting else None
         if setting:
-            setting[0] = VARIANTS[suffix][1]
+            setattr(options, setting, VARIANTS[suffix][1])
         try:
             t = time.perf_counter()
             res = engine.generate(batch, params)
             s = time.perf_counter() - t
         finally:
             if setting:
-                setting[0] = before
+                setattr(options, setting, before)
         return (
             [r.token_ids for r in res],
             s,

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from dlm.decode import cpu
-from dlm.decode.cpu import fused, packing
+from dlm.decode.cpu import packing, runtime
+from dlm.decode.cpu import stack as cpu_stack
 from dlm.decode.options import EngineOptions, parse_threads
 from dlm.testing import CallCounter
 
@@ -154,7 +155,7 @@ def test_engine_decodes_through_the_kernel_and_leaves_the_model_stock_outside(ti
     seen = []
     lm_head = model.model.get_output_embeddings() if hasattr(model, "model") else model.get_output_embeddings()
     stock = lm_head.__dict__["forward"]
-    lm_head.forward = lambda x: seen.append(fused._active[0]) or stock(x)
+    lm_head.forward = lambda x: seen.append(runtime.STATE.depth) or stock(x)
     out = engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=4, temperature=0.0))[0]
     lm_head.forward = stock
     assert len(out.token_ids) == 4 and seen and all(seen)  # every engine forward ran inside active()
@@ -295,8 +296,8 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
     fast = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
     assert fast == [arch != "qwen3"] * len(layers)
-    counting = CallCounter(fused._OPS[0])
-    monkeypatch.setattr(fused, "_OPS", [counting])
+    counting = CallCounter(runtime.STATE.ops)
+    monkeypatch.setattr(runtime.STATE, "ops", counting)
     seen = []
     handle = layers[0].self_attn.q_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape))
     mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
@@ -352,16 +353,17 @@ def test_engine_decode_steps_take_the_stack_in_one_call(tiny_model_dir, decoder,
     prompts = [[3, 4, 5, 6], [7, 8, 9]]
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
-    def run(one: bool):
-        monkeypatch.setattr(fused, "ONE_CALL", [one])
+    def run(one: bool | None):
+        if one is not None:
+            monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
         with Engine(model, decoder=config, options=EngineOptions(max_batch_size=2)) as engine:
-            counting = CallCounter(fused._OPS[0])
-            monkeypatch.setattr(fused, "_OPS", [counting])
+            counting = CallCounter(runtime.STATE.ops)
+            monkeypatch.setattr(runtime.STATE, "ops", counting)
             out = [r.token_ids for r in engine.generate(prompts, params)]
-            monkeypatch.setattr(fused, "_OPS", [counting.mod])
+            monkeypatch.setattr(runtime.STATE, "ops", counting.mod)
             return out, counting.calls, engine.total_forwards
 
-    out, calls, forwards = run(True)
+    out, calls, forwards = run(None)  # the default: one call
     out_l, calls_l, _ = run(False)
     assert out == out_l and all(len(o) == 6 for o in out)
     assert 0 < calls.get("decode_stack", 0) and "layer_out" in calls  # the prefills: the loop
@@ -387,12 +389,12 @@ def test_decoder_layer_in_two_kernel_calls_is_the_per_op_path_bit_for_bit(arch, 
     mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
     mask[0, ..., 2] = False
     mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
-    ext_ = fused._OPS[0]
+    ext_ = runtime.STATE.ops
 
     def run(hooked):
         hooks = [m.self_attn.o_proj.register_forward_hook(lambda *a: None) for m in layers] if hooked else []
         counting = CallCounter(ext_)
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         chunk, step, cache = _prefill_chunk_step(model, ids, mask)
         for h in hooks:
             h.remove()
@@ -426,13 +428,13 @@ def test_decoder_stack_in_one_loop_is_the_per_layer_path_bit_for_bit(arch, chunk
     with torch.no_grad():
         stock = model(input_ids=ids).logits
     assert cpu.attach(model)
-    assert fused.patched(base) == (arch != "qwen3")
+    assert runtime.patched(base) == (arch != "qwen3")
     layers = list(base.layers)
     mask = torch.ones(2, 1, 3, 9, dtype=torch.bool)
     mask[1, ..., 4] = False
     mask[..., 6:] = torch.ones(3, 3, dtype=torch.bool).tril_()
     mask = mask if chunk_mask == "hole" else None
-    ext_ = fused._OPS[0]
+    ext_ = runtime.STATE.ops
 
     calls_as_module = []
     own_call = type(layers[0])._call_impl
@@ -445,7 +447,7 @@ def test_decoder_stack_in_one_loop_is_the_per_layer_path_bit_for_bit(arch, chunk
         calls_as_module.clear()
         handle = layers[-1].register_forward_hook(lambda *a: fired.append(1)) if hooked else None
         counting = CallCounter(ext_)
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         chunk, step, cache = _prefill_chunk_step(model, ids, mask)
         if handle is not None:
             handle.remove()
@@ -483,17 +485,18 @@ def test_decoder_stack_check_refuses_a_stack_path_that_differs(monkeypatch):
     forward that skipped the final norm is refused (the model keeps its own forward, its layers stay fused)."""
     from dlm.testing import make_model
 
-    real = fused._make_stack_forward
+    real = cpu_stack._make_stack_forward
 
     def skipping_norm(model, stock, parts):
         emb, layers, norm, rot, fwds = parts
         return real(model, stock, (emb, layers, nn.Identity(), rot, fwds))
 
-    monkeypatch.setattr(fused, "_make_stack_forward", skipping_norm)
-    monkeypatch.setattr(fused, "_checked", {})
+    monkeypatch.setattr(cpu_stack, "_make_stack_forward", skipping_norm)
+    for key in list(runtime.CHECKED):  # a fresh check
+        monkeypatch.delitem(runtime.CHECKED, key)
     model = make_model("llama", hidden=64, heads=4, kv_heads=2)
     assert cpu.attach(model)
-    assert not fused.patched(model.model) and all(fused.patched(m) for m in model.model.layers)
+    assert not runtime.patched(model.model) and all(runtime.patched(m) for m in model.model.layers)
     cpu.detach(model)
 
 

@@ -304,7 +304,7 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
     adapters each layer of the chunk is its two kernel calls (the deltas inside the first, layer_in_gated); with
     all-linear ones, at batch 1, each adapter's delta is one lora_add kernel call."""
 
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import runtime
 
     cpu = _kernels()
     dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
@@ -319,8 +319,8 @@ def test_fused_layers_add_the_deltas(targets, batch, monkeypatch):
 
     stock = chunk(False)
     assert cpu.attach(dlm)
-    counting = CallCounter(fused._OPS[0])
-    monkeypatch.setattr(fused, "_OPS", [counting])
+    counting = CallCounter(runtime.STATE.ops)
+    monkeypatch.setattr(runtime.STATE, "ops", counting)
     got = chunk(True)
     calls = dict(counting.calls)
     idle = chunk(True, idle=True)
@@ -361,7 +361,8 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
     index_add, so there the clean rows are bit for bit and the mask rows to 1e-5. On every instruction set this
     CPU runs; the stock model's logits to 1e-4."""
 
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import layer as cpu_layer
+    from dlm.decode.cpu import runtime
 
     cpu = _kernels()
     batch, masks_at = QKV_LAYOUTS[layout]
@@ -377,16 +378,16 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
     assert cpu.attach(dlm)
     cpu.set_isa(isa)
     try:
-        ext_ = fused._OPS[0]
+        ext_ = runtime.STATE.ops
         counting = CallCounter(ext_)
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         got = chunk(True)
         assert counting.calls.get("layer_in_gated") == hf.config.num_hidden_layers
         assert "lora_add" not in counting.calls and "rope" not in counting.calls
         counting = CallCounter(ext_)
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         with monkeypatch.context() as mp:
-            mp.setattr(fused, "_qkv_deltas", lambda projs, rows: None)  # the per-op path
+            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows: None)  # the per-op path
             per_op = chunk(True)
         assert "layer_in_gated" not in counting.calls and counting.calls.get("rope")
     finally:
@@ -403,7 +404,7 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
 def test_qkv_deltas_follow_adapters_updated_in_place(monkeypatch):
     """Training between decodes (an optimizer step on the adapters, in place): the next fused forward repacks them,
     so its mask rows are the updated adapters' - bit for bit the per-op path's - and no longer the old ones'."""
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import layer as cpu_layer
 
     cpu = _kernels()
     dlm, _, _ = _pair("llama", targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=7)
@@ -417,7 +418,7 @@ def test_qkv_deltas_follow_adapters_updated_in_place(monkeypatch):
                 a.B.mul_(-2.0)
         after = _cached_chunk(hf, ids, True)
         with monkeypatch.context() as mp:
-            mp.setattr(fused, "_qkv_deltas", lambda projs, rows: None)  # the per-op path
+            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows: None)  # the per-op path
             per_op = _cached_chunk(hf, ids, True)
     finally:
         cpu.detach(dlm)
@@ -434,7 +435,8 @@ def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypa
     AR); adapters on gate/up keep the per-op path (the MLP's own activation, which rounds differently from the
     fused one). Both the stock model's logits to rounding."""
 
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import layer as cpu_layer
+    from dlm.decode.cpu import runtime
 
     cpu = _kernels()
     dlm, _, _ = _pair("llama", targets=targets, hidden=64, heads=4, kv_heads=2)
@@ -448,15 +450,15 @@ def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypa
 
     stock = chunk(False)
     assert cpu.attach(dlm)
-    ext_ = fused._OPS[0]
+    ext_ = runtime.STATE.ops
     counting = CallCounter(ext_)
-    monkeypatch.setattr(fused, "_OPS", [counting])
+    monkeypatch.setattr(runtime.STATE, "ops", counting)
     got = chunk(True)
     two_calls = hf.config.num_hidden_layers if targets == "q_proj,v_proj" else None
     assert counting.calls.get("layer_in") == two_calls and "lora_add" not in counting.calls
     counting = CallCounter(ext_)
-    monkeypatch.setattr(fused, "_OPS", [counting])
-    monkeypatch.setattr(fused, "_gates", lambda m: "_dlm_gated" in m.__dict__)  # any adapter: the per-op path
+    monkeypatch.setattr(runtime.STATE, "ops", counting)
+    monkeypatch.setattr(cpu_layer, "gates", lambda m: "_dlm_gated" in m.__dict__)  # any adapter: the per-op path
     per_op = chunk(True)
     assert "layer_in" not in counting.calls
     assert torch.equal(got, per_op)
@@ -592,7 +594,7 @@ def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, i
     hole in one row's cache and masks closing both rows (the gated q/v adapters acting on them, or idle), then a
     1-token step without a mask: logits and every layer's cached keys and values bit for bit the per-layer loop's
     (one call per forward there, none of the loop's per-layer calls); Qwen2's q/k/v biases included."""
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import runtime
     from dlm.decode.engine import KVBatch
 
     cpu = _kernels()
@@ -606,12 +608,12 @@ def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, i
     mask[..., 6:] = torch.ones(4, 4, dtype=torch.bool).tril_()
     assert cpu.attach(dlm)
     cpu.set_isa(isa)
-    ext_ = fused._OPS[0]
+    ext_ = runtime.STATE.ops
 
     def run(one: bool):
-        monkeypatch.setattr(fused, "ONE_CALL", [one])
+        monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
         counting = CallCounter(ext_)
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         kv = KVBatch()
         with torch.no_grad(), cpu.active():
             hf(input_ids=ids[:, :6], past_key_values=kv.cache, use_cache=True)
@@ -636,19 +638,19 @@ def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, i
 
 
 def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
-    """decode_stack's arguments are kept from one forward to the next (fused._StackPlan) and built again where
+    """decode_stack's arguments are kept from one forward to the next (dlm.decode.cpu.stack._StackPlan) and built again where
     what they came from changed: a projection's weight updated in place (an optimizer step) or replaced, a norm's
     weight replaced, a weight's data swapped (``.data =``), the adapters updated in place, a hook registered on a projection and removed again, the
     adapters taken off. Forwards over the engine's growing cache with such changes between them - chunks whose
     masks the adapters act on and 1-token steps - give the per-layer loop's logits bit for bit at every forward
     (the loop runs every layer's checks each time), and the forwards without a hook take one decode_stack call."""
-    from dlm.decode.cpu import fused
+    from dlm.decode.cpu import runtime
     from dlm.decode.engine import KVBatch
 
     cpu = _kernels()
 
     def run(one: bool):
-        monkeypatch.setattr(fused, "ONE_CALL", [one])
+        monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
         dlm, _, _ = _pair("llama", targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=9)
         hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
         layers = hf.model.layers
@@ -689,8 +691,8 @@ def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
         ]
         gen = torch.Generator().manual_seed(10)
         assert cpu.attach(dlm)
-        counting = CallCounter(fused._OPS[0])
-        monkeypatch.setattr(fused, "_OPS", [counting])
+        counting = CallCounter(runtime.STATE.ops)
+        monkeypatch.setattr(runtime.STATE, "ops", counting)
         kv, out, stacked = KVBatch(), [], []
         try:
             with torch.no_grad(), cpu.active():
@@ -713,7 +715,7 @@ def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
                     stacked.append(counting.calls.get("decode_stack", 0) - before)
                     n += t
         finally:
-            monkeypatch.setattr(fused, "_OPS", [counting.mod])
+            monkeypatch.setattr(runtime.STATE, "ops", counting.mod)
             cpu.detach(dlm)
         return out, stacked
 
@@ -746,7 +748,7 @@ def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatc
     decodes the model's own AR tokens."""
     from dlm.decode import cpu as cpu_kernels
     from dlm.decode.configs import ISDConfig
-    from dlm.decode.cpu import fused, packing
+    from dlm.decode.cpu import packing, runtime
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
 
@@ -767,7 +769,7 @@ def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatc
     want = _cached_chunk(rounded.base_model_hf, ids, False)
 
     def chunk(form):
-        monkeypatch.setenv(fused.ADAPTER_ENV, form)
+        monkeypatch.setenv(runtime.ADAPTER_ENV, form)
         assert cpu_kernels.attach(dlm)
         try:
             return _cached_chunk(hf, ids, True)
@@ -791,20 +793,20 @@ def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatc
             pos = torch.arange(7, 10)[None]
             return hf(input_ids=ids[:, 7:], past_key_values=kv.cache, position_ids=pos).logits
 
-    monkeypatch.delenv(fused.ADAPTER_ENV)
+    monkeypatch.delenv(runtime.ADAPTER_ENV)
     assert cpu_kernels.attach(dlm)
     try:
         first = stacked()
-        monkeypatch.setattr(fused, "ADAPTER_FORM", ["f32"])
+        monkeypatch.setattr(runtime.OPTIONS, "adapter_form", "f32")
         second = stacked()
     finally:
         cpu_kernels.detach(dlm)
     torch.testing.assert_close(first[:, 1:], q8[:, 2:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(second[:, 1:], exact[:, 2:], rtol=1e-5, atol=1e-5)
-    monkeypatch.setenv(fused.ADAPTER_ENV, "int4")
+    monkeypatch.setenv(runtime.ADAPTER_ENV, "int4")
     with pytest.raises(Exception, match="DLM_CPU_ADAPTERS='int4'"):
         cpu_kernels.attach(dlm)
-    monkeypatch.delenv(fused.ADAPTER_ENV)
+    monkeypatch.delenv(runtime.ADAPTER_ENV)
     assert cpu.attach(dlm)
     try:
         params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)

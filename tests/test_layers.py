@@ -95,3 +95,28 @@ def test_no_function_takes_more_than_ten_parameters():
                 if n > MAX_PARAMETERS:
                     long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}() takes {n}")
     assert not long, "group these settings in the config object they belong to:\n" + "\n".join(long)
+
+
+def test_the_cpu_kernels_python_is_split_by_concern():
+    """dlm/decode/cpu/ keeps each concern in its own file (runtime, modules, layer, stack, adapters, packing, build,
+    choice): none over 500 lines, and the kernels' state and switches are attributes of runtime's STATE and
+    OPTIONS objects, not one-element module lists that tests flip."""
+    long = []
+    for path in sorted((ROOT / "dlm" / "decode" / "cpu").glob("*.py")):
+        n = len(path.read_text().splitlines())
+        if n > 500:
+            long.append(f"{path.relative_to(ROOT)}: {n} lines")
+    assert not long, "split these by concern:\n" + "\n".join(long)
+    from dlm.decode.cpu import runtime
+
+    assert {f for f in vars(runtime.OPTIONS)} == {"one_call", "keep_plans", "adapter_form"}
+    cells = [
+        f"{path.name}: {node.targets[0].id}"
+        for path in sorted((ROOT / "dlm" / "decode" / "cpu").glob("*.py"))
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.List)
+        and len(node.value.elts) == 1
+        and isinstance(node.targets[0], ast.Name)
+    ]
+    assert cells == ["stack.py: _stack_runs"], cells  # (a counter the stack's own check reads)

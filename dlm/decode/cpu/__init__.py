@@ -13,7 +13,8 @@ even where the model's weights are 4.5-bit GGUF values. The kernels here
   (a batch of 16), each 32-input block is rebuilt once into an fp32 buffer and applied to every pass;
 - run RMSNorm, the rotary embedding, silu(gate) * up and the attention of decode chunks as one call each, a
   whole Llama / Qwen2 / Mistral decoder layer as one Python function, and a base model whose layers are all fused
-  as one loop over their bodies (:mod:`dlm.decode.cpu.fused`), each checked against the model's own code before
+  as one loop over their bodies (:mod:`~dlm.decode.cpu.modules`, :mod:`~dlm.decode.cpu.layer`,
+  :mod:`~dlm.decode.cpu.stack`), each checked against the model's own code before
   it is used.
 
 Exactness: every linear output is one multiply-add chain over the inputs in order, and every attention query is
@@ -28,7 +29,7 @@ with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a mic
 machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
 ``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
 ``DLM_CPU_QUANT=0`` keeps every weight fp32-packed; ``DLM_CPU_ADAPTERS=f32`` keeps the gated adapters exact (by
-default 8-bit blocks: they only propose drafts, see ``fused.ADAPTER_FORM``).
+default 8-bit blocks: they only propose drafts, see ``runtime.KernelOptions``).
 
 Use: ``handle = attach(model)`` packs and patches (truthy where the kernels are in use; ``handle.choice`` says
 why); ``handle.detach()`` gives every patched module its own forward back and frees the packed copies (the last
@@ -44,10 +45,15 @@ import torch
 from torch import nn
 
 from dlm.decode.cpu import choice as _choice
-from dlm.decode.cpu import fused, packing
+from dlm.decode.cpu import layer as _layer
+from dlm.decode.cpu import modules as _modules
+from dlm.decode.cpu import packing, runtime
+from dlm.decode.cpu import stack as _stack
+from dlm.decode.cpu.adapters import adapter_delta
 from dlm.decode.cpu.build import ENV, ISA_ENV, extension, isa, mode, set_isa
-from dlm.decode.cpu.fused import ATTEND_MAX_QUERIES, MAX_ROWS, active, adapter_delta, attend
+from dlm.decode.cpu.modules import attend
 from dlm.decode.cpu.packing import QUANT_ENV
+from dlm.decode.cpu.runtime import ATTEND_MAX_QUERIES, MAX_ROWS, active
 from dlm.device import cpu_name
 from dlm.settings import env
 
@@ -182,14 +188,9 @@ def _attach(model: nn.Module) -> Attached:
     ops = extension()
     if ops is None:
         return Attached(model, False, why="the kernels could not be built")
-    fused._OPS[0] = ops
+    runtime.STATE.ops = ops
     quant_env = (env(QUANT_ENV) or "1").strip() != "0"
-    form = (env(fused.ADAPTER_ENV) or fused.ADAPTER_FORMS[0]).strip().lower()
-    if form not in fused.ADAPTER_FORMS:
-        from dlm.errors import DLMError
-
-        raise DLMError(f"{fused.ADAPTER_ENV}={form!r}: expected one of {', '.join(fused.ADAPTER_FORMS)}")
-    fused.ADAPTER_FORM[0] = form
+    runtime.OPTIONS.read_env()
     name_of = {id(m): n for n, m in model.named_modules()}  # (the walk _linear_layers made, with names)
     names = [name_of[id(m)] for m in layers]
     key = None
@@ -216,15 +217,15 @@ def _attach(model: nn.Module) -> Attached:
             if label in keep_fp32 and m._dlm_packed.dtype != torch.float32:
                 packing.pack(m, ops, quant=False)
     for m in layers:
-        if not fused.patched(m):
-            fused._patch(m, fused._make_forward(m, m.forward))
+        if not runtime.patched(m):
+            runtime.patch(m, _modules.make_linear_forward(m, m.forward))
     gated = getattr(model, "gated_lora", None)
     if gated is not None and hasattr(gated, "fast_delta"):
         gated.fast_delta = adapter_delta  # the mask rows' low-rank deltas through the kernels too
-    fused._attach_norms(model, ops)
-    fused._attach_mlps(model, ops)
-    fused._attach_layers(model, ops)
-    fused._attach_stacks(model, ops)
+    _modules.attach_norms(model, ops)
+    _modules.attach_mlps(model, ops)
+    _layer.attach_layers(model, ops)
+    _stack.attach_stacks(model, ops)
     model._dlm_cpu_refs, model._dlm_cpu_choice, model._dlm_cpu_key = 1, ch, key
     return Attached(model, True, ch, key=key)
 
@@ -233,7 +234,7 @@ def detach(model: nn.Module) -> None:
     """Undo :func:`attach` now, whatever handles are open: every patched module gets its own forward back, the
     packed copies are freed."""
     for m in model.modules():
-        fused.unpatch(m)
+        runtime.unpatch(m)
     for m in _linear_layers(model):
         packing.unpack(m)
     gated = getattr(model, "gated_lora", None)

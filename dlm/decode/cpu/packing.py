@@ -116,7 +116,7 @@ def q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``w [N, K]`` rounded to Q8_0 blocks - per 32 consecutive inputs of an output, ``d * q`` with d the fp16 value
     nearest max|w| / 127 and q = round(w / d) in -127..127, as GGUF's quantizer - as (its packing, the fp32 weights
     it stands for: what the kernels compute with, bit for bit); None where K is not a multiple of 32 or ``w`` has
-    under 4,096 weights (fp32 there: nothing to gain). For the gated adapters (dlm.decode.cpu.fused): lossy, so only
+    under 4,096 weights (fp32 there: nothing to gain). For the gated adapters (dlm.decode.cpu.adapters): lossy, so only
     where a small error is harmless - the adapters act on the mask rows alone, whose logits propose drafts that the
     clean rows verify exactly."""
     n, k = w.shape

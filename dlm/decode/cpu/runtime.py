@@ -1,0 +1,129 @@
+"""What the CPU kernels' forwards share: the loaded operators, the :func:`active` switch, the patching of a
+module's forward (and its undoing), the check results per class and the gated-LoRA hooks' tests."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _nn_module
+
+from dlm.decode.cpu import packing
+from dlm.errors import DLMError
+from dlm.model import lora as _lora
+from dlm.settings import env
+
+# rows (tokens x batch) per call up to which the kernels are used; above, BLAS's compute-bound GEMM is faster
+# (bench/gemm_rows.py: at or under BLAS up to 96 rows on both AVX2 and AVX-512). 96 = 32 requests x an N=2 verify
+# chunk of 3 tokens, so a served batch of 32 stays on one kernel.
+MAX_ROWS = 96
+ATTEND_MAX_QUERIES = 16  # decode chunks (1 .. 2N-1 tokens, candidate trees up to ~12); prefill stays with SDPA
+
+ADAPTER_ENV = "DLM_CPU_ADAPTERS"
+ADAPTER_FORMS = ("q8_0", "f32")
+
+
+@dataclass
+class KernelOptions:
+    """The kernels' settings, in one object (:data:`OPTIONS`): the adapters' form is read from the environment at
+    attach (``DLM_CPU_ADAPTERS``); the others are switches for tests and benchmarks (``bench/decode.py``'s
+    "(loop)" / "(rebuilt)" rows), which set them with ``monkeypatch.setattr(OPTIONS, ...)``."""
+
+    # a decode chunk of a stack whose every layer takes its two kernel calls runs as one decode_stack call (False:
+    # the loop over the layers' bodies, bit for bit the same)
+    one_call: bool = True
+    # decode_stack's arguments kept between forwards while nothing they were built from changed (False: built at
+    # every forward)
+    keep_plans: bool = True
+    # how the kernels hold the gated adapters' matrices (dlm.decode.cpu.adapters): "q8_0" or "f32"
+    adapter_form: str = ADAPTER_FORMS[0]
+
+    def read_env(self) -> None:
+        """Take the settings the environment gives (at attach): ``DLM_CPU_ADAPTERS`` (q8_0 or f32)."""
+        form = (env(ADAPTER_ENV) or ADAPTER_FORMS[0]).strip().lower()
+        if form not in ADAPTER_FORMS:
+            raise DLMError(f"{ADAPTER_ENV}={form!r}: expected one of {', '.join(ADAPTER_FORMS)}")
+        self.adapter_form = form
+
+
+class KernelState:
+    """What the kernels' forwards read at each call: the loaded operators and how deep inside :func:`active` the
+    caller is (the forwards take the kernels only there)."""
+
+    __slots__ = ("ops", "depth")
+
+    def __init__(self):
+        self.ops = None  # torch.ops.dlm_cpu once attached
+        self.depth = 0
+
+
+OPTIONS = KernelOptions()
+STATE = KernelState()
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def active(on: bool = True):
+    """Route attached layers through the kernels for the forwards inside this block."""
+    if not on:
+        yield
+        return
+    STATE.depth += 1
+    try:
+        yield
+    finally:
+        STATE.depth -= 1
+
+
+def fresh(module: nn.Module) -> None:
+    packing.fresh(module, STATE.ops)
+
+
+def patch(module: nn.Module, forward) -> None:
+    """Route ``module``'s calls through ``forward`` (marked, with what it replaces, for :func:`unpatch`)."""
+    forward._dlm = True
+    forward._dlm_prev = module.__dict__.get("forward", _MISSING)
+    module.forward = forward
+
+
+def patched(module: nn.Module) -> bool:
+    return getattr(module.__dict__.get("forward"), "_dlm", False)
+
+
+def unpatch(module: nn.Module) -> None:
+    """Give ``module`` back the forward it had before :func:`patch`."""
+    fn = module.__dict__.get("forward")
+    if getattr(fn, "_dlm", False):
+        prev = fn._dlm_prev
+        del module.forward
+        if prev is not _MISSING:
+            module.forward = prev
+
+
+CHECKED: dict = {}  # class -> whether a fused forward (norm, decoder layer, stack) matches its own
+NO_BIAS = torch.empty(0)  # an absent tensor argument of the kernels
+
+
+def gated(module: nn.Module):
+    """A gated-LoRA linear's ``(group, index)`` (dlm.model.lora: its delta on the mask rows is
+    ``group.add(index, x, out)``), or None."""
+    return module.__dict__.get("_dlm_gated")
+
+
+def gates(module: nn.Module) -> bool:
+    """Whether a gated-LoRA linear adds a delta in this forward: it has an adapter and the forward has mask rows
+    (the count its model's gate took; -1 in sync-free mode, where every row's delta is computed). Without mask
+    rows its output is the base layer's, so a layer with adapters on q/k/v (or o_proj / down_proj) takes the two
+    kernel calls in an AR step of a gated model: bit for bit the per-op path it takes with mask rows."""
+    g = gated(module)
+    return g is not None and g[0].lora._n_gated != 0
+
+
+def ungate(module: nn.Module) -> None:
+    _lora._ungate(module)
+
+
+def global_hooks() -> bool:
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)

@@ -115,7 +115,6 @@ def test_flags_build_the_config_with_each_command_s_defaults():
         (["--decode", "isd", "--isd-candidates", "9"], "--isd-candidates must be an integer from 1 to 8"),
         (["--decode", "isd", "--isd-draft-budget", "soon"], "--isd-draft-budget .* positive integer, 'auto'"),
         (["--decode", "mdm", "--sampler", "dream", "--cfg-scale", "1"], "--cfg-scale is a setting of --sampler llada"),
-        (["--decode", "block", "--remasking", "low_confidence_dynamic", "--threshold", "0"], "--remasking"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_flag(argv, words):

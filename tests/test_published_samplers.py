@@ -23,7 +23,7 @@ from published_layouts import (
 import dlm
 from dlm.cli import main
 from dlm.decode import generate
-from dlm.decode.configs import MDMConfig
+from dlm.decode.configs import BlockConfig, MDMConfig
 from dlm.decode.engine import Engine
 from dlm.decode.mdm import MDMDecoder, propose
 from dlm.decode.options import EngineOptions
@@ -516,7 +516,7 @@ def test_the_family_sampler_is_the_default(models):
         got = generate(models[family], [MIXED[0]], decode, p)[0].token_ids
         assert got == ref(models[family], MIXED[0], p, **ref_kw), family
     assert Engine(models["llada"], decoder="mdm").decoder.sampler.name == "llada"
-    from dlm.decode.configs import BlockConfig, make_config
+    from dlm.decode.configs import make_config
 
     assert Engine(models["llada2"], decoder="block").decoder.threshold == 0.95  # LLaDA2's
     assert Engine(models["llada2"], decoder=make_config("block", steps=4)).decoder.threshold == 0.95  # (the CLI's)
@@ -540,8 +540,33 @@ def test_the_family_sampler_is_the_default(models):
     assert cli() == 0.95 and cli("--threshold", "0.6") == 0.6
 
 
+def test_family_block_rules_are_settings_of_its_record(models):
+    """SDAR's and LLaDA2's block-sampler rules are their records' sampler settings (remasking, how the quotas split,
+    LLaDA2.0's cap of a block's passes), not branches on the family's name: the engine's decoder shows them, and a
+    top-k run (--threshold 0) of SDAR's dynamic remasking is its static one, as before."""
+    dec = Engine(models["llada2"], decoder="block").decoder
+    assert (dec.remasking, dec.quota_overflow, dec.length_quotas, dec.steps_at_most_new_tokens) == (
+        "low_confidence_dynamic",
+        "clip",
+        True,
+        True,
+    )
+    dec = Engine(models["sdar"], decoder="block").decoder
+    assert (dec.remasking, dec.quota_overflow, dec.length_quotas, dec.steps_at_most_new_tokens) == (
+        "low_confidence_dynamic",
+        "rewrite",
+        True,
+        False,
+    )
+    dec = Engine(models["fast_dllm_v2"], decoder="block").decoder  # dlm's own rule
+    assert (dec.remasking, dec.quota_overflow, dec.length_quotas) == (None, "masks", False)
+    p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
+    got = generate(models["sdar"], [MIXED[0]], BlockConfig(steps=2, threshold=0.0), p)[0].token_ids
+    assert got == reference_sdar(models["sdar"], MIXED[0], p, steps=2, remasking="low_confidence_static")
+
+
 def test_sampler_option_errors():
-    from dlm.decode.configs import BlockConfig, MDMConfig
+    from dlm.decode.configs import MDMConfig
 
     for kw, words in (
         (dict(sampler="dream", cfg_scale=1.0), "--cfg-scale"),

@@ -49,7 +49,7 @@ class BlockDecoder(DiffusionDecoder):
     def __init__(self, config: BlockConfig | None = None):
         self.config = config = decoder_config(BlockConfig, config)
         threshold = config.threshold
-        self.remasking = config.remasking  # None: the family's (check_model)
+        self.remasking = config.remasking  # None: dlm's threshold / top-k rule
         self.editing_threshold, self.max_post_steps = config.editing_threshold, config.max_post_steps
         self.quota_overflow = config.quota_overflow or "masks"
         if threshold is not None and float(threshold) <= 0.0:
@@ -68,16 +68,13 @@ class BlockDecoder(DiffusionDecoder):
                 f"this is {what}: use --decode {other}"
             )
         self.block_size, self.shift = spec.block_size, bool(spec.shift)
-        family = getattr(engine.config, "dlm_family", None)
-        # LLaDA2's sampler splits the block's length over the passes (each commits at most the masks left), and so
-        # does SDAR's (where a quota exceeds the masks left, its top-k reaches decoded positions: 'rewrite');
-        # dlm's own rule splits the block's masks - they differ only in a first block that holds the prompt's tail
-        self.length_quotas = family == "llada2" or self.quota_overflow == "rewrite"
+        # the quotas split the block's length (SDAR's 'rewrite', LLaDA2's 'clip': a published family's sampler
+        # settings, dlm.model.families) or its masks (dlm's own rule) - they differ only in a first block that holds
+        # the prompt's tail
+        self.length_quotas = self.quota_overflow in ("rewrite", "clip")
         # LLaDA2.0's generate() runs at most max_new_tokens passes a block (steps = min(steps, gen_length)); 2.1's
         # editing loop has no step schedule
-        self.steps_at_most_new_tokens = family == "llada2" and self.editing_threshold is None
-        if self.remasking is None and family in ("sdar", "llada2"):
-            self.remasking = "low_confidence_dynamic" if self.threshold is not None else "low_confidence_static"
+        self.steps_at_most_new_tokens = self.config.steps_cap == "new_tokens" and self.editing_threshold is None
 
     def _layout(self, engine: Engine, row: Row) -> torch.Tensor:
         x = super()._layout(engine, row)

@@ -241,8 +241,8 @@ class BlockConfig(DecoderConfig):
     )
     remasking: str | None = opt(
         None,
-        "SDAR's strategy; None: low_confidence_dynamic for SDAR and LLaDA2 checkpoints (static without a threshold), "
-        "else dlm's threshold / top-k rule",
+        "SDAR's strategy (low_confidence_dynamic without a threshold is low_confidence_static); None: dlm's threshold "
+        "/ top-k rule (SDAR and LLaDA2 checkpoints: low_confidence_dynamic, their own)",
         choices=SDAR_REMASKING,
     )
     editing_threshold: float | None = opt(
@@ -257,9 +257,16 @@ class BlockConfig(DecoderConfig):
         "SDAR's strategies, when a pass's quota exceeds the masks left (a threshold pass committed more than its "
         "share, or the block holds the prompt's tail): 'rewrite' - the quotas split the block's length and such a "
         "pass's top-k also picks decoded positions of the block and rewrites them with the pass's proposal, as "
-        "SDAR's generate.py does (never a prompt position); 'masks' - the quotas split the block's masks and only "
-        "masks are written; None: rewrite on SDAR checkpoints, else masks",
-        choices=("rewrite", "masks"),
+        "SDAR's generate.py does (never a prompt position); 'clip' - the quotas split the block's length and a pass "
+        "commits at most the masks left, as LLaDA2's generate does; 'masks' - the quotas split the block's masks and "
+        "only masks are written; None: masks (SDAR checkpoints: rewrite, LLaDA2's: clip)",
+        choices=("rewrite", "clip", "masks"),
+    )
+    steps_cap: str | None = opt(
+        None,
+        "'new_tokens': a block runs at most max_new_tokens passes, as LLaDA2.0's generate does (not with "
+        "--editing-threshold, whose loop has no schedule); None: no cap (LLaDA2 checkpoints: new_tokens)",
+        choices=("new_tokens",),
     )
 
     def __post_init__(self):
@@ -271,8 +278,6 @@ class BlockConfig(DecoderConfig):
         if not _is_int(self.max_post_steps) or self.max_post_steps < 0:
             self._fail("max_post_steps", f"must be an integer >= 0, got {self.max_post_steps!r}")
         top_k = self.threshold is None or float(self.threshold) <= 0.0
-        if self.remasking == "low_confidence_dynamic" and top_k:
-            self._fail("remasking", "low_confidence_dynamic commits the masks above --threshold: give one in (0, 1)")
         if not top_k and not float(self.threshold or 0.0) < 1.0:
             self._fail("threshold", f"must be below 1 (or <= 0 for top-k commits), got {self.threshold!r}")
 

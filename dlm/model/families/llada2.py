@@ -175,6 +175,15 @@ FAMILY = Family(
     rename=rename,
     block_keys=("block_size",),
     default_block=LLADA2_BLOCK,
-    samplers={"block": {"threshold": 0.95}},  # LLaDA2MoeModelLM.generate's threshold
+    # LLaDA2MoeModelLM.generate's threshold, its rule (SDAR's dynamic remasking; the quotas split the block's length,
+    # a pass commits at most the masks left) and its cap of a block's passes at the answer's length
+    samplers={
+        "block": {
+            "threshold": 0.95,
+            "remasking": "low_confidence_dynamic",
+            "quota_overflow": "clip",
+            "steps_cap": "new_tokens",
+        }
+    },
     export=("llada2", "dlm.model.export:to_llada2"),
 )

@@ -64,9 +64,9 @@ SDAR = Family(
     config=sdar_config,
     rename=rename,
     block_keys=("block_size",),
-    # SDAR's generate.py: its threshold (its function's default and its CLI's), and its top-k over the whole block
-    # when a pass's quota exceeds the masks left
-    samplers={"block": {"threshold": 0.85, "quota_overflow": "rewrite"}},
+    # SDAR's generate.py: its threshold (its function's default and its CLI's), its remasking, and its top-k over
+    # the whole block when a pass's quota exceeds the masks left
+    samplers={"block": {"threshold": 0.85, "quota_overflow": "rewrite", "remasking": "low_confidence_dynamic"}},
     export=("sdar", "dlm.model.export:to_sdar"),
 )
 

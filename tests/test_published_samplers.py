@@ -544,22 +544,14 @@ def test_family_block_rules_are_settings_of_its_record(models):
     """SDAR's and LLaDA2's block-sampler rules are their records' sampler settings (remasking, how the quotas split,
     LLaDA2.0's cap of a block's passes), not branches on the family's name: the engine's decoder shows them, and a
     top-k run (--threshold 0) of SDAR's dynamic remasking is its static one, as before."""
-    dec = Engine(models["llada2"], decoder="block").decoder
-    assert (dec.remasking, dec.quota_overflow, dec.length_quotas, dec.steps_at_most_new_tokens) == (
-        "low_confidence_dynamic",
-        "clip",
-        True,
-        True,
-    )
-    dec = Engine(models["sdar"], decoder="block").decoder
-    assert (dec.remasking, dec.quota_overflow, dec.length_quotas, dec.steps_at_most_new_tokens) == (
-        "low_confidence_dynamic",
-        "rewrite",
-        True,
-        False,
-    )
-    dec = Engine(models["fast_dllm_v2"], decoder="block").decoder  # dlm's own rule
-    assert (dec.remasking, dec.quota_overflow, dec.length_quotas) == (None, "masks", False)
+
+    def rules(family):
+        dec = Engine(models[family], decoder="block").decoder
+        return dec.remasking, dec.quota_overflow, dec.length_quotas, dec.steps_at_most_new_tokens
+
+    assert rules("llada2") == ("low_confidence_dynamic", "clip", True, True)
+    assert rules("sdar") == ("low_confidence_dynamic", "rewrite", True, False)
+    assert rules("fast_dllm_v2")[:3] == (None, "masks", False)  # dlm's own rule
     p = SamplingParams(max_new_tokens=6, seed=3, ignore_eos=True)
     got = generate(models["sdar"], [MIXED[0]], BlockConfig(steps=2, threshold=0.0), p)[0].token_ids
     assert got == reference_sdar(models["sdar"], MIXED[0], p, steps=2, remasking="low_confidence_static")

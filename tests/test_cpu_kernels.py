@@ -9,6 +9,8 @@ from torch import nn
 from dlm.decode import cpu
 from dlm.decode.cpu import packing, runtime
 from dlm.decode.cpu import stack as cpu_stack
+from dlm.decode.cpu.modules import packed_of
+from dlm.decode.cpu.packing import Packed
 from dlm.decode.options import EngineOptions, parse_threads
 from dlm.testing import CallCounter
 
@@ -73,7 +75,7 @@ def test_attach_routes_only_inside_active_without_grad():
     with torch.no_grad(), cpu.active():
         assert torch.equal(net(big), _net()(big))
     cpu.detach(net)
-    assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")
+    assert "forward" not in net[0].__dict__
 
 
 @needs_kernel
@@ -177,9 +179,9 @@ def test_rotary_and_rmsnorm_fused_exactly_where_they_match_the_model(each_isa):
     with torch.no_grad():
         stock = model(input_ids=ids).logits
     assert cpu.attach(model)
-    assert not getattr(ml.apply_rotary_pos_emb, "_dlm", False)  # no process-wide rebinding
+    assert not isinstance(ml.apply_rotary_pos_emb, runtime.KernelForward)  # no process-wide rebinding
     norms = [m for m in model.modules() if isinstance(m, ml.LlamaRMSNorm)]
-    assert norms and all(getattr(m.__dict__.get("forward"), "_dlm", False) for m in norms)
+    assert norms and all(runtime.patched(m) for m in norms)
 
     g = torch.Generator().manual_seed(1)
     q = torch.randn(2, 5, 4, 16, generator=g).transpose(1, 2)  # [B, H, T, D] views, as attention makes them
@@ -265,7 +267,7 @@ def test_gated_mlp_in_one_pass_and_not_under_adapters():
     x = torch.randn(2, 5, 64) * 3
     with torch.no_grad():
         ref = mlp(x)
-    assert cpu.attach(model) and getattr(mlp.__dict__.get("forward"), "_dlm", False)
+    assert cpu.attach(model) and runtime.patched(mlp)
     calls = []
     with torch.no_grad(), cpu.active():
         torch.testing.assert_close(mlp(x), ref, rtol=1e-5, atol=1e-5)
@@ -294,7 +296,7 @@ def test_decoder_layer_in_one_call_where_it_matches_the_model(arch, monkeypatch)
         stock = model(input_ids=ids).logits
     assert cpu.attach(model)
     layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
-    fast = [getattr(m.__dict__.get("forward"), "_dlm", False) for m in layers]
+    fast = [runtime.patched(m) for m in layers]
     assert fast == [arch != "qwen3"] * len(layers)
     counting = CallCounter(runtime.STATE.ops)
     monkeypatch.setattr(runtime.STATE, "ops", counting)
@@ -485,13 +487,13 @@ def test_decoder_stack_check_refuses_a_stack_path_that_differs(monkeypatch):
     forward that skipped the final norm is refused (the model keeps its own forward, its layers stay fused)."""
     from dlm.testing import make_model
 
-    real = cpu_stack._make_stack_forward
+    real = cpu_stack.StackForward
 
     def skipping_norm(model, stock, parts):
         emb, layers, norm, rot, fwds = parts
         return real(model, stock, (emb, layers, nn.Identity(), rot, fwds))
 
-    monkeypatch.setattr(cpu_stack, "_make_stack_forward", skipping_norm)
+    monkeypatch.setattr(cpu_stack, "StackForward", skipping_norm)
     for key in list(runtime.CHECKED):  # a fresh check
         monkeypatch.delitem(runtime.CHECKED, key)
     model = make_model("llama", hidden=64, heads=4, kv_heads=2)
@@ -616,9 +618,9 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
             )
         kinds = {
             str(t.dtype)
-            for m in dlm.modules()
-            if getattr(m, "_dlm_packed", None) is not None
-            for t in (m._dlm_packed, m._dlm_tail)
+            for p in map(packed_of, dlm.modules())
+            if p is not None
+            for t in (p.packed, p.tail)
             if t is not None
         }
         ids = torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])
@@ -675,7 +677,7 @@ def test_auto_keeps_the_stock_layers_where_the_kernels_are_slower_and_remembers(
     net = _net()
     handle = cpu.attach(net)
     assert not handle and handle.choice is not None and not handle.choice.use
-    assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")  # the model is untouched
+    assert "forward" not in net[0].__dict__  # the model is untouched
     assert calls == [2]
     # a decision for the stock layers is measured again until a second measurement confirms it ...
     again = cpu.attach(_net())
@@ -696,7 +698,7 @@ def test_auto_uses_the_kernels_where_they_are_faster(auto_choice, monkeypatch):
     with torch.no_grad(), cpu.active():
         torch.testing.assert_close(net(x), _net()(x), rtol=1e-5, atol=1e-5)
     handle.detach()
-    assert "forward" not in net[0].__dict__ and not hasattr(net[0], "_dlm_packed")
+    assert "forward" not in net[0].__dict__
 
 
 @needs_kernel
@@ -705,7 +707,7 @@ def test_auto_prefers_fp32_packing_where_the_quantized_one_is_slower(auto_choice
     _fake_measure(monkeypatch, stock_ms=3.0, kernel_ms=2.0, fp32_ms=1.0)
     handle = cpu.attach(model)
     assert handle and not handle.choice.quant
-    assert {m._dlm_packed.dtype for m in model.modules() if hasattr(m, "_dlm_packed")} == {torch.float32}
+    assert {p.packed.dtype for p in map(packed_of, model.modules()) if p is not None} == {torch.float32}
     cpu.detach(model)
 
 
@@ -834,16 +836,64 @@ def test_large_models_are_timed_on_an_even_sample_of_their_layers(monkeypatch):
     from dlm.decode.cpu import choice
 
     model = _q4_llama()
-    layers = cpu._linear_layers(model)
-    for m in layers:
-        m._dlm_out, m._dlm_packed, m._dlm_tail = m.weight.shape[0], torch.zeros(1), None
+    layers = []
+    for m in cpu._linear_layers(model):
+        p = object.__new__(Packed)
+        p.out, p.packed, p.tail = m.weight.shape[0], torch.zeros(1), None
+        layers.append((m, p))
     kinds = [choice._kind_of(m) for m in layers]
-    total = sum(m.weight.numel() * 4 for m in layers)
+    total = sum(m.weight.numel() * 4 for m, _ in layers)
     monkeypatch.setattr(choice, "WORKING_SET", total // 3)
     chosen = choice._working_set(layers, kinds)
     assert len(chosen) < len(layers) and {kinds[i] for i in chosen} == set(kinds)
     monkeypatch.setattr(choice, "WORKING_SET", total)
     assert choice._working_set(layers, kinds) == list(range(len(layers)))
+
+
+@needs_kernel
+def test_attach_keeps_its_state_on_its_own_objects_and_copies_stay_apart(monkeypatch):
+    """The kernels keep nothing on a model's modules but their ``forward`` (one of dlm's KernelForward objects,
+    holding the packed weights and plans): every other attribute of every module is the same object before attach,
+    while attached and after detach. A deep copy of an attached model runs on its own weights: its forwards are
+    bound to the copy's modules, its outputs follow the copy's weights, and detaching one leaves the other attached."""
+    import copy
+
+    from dlm.testing import make_model
+
+    monkeypatch.setenv(cpu.ENV, "1")
+    model = make_model("llama", hidden=64, heads=4, kv_heads=2)
+    before = {name: dict(vars(m)) for name, m in model.named_modules()}
+
+    def unchanged(m, old) -> bool:
+        now = vars(m)
+        return now.keys() - {"forward"} == old.keys() - {"forward"} and all(now[k] is v for k, v in old.items())
+
+    handle = cpu.attach(model)
+    assert handle and runtime.patched(model.model)  # down to the stack path
+    for name, m in model.named_modules():
+        assert unchanged(m, before[name]), name
+        assert "forward" not in vars(m) or isinstance(vars(m)["forward"], runtime.KernelForward), name
+    ids = torch.tensor([[3, 4, 5]])
+    twin = copy.deepcopy(model)
+    own = {id(m) for m in twin.modules()}
+    for m in twin.modules():
+        f = runtime.forward_of(m)
+        if f is not None:
+            slots = [n for k in type(f).__mro__ for n in getattr(k, "__slots__", ())]
+            bound = [v for v in map(f.__getattribute__, slots) if isinstance(v, nn.Module)]
+            assert bound and all(id(b) in own for b in bound), type(f).__name__
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2)
+        with cpu.active():
+            ref, got = model(ids).logits, twin(ids).logits
+    assert not torch.allclose(ref, got)
+    with torch.no_grad():
+        assert torch.allclose(got, twin(ids).logits, atol=1e-4)  # the copy's kernels read the copy's weights
+    cpu.detach(twin)
+    assert runtime.patched(model.model) and not any(runtime.patched(m) for m in twin.modules())
+    handle.detach()
+    for name, m in model.named_modules():
+        assert unchanged(m, before[name]) and "forward" not in vars(m), name
 
 
 @needs_kernel
@@ -855,9 +905,9 @@ def test_handles_share_one_packing_and_the_last_detach_restores_the_model():
     assert h1 and h2 and net[0].__dict__["forward"] is not own
     h1.detach()
     h1.detach()  # idempotent
-    assert getattr(net[0].__dict__["forward"], "_dlm", False)  # h2 still open
+    assert runtime.patched(net[0])  # h2 still open
     h2.detach()
-    assert net[0].__dict__["forward"] is own and not hasattr(net[0], "_dlm_packed")
+    assert net[0].__dict__["forward"] is own
     assert "forward" not in net[2].__dict__
 
 
@@ -875,9 +925,7 @@ def test_engine_close_gives_the_model_back_as_it_was(tiny_model_dir):
         assert engine._cpu_kernel and hf.config._attn_implementation == "dlm_sdpa"
         engine.generate([[3, 4, 5]], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert hf.config._attn_implementation == impl
-    assert not any(
-        getattr(m.__dict__.get("forward"), "_dlm", False) or hasattr(m, "_dlm_packed") for m in model.modules()
-    )
+    assert not any(runtime.patched(m) for m in model.modules())
 
 
 @needs_kernel

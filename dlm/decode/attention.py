@@ -19,6 +19,7 @@ Everything else (training, prefill, unmasked steps) goes through transformers' o
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -97,17 +98,21 @@ class Switched:
 
     def __init__(self, hf):
         self.hf, self._open = hf, True
-        hf.__dict__["_dlm_attn_refs"] = hf.__dict__.get("_dlm_attn_refs", 0) + 1
+        _SWITCHED[hf] = _SWITCHED.get(hf, 0) + 1
 
     def restore(self) -> None:
         if not self._open:
             return
         self._open = False
-        refs = self.hf.__dict__.get("_dlm_attn_refs", 1) - 1
-        self.hf.__dict__["_dlm_attn_refs"] = refs
-        if refs <= 0 and getattr(self.hf.config, "_attn_implementation", None) == NAME:
+        refs = _SWITCHED.pop(self.hf, 1) - 1
+        if refs > 0:
+            _SWITCHED[self.hf] = refs
+        elif getattr(self.hf.config, "_attn_implementation", None) == NAME:
             self.hf.set_attn_implementation("sdpa")
-            self.hf.__dict__.pop("_dlm_attn_refs", None)
+
+
+# the models switched now and how many handles hold each switch (weakly: a model dropped takes its count along)
+_SWITCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def use_for_decoding(model) -> Switched | None:
@@ -119,7 +124,7 @@ def use_for_decoding(model) -> Switched | None:
     hf: Any = _hf(model)  # a transformers model (nn.Module's attributes type as Tensor | Module)
     config = getattr(hf, "config", None)
     impl = getattr(config, "_attn_implementation", None)
-    if impl == NAME and hf.__dict__.get("_dlm_attn_refs", 0) > 0:
+    if impl == NAME and _SWITCHED.get(hf, 0) > 0:
         return Switched(hf)  # already switched by another engine on the same model
     if impl != "sdpa":
         return None

@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,6 +83,19 @@ SLOW = 3.0  # 1-row forwards this many times the linears' measured time: the cac
 WATCH = 64  # 1-row forwards per look at their median time
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class _ModelKernels:
+    """An attached model's record: its open handles, the decision and the cached decision's key."""
+
+    refs: int
+    choice: _choice.Choice | None
+    key: str | None
+
+
+# the models attached now (weakly: a model dropped without detach takes its record with it)
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, _ModelKernels] = weakref.WeakKeyDictionary()
 
 
 class Attached:
@@ -131,9 +146,9 @@ class Attached:
         if not self._open:
             return
         self._open = False
-        refs = getattr(self.model, "_dlm_cpu_refs", 1) - 1
-        if refs > 0:
-            self.model._dlm_cpu_refs = refs
+        state = _ATTACHED.get(self.model)
+        if state is not None and state.refs > 1:
+            state.refs -= 1
         else:
             detach(self.model)
 
@@ -178,9 +193,10 @@ def _attach(model: nn.Module) -> Attached:
     layers = [m for m in _linear_layers(model) if _plain_fp32_cpu(m.weight)]
     if not layers or mode() == "off":
         return Attached(model, False, why="off" if layers else "no fp32 CPU linear layers")
-    if getattr(model, "_dlm_cpu_refs", 0) > 0:
-        model._dlm_cpu_refs += 1
-        return Attached(model, True, getattr(model, "_dlm_cpu_choice", None), key=getattr(model, "_dlm_cpu_key", None))
+    state = _ATTACHED.get(model)
+    if state is not None:
+        state.refs += 1
+        return Attached(model, True, state.choice, key=state.key)
     extra = sum(m.weight.numel() for m in layers) * 4
     mem = _physical_memory()
     if mode() == "auto" and mem and extra > RAM_SHARE * mem:
@@ -203,22 +219,20 @@ def _attach(model: nn.Module) -> Attached:
             ch = None  # a decision for the stock layers is measured again until a second measurement confirms it
         if ch is not None and not ch.use:
             return Attached(model, False, ch)
-    for m in layers:
-        packing.pack(m, ops, quant=quant_env and (ch.quant if ch is not None else True))
+    packs = [(m, packing.pack(m, ops, quant=quant_env and (ch.quant if ch is not None else True))) for m in layers]
     if ch is None:
-        ch = _choice.choose(layers, ops, key, names)
+        ch = _choice.choose(packs, ops, key, names)
         if not ch.use:
-            for m in layers:
-                packing.unpack(m)
             return Attached(model, False, ch)
     if ch.fp32_kinds:
         keep_fp32 = set(ch.fp32_kinds)
-        for m, label in zip(layers, _choice.labels(layers, names)):
-            if label in keep_fp32 and m._dlm_packed.dtype != torch.float32:
-                packing.pack(m, ops, quant=False)
-    for m in layers:
+        for (m, p), label in zip(packs, _choice.labels(packs, names)):
+            if label in keep_fp32 and p.packed.dtype != torch.float32:
+                p.quant = False
+                p.pack(m, ops)
+    for m, p in packs:
         if not runtime.patched(m):
-            runtime.patch(m, _modules.make_linear_forward(m, m.forward))
+            runtime.patch(m, _modules.LinearForward(m, m.forward, p))
     gated = getattr(model, "gated_lora", None)
     if gated is not None and hasattr(gated, "fast_delta"):
         gated.fast_delta = adapter_delta  # the mask rows' low-rank deltas through the kernels too
@@ -226,21 +240,18 @@ def _attach(model: nn.Module) -> Attached:
     _modules.attach_mlps(model, ops)
     _layer.attach_layers(model, ops)
     _stack.attach_stacks(model, ops)
-    model._dlm_cpu_refs, model._dlm_cpu_choice, model._dlm_cpu_key = 1, ch, key
+    _ATTACHED[model] = _ModelKernels(1, ch, key)
     return Attached(model, True, ch, key=key)
 
 
 def detach(model: nn.Module) -> None:
     """Undo :func:`attach` now, whatever handles are open: every patched module gets its own forward back, the
-    packed copies are freed."""
+    packed copies (held by the kernels' forwards) are freed."""
     for m in model.modules():
         runtime.unpatch(m)
-    for m in _linear_layers(model):
-        packing.unpack(m)
     gated = getattr(model, "gated_lora", None)
     if gated is not None and getattr(gated, "fast_delta", None) is adapter_delta:
         gated.fast_delta = None
         for adapter in gated.adapters.values():
             adapter.__dict__.pop("_dlm_packed", None)
-    for name in ("_dlm_cpu_refs", "_dlm_cpu_choice", "_dlm_cpu_key"):
-        model.__dict__.pop(name, None)
+    _ATTACHED.pop(model, None)

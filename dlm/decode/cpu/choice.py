@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dlm.decode.cpu.packing import Packed
 from dlm.device import cpu_name
 from dlm.fsutil import read_records, write_record
 
@@ -166,20 +167,24 @@ def _timed(variant: str, fn, x: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def _kind_of(m: nn.Module) -> tuple:
+Packs = list[tuple[nn.Module, Packed]]  # the linear layers and their packed weights, in forward order
+
+
+def _kind_of(layer: tuple[nn.Module, Packed]) -> tuple:
+    m, p = layer
     return (
-        m._dlm_out,
-        m.weight.numel() // m._dlm_out,
-        str(m._dlm_packed.dtype),
-        m._dlm_tail is not None,
+        p.out,
+        m.weight.numel() // p.out,
+        str(p.packed.dtype),
+        p.tail is not None,
         m.bias is not None,
         isinstance(m, nn.Linear),
     )
 
 
-def _working_set(layers: list[nn.Module], kinds: list[tuple]) -> list[int]:
+def _working_set(layers: Packs, kinds: list[tuple]) -> list[int]:
     """Indices of the layers a pass runs: all, or every s-th one (and one of each kind) below WORKING_SET bytes."""
-    total = sum(m.weight.numel() * 4 for m in layers)
+    total = sum(m.weight.numel() * 4 for m, _ in layers)
     if total <= WORKING_SET:
         return list(range(len(layers)))
     step = math.ceil(total / WORKING_SET)
@@ -192,7 +197,7 @@ def _working_set(layers: list[nn.Module], kinds: list[tuple]) -> list[int]:
     return sorted(chosen)
 
 
-def labels(layers: list[nn.Module], names: list[str]) -> list[str]:
+def labels(layers: Packs, names: list[str]) -> list[str]:
     """Each packed layer's kind as the report names it: its attribute names and shape, e.g. ``q_proj/o_proj
     576x576 Q4_1``: the weights' form where they fit one, else fp32; layers of one shape and form are one kind)."""
     kinds = [_kind_of(m) for m in layers]
@@ -200,17 +205,17 @@ def labels(layers: list[nn.Module], names: list[str]) -> list[str]:
     for n, k in zip(names, kinds):
         members.setdefault(k, []).append(n.rsplit(".", 1)[-1])
     out = []
-    for m, k in zip(layers, kinds):
+    for (m, p), k in zip(layers, kinds):
         short = "/".join(dict.fromkeys(x for x in members[k] if x)) or type(m).__name__
-        form = FORMS.get(str(m._dlm_packed.dtype), "fp32")
-        out.append(f"{short} {m._dlm_out}x{m.weight.numel() // m._dlm_out} {form}")
+        form = FORMS.get(str(p.packed.dtype), "fp32")
+        out.append(f"{short} {p.out}x{m.weight.numel() // p.out} {form}")
     return out
 
 
 @torch.no_grad()
-def measure(layers: list[nn.Module], ops, names: list[str] | None = None) -> Choice:
+def measure(layers: Packs, ops, names: list[str] | None = None) -> Choice:
     """Time passes over the model's linear layers through ``F.linear`` and the kernels (see the module doc).
-    ``layers`` in the order the forward runs them, packed by :func:`dlm.decode.cpu.packing.pack`; ``names`` their
+    ``layers`` in the order the forward runs them, with their :class:`~dlm.decode.cpu.packing.Packed`; ``names`` their
     qualified names (for the per-kind report)."""
     kinds = [_kind_of(m) for m in layers]
     label = dict(zip(kinds, labels(layers, names or [""] * len(layers))))
@@ -226,15 +231,15 @@ def measure(layers: list[nn.Module], ops, names: list[str] | None = None) -> Cho
     xs = {r: {} for r in ROWS}
     plan = []  # (kind, {variant: fn}) per timed layer, in forward order
     for i in chosen:
-        m, k = layers[i], kinds[i]
-        n, kin = m._dlm_out, m.weight.numel() // m._dlm_out
+        (m, p), k = layers[i], kinds[i]
+        n, kin = p.out, m.weight.numel() // p.out
         w = m.weight.detach() if isinstance(m, nn.Linear) else m.weight.detach().t()
         b = m.bias.detach() if m.bias is not None else None
         fns = {
             "stock": lambda x, w=w, b=b: F.linear(x, w, b),
-            "kernel": lambda x, m=m, n=n, b=b: ops.linear(x, m._dlm_packed, n, b, m._dlm_tail),
+            "kernel": lambda x, p=p, n=n, b=b: ops.linear(x, p.packed, n, b, p.tail),
         }
-        if m._dlm_packed.dtype != torch.float32:
+        if p.packed.dtype != torch.float32:
             p32 = ops.pack(w.contiguous(), False)
             fns["f32"] = lambda x, p32=p32, n=n, b=b: ops.linear(x, p32, n, b, None)
         for r in ROWS:
@@ -294,9 +299,9 @@ def _decide(samples: dict, count: dict, label: dict, layers: list, kinds: list) 
         run = "f32" if q and not keep else "kernel"  # the variant this kind runs
         for r in ROWS:
             best[r] += med[(run, r, k)]
-        m = first[k]
-        form = FORMS.get(str(m._dlm_packed.dtype), "fp32") if keep else "fp32"
-        path = f"kernels, {form}" + (" + fp32 tail" if keep and m._dlm_tail is not None else "")
+        p = first[k][1]
+        form = FORMS.get(str(p.packed.dtype), "fp32") if keep else "fp32"
+        path = f"kernels, {form}" + (" + fp32 tail" if keep and p.tail is not None else "")
         report[label[k]] = {
             "path": path,
             "count": count[k],
@@ -319,7 +324,7 @@ def _decide(samples: dict, count: dict, label: dict, layers: list, kinds: list) 
     return choice, close
 
 
-def choose(layers: list[nn.Module], ops, key: str, names: list[str] | None = None) -> Choice:
+def choose(layers: Packs, ops, key: str, names: list[str] | None = None) -> Choice:
     """Measure (layers packed), checked against this machine's other decisions and the previous one for ``key``,
     and cache what is settled (see the module doc)."""
     previous = cached(key)

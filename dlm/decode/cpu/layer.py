@@ -6,15 +6,16 @@ import torch
 from torch import nn
 
 from dlm.decode.cpu.adapters import qkv_deltas
-from dlm.decode.cpu.modules import attach_mlps, attach_norms, make_linear_forward, norm_eps
+from dlm.decode.cpu.modules import LinearForward, attach_mlps, attach_norms, norm_eps, packed_of
 from dlm.decode.cpu.runtime import (
     ATTEND_MAX_QUERIES,
     CHECKED,
     MAX_ROWS,
     NO_BIAS,
     STATE,
+    KernelForward,
     active,
-    fresh,
+    forward_of,
     gates,
     global_hooks,
     patch,
@@ -50,7 +51,7 @@ def _layer_parts(layer: nn.Module):
     ):
         return None
     projs = [getattr(attn, name, None) for name in ("q_proj", "k_proj", "v_proj", "o_proj")]
-    if not all(isinstance(m, nn.Linear) and getattr(m, "_dlm_packed", None) is not None for m in projs):
+    if not all(isinstance(m, nn.Linear) and packed_of(m) is not None for m in projs):
         return None
     if not all(patched(m) for m in (n1, n2, mlp)):
         return None  # norms and MLP must be the fused ones (checked against their own code when attached)
@@ -79,7 +80,7 @@ def attach_layers(model: nn.Module, mod) -> None:
         if type(m) not in CHECKED:
             CHECKED[type(m)] = _check_layer(m, parts)
         if CHECKED[type(m)]:
-            patch(m, _make_layer_forward(m, m.forward, parts))
+            patch(m, LayerForward(m, m.forward, parts))
 
 
 def _check_layer(layer: nn.Module, parts) -> bool:
@@ -89,22 +90,19 @@ def _check_layer(layer: nn.Module, parts) -> bool:
 
     attn = parts[0]
     try:
-        twin = copy.deepcopy(layer)
-        for sub in twin.modules():
+        # a copy without the kernels' forwards (theirs are rebuilt on the copy, the packed weights shared)
+        memo = {id(f): None for f in map(forward_of, layer.modules()) if f is not None}
+        twin = copy.deepcopy(layer, memo)
+        for sub, orig in zip(twin.modules(), layer.modules()):
+            if sub.__dict__.get("forward", sub) is None:
+                del sub.__dict__["forward"]
             sub._forward_hooks.clear()
             sub._forward_pre_hooks.clear()
             ungate(sub)
-        for sub, orig in zip(twin.modules(), layer.modules()):  # forwards attach() bound to the original modules
-            if patched(sub):
-                del sub.forward
-            if getattr(orig, "_dlm_packed", None) is not None:
-                sub._dlm_packed, sub._dlm_tail, sub._dlm_out = orig._dlm_packed, orig._dlm_tail, orig._dlm_out
-                sub._dlm_ptr, sub._dlm_version = sub.weight.data_ptr(), sub.weight._version
-                sub._dlm_quant = orig._dlm_quant
+            p = packed_of(orig)
+            if p is not None:
+                patch(sub, LinearForward(sub, sub.forward, p.for_copy(sub)))
         attach_norms(twin, STATE.ops)
-        for sub in twin.modules():
-            if getattr(sub, "_dlm_packed", None) is not None:
-                patch(sub, make_linear_forward(sub, sub.forward))
         attach_mlps(twin, STATE.ops)
         parts_t = _layer_parts(twin)
         if parts_t is None:
@@ -122,7 +120,7 @@ def _check_layer(layer: nn.Module, parts) -> bool:
             ref = twin.forward(x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None])
             if not isinstance(ref, torch.Tensor):  # an older layer returning a tuple: keep its own
                 return False
-            got = _make_layer_forward(twin, None, parts_t)(
+            got = LayerForward(twin, None, parts_t)(
                 x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None]
             )
         return bool(torch.allclose(ref, got, rtol=1e-4, atol=1e-5))
@@ -138,82 +136,62 @@ def layer_mask(mask, b: int, t: int, keys: int):
     return mask
 
 
-def _make_layer_forward(layer: nn.Module, stock, parts):
-    attn, mlp, n1, n2, (qp, kp, vp, op) = parts
-    hd, layer_idx, scaling = attn.head_dim, attn.layer_idx, attn.scaling
-    eps1, eps2 = norm_eps(n1), norm_eps(n2)
-    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+class LayerForward(KernelForward):
+    """A Llama-form decoder layer's forward through the kernels (see the comment above): :meth:`body` runs the
+    layer on a decode chunk once :meth:`__call__`'s checks (or the stack's) hold; :meth:`plan` and
+    :meth:`stack_args` give the stack's ``decode_stack`` call this layer's part. Holds the modules it calls and
+    their packed weights (``packs``, in the order of ``mods``: q, k, v, o, gate, up, down)."""
 
-    mods = (qp, kp, vp, op, gate, up, down)
+    __slots__ = (
+        "layer", "stock", "attn", "mlp", "n1", "n2", "mods", "packs", "hd", "layer_idx", "scaling", "eps1", "eps2",
+    )  # fmt: skip
 
-    def bare(ms) -> bool:  # no hooks, gated adapters with mask rows in this forward or fp32 tails on these
-        return not any(m._forward_hooks or m._forward_pre_hooks or m._dlm_tail is not None or gates(m) for m in ms)
+    def __init__(self, layer: nn.Module, stock, parts):
+        attn, mlp, n1, n2, (qp, kp, vp, op) = parts
+        self.layer, self.stock, self.attn, self.mlp, self.n1, self.n2 = layer, stock, attn, mlp, n1, n2
+        self.hd, self.layer_idx, self.scaling = attn.head_dim, attn.layer_idx, attn.scaling
+        self.eps1, self.eps2 = norm_eps(n1), norm_eps(n2)
+        self.mods = (qp, kp, vp, op, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.packs = tuple(packed_of(m) for m in self.mods)
 
-    def fused_mlp() -> bool:
+    # -- the checks, at each call ----------------------------------------------------------------------------
+
+    def fresh(self) -> None:
+        ops = STATE.ops
+        for m, p in zip(self.mods, self.packs):
+            p.fresh(m, ops)
+
+    def bare(self, i: int, j: int) -> bool:
+        """No hooks, gated adapters with mask rows in this forward or fp32 tails on ``mods[i:j]``."""
+        return not any(
+            m._forward_hooks or m._forward_pre_hooks or p.tail is not None or gates(m)
+            for m, p in zip(self.mods[i:j], self.packs[i:j])
+        )
+
+    def fused_mlp(self) -> bool:
         # adapters on gate/up (idle or not) keep the MLP's own activation product, as with mask rows, so that a
         # gated model's rows round alike with and without masks in the forward (greedy ISD == its AR)
-        return "_dlm_gated" not in gate.__dict__ and "_dlm_gated" not in up.__dict__
+        return "_dlm_gated" not in self.mods[4].__dict__ and "_dlm_gated" not in self.mods[5].__dict__
 
-    def plain() -> bool:  # the projections bare, no biases on o_proj / down_proj
-        return not (global_hooks() or op.bias is not None or down.bias is not None) and bare(mods) and fused_mlp()
-
-    def plain_out() -> bool:  # gated adapters on q/k/v only (no hooks): the layer's second half in one call
+    def plain_out(self) -> bool:
+        """Hooks and gated adapters (if any) on q/k/v only: the layer's second half in one call."""
+        op, down = self.mods[3], self.mods[6]
         return (
             not (global_hooks() or op.bias is not None or down.bias is not None)
-            and not any(m._forward_hooks or m._forward_pre_hooks for m in mods[:3])
-            and bare(mods[3:])
-            and fused_mlp()
+            and not any(m._forward_hooks or m._forward_pre_hooks for m in self.mods[:3])
+            and self.bare(3, 7)
+            and self.fused_mlp()
         )
 
-    def lin(module, h, shape):  # h: [rows, in] contiguous
-        if module._forward_pre_hooks or module._forward_hooks_with_kwargs or global_hooks():
-            return module(h.view(*shape, h.shape[-1])).reshape(h.shape[0], -1)
-        fresh(module)
-        out = STATE.ops.linear(h, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
-        return after(module, h, out, shape)
+    def plain(self) -> bool:
+        """The projections bare, no biases on o_proj / down_proj: the whole layer in two calls."""
+        return self.bare(0, 3) and self.plain_out()
 
-    def after(module, h, out, shape):  # what the module's forward adds to its base output, then its hooks
-        g = module.__dict__.get("_dlm_gated")
-        if g is not None:
-            out = g[0].add(g[1], h, out)  # the gated adapter's delta on the mask rows (in place when decoding)
-        return hooked(module, h, out, shape) if module._forward_hooks else out
-
-    def hooked(module, h, out, shape):  # the module's forward hooks on its output, as a module call runs them
-        hooks = tuple(module._forward_hooks.values())
-        x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
-        for hook in hooks:
-            res = hook(module, (x3,), out3)
-            if res is not None:
-                out3 = res
-        return out3.reshape(h.shape[0], -1)
-
-    def qkv(h, shape):  # the three projections in one kernel pass, then any adapter hooks on them
-        for m in (qp, kp, vp):
-            fresh(m)
-        if (
-            qp._forward_pre_hooks
-            or kp._forward_pre_hooks
-            or vp._forward_pre_hooks
-            or global_hooks()
-            or qp._forward_hooks_with_kwargs
-            or kp._forward_hooks_with_kwargs
-            or vp._forward_hooks_with_kwargs
-            or qp._dlm_tail is not None
-            or kp._dlm_tail is not None
-            or vp._dlm_tail is not None
-        ):
-            return [lin(m, h, shape) for m in (qp, kp, vp)]
-        outs = STATE.ops.linears(
-            h,
-            [qp._dlm_packed, kp._dlm_packed, vp._dlm_packed],
-            [qp._dlm_out, kp._dlm_out, vp._dlm_out],
-            [m.bias if m.bias is not None else NO_BIAS for m in (qp, kp, vp)],
-        )
-        return [after(m, h, o, shape) for m, o in zip((qp, kp, vp), outs)]
-
-    def ready() -> bool:  # no hook on the modules the layer would call as modules (checked at each call)
+    def ready(self) -> bool:
+        """No hook on the modules the layer would call as modules (checked at each call)."""
+        attn, mlp, n1, n2, gate, up = self.attn, self.mlp, self.n1, self.n2, self.mods[4], self.mods[5]
         return not (
-            layer.training
+            self.layer.training
             or attn._forward_hooks
             or attn._forward_pre_hooks
             or mlp._forward_hooks
@@ -228,7 +206,7 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             or up._forward_pre_hooks
         )
 
-    def forward(*args, **kwargs):
+    def __call__(self, *args, **kwargs):
         x = args[0] if args else kwargs.get("hidden_states")
         if (
             not STATE.depth
@@ -238,133 +216,175 @@ def _make_layer_forward(layer: nn.Module, stock, parts):
             or x.dtype != torch.float32
             or x.device.type != "cpu"
             or torch.is_grad_enabled()
-            or not ready()
+            or not self.ready()
             or not _LAYER_KWARGS.issuperset(kwargs.keys() - {"hidden_states"})
         ):
-            return stock(*args, **kwargs)
+            return self.stock(*args, **kwargs)
         b, t, _ = x.shape
         pe, mask = kwargs.get("position_embeddings"), kwargs.get("attention_mask")
-        if pe is None or not (chunk_ok(b, t, mask) and rotary_ok(b, t, hd, pe[0], pe[1])):
-            return stock(*args, **kwargs)
-        return body(x, pe[0], pe[1], mask, kwargs.get("cache", kwargs.get("past_key_values")))
+        if pe is None or not (chunk_ok(b, t, mask) and rotary_ok(b, t, self.hd, pe[0], pe[1])):
+            return self.stock(*args, **kwargs)
+        return self.body(x, pe[0], pe[1], mask, kwargs.get("cache", kwargs.get("past_key_values")))
 
-    def plan(rows: int):
+    # -- the stack's part ------------------------------------------------------------------------------------
+
+    def plan(self, rows: int):
         """Whether this forward's ``rows`` take the layer's two kernel calls (``layer_in`` / ``layer_in_gated``, then
         ``layer_out``): None (the per-op steps), else ``(deltas,)`` - ``qkv_deltas``' arguments of
         ``layer_in_gated``, or None where no adapter acts in this layer."""
-        for m in mods:
-            fresh(m)
-        if plain():
+        self.fresh()
+        if self.plain():
             return (None,)
-        if not plain_out() or any(m._dlm_tail is not None for m in mods[:3]):
+        if not self.plain_out() or any(p.tail is not None for p in self.packs[:3]):
             return None
-        deltas = qkv_deltas(mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
+        deltas = qkv_deltas(self.mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
         return None if deltas is None else (deltas,)
 
-    def stack_args(deltas):
-        """The layer's arguments of ``decode_stack`` (after :func:`plan`): its tensors but the KV buffers (the
+    def stack_args(self, deltas):
+        """The layer's arguments of ``decode_stack`` (after :meth:`plan`): its tensors but the KV buffers (the
         adapters' packed A and B where ``deltas``), its floats and its ints."""
         adapters = _NO_ADAPTERS if deltas is None else (*deltas[1], *deltas[2])
+        pq, pk, pv, po, pg, pu, pd = self.packs
         tensors = (
-            n1.weight,
-            qp._dlm_packed,
-            kp._dlm_packed,
-            vp._dlm_packed,
-            *(m.bias if m.bias is not None else NO_BIAS for m in (qp, kp, vp)),
-            op._dlm_packed,
-            n2.weight,
-            gate._dlm_packed,
-            up._dlm_packed,
-            down._dlm_packed,
+            self.n1.weight,
+            pq.packed,
+            pk.packed,
+            pv.packed,
+            *(m.bias if m.bias is not None else NO_BIAS for m in self.mods[:3]),
+            po.packed,
+            self.n2.weight,
+            pg.packed,
+            pu.packed,
+            pd.packed,
         )
-        return tensors, adapters, (eps1, eps2, scaling), (qp._dlm_out, kp._dlm_out, vp._dlm_out, gate._dlm_out)
+        return tensors, adapters, (self.eps1, self.eps2, self.scaling), (pq.out, pk.out, pv.out, pg.out)
 
-    def body(x, cos, sin, mask, cache):  # the layer on x [b, t, d] once forward's (or the stack's) checks hold
+    # -- the layer on a chunk --------------------------------------------------------------------------------
+
+    def body(self, x, cos, sin, mask, cache):
+        """The layer on ``x [b, t, d]`` once :meth:`__call__`'s (or the stack's) checks hold: two kernel calls
+        around the cache update where :meth:`plan` allows, else the per-op steps (bit for bit the same)."""
         b, t, d = x.shape
         rows = b * t
-        ext = STATE.ops
-        shape = (b, t)
         x2 = x.reshape(rows, d).contiguous()
+        two = self.plan(rows)
+        if two is None:
+            return self.steps(x2, cos, sin, mask, cache, (b, t))
+        deltas = two[0]
+        pq, pk, pv = self.packs[:3]
+        args = (
+            x2,
+            self.n1.weight,
+            self.eps1,
+            pq.packed,
+            pk.packed,
+            pv.packed,
+            [pq.out, pk.out, pv.out],
+            [m.bias if m.bias is not None else NO_BIAS for m in self.mods[:3]],
+            cos,
+            sin,
+            b,
+            self.hd,
+        )
+        ext = STATE.ops
+        q, k, v = ext.layer_in(*args) if deltas is None else ext.layer_in_gated(*args, *deltas)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
+        return self.layer_out(x2, q, k, v, layer_mask(mask, b, t, k.shape[2]), (b, t))
 
-        def layer_out(q, k, v, mask):  # attention, o_proj, norm and MLP in one kernel call
-            y = ext.layer_out(
-                x2,
-                q,
-                k,
-                v,
-                mask,
-                scaling,
-                op._dlm_packed,
-                n2.weight,
-                eps2,
-                gate._dlm_packed,
-                up._dlm_packed,
-                gate._dlm_out,
-                down._dlm_packed,
-            )
-            return y.view(b, t, d)
+    def layer_out(self, x2, q, k, v, mask, shape):
+        """Attention, o_proj, norm and MLP in one kernel call."""
+        po, pg, pu, pd = self.packs[3:]
+        y = STATE.ops.layer_out(
+            x2, q, k, v, mask, self.scaling, po.packed, self.n2.weight, self.eps2, pg.packed, pu.packed, pg.out,
+            pd.packed,
+        )  # fmt: skip
+        return y.view(*shape, x2.shape[1])
 
-        two = plan(rows)
-        if two is not None:
-            # the whole layer in two kernel calls around the cache update (bit for bit the steps below)
-            deltas = two[0]
-            args = (
-                x2,
-                n1.weight,
-                eps1,
-                qp._dlm_packed,
-                kp._dlm_packed,
-                vp._dlm_packed,
-                [qp._dlm_out, kp._dlm_out, vp._dlm_out],
-                [m.bias if m.bias is not None else NO_BIAS for m in (qp, kp, vp)],
-                cos,
-                sin,
-                b,
-                hd,
-            )
-            q, k, v = ext.layer_in(*args) if deltas is None else ext.layer_in_gated(*args, *deltas)
-            if cache is not None:
-                k, v = cache.update(k, v, layer_idx)
-            mask = layer_mask(mask, b, t, k.shape[2])
-            return layer_out(q, k, v, mask)
-        second = plain_out()  # adapters on q/k/v only, but not the two calls (fp32 tails): layer_out still
-        h = ext.rms_norm(x2, n1.weight, eps1)
-        q, k, v = qkv(h, shape)
+    def steps(self, x2, cos, sin, mask, cache, shape):
+        """The layer op by op: the projections' hooks and gated adapters run as the modules' own forwards would."""
+        ext, hd = STATE.ops, self.hd
+        (b, t), rows = shape, x2.shape[0]
+        second = self.plain_out()  # adapters on q/k/v only, but not the two calls (fp32 tails): layer_out still
+        h = ext.rms_norm(x2, self.n1.weight, self.eps1)
+        q, k, v = self.qkv(h, shape)
         q = q.view(b, t, -1, hd).transpose(1, 2)
         k = k.view(b, t, -1, hd).transpose(1, 2)
         v = v.view(b, t, -1, hd).transpose(1, 2)
         q, k = ext.rope(q, cos, sin), ext.rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.update(k, v, layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)
         mask = layer_mask(mask, b, t, k.shape[2])
         if second:  # adapters on q/k/v only: the rest of the layer in one call (bit for bit the steps below)
-            return layer_out(q, k, v, mask)
-        o = ext.attend(q, k, v, mask, scaling).view(rows, -1)
-        x2 = x2 + lin(op, o, shape)
-        h = ext.rms_norm(x2, n2.weight, eps2)
-        fresh(gate), fresh(up), fresh(down)
-        if gate._dlm_tail is not None or up._dlm_tail is not None:
-            return (x2 + mlp(h.view(b, t, d)).reshape(rows, d)).view(b, t, d)
-        if "_dlm_gated" in gate.__dict__ or "_dlm_gated" in up.__dict__:
+            return self.layer_out(x2, q, k, v, mask, shape)
+        o = ext.attend(q, k, v, mask, self.scaling).view(rows, -1)
+        x2 = x2 + self.lin(3, o, shape)
+        h = ext.rms_norm(x2, self.n2.weight, self.eps2)
+        return self.mlp_steps(x2, h, shape)
+
+    def mlp_steps(self, x2, h, shape):
+        """The MLP and its residual on the normed ``h`` (``x2`` the residual stream, this forward's own tensor)."""
+        ext = STATE.ops
+        (b, t), rows, d = shape, x2.shape[0], x2.shape[1]
+        gate, up, down = self.mods[4:]
+        pg, pu, pd = self.packs[4:]
+        self.fresh()
+        if pg.tail is not None or pu.tail is not None:
+            return (x2 + self.mlp(h.view(b, t, d)).reshape(rows, d)).view(b, t, d)
+        if not self.fused_mlp():
             # adapters on gate/up: both projections in one kernel pass, their deltas on the mask rows, then the
             # MLP's own activation product (the fused gate_up kernel has no place for the deltas)
-            g_out, u_out = ext.linears(
-                h, [gate._dlm_packed, up._dlm_packed], [gate._dlm_out, up._dlm_out], [NO_BIAS] * 2
-            )
-            h = mlp.act_fn(after(gate, h, g_out, shape)) * after(up, h, u_out, shape)
+            g_out, u_out = ext.linears(h, [pg.packed, pu.packed], [pg.out, pu.out], [NO_BIAS] * 2)
+            h = self.mlp.act_fn(self.after(gate, h, g_out, shape)) * self.after(up, h, u_out, shape)
         else:
-            h = ext.gate_up(h, gate._dlm_packed, up._dlm_packed, gate._dlm_out)
-        if not bare((down,)) or down.bias is not None:
-            x2 = x2 + lin(down, h, shape)
-        else:  # x2 is this function's own tensor: the residual added in place by the kernel
-            ext.linear_add_(x2, h, down._dlm_packed)
+            h = ext.gate_up(h, pg.packed, pu.packed, pg.out)
+        if not self.bare(6, 7) or down.bias is not None:
+            x2 = x2 + self.lin(6, h, shape)
+        else:  # x2 is this forward's own tensor: the residual added in place by the kernel
+            ext.linear_add_(x2, h, pd.packed)
         return x2.view(b, t, d)
 
-    forward._dlm = True
-    forward._dlm_ready, forward._dlm_body, forward._dlm_hd = ready, body, hd
-    forward._dlm_plan, forward._dlm_stack_args, forward._dlm_layer_idx = plan, stack_args, layer_idx
-    forward._dlm_norms, forward._dlm_mods = (n1, n2), mods
-    return forward
+    def lin(self, i: int, h, shape):
+        """``mods[i]`` on ``h [rows, in]`` (contiguous): as a module call where pre-hooks ask for one."""
+        module, p = self.mods[i], self.packs[i]
+        if module._forward_pre_hooks or module._forward_hooks_with_kwargs or global_hooks():
+            return module(h.view(*shape, h.shape[-1])).reshape(h.shape[0], -1)
+        p.fresh(module, STATE.ops)
+        out = STATE.ops.linear(h, p.packed, p.out, module.bias, p.tail)
+        return self.after(module, h, out, shape)
+
+    @staticmethod
+    def after(module, h, out, shape):
+        """What ``module``'s forward adds to its base output (a gated adapter's delta on the mask rows, in place
+        when decoding), then its forward hooks, as a module call runs them."""
+        g = module.__dict__.get("_dlm_gated")
+        if g is not None:
+            out = g[0].add(g[1], h, out)
+        if not module._forward_hooks:
+            return out
+        x3, out3 = h.view(*shape, h.shape[-1]), out.view(*shape, out.shape[-1])
+        for hook in tuple(module._forward_hooks.values()):
+            res = hook(module, (x3,), out3)
+            if res is not None:
+                out3 = res
+        return out3.reshape(h.shape[0], -1)
+
+    def qkv(self, h, shape):
+        """The three projections in one kernel pass, then any adapter hooks on them."""
+        qkv_mods, packs = self.mods[:3], self.packs[:3]
+        for m, p in zip(qkv_mods, packs):
+            p.fresh(m, STATE.ops)
+        if global_hooks() or any(
+            m._forward_pre_hooks or m._forward_hooks_with_kwargs or p.tail is not None for m, p in zip(qkv_mods, packs)
+        ):
+            return [self.lin(i, h, shape) for i in range(3)]
+        outs = STATE.ops.linears(
+            h,
+            [p.packed for p in packs],
+            [p.out for p in packs],
+            [m.bias if m.bias is not None else NO_BIAS for m in qkv_mods],
+        )
+        return [self.after(m, h, o, shape) for m, o in zip(qkv_mods, outs)]
 
 
 def chunk_ok(b: int, t: int, mask) -> bool:

@@ -5,30 +5,55 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dlm.decode.cpu.runtime import ATTEND_MAX_QUERIES, CHECKED, MAX_ROWS, STATE, fresh, gated, patch, patched
+from dlm.decode.cpu.packing import Packed
+from dlm.decode.cpu.runtime import (
+    ATTEND_MAX_QUERIES,
+    CHECKED,
+    MAX_ROWS,
+    STATE,
+    KernelForward,
+    forward_of,
+    gated,
+    patch,
+    patched,
+)
 
 
-def make_linear_forward(module: nn.Module, stock):
-    if getattr(stock, "__self__", None) is module and "forward" not in module.__dict__:
-        stock = None  # the class's own forward, looked up at each call (it may gain gated adapters later)
+class LinearForward(KernelForward):
+    """A linear layer's forward through the kernels over its packed weight (:class:`packing.Packed`, held here),
+    with a gated-LoRA linear's delta on the mask rows added after the kernel."""
 
-    def forward(x):
+    __slots__ = ("module", "stock", "packed")
+
+    def __init__(self, module: nn.Module, stock, packed: Packed):
+        if getattr(stock, "__self__", None) is module and "forward" not in module.__dict__:
+            stock = None  # the class's own forward, looked up at each call (it may gain gated adapters later)
+        self.module, self.stock, self.packed = module, stock, packed
+
+    def own(self, x):
+        return self.stock(x) if self.stock is not None else type(self.module).forward(self.module, x)
+
+    def __call__(self, x):
         if not STATE.depth or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
-            return stock(x) if stock is not None else type(module).forward(module, x)
+            return self.own(x)
         k = x.shape[-1]
         rows = x.numel() // k if k else 0
         if not 0 < rows <= MAX_ROWS:
-            return stock(x) if stock is not None else type(module).forward(module, x)
-        fresh(module)
+            return self.own(x)
+        module, p = self.module, self.packed
+        p.fresh(module, STATE.ops)
         x2 = x.reshape(rows, k).contiguous()
-        out = STATE.ops.linear(x2, module._dlm_packed, module._dlm_out, module.bias, module._dlm_tail)
+        out = STATE.ops.linear(x2, p.packed, p.out, module.bias, p.tail)
         g = module.__dict__.get("_dlm_gated")
         if g is not None:  # a gated-LoRA linear: its delta on the mask rows (what its class's forward adds)
             out = g[0].add(g[1], x2, out)
-        return out.view(*x.shape[:-1], module._dlm_out)
+        return out.view(*x.shape[:-1], p.out)
 
-    forward._dlm = True
-    return forward
+
+def packed_of(module: nn.Module) -> Packed | None:
+    """The packed weight of a linear layer the kernels run (None where they do not)."""
+    fn = forward_of(module)
+    return fn.packed if isinstance(fn, LinearForward) else None
 
 
 def attach_mlps(model: nn.Module, mod) -> None:
@@ -44,18 +69,25 @@ def attach_mlps(model: nn.Module, mod) -> None:
             or gate.bias is not None
             or up.bias is not None
             or gate.weight.shape != up.weight.shape
-            or getattr(gate, "_dlm_packed", None) is None
-            or getattr(up, "_dlm_packed", None) is None
+            or packed_of(gate) is None
+            or packed_of(up) is None
             or patched(m)
         ):
             continue
-        patch(m, _make_mlp_forward(m, m.forward))
+        patch(m, MlpForward(m, m.forward))
 
 
-def _make_mlp_forward(module: nn.Module, stock):
-    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+class MlpForward(KernelForward):
+    """A gated SiLU MLP's forward: gate and up projections and their SiLU product in one kernel call."""
 
-    def forward(x):
+    __slots__ = ("stock", "gate", "up", "down", "packs")
+
+    def __init__(self, module: nn.Module, stock):
+        self.stock, self.gate, self.up, self.down = stock, module.gate_proj, module.up_proj, module.down_proj
+        self.packs = (packed_of(self.gate), packed_of(self.up))
+
+    def __call__(self, x):
+        gate, up, stock = self.gate, self.up, self.stock
         if (
             not STATE.depth
             or x.dtype != torch.float32
@@ -73,14 +105,12 @@ def _make_mlp_forward(module: nn.Module, stock):
         rows = x.numel() // k if k else 0
         if not 0 < rows <= MAX_ROWS:
             return stock(x)
-        fresh(gate), fresh(up)
-        if gate._dlm_tail is not None or up._dlm_tail is not None:
+        pg, pu = self.packs
+        pg.fresh(gate, STATE.ops), pu.fresh(up, STATE.ops)
+        if pg.tail is not None or pu.tail is not None:
             return stock(x)
-        h = STATE.ops.gate_up(x.reshape(rows, k).contiguous(), gate._dlm_packed, up._dlm_packed, gate._dlm_out)
-        return down(h.view(*x.shape[:-1], gate._dlm_out))
-
-    forward._dlm = True
-    return forward
+        h = STATE.ops.gate_up(x.reshape(rows, k).contiguous(), pg.packed, pu.packed, pg.out)
+        return self.down(h.view(*x.shape[:-1], pg.out))
 
 
 # -- the elementwise ops around the matmuls ------------------------------------------------------------------
@@ -118,14 +148,19 @@ def attach_norms(model: nn.Module, mod) -> None:
                     ok = False
             CHECKED[type(m)] = ok
         if CHECKED[type(m)]:
-            patch(m, _make_norm_forward(m, m.forward))
+            patch(m, NormForward(m, m.forward))
 
 
-def _make_norm_forward(module: nn.Module, stock):
-    eps = norm_eps(module)
+class NormForward(KernelForward):
+    """An RMSNorm's forward in one kernel call (checked against the norm's own at attach)."""
 
-    def forward(x):
-        w = module.weight
+    __slots__ = ("module", "stock", "eps")
+
+    def __init__(self, module: nn.Module, stock):
+        self.module, self.stock, self.eps = module, stock, norm_eps(module)
+
+    def __call__(self, x):
+        w = self.module.weight
         if (
             not STATE.depth
             or x.dtype != torch.float32
@@ -134,11 +169,8 @@ def _make_norm_forward(module: nn.Module, stock):
             or w.dtype != torch.float32
             or x.shape[-1] != w.numel()
         ):
-            return stock(x)
-        return STATE.ops.rms_norm(x.contiguous(), w, eps)
-
-    forward._dlm = True
-    return forward
+            return self.stock(x)
+        return STATE.ops.rms_norm(x.contiguous(), w, self.eps)
 
 
 def attend(query, key, value, mask, scale):

@@ -128,35 +128,47 @@ def q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     return _q8_layout(d, q), (d * q).reshape(n, k)
 
 
-def pack(module: nn.Module, ops, quant: bool = True) -> None:
-    """Pack ``module``'s weight (an ``nn.Linear`` or GPT-2's ``Conv1D``) onto it: ``_dlm_packed`` (and
-    ``_dlm_tail``), the quantized form where ``quant`` and its blocks fit, else fp32."""
-    w = module.weight
-    transposed = not isinstance(module, nn.Linear)
-    with torch.no_grad():
-        packed = quant_pack(w.detach().t() if transposed else w.detach(), ops) if quant else None
-        module._dlm_packed, module._dlm_tail = (
-            packed if packed is not None else (ops.pack(w.detach(), transposed), None)
-        )
-    # what the copy was made from (storage, in-place version): a replaced or modified weight is packed again
-    module._dlm_ptr, module._dlm_version = w.data_ptr(), w._version
-    module._dlm_out = w.shape[1] if transposed else w.shape[0]
-    module._dlm_quant = quant
+class Packed:
+    """A linear layer's weight as the kernels read it, held by the layer's kernel forward (nothing is stored on
+    the module): ``packed`` (and ``tail``: the fp32 packing of last rows a quantized form does not fit, else
+    None), ``out`` its output width, ``quant`` whether a quantized form may be used, and what the copy was made
+    from (``ptr``: the weight's storage, ``version``: its in-place version) so that a replaced or modified weight
+    is packed again (:meth:`fresh`)."""
 
+    __slots__ = ("packed", "tail", "out", "ptr", "version", "quant")
 
-def fresh(module: nn.Module, ops) -> None:
-    """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""
-    w = module._parameters.get("weight")  # (nn.Module.__getattr__ costs more than the check, 7 times a layer)
-    if w is None:
+    def __init__(self, module: nn.Module, ops, quant: bool = True):
+        self.quant = quant
+        self.pack(module, ops)
+
+    def pack(self, module: nn.Module, ops) -> None:
+        """Pack ``module``'s weight (an ``nn.Linear`` or GPT-2's ``Conv1D``): the quantized form where
+        :attr:`quant` and its blocks fit, else fp32."""
         w = module.weight
-    if w._version != module._dlm_version or w.data_ptr() != module._dlm_ptr:
-        pack(module, ops, module._dlm_quant)
+        transposed = not isinstance(module, nn.Linear)
+        with torch.no_grad():
+            packed = quant_pack(w.detach().t() if transposed else w.detach(), ops) if self.quant else None
+            self.packed, self.tail = packed if packed is not None else (ops.pack(w.detach(), transposed), None)
+        self.ptr, self.version = w.data_ptr(), w._version
+        self.out = w.shape[1] if transposed else w.shape[0]
+
+    def fresh(self, module: nn.Module, ops) -> None:
+        """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""
+        w = module._parameters.get("weight")  # (nn.Module.__getattr__ costs more than the check, 7 times a layer)
+        if w is None:
+            w = module.weight
+        if w._version != self.version or w.data_ptr() != self.ptr:
+            self.pack(module, ops)
+
+    def for_copy(self, module: nn.Module) -> Packed:
+        """This packing for ``module``, a copy of the packed module (same weights, other storage): the packed
+        tensors shared, the origin that of the copy's weight."""
+        twin = object.__new__(Packed)
+        twin.packed, twin.tail, twin.out, twin.quant = self.packed, self.tail, self.out, self.quant
+        twin.ptr, twin.version = module.weight.data_ptr(), module.weight._version
+        return twin
 
 
-PACKED_ATTRS = ("_dlm_packed", "_dlm_tail", "_dlm_ptr", "_dlm_version", "_dlm_out", "_dlm_quant")
-
-
-def unpack(module: nn.Module) -> None:
-    for name in PACKED_ATTRS:
-        if hasattr(module, name):
-            delattr(module, name)
+def pack(module: nn.Module, ops, quant: bool = True) -> Packed:
+    """``module``'s weight packed for the kernels (:class:`Packed`)."""
+    return Packed(module, ops, quant)

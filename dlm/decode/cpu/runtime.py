@@ -10,7 +10,6 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
-from dlm.decode.cpu import packing
 from dlm.errors import DLMError
 from dlm.model import lora as _lora
 from dlm.settings import env
@@ -61,7 +60,6 @@ class KernelState:
 
 OPTIONS = KernelOptions()
 STATE = KernelState()
-_MISSING = object()
 
 
 @contextlib.contextmanager
@@ -77,29 +75,44 @@ def active(on: bool = True):
         STATE.depth -= 1
 
 
-def fresh(module: nn.Module) -> None:
-    packing.fresh(module, STATE.ops)
+class KernelForward:
+    """A module's forward while the kernels are attached: an object of dlm's own, set as the module's instance
+    ``forward`` by :func:`patch`, that takes the kernels inside :func:`active` and the module's own forward
+    elsewhere. It holds everything the kernels keep for that module (its packed weight, the modules a fused layer
+    calls, a stack's kept plans), so that the module carries nothing of dlm's but this one attribute - the one
+    place torch routes a module's calls through per instance - and :func:`unpatch` gives it back as it was.
+    ``prev`` is the instance forward it replaced (absent: :data:`MISSING`). A deep copy of a patched module is
+    patched alike, on the copy's own modules and packed weights."""
+
+    __slots__ = ("prev",)
 
 
-def patch(module: nn.Module, forward) -> None:
-    """Route ``module``'s calls through ``forward`` (marked, with what it replaces, for :func:`unpatch`)."""
-    forward._dlm = True
-    forward._dlm_prev = module.__dict__.get("forward", _MISSING)
+MISSING = object()
+
+
+def patch(module: nn.Module, forward: KernelForward) -> None:
+    """Route ``module``'s calls through ``forward`` (with what it replaces, for :func:`unpatch`)."""
+    forward.prev = module.__dict__.get("forward", MISSING)
     module.forward = forward
 
 
+def forward_of(module: nn.Module) -> KernelForward | None:
+    """The kernels' forward of ``module`` (None where it has none)."""
+    fn = module.__dict__.get("forward")
+    return fn if isinstance(fn, KernelForward) else None
+
+
 def patched(module: nn.Module) -> bool:
-    return getattr(module.__dict__.get("forward"), "_dlm", False)
+    return isinstance(module.__dict__.get("forward"), KernelForward)
 
 
 def unpatch(module: nn.Module) -> None:
     """Give ``module`` back the forward it had before :func:`patch`."""
     fn = module.__dict__.get("forward")
-    if getattr(fn, "_dlm", False):
-        prev = fn._dlm_prev
+    if isinstance(fn, KernelForward):
         del module.forward
-        if prev is not _MISSING:
-            module.forward = prev
+        if fn.prev is not MISSING:
+            module.forward = fn.prev
 
 
 CHECKED: dict = {}  # class -> whether a fused forward (norm, decoder layer, stack) matches its own

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from dlm.decode.cpu.adapters import rows_indexed
-from dlm.decode.cpu.layer import chunk_ok, layer_mask, rotary_ok
+from dlm.decode.cpu.layer import LayerForward, chunk_ok, layer_mask, rotary_ok
 from dlm.decode.cpu.runtime import (
     ATTEND_MAX_QUERIES,
     CHECKED,
@@ -17,6 +17,7 @@ from dlm.decode.cpu.runtime import (
     NO_BIAS,
     OPTIONS,
     STATE,
+    KernelForward,
     active,
     global_hooks,
     patch,
@@ -64,9 +65,9 @@ def _stack_parts(model: nn.Module):
     elif getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
         return None
     fwds = [layer.__dict__.get("forward") for layer in layers]
-    if not all(getattr(f, "_dlm_body", None) is not None for f in fwds):
+    if not all(isinstance(f, LayerForward) for f in fwds):
         return None
-    if len({f._dlm_hd for f in fwds}) != 1:
+    if len({f.hd for f in fwds}) != 1:
         return None
     return emb, layers, norm, rot, fwds
 
@@ -76,10 +77,10 @@ def attach_stacks(model: nn.Module, mod) -> None:
         parts = _stack_parts(m)
         if parts is None:
             continue
-        forward = _make_stack_forward(m, m.forward, parts)
+        forward = StackForward(m, m.forward, parts)
         key = (type(m), "stack")
         if key not in CHECKED:
-            if not forward._dlm_ready():  # hooks on it now: the check would not see the stack path run
+            if not forward.ready():  # hooks on it now: the check would not see the stack path run
                 continue
             CHECKED[key] = _check_stack(m, forward)
         if CHECKED[key]:
@@ -93,16 +94,23 @@ def _output_type():
     return BaseModelOutputWithPast, "cache" if "cache" in fields else "past_key_values"
 
 
-def _make_stack_forward(model: nn.Module, stock, parts):
-    emb, layers, norm, rot, fwds = parts
-    hd = fwds[0]._dlm_hd
-    steps = [(layer, f._dlm_ready, f._dlm_body) for layer, f in zip(layers, fwds)]
-    out_type, cache_field = _output_type()
-    memo: dict = {}  # _one_call's plans of this stack
+class StackForward(KernelForward):
+    """A base decoder model's forward on decode chunks through its fused layers (see the comment above): one
+    ``decode_stack`` call (:func:`_one_call`, its arguments kept in ``memo``) or the loop over the layers' bodies."""
 
-    def ready() -> bool:
+    __slots__ = ("model", "stock", "emb", "layers", "norm", "rot", "fwds", "hd", "out_type", "cache_field", "memo")
+
+    def __init__(self, model: nn.Module, stock, parts):
+        self.model, self.stock = model, stock
+        self.emb, self.layers, self.norm, self.rot, self.fwds = parts
+        self.hd = self.fwds[0].hd
+        self.out_type, self.cache_field = _output_type()
+        self.memo: dict = {}  # _one_call's plans of this stack
+
+    def ready(self) -> bool:
+        emb, rot = self.emb, self.rot
         if (
-            model.training
+            self.model.training
             or emb._forward_hooks
             or emb._forward_pre_hooks
             or rot._forward_hooks
@@ -112,12 +120,18 @@ def _make_stack_forward(model: nn.Module, stock, parts):
             or emb.weight.device.type != "cpu"
         ):
             return False
-        for layer, layer_ready, _ in steps:
-            if layer._forward_hooks or layer._forward_pre_hooks or not layer_ready():
+        for layer, f in zip(self.layers, self.fwds):
+            if (
+                layer._forward_hooks
+                or layer._forward_pre_hooks
+                or not f.ready()
+                or layer.__dict__.get("forward") is not f
+            ):
                 return False
-        return all(layer.__dict__.get("forward") is f for (layer, _, _), f in zip(steps, fwds))
+        return True
 
-    def forward(*args, **kwargs):
+    def __call__(self, *args, **kwargs):
+        stock = self.stock
         if args or not STATE.depth or torch.is_grad_enabled() or not _STACK_KWARGS.issuperset(kwargs.keys()):
             return stock(*args, **kwargs)
         ids, pos, mask = kwargs.get("input_ids"), kwargs.get("position_ids"), kwargs.get("attention_mask")
@@ -144,26 +158,22 @@ def _make_stack_forward(model: nn.Module, stock, parts):
             or not isinstance(pos, torch.Tensor)
             or pos.shape != ids.shape
             or not chunk_ok(ids.shape[0], ids.shape[1], mask)
-            or not ready()
+            or not self.ready()
         ):
             return stock(*args, **kwargs)
         b, t = ids.shape
-        h = emb(ids)
-        cos, sin = rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
-        if not rotary_ok(b, t, hd, cos, sin):
+        h = self.emb(ids)
+        cos, sin = self.rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
+        if not rotary_ok(b, t, self.hd, cos, sin):
             return stock(*args, **kwargs)
-        one = _one_call(fwds, h, cos, sin, mask, cache, memo) if OPTIONS.one_call else None
+        one = _one_call(self.fwds, h, cos, sin, mask, cache, self.memo) if OPTIONS.one_call else None
         if one is not None:
             h = one
         else:
-            for _, _, body in steps:
-                h = body(h, cos, sin, mask, cache)
+            for f in self.fwds:
+                h = f.body(h, cos, sin, mask, cache)
         _stack_runs[0] += 1
-        return out_type(last_hidden_state=norm(h), **{cache_field: cache})
-
-    forward._dlm = True
-    forward._dlm_ready = ready
-    return forward
+        return self.out_type(last_hidden_state=self.norm(h), **{self.cache_field: cache})
 
 
 # With the engine's growing KV cache, a stack whose every layer takes its two kernel calls runs the whole chunk in
@@ -200,7 +210,7 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
     rooms = []
     n0 = None
     for f, hk in zip(fwds, plan.kv_heads):
-        layer = layers[f._dlm_layer_idx]
+        layer = layers[f.layer_idx]
         keys, values = layer.keys, layer.values
         if keys.shape[0] != b or keys.shape[1] != hk or values.dim() != 4:
             return None
@@ -216,7 +226,7 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
     try:
         for j, (_, kb, vb) in zip(slots, rooms):
             ts[j], ts[j + 1] = kb, vb
-        y = STATE.ops.decode_stack(x2, cos, sin, mask, b, fwds[0]._dlm_hd, n0, ts, plan.fs, plan.ints, idx, r, scale)
+        y = STATE.ops.decode_stack(x2, cos, sin, mask, b, fwds[0].hd, n0, ts, plan.fs, plan.ints, idx, r, scale)
     finally:
         for j in slots:  # the plan does not keep the KV buffers alive
             ts[j] = ts[j + 1] = NO_BIAS
@@ -230,12 +240,12 @@ _next_hook = getattr(getattr(torch.utils, "hooks", None), "RemovableHandle", Non
 
 class _StackPlan:
     """``decode_stack``'s arguments for a stack's decode forwards, with (or without) gated adapters acting: built
-    by the layers' own checks (:func:`_make_layer_forward`'s ``plan`` and ``stack_args``) and kept while nothing
+    by the layers' own checks (:class:`~dlm.decode.cpu.layer.LayerForward`'s ``plan`` and ``stack_args``) and kept while nothing
     those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook count
     (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes a new
     id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (``OPTIONS.adapter_form``), and
     each packed weight, norm weight, bias and adapter matrix - the same object in its module (not replaced), its
-    in-place version and its data (what :func:`packing.fresh` checks). A hook removed needs nothing (a plan is never
+    in-place version and its data (what :meth:`packing.Packed.fresh` checks). A hook removed needs nothing (a plan is never
     built while one is there). Not seen: a hook put into a module's hook dict without a handle, a module's class
     changed other than by dlm's gated LoRA; neither dlm nor transformers does that."""
 
@@ -260,7 +270,7 @@ class _StackPlan:
         """The stack's gated-LoRA module (one or none), False where layers hold adapters of two."""
         found = None
         for f in fwds:
-            for m in f._dlm_mods:
+            for m in f.mods:
                 g = m.__dict__.get("_dlm_gated")
                 if g is not None:
                     if found is not None and g[0].lora is not found:
@@ -303,7 +313,7 @@ class _StackPlan:
         hooks = _next_hook.next_id if _next_hook is not None else None
         plans = []
         for f in fwds:
-            pl = f._dlm_plan(rows)
+            pl = f.plan(rows)
             if pl is None:
                 return None
             plans.append(pl[0])
@@ -326,16 +336,16 @@ class _StackPlan:
                 tensors.append(obj)
 
         for f, dl in zip(fwds, plans):
-            tensors_, adapters, floats, widths = f._dlm_stack_args(dl)
-            kv_heads.append(widths[1] // f._dlm_hd)
+            tensors_, adapters, floats, widths = f.stack_args(dl)
+            kv_heads.append(widths[1] // f.hd)
             ts += tensors_
             kv_slots.append(len(ts))
             ts += (NO_BIAS, NO_BIAS, *adapters)
             fs += floats
             ints += widths
-            for n in f._dlm_norms:
+            for n in (f.n1, f.n2):
                 watch(n, "weight", False)
-            for m in f._dlm_mods:
+            for m in f.mods:
                 watch(m, "weight", True)
                 watch(m, "bias", False)
                 g = m.__dict__.get("_dlm_gated") if dl is not None else None

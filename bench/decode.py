@@ -145,7 +145,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
 
     from dlm.decode.configs import ISDConfig
-    from dlm.decode.cpu import runtime as cpu_runtime
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams, draft_totals
     from dlm.model.convert import load_any
@@ -235,8 +234,8 @@ def main(argv=None) -> int:
         suffix = next((x for x in VARIANTS if method.endswith(x)), "")
         engine = engines[b][method.removesuffix(suffix) if suffix else method]
         engine.total_forwards = 0
-        options = cpu_runtime.OPTIONS
-        setting = VARIANTS[suffix][0] if suffix else None
+        options = engine.kernels.options if engine.kernels else None  # (what the model's kernel forwards read)
+        setting = VARIANTS[suffix][0] if suffix and options is not None else None
         before = getattr(options, setting) if setting else None
         if setting:
             setattr(options, setting, VARIANTS[suffix][1])

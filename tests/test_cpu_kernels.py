@@ -9,6 +9,7 @@ from torch import nn
 from dlm.decode import cpu
 from dlm.decode.cpu import packing, runtime
 from dlm.decode.cpu import stack as cpu_stack
+from dlm.decode.cpu.adapters import AdapterDelta
 from dlm.decode.cpu.modules import packed_of
 from dlm.decode.cpu.packing import Packed
 from dlm.decode.options import EngineOptions, parse_threads
@@ -126,16 +127,17 @@ def test_gated_adapters_and_conv1d_through_the_kernel(tiny_model_dir):
         ref = dlm(input_ids=ids).logits
         ref1 = dlm(input_ids=ids[:1]).logits  # batch 1: the masks are one run of rows (the in-place delta path)
         assert cpu.attach(dlm)
-        assert dlm.gated_lora.fast_delta is cpu.adapter_delta
+        fast = dlm.gated_lora.fast_delta
+        assert isinstance(fast, AdapterDelta)
         calls = []
-        dlm.gated_lora.fast_delta = lambda *a: calls.append(1) or cpu.adapter_delta(*a)
+        dlm.gated_lora.fast_delta = lambda *a: calls.append(1) or fast(*a)
         with cpu.active():
             got = dlm(input_ids=ids).logits
             got1 = dlm(input_ids=ids[:1]).logits
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(got1, ref1, rtol=1e-4, atol=1e-4)
     assert len(calls) == len(dlm.gated_lora.adapters)  # every adapter of the batch-1 forward took the kernel
-    dlm.gated_lora.fast_delta = cpu.adapter_delta
+    dlm.gated_lora.fast_delta = fast
     cpu.detach(dlm)
     assert dlm.gated_lora.fast_delta is None
 
@@ -356,9 +358,9 @@ def test_engine_decode_steps_take_the_stack_in_one_call(tiny_model_dir, decoder,
     params = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
 
     def run(one: bool | None):
-        if one is not None:
-            monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
-        with Engine(model, decoder=config, options=EngineOptions(max_batch_size=2)) as engine:
+        kernels = cpu.KernelOptions.from_env() if one is None else cpu.KernelOptions.from_env(one_call=one)
+        with Engine(model, decoder=config, options=EngineOptions(max_batch_size=2, kernels=kernels)) as engine:
+            assert engine.kernels.options is kernels
             counting = CallCounter(runtime.STATE.ops)
             monkeypatch.setattr(runtime.STATE, "ops", counting)
             out = [r.token_ids for r in engine.generate(prompts, params)]
@@ -489,9 +491,9 @@ def test_decoder_stack_check_refuses_a_stack_path_that_differs(monkeypatch):
 
     real = cpu_stack.StackForward
 
-    def skipping_norm(model, stock, parts):
+    def skipping_norm(model, stock, parts, options):
         emb, layers, norm, rot, fwds = parts
-        return real(model, stock, (emb, layers, nn.Identity(), rot, fwds))
+        return real(model, stock, (emb, layers, nn.Identity(), rot, fwds), options)
 
     monkeypatch.setattr(cpu_stack, "StackForward", skipping_norm)
     for key in list(runtime.CHECKED):  # a fresh check
@@ -894,6 +896,35 @@ def test_attach_keeps_its_state_on_its_own_objects_and_copies_stay_apart(monkeyp
     handle.detach()
     for name, m in model.named_modules():
         assert unchanged(m, before[name]) and "forward" not in vars(m), name
+
+
+@needs_kernel
+def test_kernel_options_are_the_attachs_own_and_checked(monkeypatch):
+    """How the kernels run is one KernelOptions per attached model: from the environment where none is passed,
+    shared by the model's handles (what its forwards read), a second attach asking for other options refused by
+    name, a bad value refused naming its variable; EngineOptions carries it to the engine's attach."""
+    from dlm.decode.engine import Engine
+    from dlm.errors import DLMError
+    from dlm.testing import make_model
+
+    monkeypatch.setenv(cpu.ENV, "1")
+    monkeypatch.setenv(cpu.QUANT_ENV, "0")
+    model = make_model("llama", hidden=64, heads=4, kv_heads=2)
+    h1 = cpu.attach(model)
+    assert h1.options == cpu.KernelOptions(mode="on", quant=False)
+    h2 = cpu.attach(model, cpu.KernelOptions.from_env())  # equal options: the same attach
+    assert h2.options is h1.options and runtime.forward_of(model.model).options is h1.options
+    with pytest.raises(DLMError, match="KernelOptions"):
+        cpu.attach(model, cpu.KernelOptions.from_env(one_call=False))
+    with pytest.raises(DLMError, match="DLM_CPU_KERNEL"):
+        cpu.KernelOptions(mode="fast")
+    with pytest.raises(DLMError, match="EngineOptions.kernels"):
+        EngineOptions(kernels={"one_call": False})
+    h1.detach(), h2.detach()
+    loop = cpu.KernelOptions.from_env(one_call=False)
+    with Engine(model, decoder="ar", options=EngineOptions(kernels=loop)) as engine:
+        assert engine.kernels.options is loop and runtime.forward_of(model.model).options is loop
+    assert not runtime.patched(model.model)
 
 
 @needs_kernel

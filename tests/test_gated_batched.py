@@ -387,7 +387,7 @@ def test_qkv_deltas_inside_the_layers_first_call_are_the_per_op_path(targets, la
         counting = CallCounter(ext_)
         monkeypatch.setattr(runtime.STATE, "ops", counting)
         with monkeypatch.context() as mp:
-            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows: None)  # the per-op path
+            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows, form: None)  # the per-op path
             per_op = chunk(True)
         assert "layer_in_gated" not in counting.calls and counting.calls.get("rope")
     finally:
@@ -418,7 +418,7 @@ def test_qkv_deltas_follow_adapters_updated_in_place(monkeypatch):
                 a.B.mul_(-2.0)
         after = _cached_chunk(hf, ids, True)
         with monkeypatch.context() as mp:
-            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows: None)  # the per-op path
+            mp.setattr(cpu_layer, "qkv_deltas", lambda projs, rows, form: None)  # the per-op path
             per_op = _cached_chunk(hf, ids, True)
     finally:
         cpu.detach(dlm)
@@ -606,12 +606,13 @@ def test_decoder_stack_in_one_call_is_the_layer_loop_bit_for_bit(arch, acting, i
     mask = torch.ones(2, 1, 4, 10, dtype=torch.bool)
     mask[1, ..., 3] = False  # a hole in row 1's cache
     mask[..., 6:] = torch.ones(4, 4, dtype=torch.bool).tril_()
-    assert cpu.attach(dlm)
+    handle = cpu.attach(dlm)
+    assert handle
     cpu.set_isa(isa)
     ext_ = runtime.STATE.ops
 
     def run(one: bool):
-        monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
+        monkeypatch.setattr(handle.options, "one_call", one)  # (the forwards read the attach's options)
         counting = CallCounter(ext_)
         monkeypatch.setattr(runtime.STATE, "ops", counting)
         kv = KVBatch()
@@ -650,7 +651,6 @@ def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
     cpu = _kernels()
 
     def run(one: bool):
-        monkeypatch.setattr(runtime.OPTIONS, "one_call", one)
         dlm, _, _ = _pair("llama", targets="q_proj,v_proj", hidden=64, heads=4, kv_heads=2, seed=9)
         hf, g, m = dlm.base_model_hf, dlm.gated_lora, dlm.mask_token_id
         layers = hf.model.layers
@@ -690,7 +690,7 @@ def test_decode_stack_plans_follow_the_model_between_forwards(monkeypatch):
             (1, None),
         ]
         gen = torch.Generator().manual_seed(10)
-        assert cpu.attach(dlm)
+        assert cpu.attach(dlm, runtime.KernelOptions.from_env(one_call=one))
         counting = CallCounter(runtime.STATE.ops)
         monkeypatch.setattr(runtime.STATE, "ops", counting)
         kv, out, stacked = KVBatch(), [], []
@@ -794,10 +794,11 @@ def test_adapters_in_8_bit_blocks_are_the_model_with_rounded_adapters(monkeypatc
             return hf(input_ids=ids[:, 7:], past_key_values=kv.cache, position_ids=pos).logits
 
     monkeypatch.delenv(runtime.ADAPTER_ENV)
-    assert cpu_kernels.attach(dlm)
+    handle = cpu_kernels.attach(dlm)
+    assert handle and handle.options.adapter_form == "q8_0"  # (DLM_CPU_ADAPTERS unset: the default)
     try:
         first = stacked()
-        monkeypatch.setattr(runtime.OPTIONS, "adapter_form", "f32")
+        monkeypatch.setattr(handle.options, "adapter_form", "f32")
         second = stacked()
     finally:
         cpu_kernels.detach(dlm)

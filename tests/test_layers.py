@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import collections
+import importlib
+from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +102,8 @@ def test_no_function_takes_more_than_ten_parameters():
 def test_the_cpu_kernels_python_is_split_by_concern():
     """dlm/decode/cpu/ keeps each concern in its own file (runtime, modules, layer, stack, adapters, packing, build,
     choice): none over 500 lines, and the kernels' state and switches are attributes of runtime's STATE and
-    OPTIONS objects, not one-element module lists that tests flip."""
+    the attach's own KernelOptions (which the attached model's forwards read), not module-wide objects or
+    one-element module lists that tests flip."""
     long = []
     for path in sorted((ROOT / "dlm" / "decode" / "cpu").glob("*.py")):
         n = len(path.read_text().splitlines())
@@ -109,7 +112,22 @@ def test_the_cpu_kernels_python_is_split_by_concern():
     assert not long, "split these by concern:\n" + "\n".join(long)
     from dlm.decode.cpu import runtime
 
-    assert {f for f in vars(runtime.OPTIONS)} == {"one_call", "keep_plans", "adapter_form"}
+    assert {f.name for f in fields(runtime.KernelOptions)} == {
+        "mode",
+        "quant",
+        "adapter_form",
+        "one_call",
+        "keep_plans",
+    }
+    shared = [
+        f"{path.name}: {name}"
+        for path in sorted((ROOT / "dlm" / "decode" / "cpu").glob("*.py"))
+        for name, value in vars(
+            importlib.import_module(f"dlm.decode.cpu.{path.stem}".removesuffix(".__init__"))
+        ).items()
+        if isinstance(value, runtime.KernelOptions)
+    ]
+    assert not shared, f"module-wide KernelOptions (pass them to attach instead): {shared}"
     cells = [
         f"{path.name}: {node.targets[0].id}"
         for path in sorted((ROOT / "dlm" / "decode" / "cpu").glob("*.py"))

@@ -472,7 +472,7 @@ class Engine:
         self._attn = use_for_decoding(model)
         # fp32 on CPU: linear layers, norms, MLPs, attention through the CPU kernels where they are faster here
         # (dlm.decode.cpu; only inside this engine's forwards; undone by close())
-        self._cpu = cpu_kernels.attach(model) if self.device.type == "cpu" else None
+        self._cpu = cpu_kernels.attach(model, options.kernels) if self.device.type == "cpu" else None
         self._cpu_kernel = bool(self._cpu)
         # threads: None leaves torch's setting; an int or "auto" (the cores other processes leave idle, looked at
         # again while decoding: dlm.decode.threads) is set in the thread that steps, and put back by close()

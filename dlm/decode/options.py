@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 from dlm.errors import DLMError
+
+if TYPE_CHECKING:
+    from dlm.decode.cpu.runtime import KernelOptions
 
 THREADS_HELP = (
     "CPU threads while decoding: auto (the cores other processes leave idle, looked at again every few seconds; on "
@@ -69,6 +73,9 @@ class EngineOptions:
     :mod:`dlm.decode.prefix`)."""
     compact_threshold: float = 0.5
     """Compact the dynamic KV cache once more than this share of its positions are holes (finished rows' room)."""
+    kernels: KernelOptions | None = None
+    """How the CPU kernels run on the model (:class:`dlm.decode.cpu.KernelOptions`); None: from the environment
+    (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``) when the engine attaches them."""
 
     def __post_init__(self):
         b = self.max_batch_size
@@ -79,6 +86,9 @@ class EngineOptions:
         for name in ("static_cache", "cuda_graphs"):
             if getattr(self, name) not in (None, True, False):
                 raise DLMError(f"EngineOptions.{name} is None, True or False, got {getattr(self, name)!r}")
+        k = self.kernels
+        if k is not None and type(k).__name__ != "KernelOptions":  # (no torch import here: the class by name)
+            raise DLMError(f"EngineOptions.kernels is a dlm.decode.cpu.KernelOptions or None, got {k!r}")
         c = self.compact_threshold
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.0 <= c <= 1.0:
             raise DLMError(f"EngineOptions.compact_threshold is a share in [0, 1], got {c!r}")

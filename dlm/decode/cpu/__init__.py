@@ -29,7 +29,8 @@ with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a mic
 machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
 ``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
 ``DLM_CPU_QUANT=0`` keeps every weight fp32-packed; ``DLM_CPU_ADAPTERS=f32`` keeps the gated adapters exact (by
-default 8-bit blocks: they only propose drafts, see ``runtime.KernelOptions``).
+default 8-bit blocks: they only propose drafts). These three are read into one :class:`KernelOptions` at attach,
+unless the caller passes one (``attach(model, options)``, ``EngineOptions(kernels=...)``).
 
 Use: ``handle = attach(model)`` packs and patches (truthy where the kernels are in use; ``handle.choice`` says
 why); ``handle.detach()`` gives every patched module its own forward back and frees the packed copies (the last
@@ -51,13 +52,13 @@ from dlm.decode.cpu import layer as _layer
 from dlm.decode.cpu import modules as _modules
 from dlm.decode.cpu import packing, runtime
 from dlm.decode.cpu import stack as _stack
-from dlm.decode.cpu.adapters import adapter_delta
+from dlm.decode.cpu.adapters import AdapterDelta
 from dlm.decode.cpu.build import ENV, ISA_ENV, extension, isa, mode, set_isa
 from dlm.decode.cpu.modules import attend
 from dlm.decode.cpu.packing import QUANT_ENV
-from dlm.decode.cpu.runtime import ATTEND_MAX_QUERIES, MAX_ROWS, active
+from dlm.decode.cpu.runtime import ATTEND_MAX_QUERIES, MAX_ROWS, KernelOptions, active
 from dlm.device import cpu_name
-from dlm.settings import env
+from dlm.errors import DLMError
 
 __all__ = [
     "ATTEND_MAX_QUERIES",
@@ -66,8 +67,8 @@ __all__ = [
     "MAX_ROWS",
     "QUANT_ENV",
     "Attached",
+    "KernelOptions",
     "active",
-    "adapter_delta",
     "attach",
     "attend",
     "cpu_name",
@@ -92,6 +93,7 @@ class _ModelKernels:
     refs: int
     choice: _choice.Choice | None
     key: str | None
+    options: KernelOptions
 
 
 # the models attached now (weakly: a model dropped without detach takes its record with it)
@@ -103,9 +105,16 @@ class Attached:
     :func:`active`; :meth:`detach` undoes it (once the model's last handle is detached)."""
 
     def __init__(
-        self, model: nn.Module, used: bool, choice: _choice.Choice | None = None, why: str = "", key: str | None = None
+        self,
+        model: nn.Module,
+        used: bool,
+        choice: _choice.Choice | None = None,
+        why: str = "",
+        key: str | None = None,
+        options: KernelOptions | None = None,
     ):
         self.model, self.used, self.choice, self.why = model, used, choice, why
+        self.options = options  # what the model's kernel forwards read (shared by its handles); None where unused
         self._open = used
         self._key = key  # the cached decision's key (None: forced, not measured)
         self._seen: list[float] = []
@@ -179,39 +188,44 @@ def _physical_memory() -> int:
         return 0
 
 
-def attach(model: nn.Module) -> Attached:
+def attach(model: nn.Module, options: KernelOptions | None = None) -> Attached:
     """:func:`_attach`, and what it did logged (``dlm generate -v`` shows it)."""
-    handle = _attach(model)
+    handle = _attach(model, options)
     log.info("CPU kernels: %s", handle.describe())
     return handle
 
 
-def _attach(model: nn.Module) -> Attached:
+def _attach(model: nn.Module, options: KernelOptions | None) -> Attached:
     """Pack the fp32 CPU linear layers of ``model`` for the kernels and route their forwards (and the norms,
     MLPs and decoder layers that match) through them inside :func:`active` - where they are faster here (see the
-    module doc). Idempotent: a model already attached gets another handle on the same packing."""
-    layers = [m for m in _linear_layers(model) if _plain_fp32_cpu(m.weight)]
-    if not layers or mode() == "off":
-        return Attached(model, False, why="off" if layers else "no fp32 CPU linear layers")
+    module doc), with ``options`` (None: :meth:`KernelOptions.from_env`). Idempotent: a model already attached
+    gets another handle on the same packing and options."""
     state = _ATTACHED.get(model)
     if state is not None:
+        if options is not None and options != state.options:
+            raise DLMError(
+                f"this model's CPU kernels are attached with {state.options}; another engine or attach on it asks "
+                f"for {options}: detach the other handles first, or pass the same KernelOptions"
+            )
         state.refs += 1
-        return Attached(model, True, state.choice, key=state.key)
+        return Attached(model, True, state.choice, key=state.key, options=state.options)
+    options = options if options is not None else KernelOptions.from_env()
+    layers = [m for m in _linear_layers(model) if _plain_fp32_cpu(m.weight)]
+    if not layers or options.mode == "off":
+        return Attached(model, False, why="off" if layers else "no fp32 CPU linear layers")
     extra = sum(m.weight.numel() for m in layers) * 4
     mem = _physical_memory()
-    if mode() == "auto" and mem and extra > RAM_SHARE * mem:
+    if options.mode == "auto" and mem and extra > RAM_SHARE * mem:
         return Attached(model, False, why="the packed copy would not fit comfortably in memory")
     ops = extension()
     if ops is None:
         return Attached(model, False, why="the kernels could not be built")
     runtime.STATE.ops = ops
-    quant_env = (env(QUANT_ENV) or "1").strip() != "0"
-    runtime.OPTIONS.read_env()
     name_of = {id(m): n for n, m in model.named_modules()}  # (the walk _linear_layers made, with names)
     names = [name_of[id(m)] for m in layers]
     key = None
-    if mode() == "on":
-        ch = _choice.Choice(use=True, quant=quant_env, isa=ops.isa(), forced=f"{ENV}=1")
+    if options.mode == "on":
+        ch = _choice.Choice(use=True, quant=options.quant, isa=ops.isa(), forced=f"{ENV}=1")
     else:
         key = _choice.cache_key(layers, ops.isa())
         ch = _choice.cached(key)
@@ -219,7 +233,7 @@ def _attach(model: nn.Module) -> Attached:
             ch = None  # a decision for the stock layers is measured again until a second measurement confirms it
         if ch is not None and not ch.use:
             return Attached(model, False, ch)
-    packs = [(m, packing.pack(m, ops, quant=quant_env and (ch.quant if ch is not None else True))) for m in layers]
+    packs = [(m, packing.pack(m, ops, quant=options.quant and (ch.quant if ch is not None else True))) for m in layers]
     if ch is None:
         ch = _choice.choose(packs, ops, key, names)
         if not ch.use:
@@ -235,13 +249,13 @@ def _attach(model: nn.Module) -> Attached:
             runtime.patch(m, _modules.LinearForward(m, m.forward, p))
     gated = getattr(model, "gated_lora", None)
     if gated is not None and hasattr(gated, "fast_delta"):
-        gated.fast_delta = adapter_delta  # the mask rows' low-rank deltas through the kernels too
+        gated.fast_delta = AdapterDelta(options)  # the mask rows' low-rank deltas through the kernels too
     _modules.attach_norms(model, ops)
     _modules.attach_mlps(model, ops)
-    _layer.attach_layers(model, ops)
-    _stack.attach_stacks(model, ops)
-    _ATTACHED[model] = _ModelKernels(1, ch, key)
-    return Attached(model, True, ch, key=key)
+    _layer.attach_layers(model, options)
+    _stack.attach_stacks(model, options)
+    _ATTACHED[model] = _ModelKernels(1, ch, key, options)
+    return Attached(model, True, ch, key=key, options=options)
 
 
 def detach(model: nn.Module) -> None:
@@ -250,7 +264,7 @@ def detach(model: nn.Module) -> None:
     for m in model.modules():
         runtime.unpatch(m)
     gated = getattr(model, "gated_lora", None)
-    if gated is not None and getattr(gated, "fast_delta", None) is adapter_delta:
+    if gated is not None and isinstance(getattr(gated, "fast_delta", None), AdapterDelta):
         gated.fast_delta = None
         for adapter in gated.adapters.values():
             adapter.__dict__.pop("_dlm_packed", None)

@@ -14,6 +14,7 @@ from dlm.decode.cpu.runtime import (
     NO_BIAS,
     STATE,
     KernelForward,
+    KernelOptions,
     active,
     forward_of,
     gates,
@@ -70,7 +71,7 @@ def _layer_parts(layer: nn.Module):
     return attn, mlp, n1, n2, projs
 
 
-def attach_layers(model: nn.Module, mod) -> None:
+def attach_layers(model: nn.Module, options: KernelOptions) -> None:
     for m in model.modules():
         if not type(m).__name__.endswith("DecoderLayer") or patched(m):
             continue
@@ -78,12 +79,12 @@ def attach_layers(model: nn.Module, mod) -> None:
         if parts is None:
             continue
         if type(m) not in CHECKED:
-            CHECKED[type(m)] = _check_layer(m, parts)
+            CHECKED[type(m)] = _check_layer(m, parts, options)
         if CHECKED[type(m)]:
-            patch(m, LayerForward(m, m.forward, parts))
+            patch(m, LayerForward(m, m.forward, parts, options))
 
 
-def _check_layer(layer: nn.Module, parts) -> bool:
+def _check_layer(layer: nn.Module, parts, options: KernelOptions) -> bool:
     """The fast path against the layer's own forward (with the kernels' norms/linears, inside active()) on random
     input: 3 tokens, causal mask, no cache; on a copy without hooks, so that adapters' gates do not interfere."""
     import copy
@@ -120,7 +121,7 @@ def _check_layer(layer: nn.Module, parts) -> bool:
             ref = twin.forward(x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None])
             if not isinstance(ref, torch.Tensor):  # an older layer returning a tuple: keep its own
                 return False
-            got = LayerForward(twin, None, parts_t)(
+            got = LayerForward(twin, None, parts_t, options)(
                 x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None]
             )
         return bool(torch.allclose(ref, got, rtol=1e-4, atol=1e-5))
@@ -143,11 +144,13 @@ class LayerForward(KernelForward):
     their packed weights (``packs``, in the order of ``mods``: q, k, v, o, gate, up, down)."""
 
     __slots__ = (
-        "layer", "stock", "attn", "mlp", "n1", "n2", "mods", "packs", "hd", "layer_idx", "scaling", "eps1", "eps2",
+        "layer", "stock", "options", "attn", "mlp", "n1", "n2", "mods", "packs", "hd", "layer_idx", "scaling", "eps1",
+        "eps2",
     )  # fmt: skip
 
-    def __init__(self, layer: nn.Module, stock, parts):
+    def __init__(self, layer: nn.Module, stock, parts, options: KernelOptions):
         attn, mlp, n1, n2, (qp, kp, vp, op) = parts
+        self.options = options
         self.layer, self.stock, self.attn, self.mlp, self.n1, self.n2 = layer, stock, attn, mlp, n1, n2
         self.hd, self.layer_idx, self.scaling = attn.head_dim, attn.layer_idx, attn.scaling
         self.eps1, self.eps2 = norm_eps(n1), norm_eps(n2)
@@ -237,7 +240,8 @@ class LayerForward(KernelForward):
             return (None,)
         if not self.plain_out() or any(p.tail is not None for p in self.packs[:3]):
             return None
-        deltas = qkv_deltas(self.mods[:3], rows)  # gated adapters on q/k/v with mask rows: inside the first call
+        # gated adapters on q/k/v with mask rows: inside the first call
+        deltas = qkv_deltas(self.mods[:3], rows, self.options.adapter_form)
         return None if deltas is None else (deltas,)
 
     def stack_args(self, deltas):

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _nn_module
 
+from dlm.decode.cpu.build import ENV, mode
+from dlm.decode.cpu.packing import QUANT_ENV
 from dlm.errors import DLMError
 from dlm.model import lora as _lora
 from dlm.settings import env
@@ -22,29 +24,47 @@ ATTEND_MAX_QUERIES = 16  # decode chunks (1 .. 2N-1 tokens, candidate trees up t
 
 ADAPTER_ENV = "DLM_CPU_ADAPTERS"
 ADAPTER_FORMS = ("q8_0", "f32")
+MODES = ("auto", "on", "off")
 
 
 @dataclass
 class KernelOptions:
-    """The kernels' settings, in one object (:data:`OPTIONS`): the adapters' form is read from the environment at
-    attach (``DLM_CPU_ADAPTERS``); the others are switches for tests and benchmarks (``bench/decode.py``'s
-    "(loop)" / "(rebuilt)" rows), which set them with ``monkeypatch.setattr(OPTIONS, ...)``."""
+    """How :func:`dlm.decode.cpu.attach` uses the kernels on a model, in one object: built from the environment
+    (:meth:`from_env`, at attach) or passed (``attach(model, options)``, ``EngineOptions(kernels=...)``). The
+    attached model's forwards read this object, so a test or benchmark that compares two paths sets a field on the
+    handle's ``options`` (or attaches with other options) - nothing module-wide."""
 
+    # DLM_CPU_KERNEL: "auto" (used where a measurement at attach finds them at or under the stock layers' time),
+    # "on" (without measuring) or "off"
+    mode: str = "auto"
+    # DLM_CPU_QUANT: weights that are exactly GGUF Q4_1 / Q8_0 values streamed in that form (False: fp32 packing)
+    quant: bool = True
+    # DLM_CPU_ADAPTERS: how the kernels hold the gated adapters' matrices (dlm.decode.cpu.adapters): "q8_0" or "f32"
+    adapter_form: str = ADAPTER_FORMS[0]
     # a decode chunk of a stack whose every layer takes its two kernel calls runs as one decode_stack call (False:
     # the loop over the layers' bodies, bit for bit the same)
     one_call: bool = True
     # decode_stack's arguments kept between forwards while nothing they were built from changed (False: built at
     # every forward)
     keep_plans: bool = True
-    # how the kernels hold the gated adapters' matrices (dlm.decode.cpu.adapters): "q8_0" or "f32"
-    adapter_form: str = ADAPTER_FORMS[0]
 
-    def read_env(self) -> None:
-        """Take the settings the environment gives (at attach): ``DLM_CPU_ADAPTERS`` (q8_0 or f32)."""
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise DLMError(f"KernelOptions.mode ({ENV}) is one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.adapter_form not in ADAPTER_FORMS:
+            raise DLMError(
+                f"KernelOptions.adapter_form ({ADAPTER_ENV}) is one of {', '.join(ADAPTER_FORMS)}, got {self.adapter_form!r}"
+            )
+
+    @classmethod
+    def from_env(cls, **fields) -> KernelOptions:
+        """The options the environment gives (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``), with
+        ``fields`` set on top (``KernelOptions.from_env(one_call=False)``)."""
         form = (env(ADAPTER_ENV) or ADAPTER_FORMS[0]).strip().lower()
         if form not in ADAPTER_FORMS:
             raise DLMError(f"{ADAPTER_ENV}={form!r}: expected one of {', '.join(ADAPTER_FORMS)}")
-        self.adapter_form = form
+        given = {"mode": mode(), "quant": (env(QUANT_ENV) or "1").strip() != "0", "adapter_form": form}
+        return cls(**{**given, **fields})
 
 
 class KernelState:
@@ -58,7 +78,6 @@ class KernelState:
         self.depth = 0
 
 
-OPTIONS = KernelOptions()
 STATE = KernelState()
 
 

@@ -15,9 +15,9 @@ from dlm.decode.cpu.runtime import (
     CHECKED,
     MAX_ROWS,
     NO_BIAS,
-    OPTIONS,
     STATE,
     KernelForward,
+    KernelOptions,
     active,
     global_hooks,
     patch,
@@ -72,12 +72,12 @@ def _stack_parts(model: nn.Module):
     return emb, layers, norm, rot, fwds
 
 
-def attach_stacks(model: nn.Module, mod) -> None:
+def attach_stacks(model: nn.Module, options: KernelOptions) -> None:
     for m in list(model.modules()):
         parts = _stack_parts(m)
         if parts is None:
             continue
-        forward = StackForward(m, m.forward, parts)
+        forward = StackForward(m, m.forward, parts, options)
         key = (type(m), "stack")
         if key not in CHECKED:
             if not forward.ready():  # hooks on it now: the check would not see the stack path run
@@ -98,10 +98,12 @@ class StackForward(KernelForward):
     """A base decoder model's forward on decode chunks through its fused layers (see the comment above): one
     ``decode_stack`` call (:func:`_one_call`, its arguments kept in ``memo``) or the loop over the layers' bodies."""
 
-    __slots__ = ("model", "stock", "emb", "layers", "norm", "rot", "fwds", "hd", "out_type", "cache_field", "memo")
+    __slots__ = (
+        "model", "stock", "options", "emb", "layers", "norm", "rot", "fwds", "hd", "out_type", "cache_field", "memo",
+    )  # fmt: skip
 
-    def __init__(self, model: nn.Module, stock, parts):
-        self.model, self.stock = model, stock
+    def __init__(self, model: nn.Module, stock, parts, options: KernelOptions):
+        self.model, self.stock, self.options = model, stock, options
         self.emb, self.layers, self.norm, self.rot, self.fwds = parts
         self.hd = self.fwds[0].hd
         self.out_type, self.cache_field = _output_type()
@@ -166,7 +168,8 @@ class StackForward(KernelForward):
         cos, sin = self.rot(h, pos)  # (no hooks on either: going back to the stock forward repeats nothing visible)
         if not rotary_ok(b, t, self.hd, cos, sin):
             return stock(*args, **kwargs)
-        one = _one_call(self.fwds, h, cos, sin, mask, cache, self.memo) if OPTIONS.one_call else None
+        options = self.options
+        one = _one_call(self.fwds, h, cos, sin, mask, cache, self.memo, options) if options.one_call else None
         if one is not None:
             h = one
         else:
@@ -180,11 +183,11 @@ class StackForward(KernelForward):
 # one call (decode_stack: the layers' calls and cache writes in C++, in the loop's order on its data, so bit for bit
 # the loop). The loop's Python between the layers - the checks, the cache update, the kernels' arguments - cost
 # 50-75 us a layer in a decode forward (the weights streaming through the caches evict the interpreter's data):
-# 1.6 ms of a 10 ms AR step of SmolLM2-135M on 2 cores. OPTIONS.one_call = False keeps the loop (tests compare the two).
+# 1.6 ms of a 10 ms AR step of SmolLM2-135M on 2 cores. KernelOptions.one_call = False keeps the loop (tests compare the two).
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 
 
-def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
+def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None, options: KernelOptions):
     """The decoder layers on ``h [b, t, d]`` through one ``decode_stack`` call, or None (nothing done) where a
     layer takes the per-op steps, the cache is not the engine's growing one or its layers differ in length.
 
@@ -200,7 +203,7 @@ def _one_call(fwds, h, cos, sin, mask, cache, memo: dict | None = None):
         keys = getattr(layer, "keys", None)
         if not hasattr(layer, "room") or not getattr(layer, "is_initialized", False) or keys is None or keys.dim() != 4:
             return None
-    plan = _StackPlan.get(memo, fwds, rows)
+    plan = _StackPlan.get(memo, fwds, rows, options)
     if plan is None:
         return None
     lora = plan.lora if plan.gated else None
@@ -243,7 +246,7 @@ class _StackPlan:
     by the layers' own checks (:class:`~dlm.decode.cpu.layer.LayerForward`'s ``plan`` and ``stack_args``) and kept while nothing
     those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook count
     (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes a new
-    id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (``OPTIONS.adapter_form``), and
+    id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (``KernelOptions.adapter_form``), and
     each packed weight, norm weight, bias and adapter matrix - the same object in its module (not replaced), its
     in-place version and its data (what :meth:`packing.Packed.fresh` checks). A hook removed needs nothing (a plan is never
     built while one is there). Not seen: a hook put into a module's hook dict without a handle, a module's class
@@ -279,11 +282,11 @@ class _StackPlan:
         return found
 
     @classmethod
-    def get(cls, memo, fwds, rows: int):
+    def get(cls, memo, fwds, rows: int, options: KernelOptions):
         """The plan for this forward: the kept one where nothing it depends on changed, else a new one."""
-        if memo is None or _next_hook is None or not OPTIONS.keep_plans:
+        if memo is None or _next_hook is None or not options.keep_plans:
             return cls.build(fwds, rows)
-        epoch = (_lora.EPOCH[0], OPTIONS.adapter_form)
+        epoch = (_lora.EPOCH[0], options.adapter_form)
         if memo.get("epoch") != epoch:  # adapters attached or taken off (or packed otherwise) since: all again
             memo.clear()
             memo["epoch"], memo["lora"] = epoch, cls._lora_of(fwds)

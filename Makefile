@@ -3,7 +3,7 @@ PY ?= python3
 PIP = $(PY) -m pip install -q --disable-pip-version-check
 # the versions the tests run with (constraints.txt; `make lock` refreshes it)
 CONSTRAINTS ?= constraints.txt
-EXTRAS = dev,serve,plot,eval
+EXTRAS = dev,serve,plot,eval,deepspeed
 
 .PHONY: install lock quickstart test test-unit test-slow test-isa typecheck
 

@@ -1,5 +1,5 @@
-"""Memory of the training engines, per process: DDP against FSDP2 full sharding (with and without gradient
-checkpointing) in two CPU processes, and dlm's objectives against a plain AR fine-tune of the same model in one
+"""Memory of the training engines, per process: DDP against FSDP2 full sharding and DeepSpeed ZeRO-2 / ZeRO-3
+(with and without gradient checkpointing) in two CPU processes, and dlm's objectives against a plain AR fine-tune of the same model in one
 process - a random Llama (about 230M parameters by default), AdamW, a few steps each, in the same run.
 
 Every run is its own process tree; `dlm train` records per rank, in the end record of train_log.jsonl, the peak
@@ -156,6 +156,20 @@ def main() -> None:
             ("FSDP2 + gradient checkpointing, idlm", "fsdp_cpu.yaml", ("--gradient-checkpointing",)),
             ("DDP + gradient checkpointing, idlm", "ddp_cpu.yaml", ("--gradient-checkpointing",)),
         ]
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is not None:
+            runs += [
+                ("DeepSpeed ZeRO-2, idlm", "deepspeed_zero2_cpu.yaml", ()),
+                ("DeepSpeed ZeRO-3, idlm", "deepspeed_zero3_cpu.yaml", ()),
+                (
+                    "DeepSpeed ZeRO-3 + gradient checkpointing, idlm",
+                    "deepspeed_zero3_cpu.yaml",
+                    ("--gradient-checkpointing",),
+                ),
+            ]
+        else:
+            print("DeepSpeed is not installed: no ZeRO rows (pip install 'dlm[deepspeed]')", file=sys.stderr)
         for i, (name, launcher, extra) in enumerate(runs):
             rows.append((name, 2, dlm_run(a, tmp / f"eng{i}", "idlm", launcher, *extra), "engines"))
 

@@ -1,7 +1,7 @@
-"""The engines users outgrow one machine with, run for real on CPU processes (gloo): FSDP2 full sharding against
-DDP with the same launch, an FSDP checkpoint resumed after SIGKILL, and a two-node launch (two torchrun
-processes, node ranks 0 and 1, rendezvous on 127.0.0.1). DeepSpeed is not here: accelerate takes a DeepSpeed
-launch only on accelerator devices (and DeepSpeed's CPU backend needs oneCCL) - docs/training.md says so."""
+"""The engines users outgrow one machine with, run for real on CPU processes (gloo): FSDP2 full sharding and
+DeepSpeed ZeRO-2 / ZeRO-3 (DeepSpeed's CPU accelerator) against DDP with the same launch, each engine's checkpoint
+resumed after SIGKILL, and a two-node launch (two torchrun processes, node ranks 0 and 1, rendezvous on
+127.0.0.1). The DeepSpeed cases skip, with the reason, where DeepSpeed is not installed."""
 
 from __future__ import annotations
 
@@ -69,45 +69,86 @@ def losses(out: Path) -> dict[int, dict]:
     return {r["step"]: r for r in recs[start:] if "loss" in r}
 
 
+# engine -> (accelerate config, the run's distributed type, the files a checkpoint's sharded state holds)
+SHARDED = {
+    "fsdp": ("fsdp_cpu.yaml", "FSDP", ["pytorch_model_fsdp_0", "optimizer_0"]),
+    "zero2": (
+        "deepspeed_zero2_cpu.yaml",
+        "DEEPSPEED",
+        ["pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt", "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"],
+    ),
+    "zero3": (
+        "deepspeed_zero3_cpu.yaml",
+        "DEEPSPEED",
+        ["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt", "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt"],
+    ),
+}  # fmt: skip
+
+
+def config_of(engine: str) -> str:
+    if engine.startswith("zero"):
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'dlm[deepspeed]')")
+    return SHARDED[engine][0]
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(inputs, tmp_path_factory):
+    """The DDP run of each objective, made once and shared by the engines compared with it."""
+    done: dict[str, Path] = {}
+
+    def get(objective: str) -> Path:
+        if objective not in done:
+            out = tmp_path_factory.mktemp(f"ddp_{objective}")
+            run(accelerate("ddp_cpu.yaml", train_args(*inputs, out, objective)))
+            assert records(out)[0]["distributed_type"] == "MULTI_CPU"
+            done[objective] = out
+        return done[objective]
+
+    return get
+
+
+@pytest.mark.parametrize("engine", list(SHARDED))
 @pytest.mark.parametrize("objective", ["idlm", "mdm", "block"])
-def test_fsdp_trains_as_ddp_does(inputs, tmp_path, objective):
-    """FSDP2 full sharding over two CPU processes: the same losses as DDP with the same launch (not bit-exact:
-    the sharded gradients are reduce-scattered, DDP's all-reduced - another summation order - so AdamW's
-    normalised update of a gradient that is rounding noise may differ in sign: the weights agree within
-    2 * lr * steps), a sharded checkpoint, and a final folder that loads in plain transformers and in dlm."""
+def test_sharded_engines_train_as_ddp_does(inputs, ddp_runs, tmp_path, engine, objective):
+    """FSDP2 full sharding, ZeRO-2 and ZeRO-3 over two CPU processes: the same losses as DDP with the same launch
+    (not bit-exact: the sharded gradients are reduce-scattered, or reduced in DeepSpeed's buckets, where DDP
+    all-reduces them - another summation order - so AdamW's normalised update of a gradient that is rounding noise
+    may differ in sign: the weights agree within 2 * lr * steps), a sharded checkpoint, and a final folder that
+    loads in plain transformers and in dlm."""
     import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     model, data = inputs
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    run(accelerate("ddp_cpu.yaml", train_args(model, data, ddp, objective)))
-    run(accelerate("fsdp_cpu.yaml", train_args(model, data, fsdp, objective)))
-    assert records(ddp)[0]["distributed_type"] == "MULTI_CPU"
-    assert records(fsdp)[0]["distributed_type"] == "FSDP" and records(fsdp)[0]["world_size"] == 2
-    a, b = losses(ddp), losses(fsdp)
+    config, kind, sharded_files = SHARDED[engine]
+    ddp, other = ddp_runs(objective), tmp_path / engine
+    run(accelerate(config_of(engine), train_args(model, data, other, objective)))
+    assert records(other)[0]["distributed_type"] == kind and records(other)[0]["world_size"] == 2
+    a, b = losses(ddp), losses(other)
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     for s in a:
         assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5, abs=1e-6), s
         assert a[s]["data_fingerprint"] == b[s]["data_fingerprint"]  # the same batches on the same ranks
-    state = fsdp / "checkpoints" / "step_00000004" / "training_state"
-    assert (state / "pytorch_model_fsdp_0").is_dir() and (state / "optimizer_0").is_dir()  # sharded, not gathered
-    wa, wb = load_file(ddp / "model.safetensors"), load_file(fsdp / "model.safetensors")
-    assert sorted(wa) == sorted(wb)
+    state = other / "checkpoints" / "step_00000004" / "training_state"
+    for name in sharded_files:  # each rank's share, not one gathered copy
+        assert (state / name).exists(), name
+    wa, wb = load_file(ddp / "model.safetensors"), load_file(other / "model.safetensors")
+    assert sorted(wa) == sorted(wb) and all(wa[k].shape == wb[k].shape for k in wa)
     assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 2 * LR * STEPS
-    assert json.loads((ddp / "config.json").read_text()) == json.loads((fsdp / "config.json").read_text())
-    plain = AutoModelForCausalLM.from_pretrained(fsdp)  # no remote code, no dlm
+    assert json.loads((ddp / "config.json").read_text()) == json.loads((other / "config.json").read_text())
+    plain = AutoModelForCausalLM.from_pretrained(other)  # no remote code, no dlm
     assert torch.isfinite(plain(torch.tensor([[1, 2, 3]])).logits).all()
 
 
-def test_fsdp_greedy_isd_equals_greedy_ar_on_the_trained_folder(inputs, tmp_path):
+@pytest.mark.parametrize("engine", ["fsdp", "zero3"])
+def test_greedy_isd_equals_greedy_ar_on_a_sharded_run_s_folder(inputs, tmp_path, engine):
     import dlm
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
 
     model, data = inputs
-    out = tmp_path / "fsdp"
-    run(accelerate("fsdp_cpu.yaml", train_args(model, data, out, "idlm")))
+    out = tmp_path / engine
+    run(accelerate(config_of(engine), train_args(model, data, out, "idlm")))
     trained = dlm.load_model(out)
     prompts = [[1, 5, 9, 13], [2, 4, 6]]
     params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
@@ -116,13 +157,15 @@ def test_fsdp_greedy_isd_equals_greedy_ar_on_the_trained_folder(inputs, tmp_path
     assert [r.token_ids for r in isd] == [r.token_ids for r in ar]
 
 
-def test_fsdp_checkpoint_resumes_after_sigkill_to_the_uninterrupted_losses(inputs, tmp_path):
+@pytest.mark.parametrize("engine", list(SHARDED))
+def test_sharded_checkpoint_resumes_after_sigkill_to_the_uninterrupted_losses(inputs, tmp_path, engine):
     model, data = inputs
+    config = config_of(engine)
     ref, cut = tmp_path / "ref", tmp_path / "cut"
     extra = ("--max-train-steps", "10", "--save-every", "3")
-    run(accelerate("fsdp_cpu.yaml", train_args(model, data, ref, "idlm", *extra)))
+    run(accelerate(config, train_args(model, data, ref, "idlm", *extra)))
     proc = subprocess.Popen(
-        accelerate("fsdp_cpu.yaml", train_args(model, data, cut, "idlm", *extra)),
+        accelerate(config, train_args(model, data, cut, "idlm", *extra)),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=ENV,
@@ -142,10 +185,10 @@ def test_fsdp_checkpoint_resumes_after_sigkill_to_the_uninterrupted_losses(input
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert not any(r.get("event") == "end" for r in records(cut)), "the run finished before the kill"
-    run(accelerate("fsdp_cpu.yaml", train_args(model, data, cut, "idlm", *extra, "--resume", "auto")))
+    run(accelerate(config, train_args(model, data, cut, "idlm", *extra, "--resume", "auto")))
     resumed, full = losses(cut), losses(ref)
     start = next(r for r in reversed(records(cut)) if r.get("event") == "resume")
-    assert start["step"] % 3 == 0 and start["step"] < 10 and start["distributed_type"] == "FSDP"
+    assert start["step"] % 3 == 0 and start["step"] < 10 and start["distributed_type"] == SHARDED[engine][1]
     assert sorted(resumed) == list(range(start["step"] + 1, 11))
     for s, rec in resumed.items():  # the sharded weights, optimizer, schedule, RNG and data position restored
         assert (rec["loss"], rec["grad_norm"], rec["lr"]) == (full[s]["loss"], full[s]["grad_norm"], full[s]["lr"]), s
@@ -197,19 +240,63 @@ def test_two_nodes_train_checkpoint_and_resume(inputs, tmp_path):
     assert start["step"] == 2 and sorted(losses(out)) == [3, 4]
 
 
-def test_lora_under_fsdp_is_refused_before_anything_is_written(inputs, tmp_path):
+LORA = {"plain": ("--lora-r", "4"), "gated": ("--lora-r", "4", "--gated-lora")}
+
+
+@pytest.fixture(scope="module")
+def ddp_lora_runs(inputs, tmp_path_factory):
+    done: dict[str, Path] = {}
+
+    def get(form: str) -> Path:
+        if form not in done:
+            out = tmp_path_factory.mktemp(f"ddp_lora_{form}")
+            run(accelerate("ddp_cpu.yaml", train_args(*inputs, out, "idlm", *LORA[form])))
+            done[form] = out
+        return done[form]
+
+    return get
+
+
+@pytest.mark.parametrize("form", list(LORA))
+@pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp"])
+def test_lora_under_each_engine_trains_and_exports_as_ddp_does(inputs, ddp_lora_runs, tmp_path, engine, form):
+    """I-DLM with LoRA merged into the weights (plain) or with gated LoRA (adapters at mask positions only, written
+    beside the untouched base) under ZeRO-2, which keeps whole weights on every rank, and under ZeRO-3 and FSDP2,
+    whose sharded weights are gathered for the export: the same losses, weights and adapters as DDP; on the gated
+    folder, greedy ISD (drafting through the adapters) equals greedy AR."""
+    from safetensors.torch import load_file
+
+    import dlm
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
     model, data = inputs
-    out = tmp_path / "lora"
-    r = subprocess.run(
-        accelerate("fsdp_cpu.yaml", train_args(model, data, out, "idlm", "--lora-r", "4")),
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=ENV,
-    )
-    assert r.returncode != 0
-    assert "--lora-r with FSDP" in r.stderr and "ddp_cpu.yaml" in r.stderr
-    assert not out.exists()
+    ddp, other = ddp_lora_runs(form), tmp_path / engine
+    run(accelerate(config_of(engine), train_args(model, data, other, "idlm", *LORA[form])))
+    assert records(other)[0]["distributed_type"] == SHARDED[engine][1]
+    a, b = losses(ddp), losses(other)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for s in a:
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5, abs=1e-6), s
+    wa, wb = load_file(ddp / "model.safetensors"), load_file(other / "model.safetensors")
+    assert sorted(wa) == sorted(wb) and max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 2 * LR * STEPS
+    if form == "plain":  # merged: no adapter file, and the weights moved
+        assert not (other / "dlm_adapter.safetensors").exists()
+        base = load_file(Path(model) / "model.safetensors")
+        assert any(not bool((base[k] == wb[k][: base[k].shape[0]]).all()) for k in base)
+        return
+    ad, ab = load_file(ddp / "dlm_adapter.safetensors"), load_file(other / "dlm_adapter.safetensors")
+    assert sorted(ad) == sorted(ab) and max(float((ad[k] - ab[k]).abs().max()) for k in ad) <= 2 * LR * STEPS
+    assert max(float(ab[k].abs().max()) for k in ab if k.endswith(".B")) > 0  # the adapters trained
+    base = load_file(Path(model) / "model.safetensors")
+    assert sorted(base) == sorted(wb)  # the clean path is the base: its weights untouched (plus the mask row)
+    assert all(bool((base[k] == wb[k][: base[k].shape[0]]).all()) for k in base)
+    trained = dlm.load_model(other)
+    prompts = [[1, 5, 9, 13], [2, 4, 6]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    ar = Engine(trained, decoder="ar").generate(prompts, params)
+    isd = Engine(trained, decoder="isd").generate(prompts, params)
+    assert [r.token_ids for r in isd] == [r.token_ids for r in ar]
 
 
 GPU_PRESETS = [
@@ -220,9 +307,12 @@ GPU_PRESETS = [
 
 @pytest.mark.parametrize("preset", GPU_PRESETS)
 def test_the_published_recipes_launch_with_their_settings(inputs, tmp_path, preset):
-    """Each GPU recipe launched as its first lines say, on two CPU processes with DDP (its own engine where that
-    is DDP; DeepSpeed ZeRO-2 does not run on CPU processes), a tiny model and a short length instead of the
-    published ones: its optimisation, batch and objective settings reach the run unchanged."""
+    """Each GPU recipe launched as its first lines say - its own accelerate config (DeepSpeed ZeRO-2 for the I-DLM
+    and SDAR recipes, DDP for DiffuLLaMA's) - on two CPU processes, a tiny model and a short length instead of
+    the published ones: the engine and its precision run, and the optimisation, batch and objective settings
+    reach the run unchanged."""
+    import re
+
     import yaml
 
     from dlm.config import load_config, preset_path
@@ -232,6 +322,10 @@ def test_the_published_recipes_launch_with_their_settings(inputs, tmp_path, pres
     assert head[0].startswith("# accelerate launch --config_file configs/accelerate/") and f"--config {preset}" in (
         " ".join(head)
     )
+    launch_config = re.search(r"configs/accelerate/(\S+\.yaml)", head[0]).group(1)
+    engine = yaml.safe_load((ACCELERATE / launch_config).read_text())["distributed_type"]
+    if engine == "DEEPSPEED":
+        pytest.importorskip("deepspeed", reason="DeepSpeed is not installed (pip install 'dlm[deepspeed]')")
     out = tmp_path / "run"
     packed = []
     if preset.startswith("diffullama"):  # packed shards, as the recipe trains on
@@ -252,9 +346,11 @@ def test_the_published_recipes_launch_with_their_settings(inputs, tmp_path, pres
         "--seq-length", "48", "--max-train-steps", "2", "--save-every", "0", "--output-dir", str(out),
         "--train.progress", "false",
     ]  # fmt: skip
-    run(accelerate("ddp_cpu.yaml", args))
+    run(accelerate(launch_config, ["--num_processes", "2", *args]))
     recs = records(out)
     assert recs[0]["world_size"] == 2 and sorted(losses(out)) == [1, 2]
+    assert recs[0]["distributed_type"] == ("DEEPSPEED" if engine == "DEEPSPEED" else "MULTI_CPU")
+    assert recs[0]["mixed_precision"] == load_config(preset_path(preset), validate=False).train.mixed_precision
     ran = yaml.safe_load((out / "run_config.yaml").read_text())
     want = load_config(preset_path(preset), validate=False).to_dict()
     objective = want["model"]["objective"]

@@ -16,6 +16,7 @@ by :meth:`DiffusionLM.save_pretrained`: config with the DLM fields, safetensors,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -196,6 +197,13 @@ def sharded_weights(accelerator) -> bool:
 
 
 def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
+    if sharded_weights(accelerator) and _has_adapters(dlm):
+        # LoRA merges (and gated LoRA writes its adapters beside the base) through the model's own writer, which
+        # needs whole tensors: every weight is gathered in place for the write (one rank's full copy, as DDP holds)
+        with _whole_parameters(accelerator, wrapped):
+            if accelerator.is_main_process:
+                dlm.save_pretrained(path)
+        return
     if sharded_weights(accelerator):
         full = accelerator.get_state_dict(wrapped)  # collective; full weights on the main process
         if accelerator.is_main_process:
@@ -205,9 +213,46 @@ def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
         dlm.save_pretrained(path)
 
 
+def _has_adapters(dlm) -> bool:
+    """Plain (peft) or gated LoRA: the model's own writer merges or writes them."""
+    from dlm.model.lora import get_gated
+
+    return get_gated(dlm) is not None or any(hasattr(m, "merge_and_unload") for m in (dlm.model, *dlm.model.children()))
+
+
+@contextlib.contextmanager
+def _whole_parameters(accelerator, wrapped):
+    """The sharded model's parameters whole inside the block (on the main process at least), sharded again after
+    it. DeepSpeed ZeRO-3: ``GatheredParameters`` on every rank. FSDP2: its full state dict gathered to the main
+    process, whose modules hold those tensors in place of their sharded parameters for the block (the same
+    parameter objects are put back after it; nothing runs the model in between)."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(wrapped.parameters()), modifier_rank=None):
+            yield
+        return
+    import torch
+
+    full = accelerator.get_state_dict(wrapped)  # collective; the whole tensors on the main process
+    kept: list[tuple[dict, str, torch.nn.Parameter]] = []
+    if accelerator.is_main_process:
+        for prefix, module in wrapped.named_modules():
+            for name, param in list(module._parameters.items()):
+                key = f"{prefix}.{name}" if prefix else name
+                if param is not None and key in full:
+                    kept.append((module._parameters, name, param))
+                    module._parameters[name] = torch.nn.Parameter(full[key], requires_grad=param.requires_grad)
+    try:
+        yield
+    finally:
+        for params, name, param in kept:
+            params[name] = param
+
+
 def _save_from_state_dict(dlm, full: dict, path: Path) -> None:
-    if hasattr(dlm.model, "merge_and_unload"):
-        raise DLMError("exporting LoRA models trained with FSDP/ZeRO-3 is not supported; use DDP or ZeRO-2")
     inner = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")} or full
     from dlm.fsutil import atomic_folder
 

@@ -239,7 +239,8 @@ def check_data_against_model(cfg: TrainingConfig, dlm: DiffusionLM) -> None:
 
 
 def check_token_ids(batch: dict, dlm: DiffusionLM, source: str) -> None:
-    vocab = dlm.base_model_hf.get_input_embeddings().weight.shape[0]
+    emb = dlm.base_model_hf.get_input_embeddings()  # num_embeddings: ZeRO-3 leaves each rank a 0-size weight
+    vocab = getattr(emb, "num_embeddings", None) or emb.weight.shape[0]
     top = int(batch["input_ids"].max())
     if top >= vocab:
         raise DLMError(
@@ -470,6 +471,52 @@ def train(
     return trainer.fit()
 
 
+def _launched_with(engine: str) -> bool:
+    """Whether accelerate's launcher started this process for ``engine`` (``DEEPSPEED`` or ``FSDP``)."""
+    import os
+
+    return os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true")
+
+
+def _device_args(device) -> dict:
+    """Accelerator's device arguments. A DeepSpeed launch on CPU processes: accelerate takes DeepSpeed only when it
+    is not told ``cpu=True``, and then needs the process group's backend named; DeepSpeed's CPU accelerator runs
+    its collectives over gloo (oneCCL where installed)."""
+    import os
+
+    if device.type != "cpu" or not _launched_with("DEEPSPEED"):
+        return {"cpu": device.type == "cpu"}
+    if torch.cuda.is_available():
+        raise DLMError(
+            "DLM_DEVICE=cpu with a DeepSpeed launch on a machine with a GPU: DeepSpeed would take the GPU; unset "
+            "DLM_DEVICE, or shard on the CPU with dlm/configs/accelerate/fsdp_cpu.yaml"
+        )
+    from accelerate.utils import InitProcessGroupKwargs
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    return {"cpu": False, "kwargs_handlers": [InitProcessGroupKwargs(backend="gloo")]}
+
+
+@contextlib.contextmanager
+def _whole_weights(accelerator):
+    """Load the model whole on every rank under DeepSpeed ZeRO-3 too. accelerate registers its DeepSpeed config
+    with transformers whatever the launch's ``zero3_init_flag`` says, and transformers then loads a ZeRO-3 model
+    already partitioned (each rank a 0-size tensor per weight); dlm's set-up reads and edits whole weights (the
+    mask token's embedding row, the gated adapters' mask embedding, LoRA's initialisation), so the model is loaded
+    whole and ``accelerate.prepare`` partitions it."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3:
+        yield
+        return
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        plugin.set_deepspeed_weakref()
+
+
 class Trainer:
     """``Trainer(cfg)`` sets up (accelerator, run folder, model, data, optimizer, resume); :meth:`fit` runs the
     optimizer steps, with :meth:`save` and :meth:`validate` on their schedules, and writes the final model."""
@@ -515,7 +562,6 @@ class Trainer:
                 "checkpoint": str(self.resume_from) if self.resume_from else None,
                 "world_size": self.world,
                 "distributed_type": str(self.accelerator.distributed_type.value),
-                "distributed_note": self.engine_note,
                 "mixed_precision": self.mixed_precision,
                 "mixed_precision_why": self.precision_note,
                 "mixed_precision_by_rank": precision_by_rank,
@@ -525,27 +571,17 @@ class Trainer:
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _engine_on_cpu(self) -> None:
-        """accelerate turns an FSDP or DeepSpeed launch into plain DDP when the processes run on the CPU (its
-        branches for them only cover accelerator devices). torch's FSDP2 shards over gloo, so the launch's FSDP
-        settings are put back and a CPU run trains the way the same launch trains on GPUs; DeepSpeed's CPU backend
-        needs oneCCL, so that run stays DDP and says so."""
-        import os
+        """accelerate turns an FSDP launch into plain DDP when the processes run on the CPU (its branches for it
+        only cover accelerator devices). torch's FSDP2 shards over gloo, so the launch's FSDP settings are put back
+        and a CPU run trains the way the same launch trains on GPUs. (DeepSpeed is kept by ``_setup_accelerator``.)"""
 
         from accelerate.state import PartialState
         from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
         acc = self.accelerator
-        self.engine_note = None
         if acc.distributed_type != DistributedType.MULTI_CPU:
             return
-        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true"):
-            self.engine_note = (
-                "DeepSpeed does not run on CPU processes (accelerate takes it only on accelerator devices): this "
-                "run is DDP - use dlm/configs/accelerate/fsdp_cpu.yaml to shard on CPUs"
-            )
-            if acc.is_main_process:
-                print(f"dlm train: warning: {self.engine_note}", file=sys.stderr)
-        if os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true"):
+        if _launched_with("FSDP"):
             acc.state.fsdp_plugin = FullyShardedDataParallelPlugin()  # the launcher's fsdp_config, from the env
             acc.state.distributed_type = DistributedType.FSDP
             # (every later AcceleratorState() copies the process state's type over its own)
@@ -555,7 +591,6 @@ class Trainer:
         """bf16 autocast is the trainer's own (``torch.autocast`` around the forward, fp32 weights), so one process
         may train several runs with different precisions; fp16 (which needs loss scaling), DeepSpeed and FSDP keep
         it in accelerate, which fixes it per process (a launcher starts fresh ones)."""
-        import os
 
         from accelerate import Accelerator
 
@@ -565,9 +600,7 @@ class Trainer:
         device = get_device()
         mp = cfg.train.mixed_precision
         self.precision_note = f"{mp}: set by train.mixed_precision"
-        launcher_managed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true") or os.environ.get(
-            "ACCELERATE_USE_FSDP", ""
-        ).lower() in ("1", "true")
+        launcher_managed = _launched_with("DEEPSPEED") or _launched_with("FSDP")
         if mp == "auto" and launcher_managed and device.type == "cpu":
             # the launcher fixes the precision before the processes could agree on a measured one
             mp, self.precision_note = "no", "fp32: auto under DeepSpeed / FSDP on a CPU"
@@ -578,19 +611,11 @@ class Trainer:
             self.accelerator = Accelerator(
                 gradient_accumulation_steps=cfg.train.gradient_accumulate_every,
                 mixed_precision=mp if in_accelerate else "no",
-                cpu=device.type == "cpu",
+                **_device_args(device),
             )
         except ValueError as e:  # accelerate's precision is fixed per process once set
             raise DLMError(f"train.mixed_precision={mp}: {e}; run this training in a new process") from e
         self._engine_on_cpu()
-        if self.cfg.lora.r > 0 and ckpt_mod.sharded_weights(
-            self.accelerator
-        ):  # before anything is trained: the export could not write it
-            raise DLMError(
-                "--lora-r with FSDP / DeepSpeed ZeRO-3: exporting sharded LoRA weights is not supported; "
-                "launch with DDP or ZeRO-2 (dlm/configs/accelerate/ddp_cpu.yaml, deepspeed_zero2.yaml), or train "
-                "without LoRA"
-            )
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         self.main = self.accelerator.is_main_process
         if cfg.train.mixed_precision == "auto" and self.world > 1 and not in_accelerate:
@@ -629,7 +654,8 @@ class Trainer:
         cfg = self.cfg
         set_seed(cfg.train.seed)  # identical LoRA init on every rank
         if dlm is None:
-            dlm = load_training_model(cfg)
+            with _whole_weights(self.accelerator):
+                dlm = load_training_model(cfg)
         check_data_against_model(cfg, dlm)
         if cfg.lora.r > 0:
             from dlm.model.lora import LoraSettings, prepare_model_for_lora

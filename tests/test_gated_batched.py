@@ -257,7 +257,9 @@ def test_remove_gives_the_base_modules_back():
     hf = dlm.base_model_hf
     g = dlm.gated_lora
     g.remove()
-    assert not any("_dlm_gated" in m.__dict__ or "_dlm_gated_emb" in m.__dict__ for m in hf.modules())
+    from dlm.model.lora import EMB_SLOT, SLOT
+
+    assert not any(SLOT in m.__dict__ or EMB_SLOT in m.__dict__ for m in hf.modules())
     assert not hf._forward_pre_hooks
     assert [type(m) for m in hf.modules()] == [type(m) for m in base.modules()]
     x = _ids(1, 6, [(0, 5)], dlm.mask_token_id)
@@ -458,7 +460,7 @@ def test_fused_layers_without_mask_rows_take_the_two_call_path(targets, monkeypa
     assert counting.calls.get("layer_in") == two_calls and "lora_add" not in counting.calls
     counting = CallCounter(ext_)
     monkeypatch.setattr(runtime.STATE, "ops", counting)
-    monkeypatch.setattr(cpu_layer, "gates", lambda m: "_dlm_gated" in m.__dict__)  # any adapter: the per-op path
+    monkeypatch.setattr(cpu_layer, "gates", lambda m: runtime.gated(m) is not None)  # any adapter: the per-op path
     per_op = chunk(True)
     assert "layer_in" not in counting.calls
     assert torch.equal(got, per_op)

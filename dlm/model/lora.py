@@ -116,6 +116,12 @@ _SHARED_INPUT = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("que
 
 _GATED_CLASSES: dict[tuple[type, bool], type] = {}
 
+# Where a gated module keeps its part (the one place that names them; the CPU kernels read them through these):
+# an adapted linear ``module.__dict__[SLOT] = (group, index)``, the input embedding ``[EMB_SLOT] = (lora,)``. They
+# sit in the module's own ``__dict__``, as the class swap does, so that a deep copy or a pickle of the model keeps
+# its adapters with it (a side table keyed by module would not follow a copy).
+SLOT, EMB_SLOT = "_dlm_gated", "_dlm_gated_emb"
+
 
 def _gated_class(cls: type, embedding: bool = False) -> type:
     """``cls`` (nn.Linear, Conv1D; or the input embedding's class) with the gated delta (the mask vector) added in
@@ -128,12 +134,12 @@ def _gated_class(cls: type, embedding: bool = False) -> type:
     if embedding:
 
         def forward(self, *args, **kwargs):
-            return self._dlm_gated_emb[0]._embed(base_forward(self, *args, **kwargs))
+            return self.__dict__[EMB_SLOT][0]._embed(base_forward(self, *args, **kwargs))
 
     else:
 
         def forward(self, input):
-            group, i = self._dlm_gated
+            group, i = self.__dict__[SLOT]
             return group.add(i, input, base_forward(self, input))
 
     qualname = f"_Gated{cls.__name__}_{len(_GATED_CLASSES)}"
@@ -144,18 +150,29 @@ def _gated_class(cls: type, embedding: bool = False) -> type:
     return sub
 
 
-# Bumped whenever gated adapters are attached to modules or taken off them (their classes and ``_dlm_gated``
-# change): what a cache of a model's structure compares (dlm.decode.cpu's decode-step plans).
-EPOCH = [0]
+# Bumped whenever gated adapters are attached to modules or taken off them (their classes and slots change).
+_EPOCH = [0]
+
+
+def structure_version() -> int:
+    """A number that changes whenever gated adapters are attached to any module or taken off one: what a cache of a
+    model's structure compares (dlm.decode.cpu's decode-step plans) instead of walking the modules."""
+    return _EPOCH[0]
+
+
+def slot(module: nn.Module):
+    """A gated-LoRA linear's ``(group, index)`` (its delta on the mask rows is ``group.add(index, x, out)``), or
+    None."""
+    return module.__dict__.get(SLOT)
 
 
 def _ungate(module: nn.Module) -> None:
-    EPOCH[0] += 1
+    _EPOCH[0] += 1
     base = type(module).__dict__.get("_dlm_gated_base")
     if base is not None:
         module.__class__ = base
-    module.__dict__.pop("_dlm_gated", None)
-    module.__dict__.pop("_dlm_gated_emb", None)
+    module.__dict__.pop(SLOT, None)
+    module.__dict__.pop(EMB_SLOT, None)
 
 
 def _version(t: torch.Tensor) -> int:
@@ -302,7 +319,7 @@ class GatedLoRA(nn.Module):
             shape = _linear_shape(modules[name])
             if shape is None:
                 raise DLMError(f"gated LoRA adapter for '{name}': not a linear layer ({type(modules[name]).__name__})")
-            if "_dlm_gated" in modules[name].__dict__:
+            if SLOT in modules[name].__dict__:
                 raise DLMError(f"'{name}' has gated-LoRA adapters already")
             in_f, out_f = shape
             w = modules[name].weight
@@ -326,14 +343,14 @@ class GatedLoRA(nn.Module):
         # modules' own forward (their class swapped for a same-named subclass): no hook per module.
         self._handles = [hf_model.register_forward_pre_hook(self._set_gate, with_kwargs=True)]
         emb.__class__ = _gated_class(type(emb), embedding=True)
-        emb._dlm_gated_emb = (self,)
+        emb.__dict__[EMB_SLOT] = (self,)
         for names in _groups(self.module_names):
             group = _Group(self, [n.replace(".", "__") for n in names])
             for i, name in enumerate(names):
                 m = modules[name]
                 m.__class__ = _gated_class(type(m))
-                m._dlm_gated = (group, i)
-        EPOCH[0] += 1
+                m.__dict__[SLOT] = (group, i)
+        _EPOCH[0] += 1
 
     def _set_gate(self, module, args, kwargs):
         input_ids = kwargs.get("input_ids")
@@ -392,7 +409,7 @@ class GatedLoRA(nn.Module):
         hf = self._hf() if self._hf is not None else None
         if hf is not None:
             for m in hf.modules():
-                gated, emb = m.__dict__.get("_dlm_gated"), m.__dict__.get("_dlm_gated_emb")
+                gated, emb = m.__dict__.get(SLOT), m.__dict__.get(EMB_SLOT)
                 if (gated is not None and gated[0].lora is self) or (emb is not None and emb[0] is self):
                     _ungate(m)
         self._pending.clear()
@@ -419,7 +436,7 @@ def attached(model: nn.Module) -> list[GatedLoRA]:
     """The gated-LoRA adapters attached to ``model`` (a DiffusionLM or its Hugging Face model), if any."""
     out: list[GatedLoRA] = []
     for m in model.modules():
-        emb = m.__dict__.get("_dlm_gated_emb")
+        emb = m.__dict__.get(EMB_SLOT)
         if emb is not None and emb[0] not in out:
             out.append(emb[0])
     return out

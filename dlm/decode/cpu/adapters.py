@@ -8,6 +8,7 @@ from torch import nn
 
 from dlm.decode.cpu import packing
 from dlm.decode.cpu.runtime import MAX_ROWS, NO_BIAS, STATE, KernelOptions
+from dlm.model.lora import SLOT
 
 # How the kernels hold the gated adapters' matrices (KernelOptions.adapter_form): "q8_0" (default; DLM_CPU_ADAPTERS) rounds each
 # to 8-bit blocks where its inputs are a multiple of 32 and it has 4,096 weights or more (packing.q8_rounded), "f32"
@@ -51,7 +52,7 @@ def qkv_deltas(projs, rows: int, form: str):
     adapter), or None where the per-op path is the one to take: no adapter with mask rows in this forward,
     sync-free mode (every row's delta, kept by torch.where), dropout in training mode, a gate of another shape
     (the per-op path raises the error), adapters of another dtype or of two GatedLoRA modules."""
-    gs = [m.__dict__.get("_dlm_gated") for m in projs]  # (gated, inlined: once a layer per forward)
+    gs = [m.__dict__.get(SLOT) for m in projs]  # (gated, inlined: once a layer per forward)
     g0 = gs[0] or gs[1] or gs[2]
     lora = g0[0].lora if g0 is not None else None
     if lora is None or not rows_indexed(lora, rows):

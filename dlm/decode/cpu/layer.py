@@ -23,6 +23,7 @@ from dlm.decode.cpu.runtime import (
     patched,
     ungate,
 )
+from dlm.model.lora import SLOT
 
 # -- whole decoder layers ---------------------------------------------------------------------------------------
 # With every op of a Llama-form layer in the extension, what is left of a decode forward's cost besides the
@@ -174,7 +175,7 @@ class LayerForward(KernelForward):
     def fused_mlp(self) -> bool:
         # adapters on gate/up (idle or not) keep the MLP's own activation product, as with mask rows, so that a
         # gated model's rows round alike with and without masks in the forward (greedy ISD == its AR)
-        return "_dlm_gated" not in self.mods[4].__dict__ and "_dlm_gated" not in self.mods[5].__dict__
+        return SLOT not in self.mods[4].__dict__ and SLOT not in self.mods[5].__dict__
 
     def plain_out(self) -> bool:
         """Hooks and gated adapters (if any) on q/k/v only: the layer's second half in one call."""
@@ -361,7 +362,7 @@ class LayerForward(KernelForward):
     def after(module, h, out, shape):
         """What ``module``'s forward adds to its base output (a gated adapter's delta on the mask rows, in place
         when decoding), then its forward hooks, as a module call runs them."""
-        g = module.__dict__.get("_dlm_gated")
+        g = module.__dict__.get(SLOT)
         if g is not None:
             out = g[0].add(g[1], h, out)
         if not module._forward_hooks:

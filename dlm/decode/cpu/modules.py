@@ -17,6 +17,7 @@ from dlm.decode.cpu.runtime import (
     patch,
     patched,
 )
+from dlm.model.lora import SLOT
 
 
 class LinearForward(KernelForward):
@@ -44,7 +45,7 @@ class LinearForward(KernelForward):
         p.fresh(module, STATE.ops)
         x2 = x.reshape(rows, k).contiguous()
         out = STATE.ops.linear(x2, p.packed, p.out, module.bias, p.tail)
-        g = module.__dict__.get("_dlm_gated")
+        g = module.__dict__.get(SLOT)
         if g is not None:  # a gated-LoRA linear: its delta on the mask rows (what its class's forward adds)
             out = g[0].add(g[1], x2, out)
         return out.view(*x.shape[:-1], p.out)

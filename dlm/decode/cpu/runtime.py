@@ -138,10 +138,7 @@ CHECKED: dict = {}  # class -> whether a fused forward (norm, decoder layer, sta
 NO_BIAS = torch.empty(0)  # an absent tensor argument of the kernels
 
 
-def gated(module: nn.Module):
-    """A gated-LoRA linear's ``(group, index)`` (dlm.model.lora: its delta on the mask rows is
-    ``group.add(index, x, out)``), or None."""
-    return module.__dict__.get("_dlm_gated")
+gated = _lora.slot  # a gated-LoRA linear's (group, index), or None
 
 
 def gates(module: nn.Module) -> bool:

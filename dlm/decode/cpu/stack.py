@@ -24,6 +24,7 @@ from dlm.decode.cpu.runtime import (
     patched,
 )
 from dlm.model import lora as _lora
+from dlm.model.lora import SLOT
 
 # -- the decoder stack ------------------------------------------------------------------------------------------
 # With every layer fused, what is left of a decode step's Python is the glue around the layers: the base model's
@@ -246,7 +247,7 @@ class _StackPlan:
     by the layers' own checks (:class:`~dlm.decode.cpu.layer.LayerForward`'s ``plan`` and ``stack_args``) and kept while nothing
     those checks read has changed. Each forward compares, in a few C-level passes over flat lists: the hook count
     (``torch.utils.hooks.RemovableHandle.next_id``: every hook registration, on any module or global, takes a new
-    id), the gated adapters' attach count (``dlm.model.lora.EPOCH``) and packed form (``KernelOptions.adapter_form``), and
+    id), the gated adapters' attach count (``dlm.model.lora.structure_version()``) and packed form (``KernelOptions.adapter_form``), and
     each packed weight, norm weight, bias and adapter matrix - the same object in its module (not replaced), its
     in-place version and its data (what :meth:`packing.Packed.fresh` checks). A hook removed needs nothing (a plan is never
     built while one is there). Not seen: a hook put into a module's hook dict without a handle, a module's class
@@ -274,7 +275,7 @@ class _StackPlan:
         found = None
         for f in fwds:
             for m in f.mods:
-                g = m.__dict__.get("_dlm_gated")
+                g = m.__dict__.get(SLOT)
                 if g is not None:
                     if found is not None and g[0].lora is not found:
                         return False
@@ -286,7 +287,7 @@ class _StackPlan:
         """The plan for this forward: the kept one where nothing it depends on changed, else a new one."""
         if memo is None or _next_hook is None or not options.keep_plans:
             return cls.build(fwds, rows)
-        epoch = (_lora.EPOCH[0], options.adapter_form)
+        epoch = (_lora.structure_version(), options.adapter_form)
         if memo.get("epoch") != epoch:  # adapters attached or taken off (or packed otherwise) since: all again
             memo.clear()
             memo["epoch"], memo["lora"] = epoch, cls._lora_of(fwds)
@@ -351,7 +352,7 @@ class _StackPlan:
             for m in f.mods:
                 watch(m, "weight", True)
                 watch(m, "bias", False)
-                g = m.__dict__.get("_dlm_gated") if dl is not None else None
+                g = m.__dict__.get(SLOT) if dl is not None else None
                 if g is not None:
                     adapter = g[0].adapters[g[1]]
                     watch(adapter, "A", True)

@@ -197,7 +197,13 @@ def main(argv=None) -> int:
         for n in strides:
             for f in fallbacks:
                 engines[b][f"isd N={n}{names[f]}"] = Engine(
-                    dlm, tok, decoder="isd", options=EngineOptions(max_batch_size=b), stride=n, fallback=f
+                    dlm,
+                    tok,
+                    decoder="isd",
+                    options=EngineOptions(max_batch_size=b),
+                    stride=n,
+                    fallback=f,
+                    draft_budget="always",  # the rows that draft at every step; --draft-budgets adds the policies
                 )
         for x in budgets:  # one engine per batch size: the policy learns over every group, as a server's would
             for n in strides:
@@ -216,6 +222,7 @@ def main(argv=None) -> int:
                 stride=2,
                 candidates=c,
                 fallback=fallbacks[0],
+                draft_budget="always",
             )
     pad = hf.generation_config.pad_token_id
 

@@ -309,7 +309,7 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
 
     # Gated adapters leave the clean path the base model: its AR decoding is the base model's (the fastest form, no
     # hooks). Merged adapters changed the weights: the trained model's own AR decoding is ISD's reference too.
-    # the last row is the measured drafting policy (`--isd-draft-budget auto`, the server's default) at the model's
+    # the last row is the measured drafting policy (`--isd-draft-budget auto`, every command's default) at the model's
     # own stride: it drafts only while drafting measures faster than plain AR steps (dlm.decode.schedule)
     runs = (
         [("generate", None, "base", None)]
@@ -328,7 +328,10 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         if cands == "auto":
             config = ISDConfig(draft_budget="auto")
         else:
-            config = ISDConfig(stride=stride, candidates=cands) if decoder == "isd" else ARConfig()
+            # the fixed-stride rows draft at every step: what each stride alone gives (the policy's row is the last)
+            config = (
+                ISDConfig(stride=stride, candidates=cands, draft_budget="always") if decoder == "isd" else ARConfig()
+            )
         engines.append(
             Engine(
                 dlm if which == "trained" else base, tokenizer, decoder=config, options=EngineOptions(max_batch_size=1)

@@ -177,7 +177,8 @@ def oracle_isd(truth: dict, accept: float, seed: int = 0, **settings):
     """An ISD decoder whose drafts are the true greedy continuation with probability ``accept`` each (independently
     per draft position), else a wrong token: ``truth`` maps a request id to its AR tokens (prompt included). The
     target still verifies every draft, so the output stays the AR output; tests use it to reach every acceptance
-    outcome, benchmarks to time a set acceptance rate. ``settings``: the ISD decoder's own (stride, fallback, ...)."""
+    outcome, benchmarks to time a set acceptance rate. ``settings``: the ISD decoder's own (stride, fallback, ...);
+    it drafts at every step unless ``draft_budget`` says otherwise."""
     return _oracle_class()(truth, accept, seed, **settings)
 
 
@@ -207,7 +208,7 @@ def every_isd_path(model, prompts, params, truth: dict, max_batch_size: int = 3)
         ("isd-batched", batched, {}),
         ("isd-static", oracle_isd(truth, 0.7, stride=3), {"static_cache": True}),
         ("isd-candidates", oracle_candidates(truth, 0.3, candidates=3, candidate_min_prob=0.0), {}),
-        ("isd-untrained", ISDConfig(stride=4), {}),
+        ("isd-untrained", ISDConfig(stride=4, draft_budget="always"), {}),
     ]:
         eng = Engine(model, decoder=dec, options=EngineOptions(max_batch_size=max_batch_size, **kw))
         ids = [eng.add(p, params, request_id=i) for i, p in enumerate(prompts)]
@@ -226,7 +227,7 @@ def _oracle_candidates_class():
 
     class OracleCandidates(ISDDecoder):
         def __init__(self, truth, miss, seed, **kw):
-            super().__init__(ISDConfig(**kw))
+            super().__init__(ISDConfig(**{"draft_budget": "always", **kw}))
             self.truth, self.miss = truth, miss
             self.rng = torch.Generator().manual_seed(seed)
 
@@ -261,7 +262,7 @@ def _oracle_class():
 
     class OracleISD(ISDDecoder):
         def __init__(self, truth, accept, seed, **kw):
-            super().__init__(ISDConfig(**kw))
+            super().__init__(ISDConfig(**{"draft_budget": "always", **kw}))
             if not 0.0 <= accept <= 1.0:
                 raise ValueError(f"accept must be in [0, 1], got {accept!r}")
             self.truth, self.accept = truth, accept

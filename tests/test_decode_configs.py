@@ -82,6 +82,8 @@ def test_flags_build_the_config_with_each_command_s_defaults():
     # generate: ar unless the model runs only its own decoder (a renoising model: renoise), decided with the folder
     args = parse("generate")
     assert args.decode is None and config_from_args(args, "ar") == ARConfig()
+    # isd: drafting measured ("auto") by default, on every command and in Python
+    assert config_from_args(parse("generate", "--decode", "isd")).draft_budget == "auto" == ISDConfig().draft_budget
     args = parse("generate", "--decode", "isd", "--stride", "3", "--isd-fallback", "all", "--isd-draft-budget", "6")
     assert config_from_args(args) == ISDConfig(stride=3, fallback="all", draft_budget=6)
     args = parse("generate", "--decode", "mdm", "--sampler", "llada", "--semi-ar-block", "8", "--cfg-scale", "1.5")

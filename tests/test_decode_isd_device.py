@@ -123,7 +123,7 @@ def test_batched_sampling_equals_per_row_generator_for_generator(stride, monkeyp
         for draft in ("sample", "argmax"):
             got = both(
                 dlm,
-                lambda: ISDDecoder(ISDConfig(stride=stride, fallback=fallback, draft=draft)),
+                lambda: ISDDecoder(ISDConfig(stride=stride, fallback=fallback, draft=draft, draft_budget="always")),
                 prompts,
                 params,
                 4,

@@ -43,7 +43,10 @@ def params(k=12, temperature=0.0):
 
 
 def both(dlm, decoder, p, batch=3, **kw):
-    """(dynamic tokens, static tokens, static engine)."""
+    """(dynamic tokens, static tokens, static engine); ISD drafting at every step (the measured policy's timing
+    choices would differ between the two runs)."""
+    if decoder == "isd":
+        kw.setdefault("draft_budget", "always")
     dyn = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=batch), **kw).generate(PROMPTS, p)
     eng = Engine(dlm, decoder=decoder, options=EngineOptions(max_batch_size=batch, static_cache=True), **kw)
     st = eng.generate(PROMPTS, p)

@@ -144,7 +144,7 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     direct = generate(
         dlm,
         [_prompt_ids(em, e) for e in ex],
-        ISDConfig(stride=3),
+        ISDConfig(stride=3, draft_budget="always"),  # the task drafts at every step, whatever the config's policy
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
         options=EngineOptions(max_batch_size=3),
     )
@@ -165,7 +165,7 @@ def test_isd_acceptance_matches_the_engine_and_checks_exactness(tmp_path):
     direct = generate(
         dlm,
         [_prompt_ids(em, e) for e in ex],
-        ISDConfig(candidates=3),
+        ISDConfig(candidates=3, draft_budget="always"),
         [SamplingParams(max_new_tokens=64, temperature=0.0)] * 5,
         options=EngineOptions(max_batch_size=3),
     )

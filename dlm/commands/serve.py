@@ -25,8 +25,9 @@ from dlm.serve.reasoning import CHOICES as REASONING_CHOICES
 from dlm.serve.tool_calls import CHOICES as TOOL_PARSER_CHOICES
 from dlm.settings import env
 
-# a server's load varies: drafting in a large batch can cost more than it gains (ISD's drafts, prompt lookup's)
-SERVE_DEFAULTS = {"draft_budget": "auto", "lookup_budget": "auto"}
+# a server's load varies: drafting in a large batch can cost more than it gains (prompt lookup's drafts; ISD's
+# measure it by default everywhere: ISDConfig.draft_budget)
+SERVE_DEFAULTS = {"lookup_budget": "auto"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

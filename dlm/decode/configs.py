@@ -297,8 +297,10 @@ class ISDConfig(DecoderConfig):
         choices=DRAFT_MODES,
     )
     draft_budget: int | str | object | None = opt(  # object: a policy of dlm.decode.schedule (Python only)
-        None,
-        DRAFT_BUDGET_HELP + "; None: always",
+        "auto",
+        DRAFT_BUDGET_HELP
+        + " ('auto' by default: ISD never runs much slower than plain AR steps where its drafts do not "
+        "pay; 'always' for reproducible seeded draws); None: always",
         flag="--isd-draft-budget",
         old=("--isd-token-budget", "token_budget"),
     )

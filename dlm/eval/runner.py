@@ -96,7 +96,8 @@ def _with_deprecated(settings: EvalSettings, deprecated: dict) -> tuple[EvalSett
     if deprecated.get("token_budget") is not None:
         settings = replace(settings, score_batch_tokens=int(deprecated["token_budget"]))
     isd = {k: deprecated[k] for k in ("stride", "candidates") if deprecated.get(k) is not None}
-    drafting = decoder if isinstance(decoder, ISDConfig) else ISDConfig(**isd)
+    # isd_acceptance measures the masks' drafts: every step drafts (a policy's plain AR steps would only hide them)
+    drafting = replace(decoder if isinstance(decoder, ISDConfig) else ISDConfig(**isd), draft_budget="always")
     if decoder == "isd" and isd:
         decoder = drafting
     gen = {"steps": deprecated["gen_steps"]} if deprecated.get("gen_steps") is not None else {}

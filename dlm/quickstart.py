@@ -604,7 +604,7 @@ def lead(cfg: QuickstartConfig, best: dict | None, auto: dict | None, ar: dict |
             else "it had not measured both modes yet"
         )
         lines += [
-            f"The drafting policy (`--isd-draft-budget auto`, `dlm serve`'s default; N={auto['stride']}) ran "
+            f"The drafting policy (`--isd-draft-budget auto`, the default of every command; N={auto['stride']}) ran "
             f"**{auto['speedup_vs_ar']:.2f}x** `dlm ar`: it drafted on {p.get('draft', 0)} of {steps} decode steps - "
             f"{measured}.",
             "",

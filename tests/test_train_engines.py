@@ -93,18 +93,43 @@ def config_of(engine: str) -> str:
 
 @pytest.fixture(scope="module")
 def ddp_runs(inputs, tmp_path_factory):
-    """The DDP run of each objective, made once and shared by the engines compared with it."""
-    done: dict[str, Path] = {}
+    """The DDP run of each objective and extra flags (LoRA's), made once and shared by the engines compared
+    with it."""
+    done: dict[tuple, Path] = {}
 
-    def get(objective: str) -> Path:
-        if objective not in done:
+    def get(objective: str, *extra: str) -> Path:
+        key = (objective, *extra)
+        if key not in done:
             out = tmp_path_factory.mktemp(f"ddp_{objective}")
-            run(accelerate("ddp_cpu.yaml", train_args(*inputs, out, objective)))
+            run(accelerate("ddp_cpu.yaml", train_args(*inputs, out, objective, *extra)))
             assert records(out)[0]["distributed_type"] == "MULTI_CPU"
-            done[objective] = out
-        return done[objective]
+            done[key] = out
+        return done[key]
 
     return get
+
+
+def assert_same_losses(ddp: Path, other: Path) -> None:
+    """Every step's loss of ``other`` equals DDP's within 1e-5 relative (another summation order of the
+    gradients), on the same batches."""
+    a, b = losses(ddp), losses(other)
+    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
+    for s in a:
+        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5, abs=1e-6), s
+        assert a[s]["data_fingerprint"] == b[s]["data_fingerprint"]  # the same batches on the same ranks
+
+
+def assert_greedy_isd_equals_ar(folder: Path) -> None:
+    import dlm
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+
+    trained = dlm.load_model(folder)
+    prompts = [[1, 5, 9, 13], [2, 4, 6]]
+    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    ar = Engine(trained, decoder="ar").generate(prompts, params)
+    isd = Engine(trained, decoder="isd").generate(prompts, params)
+    assert [r.token_ids for r in isd] == [r.token_ids for r in ar]
 
 
 @pytest.mark.parametrize("engine", list(SHARDED))
@@ -124,11 +149,7 @@ def test_sharded_engines_train_as_ddp_does(inputs, ddp_runs, tmp_path, engine, o
     ddp, other = ddp_runs(objective), tmp_path / engine
     run(accelerate(config_of(engine), train_args(model, data, other, objective)))
     assert records(other)[0]["distributed_type"] == kind and records(other)[0]["world_size"] == 2
-    a, b = losses(ddp), losses(other)
-    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    for s in a:
-        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5, abs=1e-6), s
-        assert a[s]["data_fingerprint"] == b[s]["data_fingerprint"]  # the same batches on the same ranks
+    assert_same_losses(ddp, other)
     state = other / "checkpoints" / "step_00000004" / "training_state"
     for name in sharded_files:  # each rank's share, not one gathered copy
         assert (state / name).exists(), name
@@ -142,19 +163,10 @@ def test_sharded_engines_train_as_ddp_does(inputs, ddp_runs, tmp_path, engine, o
 
 @pytest.mark.parametrize("engine", ["fsdp", "zero3"])
 def test_greedy_isd_equals_greedy_ar_on_a_sharded_run_s_folder(inputs, tmp_path, engine):
-    import dlm
-    from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams
-
     model, data = inputs
     out = tmp_path / engine
     run(accelerate(config_of(engine), train_args(model, data, out, "idlm")))
-    trained = dlm.load_model(out)
-    prompts = [[1, 5, 9, 13], [2, 4, 6]]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    ar = Engine(trained, decoder="ar").generate(prompts, params)
-    isd = Engine(trained, decoder="isd").generate(prompts, params)
-    assert [r.token_ids for r in isd] == [r.token_ids for r in ar]
+    assert_greedy_isd_equals_ar(out)
 
 
 @pytest.mark.parametrize("engine", list(SHARDED))
@@ -243,41 +255,20 @@ def test_two_nodes_train_checkpoint_and_resume(inputs, tmp_path):
 LORA = {"plain": ("--lora-r", "4"), "gated": ("--lora-r", "4", "--gated-lora")}
 
 
-@pytest.fixture(scope="module")
-def ddp_lora_runs(inputs, tmp_path_factory):
-    done: dict[str, Path] = {}
-
-    def get(form: str) -> Path:
-        if form not in done:
-            out = tmp_path_factory.mktemp(f"ddp_lora_{form}")
-            run(accelerate("ddp_cpu.yaml", train_args(*inputs, out, "idlm", *LORA[form])))
-            done[form] = out
-        return done[form]
-
-    return get
-
-
 @pytest.mark.parametrize("form", list(LORA))
 @pytest.mark.parametrize("engine", ["zero2", "zero3", "fsdp"])
-def test_lora_under_each_engine_trains_and_exports_as_ddp_does(inputs, ddp_lora_runs, tmp_path, engine, form):
+def test_lora_under_each_engine_trains_and_exports_as_ddp_does(inputs, ddp_runs, tmp_path, engine, form):
     """I-DLM with LoRA merged into the weights (plain) or with gated LoRA (adapters at mask positions only, written
     beside the untouched base) under ZeRO-2, which keeps whole weights on every rank, and under ZeRO-3 and FSDP2,
     whose sharded weights are gathered for the export: the same losses, weights and adapters as DDP; on the gated
     folder, greedy ISD (drafting through the adapters) equals greedy AR."""
     from safetensors.torch import load_file
 
-    import dlm
-    from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams
-
     model, data = inputs
-    ddp, other = ddp_lora_runs(form), tmp_path / engine
+    ddp, other = ddp_runs("idlm", *LORA[form]), tmp_path / engine
     run(accelerate(config_of(engine), train_args(model, data, other, "idlm", *LORA[form])))
     assert records(other)[0]["distributed_type"] == SHARDED[engine][1]
-    a, b = losses(ddp), losses(other)
-    assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    for s in a:
-        assert a[s]["loss"] == pytest.approx(b[s]["loss"], rel=1e-5, abs=1e-6), s
+    assert_same_losses(ddp, other)
     wa, wb = load_file(ddp / "model.safetensors"), load_file(other / "model.safetensors")
     assert sorted(wa) == sorted(wb) and max(float((wa[k] - wb[k]).abs().max()) for k in wa) <= 2 * LR * STEPS
     if form == "plain":  # merged: no adapter file, and the weights moved
@@ -291,12 +282,7 @@ def test_lora_under_each_engine_trains_and_exports_as_ddp_does(inputs, ddp_lora_
     base = load_file(Path(model) / "model.safetensors")
     assert sorted(base) == sorted(wb)  # the clean path is the base: its weights untouched (plus the mask row)
     assert all(bool((base[k] == wb[k][: base[k].shape[0]]).all()) for k in base)
-    trained = dlm.load_model(other)
-    prompts = [[1, 5, 9, 13], [2, 4, 6]]
-    params = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
-    ar = Engine(trained, decoder="ar").generate(prompts, params)
-    isd = Engine(trained, decoder="isd").generate(prompts, params)
-    assert [r.token_ids for r in isd] == [r.token_ids for r in ar]
+    assert_greedy_isd_equals_ar(other)
 
 
 GPU_PRESETS = [

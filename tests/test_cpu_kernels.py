@@ -779,6 +779,19 @@ def test_a_slow_moment_during_the_measurement_is_not_cached(auto_choice, monkeyp
 
 
 @needs_kernel
+def test_the_decision_agrees_with_the_figures_it_records(auto_choice, monkeypatch):
+    """Kernels slower than the stock layers by less than the record's precision (4 decimals of a millisecond):
+    the record shows a tie, and the decision reads as its figures do (a tie keeps the kernels). Decided on the
+    unrounded sums, a cached record said 'kernel <= stock' at every row count and 'use: no' beside it."""
+    net = _net()
+    _plant_timings(monkeypatch, {"stock": 0.01, "kernel": 0.0100001, "f32": 0.0100001})
+    ch = cpu.attach(net).choice
+    assert ch.kernel_ms == ch.stock_ms
+    assert ch.use == all(ch.kernel_ms[r] <= ch.stock_ms[r] for r in ch.stock_ms) is True
+    cpu.detach(net)
+
+
+@needs_kernel
 def test_a_measurement_that_contradicts_the_machine_is_taken_again(auto_choice, monkeypatch):
     """This machine's other model shapes run the kernels; a first measurement that says 'stock' (a slow moment
     that lasted all its rounds) is taken again: the second, which agrees with the machine, is what is used and

@@ -9,7 +9,7 @@ from dlm import convert_ar_to_dlm
 from dlm.decode.engine import Engine
 from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
-from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, TokenBudget, make_policy
+from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, PolicyMemory, TokenBudget, make_policy
 from dlm.errors import DLMError
 from dlm.testing import make_model, make_tokenizer
 
@@ -117,6 +117,88 @@ def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
     assert backed_off > p.base_period
     big = simulate(p, 300, 32, draft_cost=5.0, acceptance=0.46)
     assert not any(big[: backed_off - 1]) and any(big)
+
+
+def test_a_later_process_starts_from_what_an_earlier_one_learnt(tmp_path, monkeypatch):
+    """Drafting at half AR's speed (batch 8): the first process pays a drafting burst at its start; what it
+    learnt (AR, and how far its exploration backed off) is written, and the next process with the same key starts
+    with AR steps and first tries drafting at that backed-off period, not at once. A record of another key
+    carries nothing. Its throughput over a short run (64 steps, a one-shot batch) is higher than the first's."""
+    monkeypatch.setenv("DLM_HOME", str(tmp_path))
+
+    def goodput(modes, draft_cost, tpf=1.3):
+        return sum(tpf if d else 1.0 for d in modes) / sum(draft_cost if d else 1.0 for d in modes)
+
+    first = MeasuredDraft(memory=PolicyMemory("model|machine|isd N=2"))
+    modes = simulate(first, 600, 8, draft_cost=2.0, acceptance=0.46)
+    assert modes[0] and not modes[-1]  # it started with a drafting burst and settled on AR
+    learnt = first.buckets[first.bucket_of(8)].period
+    assert learnt > first.base_period
+    rec = PolicyMemory("model|machine|isd N=2").get(first.bucket_of(8))
+    assert rec is not None and rec["draft"] is False and rec["period"] == learnt
+    assert rec["tok_s"][0] < rec["tok_s"][1]
+
+    later = MeasuredDraft(memory=PolicyMemory("model|machine|isd N=2"))
+    assert later.peek(8) is False  # a joining request's prefill already knows: no first masks
+    modes = simulate(later, learnt + 40, 8, draft_cost=2.0, acceptance=0.46, seed=1)
+    assert not any(modes[: learnt - 1]) and any(modes[learnt - 1 :])  # explores, at the learnt period
+    assert later.describe(8)["carried"] == "ar"
+    cold = simulate(MeasuredDraft(), 64, 8, draft_cost=2.0, acceptance=0.46, seed=2)
+    warm = simulate(MeasuredDraft(memory=PolicyMemory("model|machine|isd N=2")), 64, 8, 2.0, 0.46, seed=2)
+    assert goodput(warm, 2.0) == 1.0 and goodput(cold, 2.0) < 0.95
+    other = simulate(MeasuredDraft(memory=PolicyMemory("model|machine|isd N=3")), 8, 8, 2.0, 0.46)
+    assert other[0]  # nothing carried: the first burst again
+
+
+def test_a_carried_choice_that_no_longer_holds_is_corrected_and_rewritten(tmp_path, monkeypatch):
+    """A record says drafting wins at batch 1 (an earlier, better-trained checkpoint in the same place, say); here
+    drafting loses: the policy starts drafting, its first AR burst at the carried period shows AR faster, it
+    switches and writes the new choice."""
+    monkeypatch.setenv("DLM_HOME", str(tmp_path))
+    key = "model|machine|isd N=2"
+    PolicyMemory(key).put(0, {"draft": True, "period": 48, "tok_s": [12.0, 10.0]})
+    p = MeasuredDraft(memory=PolicyMemory(key))
+    modes = simulate(p, 400, 1, draft_cost=1.3, acceptance=0.1)
+    assert all(modes[:47]) and sum(modes[200:]) / 200 < 0.15
+    assert PolicyMemory(key).get(0)["draft"] is False
+    PolicyMemory(key).put(0, {"draft": "yes", "period": 48})  # a damaged record is ignored, not trusted
+    assert PolicyMemory(key).get(0) is None
+
+
+def test_engines_on_one_folder_share_what_the_policy_learnt(tmp_path, monkeypatch):
+    """The ISD decoder's 'auto' policy keeps its record under the folder, machine and setting: a second engine on
+    the same folder and stride reads it, another stride or a folder rewritten (new weights) does not, and a model
+    built in memory (no folder) keeps nothing."""
+    import os
+
+    from dlm.decode.isd.policy import memory_key
+    from dlm.model.hub import load_model
+
+    monkeypatch.setenv("DLM_HOME", str(tmp_path / "home"))
+    folder = tmp_path / "m"
+    idlm().save_pretrained(folder)
+    model = load_model(str(folder))
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    eng = Engine(model, decoder="isd", stride=2, options=EngineOptions(max_batch_size=2))
+    eng.generate(PROMPTS[:2], params)
+    assert eng.decoder.policy.memory is not None
+    key = eng.decoder.policy.memory.key
+    assert PolicyMemory(key).buckets  # written once a choice was measured
+    again = Engine(model, decoder="isd", stride=2, options=EngineOptions(max_batch_size=2))
+    assert again.decoder.policy.memory.key == key and again.decoder.policy.memory.buckets
+    other = Engine(model, decoder="isd", stride=3, options=EngineOptions(max_batch_size=2))
+    assert other.decoder.policy.memory.key != key
+    weights = next(folder.glob("*.safetensors"))
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert memory_key(again, "x") is not None and memory_key(built := Engine(idlm(), decoder="ar"), "x") is None
+    built.close()
+    moved = Engine(model, decoder="isd", stride=2, options=EngineOptions(max_batch_size=2))
+    assert moved.decoder.policy.memory.key != key
+    fresh = Engine(idlm(), decoder="isd", stride=2)
+    assert fresh.decoder.policy.memory is None
+    always = Engine(model, decoder="isd", stride=2, draft_budget="always")
+    assert not isinstance(always.decoder.policy, MeasuredDraft)
 
 
 def test_policy_values_and_errors():

@@ -116,6 +116,12 @@ class ISDDecoder(Decoder):
                 f"the trained block are poor"
             )
         self.policy = policy.make_policy(self.draft_budget, self.stride, self.verify_len)
+        # 'auto' (not a policy object of the caller's): what an earlier process on this folder and machine learnt
+        if isinstance(self.policy, policy.MeasuredDraft) and isinstance(self.draft_budget, str):
+            setting = f"isd N={self.stride} {self.fallback} K={self.candidates} p{self.candidate_min_prob} {self.draft}"
+            key = policy.memory_key(engine, setting)
+            if key is not None:
+                self.policy.memory = policy.PolicyMemory(key)
 
     # -- when to draft (policy) ---------------------------------------------------------------------------
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:

@@ -4,12 +4,15 @@ routes on (:class:`AcceptCalibration`)."""
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from dlm.decode.configs import CANDIDATE_MIN_PROB, DRAFT_MODES
-from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, TokenBudget, make_policy
+from dlm.decode.cpu.choice import machine_key
+from dlm.decode.schedule import AlwaysDraft, MeasuredDraft, PolicyMemory, TokenBudget, make_policy
 
 __all__ = [
     "CANDIDATE_MIN_PROB",
@@ -18,10 +21,12 @@ __all__ = [
     "AlwaysDraft",
     "DraftPolicy",
     "MeasuredDraft",
+    "PolicyMemory",
     "TokenBudget",
     "candidate_count",
     "default_stride",
     "make_policy",
+    "memory_key",
     "supported_strides",
 ]
 
@@ -95,3 +100,30 @@ class AcceptCalibration:
         ``accepted``."""
         for i in range(proposed):
             self.observe(i, conf[i], i < accepted)
+
+
+def memory_key(engine, setting: str) -> str | None:
+    """Where :class:`PolicyMemory` keeps what the measured policy learnt: the model folder (its path, and the size
+    and modification time of its config and weight files: a retrained folder is a new model), the machine (on a
+    CPU: its model, the kernels' ISA or 'stock', torch and its threads - :func:`dlm.decode.cpu.choice.machine_key`;
+    else the device's name) and ``setting`` (the decoder's stride, fallback, candidates). None for a model that
+    was not loaded from a folder (nothing to recognise it by next time)."""
+    name = getattr(engine.config, "_name_or_path", "") or ""
+    folder = Path(name)
+    if not name or not folder.is_dir():
+        return None
+    stamps = []
+    for f in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]:
+        try:
+            st = f.stat()
+        except OSError:
+            continue
+        stamps.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}")
+    model = hashlib.sha1("|".join([str(folder.resolve()), *stamps]).encode()).hexdigest()[:16]
+    if engine.device.type == "cpu":
+        kernels = engine.kernels
+        isa = kernels.choice.isa if kernels and kernels.choice is not None else "stock"
+        machine = machine_key(isa)
+    else:
+        machine = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else engine.device.type
+    return "|".join([model, machine, setting])

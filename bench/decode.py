@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from dlm.decode.options import EngineOptions
+from dlm.decode.schedule import MeasuredDraft
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -102,7 +103,9 @@ def main(argv=None) -> int:
         "--draft-budgets",
         default="",
         help="comma-separated ISD drafting policies to add beside the always-drafting rows (e.g. 'auto', the "
-        "server's measured policy; rows 'isd N=n auto'), at each --strides stride",
+        "default measured policy, which starts from what an earlier process on this folder learnt "
+        "(isd_policy.json under DLM_HOME); 'fresh': the same policy starting from nothing, as a first run does; "
+        "rows 'isd N=n auto' / 'isd N=n fresh'), at each --strides stride",
     )
     ap.add_argument(
         "--candidates",
@@ -210,7 +213,10 @@ def main(argv=None) -> int:
                 engines[b][f"isd N={n} {x}"] = Engine(
                     dlm,
                     tok,
-                    decoder=ISDConfig(stride=n, fallback=fallbacks[0], draft_budget=x),
+                    # a policy object is used as given: 'fresh' carries nothing from earlier processes
+                    decoder=ISDConfig(
+                        stride=n, fallback=fallbacks[0], draft_budget=MeasuredDraft() if x == "fresh" else x
+                    ),
                     options=EngineOptions(max_batch_size=b),
                 )
         for c in cands:

@@ -117,7 +117,8 @@ def test_prompt_lookup_bench_runs_and_checks_equality(tmp_path):
 @pytest.mark.integration
 def test_decode_bench_runs_every_variant_with_ar_tokens(tmp_path):
     """bench/decode.py on a tiny model with the kernels' per-layer loop and decode_stack's arguments rebuilt at every
-    forward as extra rows: every engine row, each variant included, decodes the ar row's tokens (greedy)."""
+    forward as extra rows, and the measured policy with and without what earlier processes learnt: every engine row,
+    each variant included, decodes the ar row's tokens (greedy)."""
     model = save_tiny(tmp_path / "tiny")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the quick brown fox jumps over\nhello world this is a test\nanother line of text\none more\n")
@@ -125,12 +126,13 @@ def test_decode_bench_runs_every_variant_with_ar_tokens(tmp_path):
         "decode.py",
         *("--model", str(model), "--data", str(prompts), "--batch-sizes", "1,2", "--strides", "2"),
         *("--max-new-tokens", "8", "--groups", "2", "--threads", "1", "--layer-loop", "--rebuilt-plans"),
+        *("--draft-budgets", "auto,fresh"),
     )
     table = [line.split() for line in run.stdout.splitlines() if line.split()[:1] in (["1"], ["2"])]
     rows = [r for r in table if r[1] != "transformers"]  # the engine's rows: batch, method ..., = ar, = hf
     names = [" ".join(r[1:-10]) for r in rows]
-    assert {"ar (loop)", "ar (rebuilt)", "isd N=2 (rebuilt)"} <= set(names), run.stdout
-    assert len(rows) == 12 and all(r[-2] == "True" for r in rows), run.stdout
+    assert {"ar (loop)", "ar (rebuilt)", "isd N=2 (rebuilt)", "isd N=2 auto", "isd N=2 fresh"} <= set(names), run.stdout
+    assert len(rows) == 24 and all(r[-2] == "True" for r in rows), run.stdout
 
 
 @pytest.mark.integration

@@ -227,14 +227,24 @@ def read_records(file: str) -> dict:
     return data if isinstance(data, dict) else {}
 
 
-def write_record(file: str, key: str, record: dict) -> None:
+def write_record(file: str, key: str, record: dict, keep: int | None = None) -> None:
     """Add ``record`` under ``key`` to ``file`` (written to a temporary file, then renamed: never a half-written
-    cache); a read-only home is not an error: the verdict is measured again next time."""
+    cache); a read-only home is not an error: the verdict is measured again next time. ``keep``: at most this many
+    records stay, the ones with the oldest ``"t"`` (a time stamp the caller puts in its records) dropped first, so a
+    file keyed by something that keeps changing (a retrained folder's modification time) does not grow forever."""
     try:
         d = home()
         d.mkdir(parents=True, exist_ok=True)
         data = read_records(file)
         data[key] = record
+        if keep is not None and len(data) > keep:
+
+            def stamp(k: str) -> float:
+                t = data[k].get("t") if isinstance(data[k], dict) else None
+                return float(t) if isinstance(t, (int, float)) else 0.0
+
+            for k in sorted(data, key=stamp)[: len(data) - keep]:
+                del data[k]
         fd, tmp = tempfile.mkstemp(dir=d, prefix=".choice-")
         with os.fdopen(fd, "w") as fh:
             json.dump(data, fh, indent=1, sort_keys=True)

@@ -276,3 +276,19 @@ def test_generate_cli_checks_the_budget_flag(tmp_path, capsys):
     assert "--isd-token-budget is renamed --isd-draft-budget" in err and "--isd-draft-budget is an ISD" in err
     assert main(["generate", "--model", "x", "--prompt", "hi", "--decode", "isd", "--isd-token-budget", "soon"]) != 0
     assert "positive integer, 'auto' or 'always'" in capsys.readouterr().err
+
+
+def test_the_policy_file_keeps_the_most_recent_records(tmp_path, monkeypatch):
+    """A folder retrained in place gets a new key each time: the file keeps the KEEP most recently written
+    records, dropping the oldest, and a record written again counts as recent."""
+    monkeypatch.setenv("DLM_HOME", str(tmp_path))
+    monkeypatch.setattr(PolicyMemory, "KEEP", 3)
+    clock = iter(range(100, 200))
+    monkeypatch.setattr("dlm.decode.schedule.time.time", lambda: float(next(clock)))
+    for k in "abcd":
+        PolicyMemory(k).put(0, {"draft": True, "period": 24, "tok_s": [2.0, 1.0]})
+    assert [PolicyMemory(k).get(0) is not None for k in "abcd"] == [False, True, True, True]
+    PolicyMemory("b").put(1, {"draft": False, "period": 48, "tok_s": [1.0, 2.0]})  # b is the newest now
+    PolicyMemory("e").put(0, {"draft": True, "period": 24, "tok_s": [2.0, 1.0]})
+    assert [PolicyMemory(k).get(0) is not None for k in "bcde"] == [True, False, True, True]
+    assert PolicyMemory("b").get(1)["period"] == 48

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import math
+import time
 
 from dlm.errors import DLMError
 from dlm.fsutil import read_records, write_record
@@ -100,16 +101,19 @@ class _Bucket:
 class PolicyMemory:
     """:class:`MeasuredDraft`'s choice per batch bucket, carried from one process to the next under ``key`` (the
     model folder, the machine and the decoder's setting: :func:`dlm.decode.isd.policy.memory_key`) in
-    ``isd_policy.json`` under dlm's home. A record is ``{bucket: {"draft": bool, "period": int, "tok_s": [drafting,
-    ar]}}``; written when a bucket's choice or period changes (a few writes a run), never half-written; a read-only
-    home is not an error (nothing is carried)."""
+    ``isd_policy.json`` under dlm's home. A record is ``{"t": time written, "buckets": {bucket: {"draft": bool,
+    "period": int, "tok_s": [drafting, ar]}}}``; written when a bucket's choice or period changes (a few writes a
+    run), never half-written; the ``KEEP`` most recently written records stay (a folder retrained in place gets a
+    new key each time); a read-only home is not an error (nothing is carried)."""
 
     FILE = "isd_policy.json"
+    KEEP = 64
 
     def __init__(self, key: str):
         self.key = key
         rec = read_records(self.FILE).get(key)
-        self.buckets: dict[str, dict] = rec if isinstance(rec, dict) else {}
+        buckets = rec.get("buckets") if isinstance(rec, dict) else None
+        self.buckets: dict[str, dict] = buckets if isinstance(buckets, dict) else {}
 
     def get(self, bucket: int) -> dict | None:
         r = self.buckets.get(str(bucket))
@@ -118,7 +122,7 @@ class PolicyMemory:
 
     def put(self, bucket: int, record: dict) -> None:
         self.buckets[str(bucket)] = record
-        write_record(self.FILE, self.key, self.buckets)
+        write_record(self.FILE, self.key, {"t": round(time.time(), 3), "buckets": self.buckets}, keep=self.KEEP)
 
 
 class MeasuredDraft(AlwaysDraft):

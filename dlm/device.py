@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dlm.errors import DLMError
+from dlm.fsutil import read_records, write_record
 from dlm.settings import env
 
 
@@ -57,8 +59,6 @@ def get_dtype(name: str | None, device: torch.device) -> torch.dtype:
         "fp16": torch.float16,
     }
     if name not in table:
-        from dlm.errors import DLMError
-
         raise DLMError(f"unknown dtype '{name}': use one of auto, {', '.join(table)}")
     return table[name]
 
@@ -135,7 +135,6 @@ def _bf16_probe_ms(tokens: int, repeats: int = _PROBE_REPEATS) -> tuple[float, f
 
 def cpu_bf16_choice(tokens: int = 512) -> Bf16Choice:
     """Whether bf16 autocast speeds up training on this CPU (see the module doc); cached once measured."""
-    from dlm.fsutil import read_records, write_record
 
     forced = (env(BF16_ENV) or "").strip().lower()
     if forced in ("1", "true", "on", "yes"):

@@ -27,8 +27,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dlm.config import load_config
+from dlm.data.distill import builtin_instructions, chat_prompt_ids, self_distill
+from dlm.data.sft import read_jsonl, record_to_messages
+from dlm.decode.configs import MAX_CANDIDATES, ARConfig, ISDConfig
+from dlm.decode.engine import Engine
 from dlm.decode.options import EngineOptions
+from dlm.decode.sampling import SamplingParams, draft_totals
+from dlm.device import get_device
 from dlm.errors import DLMError
+from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
+from dlm.model.lora import CONFIG_KEY, LoraSettings, prepare_model_for_lora
+from dlm.progress import bar as progress_bar
+from dlm.train.loop import train
 
 
 @dataclass
@@ -92,7 +104,6 @@ class QuickstartConfig:
             raise DLMError("--curriculum-split needs one share per --curriculum stage")
         if any(b < 1 for b in self.curriculum):
             raise DLMError("--curriculum block sizes must be >= 1 (e.g. 1,2)")
-        from dlm.decode.configs import MAX_CANDIDATES, ISDConfig
 
         for n in self.strides:  # the measured ISD rows: the decoder's own checks (stride N uses N-1 masks)
             ISDConfig(stride=n)
@@ -120,13 +131,11 @@ def check_disk(path: Path, min_free_gb: float) -> None:
 
 # -- stage 2: data ---------------------------------------------------------------------------------------------
 def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
-    from dlm.data.distill import builtin_instructions, chat_prompt_ids, self_distill
 
     if cfg.data:
         path = Path(cfg.data)
         if not path.is_file():
             raise DLMError(f"--data '{path}' does not exist")
-        from dlm.data.sft import read_jsonl, record_to_messages
 
         records = read_jsonl(path)  # validates the layout now, with a clear message, before any training
         for lineno, rec in records:
@@ -138,11 +147,6 @@ def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
         log(f"data: reusing {target}")
         return target
     import torch
-
-    from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams
-    from dlm.device import get_device
-    from dlm.model.hub import load_model, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, device=get_device())  # a GPU, where there is one (fp32: the same greedy answers)
@@ -178,7 +182,6 @@ def stage_minutes(cfg: QuickstartConfig) -> list[float]:
 
 def lora_settings(cfg: QuickstartConfig):
     """The adapters a quickstart run trains (gated: the clean path stays the base model; merged: plain LoRA)."""
-    from dlm.model.lora import LoraSettings
 
     return LoraSettings(r=cfg.lora_r, alpha=cfg.lora_r, gated=cfg.gated, target_modules=cfg.lora_targets)
 
@@ -228,10 +231,6 @@ def stage_overrides(
 
 def train_curriculum(cfg: QuickstartConfig, data: Path, out: Path, log) -> Path:
     """Train each curriculum stage; return the final model folder."""
-    from dlm.config import load_config
-    from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
-    from dlm.model.lora import CONFIG_KEY, prepare_model_for_lora
-    from dlm.train.loop import train
 
     previous: Path | None = None
     for i, (b, minutes) in enumerate(zip(cfg.curriculum, stage_minutes(cfg))):
@@ -272,14 +271,6 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     shared machine's speed drifts hit all decoders alike; run back to back, one decoder could get the machine's
     slow minutes and another its fast ones (measured here: ISD 1.10x `dlm ar` in sequence, 1.30x interleaved)."""
     import torch
-
-    from dlm.data.distill import builtin_instructions, chat_prompt_ids
-    from dlm.decode.configs import ARConfig, ISDConfig
-    from dlm.decode.engine import Engine
-    from dlm.decode.sampling import SamplingParams, draft_totals
-    from dlm.device import get_device
-    from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
-    from dlm.model.hub import load_model, load_tokenizer
 
     device = get_device()  # where training ran: a GPU, where there is one
     tokenizer = load_tokenizer(cfg.model)
@@ -341,8 +332,6 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
     acc_out = [{"out": [], "t": 0.0, "fw": 0, "stats": []} for _ in runs]
     bar = None
     if cfg.progress:
-        from dlm.progress import bar as progress_bar
-
         bar = progress_bar(len(prompts) * len(runs), "measure", "run")
     with torch.inference_mode():
         for fn in fns:
@@ -694,7 +683,6 @@ def run(cfg: QuickstartConfig, log=print) -> dict:
     check_disk(out, cfg.min_free_gb)
     seconds = {}
     t = time.time()
-    from dlm.model.hub import resolve_model_path
 
     resolve_model_path(cfg.model)
     seconds["model"] = time.time() - t

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dlm import deprecations
+
 VARIABLES: dict[str, str] = {
     "DLM_HOME": "the root of dlm's own files: the embedded model's folder (`models/`), the CPU kernels' and "
     "precision's measured choices, converted folders for vLLM (`vllm/`), hub benchmark data (`data/`), vLLM's "
@@ -42,8 +44,6 @@ def home() -> Path:
     ``$XDG_CACHE_HOME/dlm``, else ``~/.cache/dlm``."""
     root = env("DLM_HOME")
     if not root and env("DLM_CACHE_DIR"):
-        from dlm import deprecations
-
         deprecations.warn("DLM_CACHE_DIR")
         root = env("DLM_CACHE_DIR")
     if root:

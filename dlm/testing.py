@@ -10,6 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from dlm.decode.configs import ISDConfig
+from dlm.decode.engine import Engine
+from dlm.decode.isd import ISDDecoder
+from dlm.decode.options import EngineOptions
+
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
 
 CHAT_TEMPLATE = (
@@ -195,9 +200,6 @@ def every_isd_path(model, prompts, params, truth: dict, max_batch_size: int = 3)
     id -> AR tokens, prompt included), fallback ``all``, the batched verify, the static cache, oracle candidates,
     untrained masks at stride 4 - and yield ``(name, results)``: tests check each against the AR output they
     promise (greedy logit adjustments, structured outputs)."""
-    from dlm.decode.configs import ISDConfig
-    from dlm.decode.engine import Engine
-    from dlm.decode.options import EngineOptions
 
     batched = oracle_isd(truth, 0.7, stride=3)
     batched.batch_verify = True
@@ -221,9 +223,6 @@ def _oracle_candidates_class():
     if len(_ORACLE) > 1:
         return _ORACLE[1]
     import torch
-
-    from dlm.decode.configs import ISDConfig
-    from dlm.decode.isd import ISDDecoder
 
     class OracleCandidates(ISDDecoder):
         def __init__(self, truth, miss, seed, **kw):
@@ -256,9 +255,6 @@ def _oracle_class():
     if _ORACLE:
         return _ORACLE[0]
     import torch
-
-    from dlm.decode.configs import ISDConfig
-    from dlm.decode.isd import ISDDecoder
 
     class OracleISD(ISDDecoder):
         def __init__(self, truth, accept, seed, **kw):

@@ -138,3 +138,55 @@ def test_the_cpu_kernels_python_is_split_by_concern():
         and isinstance(node.targets[0], ast.Name)
     ]
     assert cells == ["stack.py: _stack_runs"], cells  # (a counter the stack's own check reads)
+
+
+def _lazy_imports() -> list[tuple[Path, int, list[str]]]:
+    """Each import of a dlm module inside a function, outside dlm/cli.py and dlm/commands/: (file, line, the file's
+    lines)."""
+    out = []
+    for path in sorted((ROOT / "dlm").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "dlm/cli.py" or rel.startswith("dlm/commands/"):
+            continue  # `dlm --help` imports every command module to build its parser: their imports wait for run()
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(fn):
+                    is_dlm = isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "dlm"
+                    is_dlm |= isinstance(node, ast.Import) and any(a.name.split(".")[0] == "dlm" for a in node.names)
+                    if is_dlm:
+                        out.append((path, node.lineno, lines))
+    return out
+
+
+def test_imports_inside_functions_say_why():
+    """An import inside a function hides a dependency from the top of the file, so it stays only with its reason:
+    a comment on its line or above its block of imports (torch kept out of `dlm --help`, a circle, an optional
+    extra). dlm/cli.py and dlm/commands/ import inside run() as a rule (said once, here and in cli.py)."""
+    silent = []
+    for path, line, lines in _lazy_imports():
+        i = line - 1
+        while i > 0 and lines[i - 1].strip().startswith(("from dlm", "import dlm")):
+            i -= 1
+        said = "#" in lines[line - 1] or lines[i - 1].strip().startswith("#")
+        if not said:
+            silent.append(f"{path.relative_to(ROOT)}:{line}")
+    assert not silent, "move these imports to the top of the file, or say why they wait:\n" + "\n".join(silent)
+
+
+def test_dlm_help_imports_neither_torch_nor_transformers():
+    """What the imports inside functions buy: `dlm --help` (every command's parser) and `import dlm` stay free of
+    torch and transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from dlm import cli\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    cli.main(['--help'])\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert run.stdout.strip() == "[]", run.stdout + run.stderr

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dlm.data.shards import HDR_SIZE, read_header
+from dlm.data.shards import HDR_SIZE, MANIFEST_NAME, read_header, read_manifest, sha256_file
 from dlm.errors import DLMError
 
 _DRAW_CHUNK = 4096
@@ -190,7 +190,6 @@ class PackedDataset(IterableDataset):
         """The first time this process opens file ``f``: its sha256 against the manifest's (when it lists it)."""
         if f in self._verified or f not in self._expected_sha:
             return
-        from dlm.data.shards import sha256_file
 
         expected, manifest = self._expected_sha[f]
         if sha256_file(self.files[f]) != expected:
@@ -324,7 +323,6 @@ class CombinedDataset(IterableDataset):
 def _manifest_hashes(files: list[str]) -> dict[int, tuple[str, str]]:
     """{file index: (sha256, manifest path)} for the files a ``manifest.json`` beside them lists (dlm prepare's;
     shards from elsewhere have none and are read unverified)."""
-    from dlm.data.shards import MANIFEST_NAME, read_manifest
 
     by_folder: dict[str, dict[str, str]] = {}
     out = {}

@@ -52,6 +52,7 @@ from dlm.data.shards import (
 )
 from dlm.errors import DLMError
 from dlm.fsutil import DiskFullError, disk_full_as_error
+from dlm.model.hub import load_tokenizer
 from dlm.settings import env
 
 DEFAULT_CHUNK_SIZE = 2049 * 1024
@@ -647,7 +648,6 @@ def assign_files(files: list[SourceFile], num_processes: int) -> list[list[Sourc
 
 
 def _load_tokenizer(name: str):
-    from dlm.model.hub import load_tokenizer
 
     try:
         tok = load_tokenizer(name)

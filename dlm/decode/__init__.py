@@ -28,6 +28,7 @@ from dlm.decode.configs import (
     make_config,
 )
 from dlm.decode.options import EngineOptions, misplaced
+from dlm.progress import bar as progress_bar
 
 __all__ = [
     "ARConfig",
@@ -66,6 +67,7 @@ def generate(
     cache). ``progress``: ``None``, ``True`` (a bar on stderr: prompts done, rate, ETA) or an object with
     ``update(n)``, told of each finished prompt. ``settings``: the decoder's fields as keywords
     (``generate(model, prompts, "isd", stride=3)``), deprecated: pass a config."""
+    # torch: `dlm --help` imports this package for the decoders' flags
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
 
@@ -75,8 +77,6 @@ def generate(
     config = make_config(decoder, **settings)
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-    from dlm.progress import bar as progress_bar
-
     own_bar = progress is True
     bar = progress_bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
     try:

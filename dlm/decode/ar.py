@@ -29,6 +29,7 @@ from dlm.decode.configs import ARConfig, decoder_config
 from dlm.decode.engine import Decoder, Engine, Row
 from dlm.decode.isd.accept import verify_forced
 from dlm.decode.sampling import argmax_no_mask, next_token
+from dlm.decode.schedule import make_policy
 
 
 class ARDecoder(Decoder):
@@ -39,7 +40,6 @@ class ARDecoder(Decoder):
     # drafts it proposes next}
 
     def __init__(self, config: ARConfig | None = None):
-        from dlm.decode.schedule import make_policy
 
         self.config = config = decoder_config(ARConfig, config)
         prompt_lookup, lookup_budget = config.prompt_lookup, config.lookup_budget

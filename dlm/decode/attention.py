@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from dlm.decode import cpu as cpu_kernels
+from dlm.model.convert import _hf
 
 NAME = "dlm_sdpa"
 MAX_CHUNK = 16  # queries; decode chunks are 1 .. 2N-1 tokens
@@ -119,7 +120,6 @@ def use_for_decoding(model) -> Switched | None:
     """Switch ``model`` (a DiffusionLM or HF causal LM) from ``sdpa`` to :data:`NAME` when it has grouped-query
     attention; returns a handle whose ``restore()`` switches it back, or None where nothing was switched. Models on
     other implementations (eager, flash, flex) are left alone."""
-    from dlm.model.convert import _hf
 
     hf: Any = _hf(model)  # a transformers model (nn.Module's attributes type as Tensor | Module)
     config = getattr(hf, "config", None)

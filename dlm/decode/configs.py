@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from dlm import deprecations
+from dlm.decode.schedule import make_policy
 from dlm.errors import DLMError, closest
 from dlm.fields import default_of, opt
 
@@ -151,7 +152,6 @@ def _drafting_policy(budget, stride: int, per_row: int | None = None, flag: str 
     building it once (DLMError naming ``flag``)."""
     if isinstance(budget, str) and budget.strip().isdigit():
         budget = int(budget)
-    from dlm.decode.schedule import make_policy  # torch-free; the one check of a drafting policy
 
     make_policy(budget, stride, per_row, flag)
     return budget

@@ -45,6 +45,8 @@ from typing import Any
 import torch
 
 from dlm.decode import cpu as cpu_kernels
+from dlm.decode.attention import use_for_decoding
+from dlm.decode.configs import build_decoder, make_config, refusal, with_family_defaults
 from dlm.decode.options import EngineOptions, misplaced
 from dlm.decode.prefix import PrefixCache
 from dlm.decode.sampling import LogitAdjust, RequestStats, SamplingParams, TokenLogprob, token_logprobs
@@ -52,6 +54,8 @@ from dlm.decode.static import SPAN_GRANULE, StaticDecode, StaticKV, static_defau
 from dlm.decode.structured import MAX_AHEAD, GrammarBook
 from dlm.decode.threads import ThreadPolicy
 from dlm.errors import DLMError
+from dlm.model.convert import DLMSpec, cache_kw, max_positions
+from dlm.model.families import sampler_defaults
 from dlm.model.masks import decode_mask
 
 TokenCallback = Callable[[object, list, bool], None]
@@ -419,7 +423,6 @@ class Decoder:
 
 def _model_fields(model):
     """(hf_config, dlm spec or None) of a DiffusionLM or a plain HF causal LM."""
-    from dlm.model.convert import DLMSpec
 
     config = model.hf_config if hasattr(model, "hf_config") else model.config
     return config, DLMSpec.from_config(config)
@@ -432,7 +435,6 @@ def make_decoder(decoder, **settings) -> Decoder:
         if settings:
             raise DLMError(f"decoder settings {', '.join(sorted(settings))} given with a ready decoder object")
         return decoder
-    from dlm.decode.configs import build_decoder, make_config
 
     return build_decoder(make_config(decoder, **settings))
 
@@ -448,8 +450,6 @@ class Engine:
         options: EngineOptions | None = None,
         **decoder_kw,
     ):
-        from dlm.decode.attention import use_for_decoding
-        from dlm.model.convert import cache_kw, max_positions
 
         misplaced(decoder_kw, "Engine")
         self.options = options = options if options is not None else EngineOptions()
@@ -479,9 +479,6 @@ class Engine:
         threads = options.threads
         self._threads = ThreadPolicy(threads) if threads is not None and self.device.type == "cpu" else None
         if not isinstance(decoder, Decoder):  # a published family's own sampler settings, where the caller gave none
-            from dlm.decode.configs import make_config, with_family_defaults
-            from dlm.model.families import sampler_defaults
-
             decoder = make_config(decoder, **decoder_kw)
             decoder_kw = {}
             decoder = with_family_defaults(decoder, sampler_defaults(self.config, decoder.name))
@@ -1086,7 +1083,6 @@ class Engine:
 
 def refuse(decoder, capability: str, what: str) -> None:
     """DLMError with :func:`dlm.decode.configs.refusal`'s message where ``decoder`` lacks ``capability``."""
-    from dlm.decode.configs import refusal
 
     message = refusal(decoder, capability, what)
     if message is not None:

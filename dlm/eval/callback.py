@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from dlm.eval import EvalSettings, run_eval
+
 
 class TaskEvaluation:
     def setup(self, trainer) -> None:
         from dlm.eval import run_eval  # noqa: F401 - fail before the first step where evaluation cannot run
 
     def on_evaluate(self, trainer, step: int) -> dict:
-        from dlm.eval import EvalSettings, run_eval
 
         cfg, dlm = trainer.cfg, trainer.dlm
         was = dlm.training

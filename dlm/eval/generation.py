@@ -12,11 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from dlm.decode import generate
 from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config, own_decoder
+from dlm.decode.isd import default_stride
 from dlm.decode.options import COMMANDS, EngineOptions
+from dlm.decode.sampling import SamplingParams, draft_totals
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
+from dlm.progress import bar
+from dlm.progress import bar as progress_bar
 
 GenerateFn = Callable[..., list[list[int]]]
 
@@ -47,8 +52,6 @@ def generate_tokens(
     """Greedy continuations of ``prompts`` (token ids) through :func:`dlm.decode.generate`; ``max_new_tokens[i]``
     tokens for prompt i (fewer if the model stops at EOS). One engine run: requests of different lengths share the
     batch. ``progress``: as :func:`dlm.decode.generate`'s (a bar, or ``True`` for one on stderr)."""
-    from dlm.decode import generate
-    from dlm.decode.sampling import SamplingParams
 
     config = resolve_decoder(em, decoder)
     model = em.dlm if em.dlm is not None else em.model
@@ -110,8 +113,6 @@ def evaluate_generation(
             exact.append(False)
     kw = {}
     if progress and generate_fn is None:
-        from dlm.progress import bar
-
         kw["progress"] = bar(len(prompts), f"dlm eval {task}", "prompt")
     try:
         outputs = fn(em, prompts, lengths, decoder=config, seed=seed, batch_size=batch_size, **kw)
@@ -151,9 +152,6 @@ def evaluate_drafting(
     drafts (drafts of one answer are not independent, so read it as a lower bound). ``decoder``: the ISD settings
     (default ``ISDConfig()``: the stride is the model's trained ``block_size + 1``; ``candidates`` > 1: the
     acceptance is the drafts' top-K coverage). ``progress``: a bar on stderr over the ISD then AR runs."""
-    from dlm.decode import generate
-    from dlm.decode.isd import default_stride
-    from dlm.decode.sampling import SamplingParams, draft_totals
 
     if em.dlm is None or em.objective != "idlm":
         what = "a plain AR model" if em.dlm is None else f"a '{em.objective}' model"
@@ -167,8 +165,6 @@ def evaluate_drafting(
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
     bar = None
     if progress:
-        from dlm.progress import bar as progress_bar
-
         bar = progress_bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
     options = EngineOptions(max_batch_size=batch_size)
     try:

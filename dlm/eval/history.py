@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from dlm.errors import DLMError
+from dlm.errors import DLMError, require
 
 _SKIP_IN_FLAT = {"n", "seconds", "predictions", "scoring", "decode", "diffusion_steps", "seed"}
 
@@ -128,7 +128,6 @@ def format_history_table(records: list[dict]) -> str:
 
 def plot_history(records: list[dict], path: str | os.PathLike, metrics: Sequence[str] | None = None) -> Path:
     """One panel per metric, value against training step, one line per history file; written atomically."""
-    from dlm.errors import require
 
     matplotlib = require("matplotlib", "plot")
     matplotlib.use("Agg")

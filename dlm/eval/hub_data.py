@@ -17,6 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlm.errors import DLMError
+from dlm.fsutil import atomic_folder
+from dlm.model.hub import snapshot
+from dlm.settings import home
 
 PARQUET_REVISION = "refs/convert/parquet"
 
@@ -25,10 +28,7 @@ def hub_task_folder(module) -> Path:
     """The local folder of ``module``'s task written from its hub source (downloaded and written once)."""
     import pyarrow.parquet as pq
 
-    from dlm.eval.tasks import path_flag
-    from dlm.fsutil import atomic_folder
-    from dlm.model.hub import snapshot
-    from dlm.settings import home
+    from dlm.eval.tasks import path_flag  # a circle: dlm.eval.tasks imports this module
 
     repo, config, split = module.HUB
     try:

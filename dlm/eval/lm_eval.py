@@ -31,7 +31,11 @@ import sys
 import zlib
 from dataclasses import replace
 
+from dlm import deprecations
+from dlm.device import get_device, get_dtype
 from dlm.errors import DLMError, require
+from dlm.model.convert import load_any
+from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
 
 require("lm_eval", "eval")
 
@@ -56,7 +60,6 @@ _DEPRECATED = {"decode": "decoder", "gen_steps": "steps", "token_budget": "score
 def _settings(model_args: dict) -> tuple[EvalSettings, dict]:
     """The :class:`EvalSettings` in ``model_args`` (lm-eval passes strings: numbers are converted) and what is
     left: the decoder's own settings. lm-eval's ``max_batch_size`` is not used; ``batch_size`` ``auto`` is 8."""
-    from dlm import deprecations
 
     args = {k: v for k, v in model_args.items() if k != "max_batch_size"}
     for old, new in _DEPRECATED.items():
@@ -83,10 +86,6 @@ def _load(pretrained: str, objective, device, dtype):
     import warnings
 
     import torch
-
-    from dlm.device import get_device, get_dtype
-    from dlm.model.convert import load_any
-    from dlm.model.hub import load_model, load_tokenizer, resolve_model_path
 
     if device and str(device).startswith("cuda") and not torch.cuda.is_available():
         # lm_eval's command line defaults to --device cuda; on a machine without CUDA run where we can.

@@ -17,12 +17,12 @@ from dlm.eval.tasks import DEFAULT_TASKS, TASKS, load_task, parse_task_list
 from dlm.eval.tasks.base import limit as _limit
 from dlm.eval.tasks.poem_reverse import GEN_LENGTH as POEM_GEN_LENGTH
 from dlm.model.convert import dense_mask_attention
+from dlm.progress import bar
 
 
 def _bar(name: str, examples, em, steps: int):
     """A progress bar over the scored rows of a multiple-choice task: (context, choice) pairs, times the denoising
     steps for a diffusion model (an upper bound: a step that masks no token is skipped)."""
-    from dlm.progress import bar
 
     pairs = sum(len(ex.choices) for ex in examples)
     total = pairs if em.kind == "causal" else pairs * steps

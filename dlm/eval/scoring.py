@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from dlm.errors import DLMError
+from dlm.model import masks
+from dlm.model.convert import DiffusionLM, max_positions
 
 DEFAULT_BATCH_TOKENS = 8192  # rows x padded length per forward
 
@@ -54,7 +56,6 @@ class EvalModel:
 
     @property
     def max_length(self) -> int:
-        from dlm.model.convert import max_positions
 
         return max_positions(self.model.config) or 2048
 
@@ -83,7 +84,6 @@ def as_eval_model(model, tokenizer=None, scoring: str = "auto") -> EvalModel:
         return model
     if scoring not in SCORINGS:
         raise DLMError(f"--scoring must be one of {', '.join(SCORINGS)}, got '{scoring}'")
-    from dlm.model.convert import DiffusionLM
 
     if isinstance(model, DiffusionLM):
         tok = tokenizer or model.tokenizer
@@ -155,18 +155,8 @@ def _fit(ctx: list[int], cont: list[int], max_len: int) -> tuple[list[int], int]
 def attention_mask(key_valid: torch.Tensor, causal: bool) -> torch.Tensor:
     """``[B, 1, L, L]`` boolean (True = may attend): full or causal, never attending padded keys."""
     B, L = key_valid.shape
-    try:
-        from dlm.model import masks
-
-        mod = masks.causal(key_valid=key_valid) if causal else masks.full(key_valid=key_valid)
-        return masks.dense(mod, B, L, device=key_valid.device)
-    except ImportError:  # pragma: no cover - before dlm/model/masks.py existed
-        idx = torch.arange(L, device=key_valid.device)
-        allowed = key_valid[:, None, None, :].expand(B, 1, L, L).clone()
-        if causal:
-            allowed &= (idx[None, :] <= idx[:, None])[None, None]
-        allowed |= torch.eye(L, dtype=torch.bool, device=key_valid.device)[None, None]
-        return allowed
+    mod = masks.causal(key_valid=key_valid) if causal else masks.full(key_valid=key_valid)
+    return masks.dense(mod, B, L, device=key_valid.device)
 
 
 class _Projector:

@@ -27,6 +27,9 @@ import torch
 from torch import nn
 
 from dlm.errors import DLMError
+from dlm.fsutil import atomic_folder, check_model_folder, read_json_file
+from dlm.model import lora as lora_mod
+from dlm.model.lora import prepare_model_for_lora
 from dlm.model.renoise import unwrapped
 
 OBJECTIVES = ("mdm", "block", "idlm", "renoise")
@@ -213,9 +216,6 @@ class DiffusionLM(nn.Module):
         Plain LoRA adapters are merged into the weights (``merge_lora``); gated-LoRA adapters cannot be (they act
         on mask positions only) and go to ``dlm_adapter.safetensors`` beside the untouched base weights.
         """
-        from dlm.fsutil import atomic_folder
-        from dlm.model import lora as lora_mod
-
         path = Path(path)
         with atomic_folder(path) as tmp:
             lora_mod.save_model_folder(self, tmp, merge_lora=merge_lora)
@@ -233,8 +233,7 @@ class AutoDLMForCausalLM:
     ) -> DiffusionLM:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        from dlm.fsutil import check_model_folder, read_json_file
-        from dlm.model import lora as lora_mod
+        # a circle inside dlm.model: hub, families and renoise import this module
         from dlm.model.hub import resolve_model_path
 
         folder = resolve_model_path(path)
@@ -243,7 +242,7 @@ class AutoDLMForCausalLM:
             raise DLMError(f"'{folder}' has no config.json")
         fields = read_json_file(config_path, "model folder")
         check_model_folder(folder)  # damaged files: an error naming the file, not a traceback or wrong weights
-        from dlm.model.families import inspect_folder, load_published
+        from dlm.model.families import inspect_folder, load_published  # a circle: convert <-> hub, families, renoise
 
         info = inspect_folder(folder, fields)
         if info.family is not None:  # a published folder (LLaDA, Dream, SDAR, DiffusionGemma, ...)
@@ -264,7 +263,7 @@ class AutoDLMForCausalLM:
                 f"tokenizer.json / tokenizer_config.json is damaged: restore the folder"
             ) from e
         if fields.get("dlm_objective") == "renoise":  # a converted renoising model: its self-conditioning block
-            from dlm.model.renoise import ConvertedRenoiseLM
+            from dlm.model.renoise import ConvertedRenoiseLM  # a circle: convert <-> hub, families, renoise
 
             wrapped = ConvertedRenoiseLM(model)
             wrapped.load_extra(folder)
@@ -288,8 +287,8 @@ def load_any(
     """A DiffusionLM from a DLM folder, or converted on the fly from an AR folder/alias. ``objective``: the
     objective a DLM folder must have and the one an AR model is converted to; ``convert_to``: only the latter (a
     DLM folder loads whatever its objective). Conversion defaults to idlm."""
-    from dlm.model.families import inspect_folder, load_published
-    from dlm.model.hub import resolve_model_path
+    from dlm.model.families import inspect_folder, load_published  # a circle: convert <-> hub, families, renoise
+    from dlm.model.hub import resolve_model_path  # a circle: convert <-> hub, families, renoise
 
     info = inspect_folder(resolve_model_path(name_or_path))
     folder = info.path
@@ -381,11 +380,12 @@ def convert_ar_to_dlm(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dlm.model.hub import resolve_model_path
+    from dlm.model.hub import resolve_model_path  # a circle: convert <-> hub, families, renoise
 
     check_objective(objective)
     if isinstance(model_or_path, (str, os.PathLike)):
         folder = resolve_model_path(model_or_path)
+        # a circle: convert <-> hub, families, renoise
         from dlm.model.families import inspect_folder, load_published, refuse_remote_code
 
         info = inspect_folder(folder)
@@ -440,7 +440,7 @@ def convert_ar_to_dlm(
         shift = default_shift(objective)
 
     if objective == "renoise":  # uniform noise: no mask token; a self-conditioning block beside the AR model
-        from dlm.model.renoise import ConvertedRenoiseLM
+        from dlm.model.renoise import ConvertedRenoiseLM  # a circle: convert <-> hub, families, renoise
 
         if shift:
             raise DLMError("objective 'renoise' scores each canvas token at its own position: drop --shift")
@@ -451,8 +451,6 @@ def convert_ar_to_dlm(
         spec = DLMSpec(objective=objective, mask_token_id=mask_id, shift=bool(shift), block_size=block_size)
         dlm = DiffusionLM(model, tokenizer, spec)
     if lora is not None:
-        from dlm.model.lora import prepare_model_for_lora
-
         dlm = prepare_model_for_lora(dlm, lora)
     dlm.eval()
     return dlm

@@ -33,6 +33,11 @@ from pathlib import Path
 import torch
 
 from dlm.errors import DLMError
+from dlm.fsutil import atomic_folder
+from dlm.model.convert import AutoDLMForCausalLM, convert_ar_to_dlm
+from dlm.model.hub import load_tokenizer, resolve_model_path
+from dlm.model.lora import get_gated
+from dlm.settings import home
 
 DRAFTER_KEY = "dlm_drafter"
 # special tokens a chat never produces, tried in order as the drafter's in-vocabulary mask token
@@ -64,7 +69,6 @@ def spare_mask_token(tokenizer, vocab_size: int) -> int:
 
 def target_vocab_size(target) -> int:
     """The vocabulary (embedding rows) of a target folder/alias."""
-    from dlm.model.hub import resolve_model_path
 
     folder = resolve_model_path(target)
     cfg = json.loads((folder / "config.json").read_text())
@@ -76,8 +80,6 @@ def target_vocab_size(target) -> int:
 
 def merged_drafter(src, target_vocab: int | None = None):
     """The Hugging Face model, tokenizer, mask id and K of the drafter exported from I-DLM folder ``src``."""
-    from dlm.model.convert import AutoDLMForCausalLM
-    from dlm.model.lora import get_gated
 
     dlm = AutoDLMForCausalLM.from_pretrained(src)
     if dlm.objective != "idlm":
@@ -148,8 +150,6 @@ def merged_drafter(src, target_vocab: int | None = None):
 
 def export_drafter(src, out, target=None, force: bool = False) -> dict:
     """Write I-DLM folder ``src`` as a vLLM parallel drafter to ``out`` (atomically); return its summary."""
-    from dlm.fsutil import atomic_folder
-    from dlm.model.hub import resolve_model_path
 
     src_folder = resolve_model_path(src)
     fields = json.loads((src_folder / "config.json").read_text())
@@ -163,8 +163,6 @@ def export_drafter(src, out, target=None, force: bool = False) -> dict:
         raise DLMError(f"--output '{out}' already exists; choose another folder or pass --force")
     tv = None
     if target is not None:
-        from dlm.model.hub import load_tokenizer
-
         tv = target_vocab_size(target)
         theirs, ours = load_tokenizer(target).get_vocab(), load_tokenizer(src_folder).get_vocab()
         # the ids both tokenizers have must mean the same text (a mask token one of them added past the shared
@@ -208,9 +206,6 @@ def truncated_drafter(target, layers: int, block_size: int = 2, mask_token: str 
     I-DLM with block size ``block_size`` and an in-vocabulary mask token (default: a spare special token)."""
     from transformers import AutoModelForCausalLM
 
-    from dlm.model.convert import convert_ar_to_dlm
-    from dlm.model.hub import load_tokenizer, resolve_model_path
-
     folder = resolve_model_path(target)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, attn_implementation="sdpa")
     tok = load_tokenizer(folder)
@@ -238,9 +233,6 @@ def export_for_serving(src, cache_root: Path | None = None, target=None) -> Path
     """An exported drafter folder for ``src``: ``src`` itself when it already is one, else an export cached under
     ``$DLM_HOME/vllm/drafters`` (keyed by the source's path and modification times)."""
     import hashlib
-
-    from dlm.model.hub import resolve_model_path
-    from dlm.settings import home
 
     folder = resolve_model_path(src)
     if drafter_info(folder) is not None:

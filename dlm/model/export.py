@@ -28,7 +28,12 @@ from pathlib import Path
 
 import torch
 
-from dlm.errors import DLMError
+from dlm.errors import DLMError, closest
+from dlm.fsutil import atomic_folder
+from dlm.model.families import REGISTRY
+from dlm.model.families.base import STACKED_EXPERTS, unstacked_experts
+from dlm.model.families.llada import llama_to_llada
+from dlm.model.families.llada2 import glm4_moe_to_llada2
 
 
 def _state(dlm) -> dict[str, torch.Tensor]:
@@ -118,7 +123,6 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
     )
     if moe and "num_local_experts" in fields:  # transformers' own name; Qwen3-MoE's config.json says num_experts
         fields["num_experts"] = fields.pop("num_local_experts")
-    from dlm.model.families.base import STACKED_EXPERTS, unstacked_experts
 
     state: dict[str, torch.Tensor] = {}
     for name, t in _state(dlm).items():
@@ -127,7 +131,6 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 
 
 def to_llada(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
-    from dlm.model.families.llada import llama_to_llada
 
     spec, c = dlm.spec, dlm.hf_config
     if _kind(dlm) != "llama" or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
@@ -325,8 +328,6 @@ def to_llada2(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
             "mask_token_id": spec.mask_token_id,
         },
     )
-    from dlm.model.families.base import STACKED_EXPERTS, unstacked_experts
-    from dlm.model.families.llada2 import glm4_moe_to_llada2
 
     weights = _state(dlm)
     state: dict[str, torch.Tensor] = {}
@@ -371,8 +372,6 @@ def formats() -> dict[str, Callable]:
     function that writes the folder itself."""
     import importlib
 
-    from dlm.model.families import REGISTRY
-
     out: dict[str, Callable] = {}
     for family in REGISTRY:
         if family.export is None or family.export[0] in out:
@@ -389,12 +388,8 @@ def export_model(dlm, output: str | Path, fmt: str) -> Path:
     """Write ``dlm`` (a :class:`~dlm.model.convert.DiffusionLM`) to ``output`` in layout ``fmt`` (atomically)."""
     from safetensors.torch import save_file
 
-    from dlm.fsutil import atomic_folder
-
     writers = formats()
     if fmt not in writers:
-        from dlm.errors import closest
-
         raise DLMError(
             f"unknown export format '{fmt}' (--format): use one of {', '.join(writers)} (did you mean "
             f"{closest(fmt, writers)}?)"

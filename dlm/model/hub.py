@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 from dlm.errors import DLMError
+from dlm.fsutil import atomic_folder, file_lock, read_json_file
 from dlm.settings import home
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -57,7 +58,6 @@ def _materialize_alias(alias: str) -> Path:
     if (target / "config.json").is_file():
         return target
     folder, filename = gguf_location(alias)
-    from dlm.fsutil import file_lock
 
     with file_lock(home() / "models" / f".{alias}.lock"):
         if (target / "config.json").is_file():  # another process finished it while we waited
@@ -72,7 +72,6 @@ def _materialize_alias(alias: str) -> Path:
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.config.name_or_path = alias
-        from dlm.fsutil import atomic_folder
 
         with atomic_folder(target) as tmp:
             model.save_pretrained(tmp)
@@ -174,7 +173,7 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
         except DLMError as e:  # org/name is also how a relative path looks: say that no such folder exists
             raise DLMError(f"{e} (and there is no local folder '{path}')") from e
     if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        from dlm.model.families import adapter_folder_error
+        from dlm.model.families import adapter_folder_error  # a circle: convert <-> hub, families, renoise
 
         raise adapter_folder_error(path)
     if path.is_dir():
@@ -187,8 +186,6 @@ def resolve_model_path(name_or_path: str | os.PathLike) -> Path:
                 f"'{path}' is a folder but holds no config.json or tokenizer files of a Hugging Face model/tokenizer"
             )
         if (path / "config.json").is_file():  # a damaged config is an error naming it, wherever it is read
-            from dlm.fsutil import read_json_file
-
             read_json_file(path / "config.json", "model folder")
         return path
     raise DLMError(
@@ -216,7 +213,7 @@ def load_model(name_or_path: str | os.PathLike, dtype=None, device=None):
     path = resolve_model_path(name_or_path)
     if not (path / "config.json").is_file():
         raise DLMError(f"'{path}' holds a tokenizer but no model (config.json missing)")
-    from dlm.model import families
+    from dlm.model import families  # a circle: convert <-> hub, families, renoise
 
     info = families.inspect_folder(path)
     families.refuse_remote_code(path, info.fields)

@@ -211,7 +211,7 @@ class ConvertedRenoiseLM(RenoiseLM):
         return self.self_conditioning
 
     def body(self, h, masks, pos, cache):
-        from dlm.model.convert import cache_kw
+        from dlm.model.convert import cache_kw  # a circle: convert <-> hub, families, renoise
 
         base = unwrapped(self.hf).model
         kw = {cache_kw(unwrapped(self.hf)): cache} if cache is not None else {}

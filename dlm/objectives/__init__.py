@@ -27,6 +27,7 @@ _LAZY = {
 
 
 def _objectives() -> dict[str, type]:
+    # torch: loaded on first use, so that the configs (which `dlm --help` reads) stay torch-free
     from dlm.objectives.block import BlockObjective
     from dlm.objectives.idlm import IDLMObjective
     from dlm.objectives.mdm import MDMObjective

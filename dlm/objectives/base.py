@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from dlm.errors import DLMError
 from dlm.model import masks
+from dlm.model.convert import MASKABLE_ATTN
 
 IGNORE = -100
 
@@ -161,7 +162,6 @@ class Objective:
 
 
 def masks_ok():
-    from dlm.model.convert import MASKABLE_ATTN
 
     return MASKABLE_ATTN
 

@@ -30,10 +30,28 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from dlm.errors import DLMError, require
+from dlm.serve.error_handlers import install_error_handlers
 from dlm.serve.loader import load_engine
+from dlm.serve.middleware import LimitAndAuth
+from dlm.serve.openapi import errors, ok, openapi_schema, streamed
+from dlm.serve.schemas import (
+    ChatCompletion,
+    Completion,
+    DetokenizeResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    TokenizerInfo,
+)
 from dlm.serve.server import ServerThread
+from dlm.serve.serving_chat import ChatHandler
+from dlm.serve.serving_completion import CompletionHandler
+from dlm.serve.serving_info import InfoHandler
+from dlm.serve.serving_tokenize import TokenizeHandler
 from dlm.serve.settings import ServeSettings
 from dlm.serve.streaming import TextStream
+from dlm.serve.validation import RequestValidator
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -50,25 +68,6 @@ def create_app(scheduler: Scheduler, settings: ServeSettings | None = None) -> L
     require("fastapi", "serve")
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse
-
-    from dlm.serve.error_handlers import install_error_handlers
-    from dlm.serve.middleware import LimitAndAuth
-    from dlm.serve.openapi import errors, ok, openapi_schema, streamed
-    from dlm.serve.schemas import (
-        ChatCompletion,
-        Completion,
-        DetokenizeResponse,
-        Health,
-        ModelCard,
-        ModelList,
-        TokenizeResponse,
-        TokenizerInfo,
-    )
-    from dlm.serve.serving_chat import ChatHandler
-    from dlm.serve.serving_completion import CompletionHandler
-    from dlm.serve.serving_info import InfoHandler
-    from dlm.serve.serving_tokenize import TokenizeHandler
-    from dlm.serve.validation import RequestValidator
 
     settings = settings or ServeSettings()
     if scheduler.engine.tokenizer is None:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from dlm import deprecations
 from dlm.decode.configs import DecoderConfig, entry, make_config
+from dlm.decode.engine import Engine
 from dlm.decode.options import EngineOptions, misplaced
+from dlm.device import get_device, get_dtype
 from dlm.errors import DLMError
+from dlm.model.convert import load_any
 
 
 def load_engine(
@@ -27,9 +30,6 @@ def load_engine(
     (:class:`~dlm.decode.options.EngineOptions`; ``dlm serve`` passes :data:`~dlm.decode.options.SERVER`'s defaults
     and its flags). Bad settings fail before the model loads. ``settings`` (the config's fields as keywords) and the
     old ``decode=`` / ``isd_token_budget=`` keywords are deprecated: pass a config."""
-    from dlm.decode.engine import Engine
-    from dlm.device import get_device, get_dtype
-    from dlm.model.convert import load_any
 
     misplaced(settings, "load_engine()")
     if decode is not None or isd_token_budget is not None or settings:

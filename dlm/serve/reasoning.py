@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dlm.errors import DLMError
 from dlm.serve.streaming import held
 from dlm.serve.tool_calls import Piece, Reader
 
@@ -35,8 +36,8 @@ def detect(tokenizer: Any) -> str | None:
 def tags_are_tokens(tokenizer: Any) -> bool:
     """Whether ``<think>`` and ``</think>`` are one token each in ``tokenizer``'s vocabulary (a structured output
     can then start after the reasoning block; otherwise it constrains the whole answer)."""
+    # torch: the server's settings import this module before any model is loaded
     from dlm.decode.structured import thinking_tokens
-    from dlm.errors import DLMError
 
     try:
         thinking_tokens(tokenizer)

@@ -26,7 +26,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from dlm.decode.engine import Engine
 from dlm.errors import DLMError
+from dlm.serve.metrics import Metrics
 
 log = logging.getLogger("dlm.serve")
 
@@ -54,7 +56,6 @@ class Scheduler:
     """Runs ``engine`` in a background thread; see the module docstring."""
 
     def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
-        from dlm.serve.metrics import Metrics
 
         self.engine = engine
         self.metrics = metrics or Metrics()
@@ -222,7 +223,6 @@ class Scheduler:
 
     def _fail_all(self, message: str) -> None:
         """After an engine exception: error every request in flight and start from an empty engine."""
-        from dlm.decode.engine import Engine
 
         self.failures += 1
         for h in self._handles.values():  # first: whatever happens below, nobody waits forever

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dlm.errors import DLMError
+from dlm.serve import reasoning, tool_calls
 
 
 @dataclass
@@ -27,7 +28,6 @@ class ServeSettings:
             raise DLMError(f"--max-queue must be an integer >= 0 (0 = no limit), got {self.max_queue}")
         if self.max_body_bytes < 1024:
             raise DLMError(f"--max-body-bytes must be at least 1024, got {self.max_body_bytes}")
-        from dlm.serve import reasoning, tool_calls
 
         for flag, value, choices in (
             ("--tool-call-parser", self.tool_call_parser, tool_calls.CHOICES),

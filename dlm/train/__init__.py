@@ -7,10 +7,11 @@ result = train(load_config("idlm_b2_cpu", {"data": "chat.jsonl", "max_minutes": 
 
 from __future__ import annotations
 
+from dlm.train.loop import train as _train
+
 
 def train(cfg, objective=None, dlm=None):
     """Lazy alias of :func:`dlm.train.loop.train` (keeps ``import dlm.train`` light)."""
-    from dlm.train.loop import train as _train
 
     return _train(cfg, objective=objective, dlm=dlm)
 

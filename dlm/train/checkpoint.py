@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from dlm.errors import DLMError
-from dlm.fsutil import disk_full_as_error, verify_checksums, write_checksums
+from dlm.fsutil import atomic_folder, disk_full_as_error, verify_checksums, write_checksums
+from dlm.model.lora import get_gated
 
 STATE_FILE = "trainer_state.json"
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
@@ -215,7 +216,6 @@ def _export(accelerator, dlm, wrapped, path: Path, DistributedType) -> None:
 
 def _has_adapters(dlm) -> bool:
     """Plain (peft) or gated LoRA: the model's own writer merges or writes them."""
-    from dlm.model.lora import get_gated
 
     return get_gated(dlm) is not None or any(hasattr(m, "merge_and_unload") for m in (dlm.model, *dlm.model.children()))
 
@@ -254,7 +254,6 @@ def _whole_parameters(accelerator, wrapped):
 
 def _save_from_state_dict(dlm, full: dict, path: Path) -> None:
     inner = {k[len("model.") :]: v for k, v in full.items() if k.startswith("model.")} or full
-    from dlm.fsutil import atomic_folder
 
     with atomic_folder(path) as tmp:
         dlm.model.save_pretrained(tmp, state_dict=inner)

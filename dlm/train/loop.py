@@ -38,10 +38,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from dlm.config import TrainingConfig
-from dlm.errors import DLMError
-from dlm.model.convert import DiffusionLM
+from dlm.config import TrainingConfig, save_yaml
+from dlm.data.loader import build_packed_dataset
+from dlm.data.sft import SFTCollator, load_sft_examples, pad_token_id, read_jsonl
+from dlm.device import get_device, memory_mib, peak_memory_mib, training_precision
+from dlm.errors import DLMError, require
+from dlm.eval.history import append_history
+from dlm.model.convert import DiffusionLM, load_any
+from dlm.model.lora import LoraSettings, prepare_model_for_lora
+from dlm.objectives import get_objective
 from dlm.train import checkpoint as ckpt_mod
+from dlm.train.data import PackedBatches, SFTBatches, heldout_batches, split_heldout
 
 RUN_FILES = ("run_config.yaml", "train_log.jsonl")
 EVAL_STEP = 2**31 - 1
@@ -180,7 +187,6 @@ def clear_run(cfg: TrainingConfig) -> None:
 
 def load_training_model(cfg: TrainingConfig) -> DiffusionLM:
     """The DiffusionLM to train, fp32, with the requested objective/block size (checked against a DLM folder)."""
-    from dlm.model.convert import load_any
 
     m = cfg.model
     convert_kw: dict[str, Any] = {}
@@ -195,8 +201,6 @@ def load_training_model(cfg: TrainingConfig) -> DiffusionLM:
             f"--block-size {m.block_size} was asked; drop --block-size or start from the AR model"
         )
     if m.attn_impl == "flex_attention":
-        from dlm.device import get_device
-
         if get_device().type == "cpu":
             raise DLMError(
                 "--attn-impl flex_attention cannot train on CPU (torch's flex attention has no CPU "
@@ -255,13 +259,10 @@ def cfg_name(dlm) -> str:
 
 def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
     """(train batches, held-out batches of this rank)."""
-    from dlm.train.data import PackedBatches, SFTBatches, heldout_batches, split_heldout
 
     d, t = cfg.data, cfg.train
     eval_on = cfg.eval.eval_every > 0
     if d.packed_data_dir:
-        from dlm.data.loader import build_packed_dataset
-
         ds = build_packed_dataset(
             d.packed_data_dir,
             d.packed_prefixes,
@@ -287,7 +288,6 @@ def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
             it = PackedBatches(eds, t.batch_size)
             held = [next(it) for _ in range(cfg.eval.eval_batches)]
         return train, held
-    from dlm.data.sft import SFTCollator, load_sft_examples, pad_token_id, read_jsonl
 
     records = read_jsonl(d.data)
     held_records: list = []
@@ -308,10 +308,6 @@ def build_data(cfg: TrainingConfig, dlm: DiffusionLM, rank: int, world: int):
 
 
 def get_objective_for(cfg: TrainingConfig, dlm: DiffusionLM):
-    try:
-        from dlm.objectives import get_objective
-    except ImportError as e:  # pragma: no cover - the objectives package is part of dlm
-        raise DLMError(f"the objectives package is not available ({e})") from e
     return get_objective(cfg.model.objective, **cfg.objective_kwargs(dlm.block_size))
 
 
@@ -347,8 +343,6 @@ class _Log:
             total = None if self.deadline and cfg.train.max_train_steps >= 100_000 else cfg.train.max_train_steps
             self.bar = tqdm(total=total, initial=start_step, desc="dlm train", unit="step", dynamic_ncols=True)
         if cfg.wandb.project:
-            from dlm.errors import require
-
             wandb = require("wandb", "wandb")
             wandb.init(
                 project=cfg.wandb.project,
@@ -424,7 +418,6 @@ def heldout_loss(accelerator, proxy, objective, batches: list[dict], step: int, 
 
 def append_eval_history(path: Path, step: int, metrics: dict) -> None:
     """One eval_history.jsonl line; ``checkpoint`` is the step's checkpoint name (its folder when saved)."""
-    from dlm.eval.history import append_history
 
     append_history(path, step, ckpt_mod.checkpoint_name(step), metrics)
 
@@ -594,8 +587,6 @@ class Trainer:
 
         from accelerate import Accelerator
 
-        from dlm.device import get_device, training_precision
-
         cfg = self.cfg
         device = get_device()
         mp = cfg.train.mixed_precision
@@ -631,8 +622,6 @@ class Trainer:
         self.resume_from = ckpt_mod.resolve_resume(cfg.train.resume, cfg.checkpoint_dir)
         check_output_dir(cfg, resuming=cfg.train.resume is not None)
         if cfg.wandb.project and self.main:
-            from dlm.errors import require
-
             require("wandb", "wandb")  # fail before loading anything
         for cb in self.callbacks:
             cb.setup(self)
@@ -643,7 +632,6 @@ class Trainer:
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
             for stale in cfg.checkpoint_dir.glob(".step_*.tmp") if cfg.checkpoint_dir.is_dir() else []:
                 shutil.rmtree(stale, ignore_errors=True)  # a crash mid-save left it; it never looked complete
-            from dlm.config import save_yaml
 
             save_yaml(cfg, cfg.output_dir / "run_config.yaml")
         acc.wait_for_everyone()
@@ -658,8 +646,6 @@ class Trainer:
                 dlm = load_training_model(cfg)
         check_data_against_model(cfg, dlm)
         if cfg.lora.r > 0:
-            from dlm.model.lora import LoraSettings, prepare_model_for_lora
-
             lo = cfg.lora
             dlm = prepare_model_for_lora(
                 dlm,
@@ -939,7 +925,6 @@ class Trainer:
         return metrics
 
     def _write_final(self, stopped: str) -> None:
-        from dlm.device import memory_mib, peak_memory_mib
 
         cfg, acc = self.cfg, self.accelerator
         trained = torch.tensor([memory_mib(acc.device)], dtype=torch.float64, device=acc.device)  # before the export

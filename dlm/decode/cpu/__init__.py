@@ -59,6 +59,7 @@ from dlm.decode.cpu.packing import QUANT_ENV
 from dlm.decode.cpu.runtime import ATTEND_MAX_QUERIES, MAX_ROWS, KernelOptions, active
 from dlm.device import cpu_name
 from dlm.errors import DLMError
+from dlm.model.lora import _linear_shape
 
 __all__ = [
     "ATTEND_MAX_QUERIES",
@@ -163,7 +164,6 @@ class Attached:
 
 
 def _linear_layers(model: nn.Module):
-    from dlm.model.lora import _linear_shape  # nn.Linear or GPT-2's Conv1D, as the adapters see them
 
     return [m for m in model.modules() if _linear_shape(m) is not None]
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from dlm.errors import DLMError
+from dlm.fsutil import file_lock
 from dlm.settings import env
 
 ENV = "DLM_CPU_KERNEL"
@@ -73,7 +75,6 @@ def _build_turn(name: str):
     when its holder dies). torch's own guard is a ``lock`` file in the build folder that a killed build (a Ctrl-C
     during the first run's compile) leaves behind, after which every later load waits for it forever; holding the
     flock, no other dlm process is building, so such a file is stale and is removed."""
-    from dlm.fsutil import file_lock
 
     try:
         from torch.utils.cpp_extension import _get_build_directory
@@ -98,8 +99,6 @@ def extension():
             ops = _load()
         except Exception as e:  # noqa: BLE001 - no compiler / ninja / headers: the stock layers still work
             if mode() == "on":
-                from dlm.errors import DLMError
-
                 last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
                 raise DLMError(
                     f"{ENV}=1 but the CPU decode kernels could not be built ({type(e).__name__}: "
@@ -118,7 +117,6 @@ def extension():
 
 def set_isa(name: str, ops=None) -> str:
     """Use the kernels of ``name`` (``auto``, ``avx512``, ``avx2``, ``generic``); returns the one in use."""
-    from dlm.errors import DLMError
 
     ops = ops if ops is not None else extension()
     name = (name or "auto").strip().lower()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlm.decode.cpu.packing import Packed
+from dlm.decode.cpu.packing import Packed, probe_form
 from dlm.device import cpu_name
 from dlm.fsutil import read_records, write_record
 
@@ -104,7 +104,6 @@ class Choice:
 def signature(layers: list[nn.Module]) -> list[tuple]:
     """(out, in, bias, weight form, count) of each distinct layer shape; the form ("q4_1", "q8_0", "f32") from the
     first rows of the group's first weight (a cheap probe: the packing checks every block)."""
-    from dlm.decode.cpu.packing import probe_form
 
     seen: dict = {}
     for m in layers:

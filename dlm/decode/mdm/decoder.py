@@ -14,6 +14,7 @@ from dlm.decode.mdm.llada import LLaDASampler
 from dlm.decode.mdm.random_order import RandomSampler
 from dlm.decode.mdm.threshold import ThresholdSampler
 from dlm.errors import DLMError
+from dlm.model.families import sampler_defaults
 
 # the samplers by name (MDMConfig.sampler; configs.MDM_SAMPLERS lists the same names for the command line)
 SAMPLERS: dict[str, type[Sampler]] = {
@@ -45,8 +46,6 @@ class MDMDecoder(DiffusionDecoder):
             )
         self.shift = bool(spec.shift)
         if self.sampler is None:
-            from dlm.model.families import sampler_defaults  # the family's record says which sampler is its own
-
             name = sampler_defaults(engine.config, "mdm").get("sampler") or "confidence"
             self.config.check_sampler(name)  # a setting of another sampler is refused by name
             self.sampler = SAMPLERS[name](self)

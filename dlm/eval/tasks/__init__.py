@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dlm.errors import DLMError, closest
+from dlm.eval.hub_data import hub_task_folder
 from dlm.eval.tasks import hellaswag, isd_acceptance, lambada, piqa, poem_reverse, siqa, winogrande
 from dlm.eval.tasks.base import GenExample, MCExample
 
@@ -46,8 +47,6 @@ def task_path(name: str, data_dir=None, paths: dict | None = None) -> Path:
         return Path(paths[name]).expanduser()
     if data_dir is None:
         if getattr(TASKS[name], "HUB", None):  # the split lm-evaluation-harness scores, from the hub
-            from dlm.eval.hub_data import hub_task_folder
-
             return hub_task_folder(TASKS[name])
         raise DLMError(f"no data for task '{name}': pass --data-dir DIR (with DIR/{TASKS[name].SUBDIR}/...) or {flag}")
     folder = Path(data_dir).expanduser()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dlm.data.distill import builtin_instructions
 from dlm.errors import DLMError
 from dlm.eval.tasks.base import GenExample, check_nonempty, find_task_files
 
@@ -76,8 +77,6 @@ def _read(path: Path) -> list[str] | None:
 
 def load(path=None, gen_length: int = GEN_LENGTH) -> list[GenExample]:
     if path is None:
-        from dlm.data.distill import builtin_instructions
-
         prompts, where = builtin_instructions("heldout"), "built-in held-out instructions"
     else:
         data, _ = find_task_files(path, NAME, lambda p: _read(p) is not None, False, EXPECTED)

@@ -171,7 +171,7 @@ def sampler_defaults(config, decoder: str) -> dict[str, Any]:
 
 def load_published(folder: str | Path | Folder, dtype=None, device=None, block_size: int | None = None):
     """A :class:`~dlm.model.convert.DiffusionLM` from a published checkpoint folder (see the module docstring)."""
-    from dlm.model.convert import DiffusionLM, DLMSpec
+    from dlm.model.convert import DiffusionLM, DLMSpec  # a circle: convert <-> hub, families, renoise
 
     info = folder if isinstance(folder, Folder) else inspect_folder(folder)
     folder, fields, family = info.path, info.fields, info.family

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from dlm.errors import DLMError
+from dlm.model.lora import LoraSettings, _attach_gated, get_gated
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -53,8 +54,6 @@ def attach_gated_adapter(dlm, folder: str | Path):
     LoRA: the adapters act only at mask positions, so the clean path (and greedy ISD) stays the base model's.
     Returns ``dlm``. The mask token's input embedding is the base model's row (the adapter carries none)."""
     from safetensors.torch import load_file
-
-    from dlm.model.lora import LoraSettings, _attach_gated, get_gated
 
     folder = Path(folder)
     cfg_path = folder / ADAPTER_CONFIG

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 
 from dlm.errors import DLMError
+from dlm.fsutil import read_json_file
+from dlm.model.convert import DiffusionLM, DLMSpec
 from dlm.model.families.base import Family
 from dlm.model.renoise import RenoiseLM, unwrapped
 
@@ -102,7 +104,6 @@ class DiffusionGemmaLM(RenoiseLM):
 
 def _generation_defaults(folder: Path) -> dict:
     """The renoise decoder's settings from the folder's generation_config.json (where the checkpoint sets them)."""
-    from dlm.fsutil import read_json_file
 
     path = folder / "generation_config.json"
     if not path.is_file():
@@ -136,7 +137,6 @@ def load(folder: str | Path, dtype=None, device=None):
 def wrap(hf: nn.Module, tokenizer=None, sampler: dict | None = None, device=None):
     """A :class:`DiffusionLM` around a ``DiffusionGemmaForBlockDiffusion`` object (``sampler``: the renoise decoder's
     defaults of this checkpoint, e.g. from its generation_config.json)."""
-    from dlm.model.convert import DiffusionLM, DLMSpec
 
     config = hf.config
     config.dlm_family = MODEL_TYPE

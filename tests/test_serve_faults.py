@@ -139,9 +139,9 @@ def test_engine_raising_fails_the_request_not_the_server(srv, monkeypatch, where
     if where in ("step", "step_and_restart"):
         monkeypatch.setattr(eng, "step", boom)
         if where == "step_and_restart":
-            import dlm.decode.engine as engine_mod
+            import dlm.serve.scheduler as scheduler_mod
 
-            real = engine_mod.Engine
+            real = scheduler_mod.Engine
             failed = {"n": 0}
 
             def flaky_engine(*a, **k):
@@ -150,13 +150,13 @@ def test_engine_raising_fails_the_request_not_the_server(srv, monkeypatch, where
                     raise RuntimeError("injected failure while rebuilding the engine")
                 return real(*a, **k)
 
-            monkeypatch.setattr(engine_mod, "Engine", flaky_engine)
+            monkeypatch.setattr(scheduler_mod, "Engine", flaky_engine)
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)
         assert r.status_code == 500, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert "keeps serving" in r.json()["error"]["message"]
         if where == "step_and_restart":  # the first rebuild failed: the next request finds the step still broken
-            monkeypatch.setattr(engine_mod, "Engine", real)
+            monkeypatch.setattr(scheduler_mod, "Engine", real)
             r = httpx.post(
                 srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
             )

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 from dlm import deprecations
+from dlm import progress as bars
 from dlm.decode.configs import (
     CANDIDATES_HELP,
     DECODERS,
@@ -28,7 +29,6 @@ from dlm.decode.configs import (
     make_config,
 )
 from dlm.decode.options import EngineOptions, misplaced
-from dlm.progress import bar as progress_bar
 
 __all__ = [
     "ARConfig",
@@ -78,7 +78,7 @@ def generate(
     params = params or SamplingParams()
     tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
     own_bar = progress is True
-    bar = progress_bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
+    bar = bars.bar(len(prompts), f"generate {config.name}", "prompt") if own_bar else progress or None
     try:
         with Engine(model, tokenizer, config, options) as engine:
             return engine.generate([list(p) for p in prompts], params, on_tokens=on_tokens, progress=bar)

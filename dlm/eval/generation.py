@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from dlm import progress as bars
 from dlm.decode import generate
 from dlm.decode.configs import DecoderConfig, ISDConfig, field_names, make_config, own_decoder
 from dlm.decode.isd import default_stride
@@ -20,8 +21,6 @@ from dlm.decode.sampling import SamplingParams, draft_totals
 from dlm.errors import DLMError
 from dlm.eval.scoring import EvalModel, encode, encode_pair, stderr_of_mean
 from dlm.eval.tasks.base import GenExample
-from dlm.progress import bar
-from dlm.progress import bar as progress_bar
 
 GenerateFn = Callable[..., list[list[int]]]
 
@@ -113,7 +112,7 @@ def evaluate_generation(
             exact.append(False)
     kw = {}
     if progress and generate_fn is None:
-        kw["progress"] = bar(len(prompts), f"dlm eval {task}", "prompt")
+        kw["progress"] = bars.bar(len(prompts), f"dlm eval {task}", "prompt")
     try:
         outputs = fn(em, prompts, lengths, decoder=config, seed=seed, batch_size=batch_size, **kw)
     finally:
@@ -165,7 +164,7 @@ def evaluate_drafting(
     params = [SamplingParams(max_new_tokens=int(ex.max_new_tokens), temperature=0.0) for ex in examples]
     bar = None
     if progress:
-        bar = progress_bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
+        bar = bars.bar(2 * len(prompts), f"dlm eval {task} (isd, then ar)", "prompt")
     options = EngineOptions(max_batch_size=batch_size)
     try:
         isd = generate(em.dlm, prompts, decoder, params, tokenizer=em.tokenizer, options=options, progress=bar)

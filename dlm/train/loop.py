@@ -43,7 +43,6 @@ from dlm.data.loader import build_packed_dataset
 from dlm.data.sft import SFTCollator, load_sft_examples, pad_token_id, read_jsonl
 from dlm.device import get_device, memory_mib, peak_memory_mib, training_precision
 from dlm.errors import DLMError, require
-from dlm.eval.history import append_history
 from dlm.model.convert import DiffusionLM, load_any
 from dlm.model.lora import LoraSettings, prepare_model_for_lora
 from dlm.objectives import get_objective
@@ -418,6 +417,7 @@ def heldout_loss(accelerator, proxy, objective, batches: list[dict], step: int, 
 
 def append_eval_history(path: Path, step: int, metrics: dict) -> None:
     """One eval_history.jsonl line; ``checkpoint`` is the step's checkpoint name (its folder when saved)."""
+    from dlm.eval.history import append_history  # the trainer needs the eval package only when evaluation runs
 
     append_history(path, step, ckpt_mod.checkpoint_name(step), metrics)
 

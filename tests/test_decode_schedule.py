@@ -18,14 +18,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18, 19], [20, 21, 22], [30, 31, 32, 33]]
 
 
-def simulate(policy, steps, rows, draft_cost, acceptance, noise=0.1, seed=0):
+def run(policy, steps, rows, draft_cost, acceptance, noise=0.1, seed=0):
     """Runs ``steps`` decode steps at batch ``rows`` on a synthetic device with ISD N=2: an AR step costs 1
     (+-noise) and commits one token per row; a drafting step costs ``draft_cost`` and each row commits one token
     from a cold start (then verifies next step) or, verifying, two with probability ``acceptance`` (and verifies
-    again) else one (and cold-starts): TPF 2 / (2 - a). Returns the modes chosen."""
+    again) else one (and cold-starts): TPF 2 / (2 - a). Returns the modes chosen and the tokens/s against AR
+    steps alone (one token a row per unit of time)."""
     rng = random.Random(seed)
     verifying = [False] * rows
-    modes = []
+    modes, time, committed = [], 0.0, 0
     for _ in range(steps):
         d = policy.drafting(rows)
         cost = (draft_cost if d else 1.0) * (1 + rng.uniform(-noise, noise))
@@ -40,7 +41,25 @@ def simulate(policy, steps, rows, draft_cost, acceptance, noise=0.1, seed=0):
                 tokens, verifying[i] = tokens + (2 if ok else 1), ok
         policy.observe(rows, d, cost, tokens)
         modes.append(d)
-    return modes
+        time, committed = time + cost, committed + tokens
+    return modes, committed / time / rows
+
+
+def simulate(policy, steps, rows, draft_cost, acceptance, noise=0.1, seed=0):
+    """:func:`run`'s modes."""
+    return run(policy, steps, rows, draft_cost, acceptance, noise, seed)[0]
+
+
+def test_a_first_process_pays_little_to_learn_that_drafting_loses():
+    """The default 30-minute quickstart checkpoint on a 2-core AVX2 CPU drafts at 0.7x AR's tokens/s (TPF 1.3 at
+    1.86x an AR step's cost); its report measures 16 prompts x 64 tokens, ~1000 steps at batch 1, in a fresh
+    process. Learning that drafting loses must cost at most ~2% of that run (0.93x AR was measured when the
+    exploration period doubled from 24); where drafting pays, the policy keeps most of its gain."""
+    for rows in (1, 4, 16):
+        loses = [run(MeasuredDraft(), 1000, rows, 1.86, 0.46, seed=s)[1] for s in range(8)]
+        assert sum(loses) / len(loses) >= 0.98 and min(loses) >= 0.97, (rows, loses)
+        pays = [run(MeasuredDraft(), 1000, rows, 1.15, 0.46, seed=s)[1] for s in range(8)]  # always drafting: 1.13x
+        assert sum(pays) / len(pays) >= 1.08, (rows, pays)
 
 
 def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
@@ -53,16 +72,18 @@ def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
         busy += simulate(p, 600, 8, draft_cost=1.45, acceptance=0.46, seed=seed + 10)
     assert sum(alone) / len(alone) > 0.8  # drafting, with short AR exploration bursts
     assert sum(busy) / len(busy) < 0.1  # AR, with short drafting exploration bursts
-    # exploration backs off while it keeps confirming the choice: fewer mode switches late than early
-    switches = lambda m: sum(a != b for a, b in zip(m, m[1:]))  # noqa: E731
-    busy = simulate(MeasuredDraft(), 600, 8, draft_cost=1.45, acceptance=0.46)
-    assert switches(busy[300:]) < switches(busy[:300])
+    # exploration backs off once the choice is made: the drafting bursts (each a 10% loss for its 4 steps here) come
+    # at least max_period apart, from the first choice on
+    p = MeasuredDraft()
+    busy = simulate(p, 600, 8, draft_cost=1.45, acceptance=0.46)
+    starts = [i for i in range(1, len(busy)) if busy[i] and not busy[i - 1]]
+    assert len(starts) >= 3 and all(b - a >= p.max_period for a, b in zip(starts, starts[1:]))
     assert p.bucket_of(1) != p.bucket_of(8) and p.bucket_of(5) == p.bucket_of(8) and p.bucket_of(9) != p.bucket_of(8)
 
 
 def test_exploration_of_a_far_slower_mode_backs_off_until_it_costs_little():
     """Drafting 3 candidates at 32 requests on a 2-core CPU runs at ~0.2x AR's tokens/s. Bursts of it every
-    max_period (96) steps cost ~13% of the throughput; backing off until a burst costs explore_cost (1.5%) of the
+    max_period (96) steps cost ~13% of the throughput; backing off until a burst costs explore_cost (1%) of the
     time between bursts keeps >= 0.97x pure AR's tokens/s (the back-off's first doublings included), at a 5x and at
     a 2x costlier drafting step alike; where drafting pays (1.2x cost, TPF ~1.46) the policy drafts."""
 
@@ -115,7 +136,7 @@ def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
     simulate(p, 600, 8, draft_cost=2.5, acceptance=0.46)
     backed_off = p.buckets[p.bucket_of(8)].period
     assert backed_off > p.base_period
-    big = simulate(p, 300, 32, draft_cost=5.0, acceptance=0.46)
+    big = simulate(p, backed_off + 40, 32, draft_cost=5.0, acceptance=0.46)
     assert not any(big[: backed_off - 1]) and any(big)
 
 
@@ -145,7 +166,7 @@ def test_a_later_process_starts_from_what_an_earlier_one_learnt(tmp_path, monkey
     assert later.describe(8)["carried"] == "ar"
     cold = simulate(MeasuredDraft(), 64, 8, draft_cost=2.0, acceptance=0.46, seed=2)
     warm = simulate(MeasuredDraft(memory=PolicyMemory("model|machine|isd N=2")), 64, 8, 2.0, 0.46, seed=2)
-    assert goodput(warm, 2.0) == 1.0 and goodput(cold, 2.0) < 0.95
+    assert goodput(warm, 2.0) == 1.0 and goodput(cold, 2.0) < 0.98
     other = simulate(MeasuredDraft(memory=PolicyMemory("model|machine|isd N=3")), 8, 8, 2.0, 0.46)
     assert other[0]  # nothing carried: the first burst again
 

@@ -137,11 +137,14 @@ class MeasuredDraft(AlwaysDraft):
       (``ar_burst``) row-steps long, at least 3 (2) steps. The first drafting step after AR steps is not counted:
       every row cold-starts there (one token, masks fed), a switching cost paid once per switch, not the steady
       state that the choice is about.
-    - The losing mode is re-run for one burst after ``period`` steps of the winner; the period doubles (up to
-      ``max_period``) each time the burst confirms the choice and falls back to ``period`` when it flips it. Where
-      the loser is far slower, the period may double past ``max_period``, until one burst costs at most
-      ``explore_cost`` of the time between bursts (drafting 3 candidates at 32 requests on a 2-core CPU runs at
-      ~0.2x AR: a 4-step burst every 96 steps cost 13% of the throughput, every ~400 steps 3%).
+    - The losing mode is re-run for one burst after ``period`` steps of the winner. Each burst that confirms the
+      choice (and the first choice) sets the period to the larger of its double (up to ``max_period``) and the
+      period at which one burst costs at most ``explore_cost`` of the time between bursts (:meth:`_affordable`);
+      a burst that flips the choice sets it back to ``period``. So a far slower loser is re-tried rarely from the
+      first choice on, not after a run of doublings: drafting at 0.7x AR (the default 30-minute quickstart
+      checkpoint on a 2-core AVX2 CPU) cost a first process 6-7% of its tokens/s over 16 prompts x 64 tokens when
+      the period doubled from 24 (0.93x AR measured, 0.95x in the simulation of tests/test_decode_schedule.py) and
+      ~1-2% now (0.98-0.99x simulated).
     - ``margin``: drafting must beat AR by this fraction (drafting changes the sampling draws and costs memory;
       at parity AR is the safer pick; and a window of drafting steps is a noisy estimate - a row's tokens per step
       vary 1..N with the text - so a small lead is often noise: with 0.02 the policy ran 0.96-0.97x AR at batch 1
@@ -161,7 +164,7 @@ class MeasuredDraft(AlwaysDraft):
         period: int = 24,
         max_period: int = 96,
         margin: float = 0.04,
-        explore_cost: float = 0.015,
+        explore_cost: float = 0.01,
         memory: PolicyMemory | None = None,
     ):
         if draft_burst < 1 or ar_burst < 1 or window < 1 or not explore_cost > 0:
@@ -251,9 +254,14 @@ class MeasuredDraft(AlwaysDraft):
             b.burst_left -= 1
             return bool(b.burst_mode)
         best = self._decided(k)
-        if b.burst_mode is not None and b.choice_before is not None and best is not None:
-            # an exploration burst just ended: back off while it confirms the choice, start over when it flips it
-            b.period = min(2 * b.period, self._longest(b, best, rows)) if best == b.choice_before else self.base_period
+        if b.burst_mode is not None and best is not None:
+            # a burst just ended: back off while it confirms the choice (at once as far as the loser's cost asks),
+            # start over when it flips it
+            if b.choice_before is None or best == b.choice_before:
+                doubled = b.period if b.choice_before is None else min(2 * b.period, self.max_period)
+                b.period = max(doubled, self._affordable(b, best, rows))
+            else:
+                b.period = self.base_period
             b.choice_before = None
         if best is not None and self.memory is not None and b.kept != (best, b.period):
             b.kept = (best, b.period)
@@ -277,14 +285,16 @@ class MeasuredDraft(AlwaysDraft):
     def _burst_steps(self, mode: bool, rows: int) -> int:
         return max(3, -(-self.draft_burst // rows)) if mode else max(2, -(-self.ar_burst // rows))
 
-    def _longest(self, b: _Bucket, best: bool, rows: int) -> int:
-        """The longest period between bursts of the losing mode: ``max_period``, or the steps over which one burst
-        (and a drafting burst's cold start) costs ``explore_cost`` of the time, where the loser is that slow."""
-        win, lose = b.window[best].rate(), b.window[not best].rate()
-        if win is None or not lose or lose >= win:
-            return self.max_period
-        steps = self._burst_steps(not best, rows) + (not best)
-        return max(self.max_period, math.ceil(steps * (win / lose - 1) / self.explore_cost))
+    def _affordable(self, b: _Bucket, best: bool, rows: int) -> int:
+        """The fewest steps between bursts of the losing mode at which one burst (and a drafting burst's cold start)
+        costs at most ``explore_cost`` of the time: a burst's time x its loss of rate (1 - lose / win) over the
+        winner's step time x ``explore_cost``. 0 where the loser is not measured slower."""
+        win, lose = b.window[best], b.window[not best]
+        rw, rl = win.rate(), lose.rate()
+        if rw is None or not rl or rl >= rw:
+            return 0
+        burst = (self._burst_steps(not best, rows) + (not best)) * lose.seconds / len(lose.steps)
+        return math.ceil(burst * (1 - rl / rw) / (self.explore_cost * win.seconds / len(win.steps)))
 
     def _start_burst(self, b: _Bucket, mode: bool, rows: int) -> bool:
         b.burst_mode = mode

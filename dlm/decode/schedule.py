@@ -83,6 +83,10 @@ class _Window:
         """Committed tokens per second (None before any step)."""
         return self.tokens / self.seconds if self.steps and self.seconds > 0 else None
 
+    def step_seconds(self) -> float:
+        """Mean seconds of a step (over a window with steps)."""
+        return self.seconds / len(self.steps)
+
 
 class _Bucket:
     __slots__ = ("window", "burst_mode", "burst_left", "since", "period", "choice_before", "prior", "kept")
@@ -293,8 +297,8 @@ class MeasuredDraft(AlwaysDraft):
         rw, rl = win.rate(), lose.rate()
         if rw is None or not rl or rl >= rw:
             return 0
-        burst = (self._burst_steps(not best, rows) + (not best)) * lose.seconds / len(lose.steps)
-        return math.ceil(burst * (1 - rl / rw) / (self.explore_cost * win.seconds / len(win.steps)))
+        burst = (self._burst_steps(not best, rows) + (not best)) * lose.step_seconds()
+        return math.ceil(burst * (1 - rl / rw) / (self.explore_cost * win.step_seconds()))
 
     def _start_burst(self, b: _Bucket, mode: bool, rows: int) -> bool:
         b.burst_mode = mode

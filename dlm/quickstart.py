@@ -131,7 +131,6 @@ def check_disk(path: Path, min_free_gb: float) -> None:
 
 # -- stage 2: data ---------------------------------------------------------------------------------------------
 def build_data(cfg: QuickstartConfig, out: Path, log) -> Path:
-
     if cfg.data:
         path = Path(cfg.data)
         if not path.is_file():

@@ -648,7 +648,6 @@ def assign_files(files: list[SourceFile], num_processes: int) -> list[list[Sourc
 
 
 def _load_tokenizer(name: str):
-
     try:
         tok = load_tokenizer(name)
     except DLMError as e:

@@ -40,7 +40,6 @@ class ARDecoder(Decoder):
     # drafts it proposes next}
 
     def __init__(self, config: ARConfig | None = None):
-
         self.config = config = decoder_config(ARConfig, config)
         prompt_lookup, lookup_budget = config.prompt_lookup, config.lookup_budget
         self.prompt_lookup, self.lookup_min, self.lookup_max = (

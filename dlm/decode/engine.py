@@ -450,7 +450,6 @@ class Engine:
         options: EngineOptions | None = None,
         **decoder_kw,
     ):
-
         misplaced(decoder_kw, "Engine")
         self.options = options = options if options is not None else EngineOptions()
         if not isinstance(options, EngineOptions):

@@ -56,7 +56,6 @@ class EvalModel:
 
     @property
     def max_length(self) -> int:
-
         return max_positions(self.model.config) or 2048
 
     @property

@@ -131,7 +131,6 @@ def to_sdar(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
 
 
 def to_llada(dlm) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
-
     spec, c = dlm.spec, dlm.hf_config
     if _kind(dlm) != "llama" or getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False):
         raise DLMError(

@@ -162,7 +162,6 @@ class Objective:
 
 
 def masks_ok():
-
     return MASKABLE_ATTN
 
 

@@ -56,7 +56,6 @@ class Scheduler:
     """Runs ``engine`` in a background thread; see the module docstring."""
 
     def __init__(self, engine, metrics=None, idle_wait: float = 0.5):
-
         self.engine = engine
         self.metrics = metrics or Metrics()
         self.idle_wait = idle_wait

@@ -13,7 +13,7 @@ No HTTP here: a :class:`RequestValidator` needs only the settings and the engine
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dlm.decode.configs import refusal_message
 from dlm.decode.sampling import SamplingParams
@@ -24,11 +24,6 @@ from dlm.serve.reasoning import Thinking, opens_in_prompt
 from dlm.serve.schemas import APIError, ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingRequest
 from dlm.serve.settings import ServeSettings
 from dlm.serve.tool_calls import reader
-
-if TYPE_CHECKING:
-    from dlm.decode.sampling import SamplingParams
-    from dlm.decode.structured import StructuredOutput
-
 
 # apply_chat_template's own arguments and what the request's fields set: not for chat_template_kwargs
 TEMPLATE_ARGUMENTS = frozenset(

@@ -925,7 +925,6 @@ class Trainer:
         return metrics
 
     def _write_final(self, stopped: str) -> None:
-
         cfg, acc = self.cfg, self.accelerator
         trained = torch.tensor([memory_mib(acc.device)], dtype=torch.float64, device=acc.device)  # before the export
         staging = cfg.output_dir / ".final_model.tmp"

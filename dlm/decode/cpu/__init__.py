@@ -164,7 +164,6 @@ class Attached:
 
 
 def _linear_layers(model: nn.Module):
-
     return [m for m in model.modules() if _linear_shape(m) is not None]
 
 

@@ -142,11 +142,11 @@ def test_engine_raising_fails_the_request_not_the_server(srv, monkeypatch, where
             import dlm.serve.scheduler as scheduler_mod
 
             real = scheduler_mod.Engine
-            failed = {"n": 0}
+            rebuild = {"fail": True, "failed": 0}
 
             def flaky_engine(*a, **k):
-                if not failed["n"]:
-                    failed["n"] += 1
+                if rebuild["fail"]:
+                    rebuild["failed"] += 1
                     raise RuntimeError("injected failure while rebuilding the engine")
                 return real(*a, **k)
 
@@ -155,12 +155,24 @@ def test_engine_raising_fails_the_request_not_the_server(srv, monkeypatch, where
         assert r.status_code == 500, r.text
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
         assert "keeps serving" in r.json()["error"]["message"]
-        if where == "step_and_restart":  # the first rebuild failed: the next request finds the step still broken
-            monkeypatch.setattr(scheduler_mod, "Engine", real)
+        if where == "step_and_restart":
+            deadline = time.time() + 30
+            while not rebuild["failed"] and time.time() < deadline:
+                time.sleep(0.01)
+            assert rebuild["failed"], "the scheduler did not try to rebuild the failed engine"
+            # while the rebuild keeps failing, a request gets a 503 that says so (it is not queued forever)
             r = httpx.post(
                 srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
             )
-            assert r.status_code == 500, r.text
+            assert r.status_code == 503, r.text
+            assert "could not be rebuilt" in r.json()["error"]["message"]
+            # once a rebuild succeeds, the next request is served by a fresh engine (not the broken one)
+            rebuild["fail"] = False
+            r = httpx.post(
+                srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60
+            )
+            assert r.status_code == 200, r.text
+            assert sched.engine is not eng
     elif where == "add":
         monkeypatch.setattr(eng, "add", boom)
         r = httpx.post(srv.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 4}, timeout=60)

@@ -25,8 +25,8 @@ ERROR_DESCRIPTIONS = {
     404: "the model named is not the one served here (see /v1/models)",
     413: "the body (or the Content-Length it declares) is over --max-body-bytes",
     500: "the engine failed during this request (the server keeps serving)",
-    503: "the engine is not running (the server is shutting down or its engine thread stopped), or more requests "
-    "wait than --max-queue (with Retry-After)",
+    503: "the engine is not running (the server is shutting down, its engine thread stopped, or the engine failed "
+    "and could not be rebuilt yet), or more requests wait than --max-queue (with Retry-After)",
 }
 BAD_CONTENT_LENGTH = "a Content-Length header that is not a number"
 

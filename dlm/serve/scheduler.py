@@ -66,6 +66,7 @@ class Scheduler:
         self._handles: dict[str, Handle] = {}
         self._ids = itertools.count()
         self.failures = 0
+        self._broken = False  # the last step failed: rebuild the engine before the next one
 
     # -- called from the event loop (any thread) ------------------------------------------------------------
     def submit(
@@ -124,18 +125,16 @@ class Scheduler:
 
         with torch.inference_mode():
             while not self._stop.is_set():
+                if self._broken and not self._rebuild():
+                    continue
                 try:
                     self._iteration()
                 except Exception as e:  # noqa: BLE001 - never let one bad step kill the server
                     log.exception("engine step failed")
-                    try:
-                        self._fail_all(
-                            f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
-                            f"the request was dropped, the server keeps serving"
-                        )
-                    except Exception:  # noqa: BLE001 - keep the thread; the next request gets the next try
-                        log.exception("could not restart the engine")
-                        time.sleep(self.idle_wait)
+                    self._fail_all(
+                        f"the engine failed during a decoding step ({type(e).__name__}: {e}); "
+                        f"the request was dropped, the server keeps serving"
+                    )
 
     def _iteration(self) -> None:
         self._wake.clear()
@@ -221,19 +220,47 @@ class Scheduler:
                 handle.push("done", result)
 
     def _fail_all(self, message: str) -> None:
-        """After an engine exception: error every request in flight and start from an empty engine."""
+        """After an engine exception: error every request in flight; the loop rebuilds the engine before its next
+        step (a step that failed may have left the engine's rows, cache or decoder state half-updated)."""
 
         self.failures += 1
         for h in self._handles.values():  # first: whatever happens below, nobody waits forever
             h.done = True
             h.push("error", (500, message))
         self._handles.clear()
-        old = self.engine
         try:
-            old.close()
+            self.engine.close()
         except Exception:  # noqa: BLE001 - a broken engine may fail to close; the new one replaces it anyway
             log.exception("closing the failed engine")
-        self.engine = Engine(old.model, old.tokenizer, old.decoder, old.options)
+        self._broken = True
+
+    def _rebuild(self) -> bool:
+        """Replace the failed engine by an empty one on the same model, decoder and options. When that fails too,
+        the requests that arrived meanwhile get a 503 (nothing could serve them) and the next turn tries again."""
+        old = self.engine
+        try:
+            self.engine = Engine(old.model, old.tokenizer, old.decoder, old.options)
+        except Exception as e:  # noqa: BLE001 - keep the thread; the next turn tries again
+            log.exception("could not rebuild the engine")
+            self._refuse_waiting(
+                f"the engine failed and could not be rebuilt ({type(e).__name__}: {e}); the server retries "
+                f"every {self.idle_wait:g} s - retry the request later"
+            )
+            self._wake.wait(self.idle_wait)
+            self._wake.clear()
+            return False
+        self._broken = False
+        return True
+
+    def _refuse_waiting(self, message: str) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                msg[1].done = True
+                msg[1].push("error", (503, message))
 
 
 class _EmptyStats:

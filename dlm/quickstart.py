@@ -374,7 +374,8 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
             "identical_to_ar": f"{sum(o == g for o, g in zip(a['out'], own_ar))}/{len(prompts)}",
         }
         if auto:  # what the policy measured over the run and chose, and how many steps drafted
-            row["policy"] = {**eng.decoder.policy.describe(1), **eng.decoder.mode_steps}
+            steps_by_stride = {str(n): k for n, k in sorted(eng.decoder.counts.stride_steps.items())}
+            row["policy"] = {**eng.decoder.policy.describe(1), **eng.decoder.mode_steps, "strides": steps_by_stride}
         rows.append(row)
         n_label = "" if row["stride"] is None else f" N={row['stride']}"
         log(
@@ -585,16 +586,22 @@ def lead(cfg: QuickstartConfig, best: dict | None, auto: dict | None, ar: dict |
     if auto is not None:
         p = auto["policy"]
         steps = p.get("draft", 0) + p.get("ar", 0)
+        chose = "runs AR steps" if p.get("choice") != "draft" else "drafts"
+        if p.get("choice") == "draft" and p.get("stride"):
+            chose += f" at N={p['stride']}"
         measured = (
             f"drafting steps measured {p['drafting_tok_s']:.1f} tok/s against plain AR steps' {p['ar_tok_s']:.1f}, "
-            f"so it {'drafts' if p['choice'] == 'draft' else 'runs AR steps'}"
+            f"so it {chose}"
             if p.get("drafting_tok_s") and p.get("ar_tok_s")
             else "it had not measured both modes yet"
         )
+        by_stride = ", ".join(f"{k} at N={n}" for n, k in (p.get("strides") or {}).items())
+        top = auto["stride"]
+        among = f"strides 2..{top}" if top and top > 2 else f"N={top}"
         lines += [
-            f"The drafting policy (`--isd-draft-budget auto`, the default of every command; N={auto['stride']}) ran "
-            f"**{auto['speedup_vs_ar']:.2f}x** `dlm ar`: it drafted on {p.get('draft', 0)} of {steps} decode steps - "
-            f"{measured}.",
+            f"The drafting policy (`--isd-draft-budget auto`, the default of every command; {among})"
+            f" ran **{auto['speedup_vs_ar']:.2f}x** `dlm ar`: it drafted on {p.get('draft', 0)} of {steps} decode "
+            f"steps{f' ({by_stride})' if by_stride else ''} - {measured}.",
             "",
         ]
     if best["speedup_vs_ar"] < 1.0:

@@ -194,17 +194,17 @@ def exact_ar_distribution(dlm, prompt, k):
     return conts, total.exp()
 
 
-def empirical(dlm, prompt, k, n, **engine_kw):
+def empirical(dlm, prompt, k, n, batch=None, **engine_kw):
     m = dlm.mask_token_id
     params = [SamplingParams(max_new_tokens=k, temperature=1.0, seed=s, ignore_eos=True) for s in range(n)]
-    res = Engine(dlm, options=EngineOptions(max_batch_size=n), **engine_kw).generate([prompt] * n, params)
+    res = Engine(dlm, options=EngineOptions(max_batch_size=batch or n), **engine_kw).generate([prompt] * n, params)
     counts = torch.zeros(m**k)
     for r in res:
         counts[sum(t * m ** (k - 1 - j) for j, t in enumerate(r.token_ids))] += 1
-    acc = [
-        sum(r.stats.accepted[i] for r in res) / max(1, sum(r.stats.proposed[i] for r in res))
-        for i in range(len(res[0].stats.proposed))
-    ]
+    positions = max(len(r.stats.proposed) for r in res)
+    proposed = [sum(r.stats.proposed[i] for r in res if i < len(r.stats.proposed)) for i in range(positions)]
+    accepted = [sum(r.stats.accepted[i] for r in res if i < len(r.stats.accepted)) for i in range(positions)]
+    acc = [a / max(1, p) for a, p in zip(accepted, proposed)]
     return counts / n, acc
 
 
@@ -302,6 +302,24 @@ def test_isd_sampling_through_fallback_drafts_has_the_ar_distribution():
         assert counter.fallbacks > 100 and 0.05 < acc[0] < 0.999, (fallback, counter.fallbacks, acc)
         tv = 0.5 * float((dist - exact).abs().sum())
         assert tv < eps, (fallback, tv, eps)
+
+
+def test_isd_sampling_with_the_stride_changing_between_steps_has_the_ar_distribution():
+    """A policy that chooses the stride step by step (here at random, AR steps included; prefills append masks for
+    a stride the next step may not run): drafts made at one stride are dropped at another, and the three sampled
+    tokens keep the AR distribution."""
+    from test_decode_schedule import RandomStrides
+
+    dlm = tiny_idlm(vocab=5)  # trained for strides 2 and 3
+    prompt, k, n = [1, 2, 3, 0], 3, 2000
+    conts, exact = exact_ar_distribution(dlm, prompt, k)
+    eps = math.sqrt((len(conts) * math.log(2) + math.log(1e4)) / (2 * n))
+    policy = RandomStrides([0, 2, 3], seed=1)
+    # 16 rows at a time: requests join and leave between steps, so every row meets strides of its own
+    dist, acc = empirical(dlm, prompt, k, n, decoder="isd", draft_budget=policy, batch=16)
+    assert set(policy.seen) == {0, 2, 3} and 0.05 < acc[0] < 0.999, (set(policy.seen), acc)
+    tv = 0.5 * float((dist - exact).abs().sum())
+    assert tv < eps, (tv, eps)
 
 
 def test_predict_picks_the_likeliest_outcome_and_its_chunk_has_the_plain_length():

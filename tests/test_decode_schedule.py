@@ -62,6 +62,69 @@ def test_a_first_process_pays_little_to_learn_that_drafting_loses():
         assert sum(pays) / len(pays) >= 1.08, (rows, pays)
 
 
+def run_strides(policy, steps, rows, cost, acceptance, noise=0.1, seed=0):
+    """:func:`run` for a policy that answers a stride (0: AR; True: the largest in ``cost``): a drafting step at
+    stride s costs ``cost[s]``; a verifying row accepts each of its s-1 drafts in turn with probability
+    ``acceptance`` and commits the accepted ones plus one, verifying again when all were accepted, else
+    cold-starting (one token); a row whose drafts were made at another stride cold-starts. Returns the modes and
+    the tokens/s against AR steps alone."""
+    rng = random.Random(seed)
+    drafted_at = [0] * rows  # the stride a row's pending drafts were made at (0: none)
+    modes, time, committed = [], 0.0, 0
+    for _ in range(steps):
+        m = policy.drafting(rows)
+        s = max(cost) if m is True else int(m)
+        step_cost = (cost[s] if s else 1.0) * (1 + rng.uniform(-noise, noise))
+        tokens = 0
+        for i in range(rows):
+            if not s:
+                tokens, drafted_at[i] = tokens + 1, 0
+            elif drafted_at[i] != s:
+                tokens, drafted_at[i] = tokens + 1, s
+            else:
+                j = 0
+                while j < s - 1 and rng.random() < acceptance:
+                    j += 1
+                tokens, drafted_at[i] = tokens + j + 1, (s if j == s - 1 else 0)
+        policy.observe(rows, m, step_cost, tokens)
+        modes.append(s)
+        time, committed = time + step_cost, committed + tokens
+    return modes, committed / time / rows
+
+
+class Stride(AlwaysDraft):
+    """Drafts at one stride at every step."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def drafting(self, rows):
+        return self.n
+
+
+def test_the_measured_policy_chooses_the_stride_that_pays():
+    """Given strides 2..4 (ISD's default with a model trained for 3 masks), the policy runs the fastest: on a CPU,
+    where each chunk token costs, N=2 at 1.15x an AR step pays (TPF 1.30) and N=3 / N=4 do not; on a device where
+    the chunk is nearly free (a GPU at batch 1), N=4 pays most; where no stride pays, it steps AR and pays no
+    more to learn that than with one stride."""
+    cpu = {2: 1.15, 3: 1.6, 4: 2.0}
+    gpu = {2: 1.02, 3: 1.03, 4: 1.04}
+    losing = {2: 1.86, 3: 2.4, 4: 2.9}
+    for seed in range(4):
+        fixed = {n: run_strides(Stride(n), 1000, 1, cpu, 0.46, seed=seed)[1] for n in (2, 3, 4)}
+        modes, rate = run_strides(MeasuredDraft(strides=[2, 3, 4]), 1000, 1, cpu, 0.46, seed=seed)
+        assert fixed[2] > fixed[3] > fixed[4] and fixed[3] < 1.0, fixed
+        assert modes[200:].count(2) >= 0.7 * 800 and rate >= 0.95 * fixed[2], (seed, rate, fixed)
+        fixed = {n: run_strides(Stride(n), 1000, 1, gpu, 0.8, seed=seed)[1] for n in (2, 3, 4)}
+        modes, rate = run_strides(MeasuredDraft(strides=[2, 3, 4]), 1000, 1, gpu, 0.8, seed=seed)
+        assert fixed[4] > fixed[3] > fixed[2] > 1.2, fixed
+        assert modes[300:].count(3) + modes[300:].count(4) >= 0.8 * 700 and rate >= 0.9 * fixed[4], (seed, rate, fixed)
+        for rows in (1, 4):
+            modes, rate = run_strides(MeasuredDraft(strides=[2, 3, 4]), 1000, rows, losing, 0.46, seed=seed)
+            one = run_strides(MeasuredDraft(strides=[2]), 1000, rows, losing, 0.46, seed=seed)[1]
+            assert set(modes) == {0, 2} and rate >= 0.97 and rate >= one - 0.005, (rows, rate, one)
+
+
 def test_measured_policy_drafts_where_it_pays_and_steps_ar_where_it_does_not():
     """The CPU figures of bench/forward_cost.py: a verify step costs ~1.15x an AR step at batch 1 and ~1.45x at
     batch 8; with acceptance 0.46 (TPF 1.3) drafting is 1.13x faster alone and 0.9x in a batch of 8."""
@@ -134,7 +197,7 @@ def test_a_new_batch_size_starts_from_what_its_neighbours_measured():
     # ... and how far the neighbour's exploration backed off: its period, not the first one, before the first burst
     p = MeasuredDraft()
     simulate(p, 600, 8, draft_cost=2.5, acceptance=0.46)
-    backed_off = p.buckets[p.bucket_of(8)].period
+    backed_off = p.explore_period(8)
     assert backed_off > p.base_period
     big = simulate(p, backed_off + 40, 32, draft_cost=5.0, acceptance=0.46)
     assert not any(big[: backed_off - 1]) and any(big)
@@ -153,7 +216,7 @@ def test_a_later_process_starts_from_what_an_earlier_one_learnt(tmp_path, monkey
     first = MeasuredDraft(memory=PolicyMemory("model|machine|isd N=2"))
     modes = simulate(first, 600, 8, draft_cost=2.0, acceptance=0.46)
     assert modes[0] and not modes[-1]  # it started with a drafting burst and settled on AR
-    learnt = first.buckets[first.bucket_of(8)].period
+    learnt = first.explore_period(8)
     assert learnt > first.base_period
     rec = PolicyMemory("model|machine|isd N=2").get(first.bucket_of(8))
     assert rec is not None and rec["draft"] is False and rec["period"] == learnt
@@ -271,6 +334,51 @@ def test_any_policy_keeps_greedy_isd_equal_to_ar(budget):
         # every token after each request's first (which its prefill gives) came from an observed decode step
         assert sum(t for *_, t in policy.seen) == sum(len(r.token_ids) - 1 for r in out)
         assert sum(sum(r.stats.proposed) for r in out) > 0
+
+
+class RandomStrides(AlwaysDraft):
+    """Answers a random stride (0: a plain AR step) for every step and every prefill, as a policy that chooses the
+    stride may: rows drafted at one stride meet steps at another, prefills' masks differ from the next step's."""
+
+    def __init__(self, strides, seed=0):
+        self.rng, self.strides, self.seen = random.Random(seed), strides, []
+
+    def drafting(self, rows):
+        return self.rng.choice(self.strides)
+
+    def peek(self, rows):
+        return self.rng.choice(self.strides)
+
+    def observe(self, rows, drafted, seconds, tokens):
+        self.seen.append(drafted)
+
+
+def test_a_policy_that_changes_the_stride_keeps_greedy_isd_equal_to_ar():
+    """Without a stride given, 'auto' chooses among the strides the model was trained for (2..block_size+1); a
+    stride given is fixed, and draft candidates run at 2. Whatever stride each step and each prefill runs at, the
+    greedy output is AR's token for token, on the per-row and on the batched verify path."""
+    dlm = convert_ar_to_dlm(make_model("llama", seed=1), "idlm", block_size=3, tokenizer=make_tokenizer())
+    assert Engine(dlm, decoder="isd").decoder.policy.strides == [2, 3, 4]
+    assert Engine(dlm, decoder="isd", stride=3).decoder.policy.strides is None
+    assert Engine(dlm, decoder="isd", candidates=3).decoder.policy.strides is None
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    ar = [
+        r.token_ids
+        for r in Engine(dlm, decoder="ar", options=EngineOptions(max_batch_size=3)).generate(PROMPTS, params)
+    ]
+    for seed in range(3):
+        for batched in (False, True):
+            policy = RandomStrides([0, 2, 3, 4], seed)
+            eng = Engine(dlm, decoder="isd", draft_budget=policy, options=EngineOptions(max_batch_size=3))
+            eng.decoder.batch_verify = batched
+            out = eng.generate(PROMPTS, params)
+            assert [r.token_ids for r in out] == ar, (seed, batched)
+            assert set(policy.seen) == {0, 2, 3, 4}
+            assert sum(eng.decoder.counts.stride_steps.values()) == eng.decoder.mode_steps["draft"] > 0
+            assert len(out[0].stats.proposed) <= 3 and sum(sum(r.stats.proposed) for r in out) > 0
+    bad = RandomStrides([5])
+    with pytest.raises(DLMError, match="stride 2..4"):
+        Engine(dlm, decoder="isd", draft_budget=bad).generate(PROMPTS[:1], params)
 
 
 def test_token_budget_drafts_alone_and_steps_ar_when_busy():

@@ -290,7 +290,11 @@ class ISDConfig(DecoderConfig):
     name: ClassVar[str] = "isd"
     summary: ClassVar[str] = "introspective strided decoding: several tokens per forward, the AR distribution"
 
-    stride: int | None = opt(None, "the stride N: N-1 drafts per step; None: the model's block_size + 1")
+    stride: int | None = opt(
+        None,
+        "the stride N: N-1 drafts per step; None: the model's block_size + 1, and with --isd-draft-budget auto "
+        "each step's stride is chosen from 2 up to it by measured speed",
+    )
     draft: str = opt(
         "sample",
         "drafts sampled from the masks' q (exact) or their argmax (biased when sampling)",

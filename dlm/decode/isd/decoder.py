@@ -34,7 +34,8 @@ def state_of(row: Row) -> ISDRowState:
 
 
 class ISDDecoder(Decoder):
-    """``stride`` N (None: the model's ``block_size + 1``); ``draft``: 'sample' (exact) or 'argmax'
+    """``stride`` N (None: the model's ``block_size + 1``, and then 'auto' chooses each step's stride from 2 up to
+    it); ``draft``: 'sample' (exact) or 'argmax'
     (approximate); ``draft_budget``: when a step drafts (:func:`dlm.decode.schedule.make_policy`: None / 'always',
     an int, 'auto' or a policy object; ``token_budget`` is its old name, accepted with a DeprecationWarning);
     ``fallback``: which outcomes get masks for the next drafts ('predict' | 'all' | 'off'); ``candidates`` K:
@@ -58,19 +59,37 @@ class ISDDecoder(Decoder):
         self.candidates = config.candidates
         self.candidate_min_prob = float(config.candidate_min_prob)
         self._trees = LayoutCache()
-        self._window_cache: dict[tuple[int, ...], list[int]] = {}  # branches -> _windows(branches)
+        self._window_cache: dict[tuple[int, ...], list[int]] = {}  # (stride, *branches) -> _windows(branches)
         self._calib = policy.AcceptCalibration()
         self.counts = StepCounts()
         # refuses a bad value at construction, before the model is checked; rebuilt in check_model for the stride
         self.policy: policy.DraftPolicy = policy.make_policy(draft_budget, stride or 2)
         self._drafting = True  # this step's choice (plan_step)
+        self._mode: bool | int = True  # what the policy answered for this step (told back in step_done)
+        self._n: int | None = None  # this step's stride (the policy may choose one below ``stride``)
+
+    def _stride_of(self, mode: bool | int) -> int:
+        """The stride of a drafting answer of the policy: True -> the decoder's stride; an int -> that stride
+        (2 .. the decoder's)."""
+        if isinstance(mode, bool) or mode == 1:
+            return self.n_max
+        if not isinstance(mode, int) or not 2 <= mode <= self.n_max:
+            raise DLMError(
+                f"ISD: the drafting policy answered {mode!r}; it must answer a bool or a stride 2..{self.n_max}"
+            )
+        return mode
 
     @property
-    def n(self) -> int:
-        """The stride, once :meth:`check_model` has set it."""
+    def n_max(self) -> int:
+        """The stride (the largest this decoder drafts at), once :meth:`check_model` has set it."""
         if self.stride is None:
             raise DLMError("ISDDecoder: the stride is known once the model is (Engine runs check_model)")
         return self.stride
+
+    @property
+    def n(self) -> int:
+        """This step's stride: :attr:`n_max` unless the measured policy chose a smaller one."""
+        return self._n if self._n is not None else self.n_max
 
     @property
     def branch_steps(self) -> dict[str, int]:
@@ -115,21 +134,30 @@ class ISDDecoder(Decoder):
                 f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
                 f"the trained block are poor"
             )
-        self.policy = policy.make_policy(self.draft_budget, self.stride, self.verify_len)
+        # with the model's stride (none given), 'auto' chooses the stride too: 2 .. block_size + 1 (draft candidates
+        # run at stride 2 only); a stride given is the one every drafting step runs at
+        chosen = self.config.stride is None and self.candidates == 1
+        strides = policy.supported_strides(self.stride - 1) if chosen else None
+        self.policy = policy.make_policy(self.draft_budget, self.stride, self.verify_len, strides=strides)
+        self._n = None
         # 'auto' (not a policy object of the caller's): what an earlier process on this folder and machine learnt
         if isinstance(self.policy, policy.MeasuredDraft) and isinstance(self.draft_budget, str):
-            setting = f"isd N={self.stride} {self.fallback} K={self.candidates} p{self.candidate_min_prob} {self.draft}"
+            n = f"2..{self.stride}" if strides is not None else self.stride  # (a chosen stride: a record of its own)
+            setting = f"isd N={n} {self.fallback} K={self.candidates} p{self.candidate_min_prob} {self.draft}"
             key = policy.memory_key(engine, setting)
             if key is not None:
                 self.policy.memory = policy.PolicyMemory(key)
 
     # -- when to draft (policy) ---------------------------------------------------------------------------
     def plan_step(self, engine: Engine, rows: list[Row]) -> None:
-        self._drafting = self.policy.drafting(len(rows))
-        self.counts.step(self._drafting)
+        self._mode = mode = self.policy.drafting(len(rows))
+        self._drafting = bool(mode)
+        if self._drafting:
+            self._n = self._stride_of(mode)
+        self.counts.step(self._drafting, self.n)
 
     def step_done(self, engine: Engine, rows: list[Row], seconds: float, tokens: int) -> None:
-        self.policy.observe(len(rows), self._drafting, seconds, tokens)
+        self.policy.observe(len(rows), self._mode, seconds, tokens)
 
     # -- chunks -------------------------------------------------------------------------------------------
     def _branches(self, st: ISDRowState) -> tuple[int, ...]:
@@ -160,10 +188,11 @@ class ISDDecoder(Decoder):
         if ahead:  # a structured output's forced start, verified in the prefill's forward (consume)
             st.mode, st.drafts = "forced", ahead
             return ahead
-        n = self.n
-        if len(row.prompt_ids) + n - 1 > engine.max_positions:
+        mode = self.policy.peek(len(engine.rows) + 1)  # the joining row counts itself
+        if not mode:
             return []
-        if not self.policy.peek(len(engine.rows) + 1):  # the joining row counts itself
+        n = self._stride_of(mode)  # the stride the next step most likely drafts at (consume reads the masks fed)
+        if len(row.prompt_ids) + n - 1 > engine.max_positions:
             return []
         return [engine.mask_id] * (n - 1)
 
@@ -178,6 +207,8 @@ class ISDDecoder(Decoder):
             st.mode = "ar"
             return [row.last]
         m = engine.mask_id
+        if st.mode == "verify" and self.candidates == 1 and len(st.verify_drafts()) != n - 1:
+            st.cold()  # drafted at another stride (the policy changed it): start over at this one
         if st.mode == "verify" and self.candidates > 1:
             cands = st.verify_cands()
             k, fb = len(cands), self.fallback != "off"
@@ -265,9 +296,10 @@ class ISDDecoder(Decoder):
             st.cold()
             return [tok], 1
         if st.mode == "cold":
-            # logits[0] at t0 -> c; logits[1 .. N-1] at masks p+1..p+N-1 -> drafts for p+2..p+N
+            # logits[0] at t0 -> c; logits[1 ..] at the masks fed, p+1..p+N-1 -> drafts for p+2..p+N (a prefill's
+            # masks follow the stride the policy expected; a decode step's, this step's)
             c = int(next_token(logits[0], row.params, engine.mask_token_id, row.generator))
-            self._draft(engine, row, logits[1 : self.n], row.pos + 2)
+            self._draft(engine, row, logits[1:], row.pos + 2)
             row.last = c
             st.mode = "verify"
             return [c], 1
@@ -415,14 +447,15 @@ class ISDDecoder(Decoder):
     def _windows(self, branches: tuple[int, ...]) -> list[int]:
         """For each accepted count a = 0..N-1 of a verify chunk carrying ``branches``: the chunk index of the first
         mask of that outcome's next drafts, -1 if the chunk does not carry them."""
-        got = self._window_cache.get(branches)
+        n = self.n
+        key = (n, *branches)
+        got = self._window_cache.get(key)
         if got is None:
-            n = self.n
             got = []
             for a in range(n):
                 where = branch_masks(n, branches, outcome_of(a, n))
                 got.append(-1 if where is None else where[0])
-            self._window_cache[branches] = got
+            self._window_cache[key] = got
         return got
 
     def _accept_group(

@@ -41,13 +41,15 @@ __all__ = [
 
 @runtime_checkable
 class DraftPolicy(Protocol):
-    """When a decode step drafts (:mod:`dlm.decode.schedule`): asked before each step, told its cost after."""
+    """When a decode step drafts (:mod:`dlm.decode.schedule`): asked before each step, told its cost after. An
+    answer is a bool (draft at the decoder's stride, or not) or a stride (2 .. the decoder's; 0: a plain AR
+    step)."""
 
-    def drafting(self, rows: int) -> bool: ...
+    def drafting(self, rows: int) -> bool | int: ...
 
-    def peek(self, rows: int) -> bool: ...
+    def peek(self, rows: int) -> bool | int: ...
 
-    def observe(self, rows: int, drafted: bool, seconds: float, tokens: int) -> None: ...
+    def observe(self, rows: int, drafted: bool | int, seconds: float, tokens: int) -> None: ...
 
 
 def supported_strides(block_size: int | None) -> list[int]:

@@ -10,9 +10,9 @@ from dlm.decode.sampling import RequestStats
 def record_verify(stats: RequestStats, positions: int, proposed: int, accepted: int) -> None:
     """A verify step checked the first ``proposed`` of ``positions`` draft positions and accepted the first
     ``accepted``."""
-    if not stats.proposed:
-        stats.proposed = [0] * positions
-        stats.accepted = [0] * positions
+    if len(stats.proposed) < positions:  # (a policy that chooses the stride may raise it mid-request)
+        stats.proposed = list(stats.proposed) + [0] * (positions - len(stats.proposed))
+        stats.accepted = list(stats.accepted) + [0] * (positions - len(stats.accepted))
     for i in range(proposed):
         stats.proposed[i] += 1
     for i in range(accepted):
@@ -25,10 +25,13 @@ class StepCounts:
 
     def __init__(self) -> None:
         self.mode_steps = {"draft": 0, "ar": 0}
+        self.stride_steps: dict[int, int] = {}  # drafting steps by their stride
         self.branch_steps = {"verify": 0, "predicted": 0}
 
-    def step(self, drafting: bool) -> None:
+    def step(self, drafting: bool, stride: int) -> None:
         self.mode_steps["draft" if drafting else "ar"] += 1
+        if drafting:
+            self.stride_steps[stride] = self.stride_steps.get(stride, 0) + 1
 
     def verify(self, predicted: bool) -> None:
         self.branch_steps["verify"] += 1

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from dlm.decode.isd.policy import supported_strides
 from dlm.decode.options import EngineOptions
 from dlm.decode.schedule import MeasuredDraft
 
@@ -73,6 +74,21 @@ VARIANTS = {
 }
 
 
+def policy_steps(engine) -> dict | None:
+    """A measured policy's decode steps by mode: plain AR and drafting at each stride (None for other rows)."""
+    dec = getattr(engine, "decoder", None)
+    if not isinstance(getattr(dec, "policy", None), MeasuredDraft):
+        return None
+    return {"ar": dec.mode_steps["ar"], **{f"N={n}": k for n, k in sorted(dec.counts.stride_steps.items())}}
+
+
+def fresh_policy(engine):
+    """The measured policy starting from nothing, as ``'auto'`` builds it for this engine's decoder: choosing the
+    stride from 2 up to the model's where none was given."""
+    strides = supported_strides(engine.decoder.stride - 1) if engine.decoder.config.stride is None else None
+    return MeasuredDraft(strides=strides)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
@@ -105,7 +121,8 @@ def main(argv=None) -> int:
         help="comma-separated ISD drafting policies to add beside the always-drafting rows (e.g. 'auto', the "
         "default measured policy, which starts from what an earlier process on this folder learnt "
         "(isd_policy.json under DLM_HOME); 'fresh': the same policy starting from nothing, as a first run does; "
-        "rows 'isd N=n auto' / 'isd N=n fresh'), at each --strides stride",
+        "rows 'isd N=n auto' / 'isd N=n fresh'), at each --strides stride ('model' in --strides: the model's "
+        "own stride given as none, so that 'auto' chooses each step's stride from 2 up to it: rows 'isd N=model ...')",
     )
     ap.add_argument(
         "--candidates",
@@ -158,7 +175,9 @@ def main(argv=None) -> int:
     hf.generation_config.eos_token_id = None
     hf.generation_config.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    strides = [int(s) for s in args.strides.split(",") if s]
+    # 'model': no stride given (the model's block_size + 1; the measured policy then chooses the stride)
+    strides = [None if s.strip() == "model" else int(s) for s in args.strides.split(",") if s.strip()]
+    label = {n: "model" if n is None else str(n) for n in strides}
     if args.data == "heldout":  # the chat distribution the quickstart's checkpoints are trained for
         from dlm.data.distill import builtin_instructions, chat_prompt_ids
 
@@ -183,8 +202,8 @@ def main(argv=None) -> int:
     budgets = [x.strip() for x in args.draft_budgets.split(",") if x.strip()]
     methods = (
         ["transformers", "ar"]
-        + [f"isd N={n}{names[f]}" for f in fallbacks for n in strides]
-        + [f"isd N={n} {x}" for x in budgets for n in strides]
+        + [f"isd N={label[n]}{names[f]}" for f in fallbacks for n in strides]
+        + [f"isd N={label[n]} {x}" for x in budgets for n in strides]
         + [f"isd N=2 K={c}" for c in cands]
     )
     engine_rows = methods[1:]
@@ -199,7 +218,7 @@ def main(argv=None) -> int:
         engines[b] = {"ar": Engine(dlm, tok, decoder="ar", options=EngineOptions(max_batch_size=b))}
         for n in strides:
             for f in fallbacks:
-                engines[b][f"isd N={n}{names[f]}"] = Engine(
+                engines[b][f"isd N={label[n]}{names[f]}"] = Engine(
                     dlm,
                     tok,
                     decoder="isd",
@@ -210,7 +229,7 @@ def main(argv=None) -> int:
                 )
         for x in budgets:  # one engine per batch size: the policy learns over every group, as a server's would
             for n in strides:
-                engines[b][f"isd N={n} {x}"] = Engine(
+                engines[b][f"isd N={label[n]} {x}"] = eng = Engine(
                     dlm,
                     tok,
                     # a policy object is used as given: 'fresh' carries nothing from earlier processes
@@ -219,6 +238,8 @@ def main(argv=None) -> int:
                     ),
                     options=EngineOptions(max_batch_size=b),
                 )
+                if x == "fresh":
+                    eng.decoder.policy = fresh_policy(eng)
         for c in cands:
             engines[b][f"isd N=2 K={c}"] = Engine(
                 dlm,
@@ -275,7 +296,7 @@ def main(argv=None) -> int:
                 run(b, m, [groups[0][0][:8]])
             for m in methods:  # ... but a fresh policy's first exploration is a first run's cost: it starts timed
                 if m.endswith(" fresh"):
-                    engines[b][m].decoder.policy = MeasuredDraft()
+                    engines[b][m].decoder.policy = fresh_policy(engines[b][m])
             agg = {m: {"tokens": [], "seconds": 0.0, "forwards": 0, "row_forwards": 0, "stats": []} for m in methods}
             for g, batch in enumerate(groups):  # methods interleaved, rotating, so machine drift hits all alike
                 for j in range(len(methods)):
@@ -305,6 +326,7 @@ def main(argv=None) -> int:
                         "match_ar": None if m == "transformers" or sampled else a["tokens"] == ar_tokens,
                         "match_hf": None if m == "transformers" or sampled else a["tokens"] == hf_tokens,
                         "next_verify": next_verify(engines[b].get(m)),
+                        "steps": policy_steps(engines[b].get(m)),
                     }
                 )
 
@@ -335,6 +357,10 @@ def main(argv=None) -> int:
             f"{(f'{h:.2f}' if (h := r.get('next_verify')) is not None else '-'):>5} "
             f"{str(r.get('match_ar', '')):>5} {str(r.get('match_hf', '')):>5}"
         )
+    for r in rows:  # what each measured policy ran (its warm-up included)
+        if r.get("steps"):
+            ran = ", ".join(f"{k} {v}" for k, v in r["steps"].items())
+            print(f"policy at batch {r['batch']}, {r['method']}: decode steps {ran}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

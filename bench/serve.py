@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         default="ar,isd",
         help="comma-separated decoders (default ar,isd); 'isd:B' = isd "
         "with --isd-draft-budget B (an integer or auto); 'isd:cK' (or 'isd:B:cK') = with "
-        "--isd-candidates K; 'ar:plK' = ar with --prompt-lookup K (budget auto, as dlm serve; 'ar:plK:always')",
+        "--isd-candidates K; 'isd:nN' = with --stride N; 'ar:plK' = ar with --prompt-lookup K (budget auto, as dlm serve; 'ar:plK:always')",
     )
     ap.add_argument("--stride", type=int, help="ISD stride (default: the model's block size + 1)")
     ap.add_argument("--concurrency", default="1,8,32", help="comma-separated levels (default 1,8,32)")
@@ -201,6 +201,8 @@ def main(argv=None) -> int:
             for opt in opts:
                 if opt.startswith("c") and opt[1:].isdigit():
                     kw["candidates"] = int(opt[1:])
+                elif opt.startswith("n") and opt[1:].isdigit():  # isd:n3 = --stride 3
+                    kw["stride"] = int(opt[1:])
                 elif opt.startswith("pl") and opt[2:].isdigit():  # ar:pl4 = --prompt-lookup 4
                     kw["prompt_lookup"] = int(opt[2:])
                 elif name == "ar":

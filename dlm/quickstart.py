@@ -299,8 +299,9 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
 
     # Gated adapters leave the clean path the base model: its AR decoding is the base model's (the fastest form, no
     # hooks). Merged adapters changed the weights: the trained model's own AR decoding is ISD's reference too.
-    # the last row is the measured drafting policy (`--isd-draft-budget auto`, every command's default) at the model's
-    # own stride: it drafts only while drafting measures faster than plain AR steps (dlm.decode.schedule)
+    # the last row is the measured drafting policy (`--isd-draft-budget auto`, every command's default), choosing each
+    # step's stride up to the model's own: it drafts only while drafting measures faster than plain AR steps
+    # (dlm.decode.schedule)
     runs = (
         [("generate", None, "base", None)]
         + [("ar", None, "base", None)]

@@ -12,6 +12,7 @@ from published_layouts import MASK, write_dream, write_idlm, write_llada, write_
 import dlm
 from dlm.cli import main
 from dlm.decode import generate
+from dlm.decode.configs import ISDConfig
 from dlm.decode.options import EngineOptions
 from dlm.decode.sampling import SamplingParams
 
@@ -26,12 +27,15 @@ def test_idlm_checkpoint_isd_at_its_stride_equals_greedy_ar(tmp_path, block_size
     assert model.objective == "idlm" and model.is_causal
     p = SamplingParams(max_new_tokens=12, ignore_eos=True)
     ar = generate(model, PROMPTS, "ar", p, options=EngineOptions(max_batch_size=3))
-    isd = generate(
-        model, PROMPTS, "isd", p, options=EngineOptions(max_batch_size=3)
-    )  # stride: the model's block size + 1
+    # drafting at every step at the default stride, the model's block size + 1: drafts at N - 1 = block_size positions
+    isd = generate(model, PROMPTS, ISDConfig(draft_budget="always"), p, options=EngineOptions(max_batch_size=3))
     for a, b in zip(ar, isd):
         assert b.token_ids == a.token_ids and len(a.token_ids) == 12
-        assert len(b.stats.proposed) == block_size  # drafts at N - 1 = block_size positions
+        assert len(b.stats.proposed) == block_size
+    # the default ('auto': AR steps or drafting at a stride it chooses up to that one): the same tokens
+    auto = generate(model, PROMPTS, "isd", p, options=EngineOptions(max_batch_size=3))
+    assert [b.token_ids for b in auto] == [a.token_ids for a in ar]
+    assert all(len(b.stats.proposed) <= block_size for b in auto)
     # the AR reference itself: the causal forward of the loaded model, one token at a time
     ids = list(PROMPTS[0])
     with torch.no_grad():

@@ -154,12 +154,16 @@ class Scheduler:
             self.engine.prefix.stored_tokens if self.engine.prefix is not None else None,
         )
 
-    def _drain(self) -> None:
+    def _messages(self):
+        """The inbox's messages, taken one by one until it is empty."""
         while True:
             try:
-                msg = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain(self) -> None:
+        for msg in self._messages():
             if msg[0] == "add":
                 _, handle, prompt_ids, params = msg
                 try:
@@ -253,11 +257,7 @@ class Scheduler:
         return True
 
     def _refuse_waiting(self, message: str) -> None:
-        while True:
-            try:
-                msg = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for msg in self._messages():
             if msg[0] == "add":
                 msg[1].done = True
                 msg[1].push("error", (503, message))

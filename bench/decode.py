@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from dlm.decode.isd.policy import supported_strides
 from dlm.decode.options import EngineOptions
 from dlm.decode.schedule import MeasuredDraft
 
@@ -85,8 +84,7 @@ def policy_steps(engine) -> dict | None:
 def fresh_policy(engine):
     """The measured policy starting from nothing, as ``'auto'`` builds it for this engine's decoder: choosing the
     stride from 2 up to the model's where none was given."""
-    strides = supported_strides(engine.decoder.stride - 1) if engine.decoder.config.stride is None else None
-    return MeasuredDraft(strides=strides)
+    return MeasuredDraft(strides=engine.decoder.policy_strides)
 
 
 def main(argv=None) -> int:

@@ -87,6 +87,15 @@ class ISDDecoder(Decoder):
         return self.stride
 
     @property
+    def policy_strides(self) -> list[int] | None:
+        """The strides the measured policy chooses among: with the model's stride (none given), 2 .. block_size + 1;
+        None where the stride is fixed (a stride given is the one every drafting step runs at; draft candidates run
+        at stride 2 only)."""
+        if self.config.stride is not None or self.candidates > 1:
+            return None
+        return policy.supported_strides(self.n_max - 1)
+
+    @property
     def n(self) -> int:
         """This step's stride: :attr:`n_max` unless the measured policy chose a smaller one."""
         return self._n if self._n is not None else self.n_max
@@ -134,10 +143,7 @@ class ISDDecoder(Decoder):
                 f"strides {', '.join(map(str, ok))}; larger strides run (output stays exact) but drafts beyond "
                 f"the trained block are poor"
             )
-        # with the model's stride (none given), 'auto' chooses the stride too: 2 .. block_size + 1 (draft candidates
-        # run at stride 2 only); a stride given is the one every drafting step runs at
-        chosen = self.config.stride is None and self.candidates == 1
-        strides = policy.supported_strides(self.stride - 1) if chosen else None
+        strides = self.policy_strides
         self.policy = policy.make_policy(self.draft_budget, self.stride, self.verify_len, strides=strides)
         self._n = None
         # 'auto' (not a policy object of the caller's): what an earlier process on this folder and machine learnt

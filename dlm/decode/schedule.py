@@ -167,11 +167,12 @@ class MeasuredDraft(AlwaysDraft):
       where s loses, s+1 loses too - on CPUs, where each chunk token costs, N=2 is the usual winner); where
       drafting loses, only the smallest stride is ever re-tried, so the exploration costs what it costs with one
       stride.
-    - The choice's neighbours (AR and the strides next to it; the smallest stride when AR wins) are re-run, in
-      turn, for one burst after ``period`` steps of the winner. Each burst that confirms the choice (and the
-      first choice) sets the period to the larger of its double (up to ``max_period``) and the period at which
-      one burst of the costliest measured neighbour costs at most ``explore_cost`` of the time between bursts
-      (:meth:`_affordable`); a burst that flips the choice sets it back to ``period``. So a far slower loser is
+    - The choice's neighbours (AR and the strides next to it; the smallest stride when AR wins) are each re-run
+      for one burst after their own ``period`` of steps of the winner. A burst that confirms the choice sets the
+      explored neighbour's period to the larger of its double (up to ``max_period``) and the period at which one
+      burst of it costs at most its share of ``explore_cost`` (the neighbours share it) of the time between its
+      bursts, the loss judged ``confidence`` standard errors smaller (:meth:`_affordable`); the first choice does
+      so for every neighbour; a burst that flips the choice sets every period back to ``period``. So a far slower loser is
       re-tried rarely from the first choice on, not after a run of doublings: drafting at 0.7x AR (the default
       30-minute quickstart checkpoint on a 2-core AVX2 CPU) cost a first process 6-7% of its tokens/s over 16
       prompts x 64 tokens when the period doubled from 24 (0.93x AR measured, 0.95x in the simulation of
@@ -366,10 +367,13 @@ class MeasuredDraft(AlwaysDraft):
                 return self._start_burst(b, m, rows)
         return best
 
+    def _drafting_rate(self, b: _Bucket) -> float | None:
+        """The fastest measured drafting mode's committed tokens/s in this bucket (None before any)."""
+        return max((r for m in self.drafts if (r := b.window[m].rate()) is not None), default=None)
+
     def _record(self, b: _Bucket, best: int) -> dict:
         """What :class:`PolicyMemory` keeps of a bucket: the choice, its neighbours' longest period, the rates."""
-        top = max((r for m in self.drafts if (r := b.window[m].rate()) is not None), default=0.0)
-        rates = [top, b.window[AR].rate() or 0.0]
+        rates = [self._drafting_rate(b) or 0.0, b.window[AR].rate() or 0.0]
         period = max(b.period[m] for m in self._neighbours(best))
         record: dict = {"draft": best != AR, "period": period, "tok_s": [round(r, 2) for r in rates]}
         if self.strides is not None:
@@ -418,7 +422,7 @@ class MeasuredDraft(AlwaysDraft):
         when it chooses strides, the stride it drafts at."""
         k = self.bucket_of(rows)
         b = self.buckets.get(k)
-        d = max((r for m in self.drafts if (r := b.window[m].rate()) is not None), default=None) if b else None
+        d = self._drafting_rate(b) if b else None
         a = b.window[AR].rate() if b else None
         best = self._decided(k)
         prior = b.prior if b else None

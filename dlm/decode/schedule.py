@@ -172,11 +172,11 @@ class MeasuredDraft(AlwaysDraft):
       explored neighbour's period to the larger of its double (up to ``max_period``) and the period at which one
       burst of it costs at most its share of ``explore_cost`` (the neighbours share it) of the time between its
       bursts, the loss judged ``confidence`` standard errors smaller (:meth:`_affordable`); the first choice does
-      so for every neighbour; a burst that flips the choice sets every period back to ``period``. So a far slower loser is
-      re-tried rarely from the first choice on, not after a run of doublings: drafting at 0.7x AR (the default
-      30-minute quickstart checkpoint on a 2-core AVX2 CPU) cost a first process 6-7% of its tokens/s over 16
-      prompts x 64 tokens when the period doubled from 24 (0.93x AR measured, 0.95x in the simulation of
-      tests/test_decode_schedule.py) and ~1-2% now (0.98-0.99x simulated).
+      so for every neighbour; a burst that flips the choice sets every period back to ``period``. So a far
+      slower loser is re-tried rarely from the first choice on, not after a run of doublings: drafting at 0.7x
+      AR (the default 30-minute quickstart checkpoint on a 2-core AVX2 CPU) cost a first process 6-7% of its
+      tokens/s over 16 prompts x 64 tokens when the period doubled from 24 (0.93x AR measured, 0.95x in the
+      simulation of tests/test_decode_schedule.py) and ~1-2% now (0.98-0.99x simulated).
     - ``margin``: drafting must beat AR (and a larger stride the best smaller one) by this fraction (drafting
       changes the sampling draws and costs memory; at parity AR is the safer pick; and a window of drafting steps
       is a noisy estimate - a row's tokens per step vary 1..N with the text - so a small lead is often noise: with

@@ -281,6 +281,15 @@ def main(argv=None) -> int:
                         else None
                     ),
                     "engine_steps": d["dlm_engine_steps_total"],
+                    # ISD decode steps by what the policy chose: "ar" or the stride drafted at (from /metrics)
+                    "isd_steps": {
+                        **(
+                            {"ar": d['dlm_isd_steps_total{mode="ar"}']} if 'dlm_isd_steps_total{mode="ar"}' in d else {}
+                        ),
+                        **{
+                            k.split('"')[1]: v for k, v in d.items() if k.startswith("dlm_isd_draft_steps_total{") and v
+                        },
+                    },
                 }
                 # greedy: every decoder must serve the same text for the same request as the first decoder
                 ref = {(r["round"], r["request"]): r["text"] for r in raw[(decodes[0], c)]["res"]}
@@ -317,6 +326,13 @@ def main(argv=None) -> int:
                 for d in others
             ]
             print(f"{c:>4} " + " ".join(f"{x:>18.2f}" for x in ratios))
+    policy = [r for r in rows if r["isd_steps"]]
+    if policy:
+        print()
+        print("ISD engine steps by the policy's choice (ar, or the stride drafted at):")
+        for r in policy:
+            steps = ", ".join(f"{k}: {v:.0f}" for k, v in sorted(r["isd_steps"].items()))
+            print(f"  {r['decode']} c={r['concurrency']}: {steps}")
     if args.output:
         tmp = args.output + ".tmp"
         with open(tmp, "w") as f:

@@ -380,11 +380,31 @@ def test_models_health_metrics(server, client):
     assert 1.0 <= values["dlm_tokens_per_forward"] <= 3.0  # stride 3: at most 3 tokens per forward
     assert values["dlm_draft_proposed_total"] > 0
     assert values['dlm_isd_steps_total{mode="draft"}'] > 0 and values['dlm_isd_steps_total{mode="ar"}'] == 0
+    # every drafting step at the fixed --stride 3
+    assert values['dlm_isd_draft_steps_total{stride="3"}'] == values['dlm_isd_steps_total{mode="draft"}']
     verify_rows = values['dlm_isd_verify_rows_total{next="verify"}'] + values['dlm_isd_verify_rows_total{next="cold"}']
     assert 0 < verify_rows <= values["dlm_forwards_total"]
     assert (
         values['dlm_time_to_first_token_seconds_bucket{le="+Inf"}'] == values["dlm_time_to_first_token_seconds_count"]
     )
+
+
+def test_metrics_count_isd_steps_by_the_stride_the_policy_chose():
+    """A policy that chooses the stride per step: /metrics says how many drafting steps ran at each stride, beside
+    the draft / ar split (the counters are the decoder's, copied at each engine step)."""
+    from dlm.decode.isd.stats import StepCounts
+    from dlm.serve.metrics import Metrics
+
+    counts, metrics = StepCounts(), Metrics()
+    for stride in (0, 2, 2, 3, 0, 2, 4):  # 0: a plain AR step
+        counts.step(stride > 0, stride)
+        metrics.on_step(0, 1, counts)
+    text = metrics.render()
+    assert 'dlm_isd_steps_total{mode="draft"} 5' in text and 'dlm_isd_steps_total{mode="ar"} 2' in text
+    for stride, n in ((2, 3), (3, 1), (4, 1)):
+        assert f'dlm_isd_draft_steps_total{{stride="{stride}"}} {n}' in text
+    assert 'stride="0"' not in text
+    assert "# TYPE dlm_isd_draft_steps_total counter" in text
 
 
 # -- bad input ------------------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ Exposed (all prefixed ``dlm_``):
   ``engine_steps_total``, ``tokens_per_forward`` (generation tokens / request-forwards since start);
 - ``draft_proposed_total``, ``draft_accepted_total``, ``draft_acceptance`` (ISD acceptance, all draft positions);
 - ``isd_steps_total{mode}``: ISD decode steps that drafted / ran plain AR steps (``--isd-draft-budget``);
+- ``isd_draft_steps_total{stride}``: ISD drafting steps by the stride they drafted at;
 - ``isd_verify_rows_total{next}``: ISD verify row-steps whose outcome had its masks in the chunk (``verify``: the
   next step verifies again) or not (``cold``: a cold start follows), see ``--isd-fallback``;
 - ``queue_length`` (requests waiting for a batch slot), ``running_requests`` (in the running batch);
@@ -22,6 +23,10 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import defaultdict
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dlm.decode.isd.stats import StepCounts
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -64,6 +69,7 @@ class Metrics:
         self.proposed = 0
         self.accepted = 0
         self.isd_steps: dict = {}
+        self.isd_strides: dict = {}
         self.isd_branches: dict = {}
         self.queue_length = 0
         self.running = 0
@@ -77,18 +83,18 @@ class Metrics:
         self,
         queue_length: int,
         running: int,
-        isd_steps: dict | None = None,
-        isd_branches: dict | None = None,
+        isd: StepCounts | None = None,
         prefix_tokens: int | None = None,
     ) -> None:
+        """One engine step ran; ``isd``: the ISD decoder's step counters (None for other decoders)."""
         with self.lock:
             self.steps += 1
             self.queue_length, self.running = queue_length, running
             self.prefix_tokens = prefix_tokens
-            if isd_steps is not None:
-                self.isd_steps = dict(isd_steps)
-            if isd_branches is not None:
-                self.isd_branches = dict(isd_branches)
+            if isd is not None:
+                self.isd_steps = dict(isd.mode_steps)
+                self.isd_strides = dict(isd.stride_steps)
+                self.isd_branches = dict(isd.branch_steps)
 
     def set_load(self, queue_length: int, running: int) -> None:
         with self.lock:
@@ -178,6 +184,14 @@ class Metrics:
                     "counter",
                     "ISD decode steps by mode: draft (ISD chunks) or ar (plain AR steps chosen by --isd-draft-budget).",
                     [(f'{{mode="{k}"}}', v) for k, v in sorted(self.isd_steps.items())],
+                )
+            if self.isd_strides:
+                metric(
+                    "isd_draft_steps_total",
+                    "counter",
+                    "ISD drafting steps by the stride they drafted at (the measured policy chooses it where no "
+                    "--stride is given).",
+                    [(f'{{stride="{k}"}}', v) for k, v in sorted(self.isd_strides.items())],
                 )
             if self.isd_branches:
                 hit = self.isd_branches.get("predicted", 0)

@@ -149,8 +149,7 @@ class Scheduler:
         self.metrics.on_step(
             waiting,
             running,
-            getattr(self.engine.decoder, "mode_steps", None),
-            getattr(self.engine.decoder, "branch_steps", None),
+            getattr(self.engine.decoder, "counts", None),
             self.engine.prefix.stored_tokens if self.engine.prefix is not None else None,
         )
 

@@ -12,6 +12,14 @@ row is the cost of one verify forward (2N-1 = 3 tokens at N=2) relative to the e
 AR is TPF / that ratio; the tokens are not counted since an untrained mask row drafts nothing useful). The header
 prints the CPU model, the instruction set the kernels run, the kernel choice made at attach and the load average.
 Without llama-cpp-python its rows are left out.
+
+With ``--checkpoint`` (an I-DLM made from the same model, e.g. ``dlm quickstart``'s ``train_b2``), the same
+methods also decode the checkpoint's own held-out chat prompts end to end (context ``chat``: ``--chat-prompts``
+prompts, ``--tokens`` new tokens each, tokens/s over the decode time) beside ISD on the checkpoint: its default
+(the measured policy, which chose what it learnt in the warm-up) and drafting at N=2 on every step. The base
+model's AR and llama.cpp decode the same prompt ids; greedy ISD's tokens equal the engine's AR (checked).
+
+    python bench/cpu_vs_llamacpp.py --threads 2 --contexts 128 --checkpoint runs/quickstart/train_b2
 """
 
 from __future__ import annotations
@@ -62,6 +70,30 @@ def engine_ms(engine, prompts: list[list[int]], steps: int) -> float:
     for i in ids:
         engine.pop_result(i)
     return dt / steps * 1e3
+
+
+def engine_tokens_ms(engine, prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
+    """ms per generated token of ``engine`` decoding each prompt alone (batch 1) for ``tokens`` new tokens after
+    the first (prefill and the first token not timed), and the tokens."""
+    from dlm.decode.sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=tokens + 1, ignore_eos=True, temperature=0.0)
+    dt, made, out = 0.0, 0, []
+    for prompt in prompts:
+        rid = engine.add(prompt, params)
+        engine.step()  # prefill (+ the first token)
+        t = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        dt += time.perf_counter() - t
+        res = engine.pop_result(rid)
+        made += len(res.token_ids) - 1
+        out.append(res.token_ids)
+    return dt / made * 1e3, out
+
+
+def llama_tokens_ms(llm, prompts: list[list[int]], tokens: int) -> float:
+    return sum(llama_ms(llm, p, tokens) for p in prompts) / len(prompts)
 
 
 def hf_ms(hf, prompt: list[int], steps: int) -> float:
@@ -119,6 +151,12 @@ def main(argv=None) -> int:
         help="llama.cpp's extra weight buffers (AMX, repacked); auto: off on a CPU with AMX, where its AMX matmul "
         "can segfault",
     )
+    ap.add_argument(
+        "--checkpoint",
+        help="an I-DLM checkpoint of the same model (e.g. dlm quickstart's train_b2): adds ISD on it, end to end, "
+        "on its held-out chat prompts",
+    )
+    ap.add_argument("--chat-prompts", type=int, default=4, help="held-out chat prompts for --checkpoint's rows")
     ap.add_argument("--json", help="also write the rows as JSON to this file")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -142,6 +180,13 @@ def main(argv=None) -> int:
 
     amx = "amx" in cpu_bf16_isa()
     extra_bufts = args.llamacpp_extra_bufts == "on" or (args.llamacpp_extra_bufts == "auto" and not amx)
+    ckpt = chat = None
+    if args.checkpoint:
+        from dlm.data.distill import builtin_instructions, chat_prompt_ids
+        from dlm.decode.configs import ISDConfig
+
+        ckpt = load_any(args.checkpoint, "idlm")
+        chat = [chat_prompt_ids(tok, x) for x in builtin_instructions("heldout", n=args.chat_prompts)]
     threads = [int(t) for t in args.threads.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = []
@@ -168,6 +213,39 @@ def main(argv=None) -> int:
                     best[k] = min(best[k], fn())
             for k, ms in best.items():
                 rows.append({"threads": th, "context": ctx, "method": k, "batch": 1, "ms": ms, "tok_s": 1e3 / ms})
+        if ckpt is not None:
+            isd_default = Engine(ckpt, ckpt.tokenizer, decoder=ISDConfig())
+            isd_n2 = Engine(ckpt, ckpt.tokenizer, decoder=ISDConfig(stride=2, draft_budget="always"))
+            made = {}
+
+            def timed(name, engine):
+                def fn():
+                    ms, made[name] = engine_tokens_ms(engine, chat, args.tokens)
+                    return ms
+
+                return fn
+
+            fns = {
+                "dlm engine ar": timed("ar", ar),
+                "dlm isd default (ckpt)": timed("default", isd_default),
+                "dlm isd N=2 always (ckpt)": timed("n2", isd_n2),
+            }
+            if llm is not None:
+                fns["llama.cpp"] = lambda: llama_tokens_ms(llm, chat, args.tokens)
+            for fn in fns.values():  # warm-up (the default policy learns here what pays)
+                fn()
+            best = {k: float("inf") for k in fns}
+            for _ in range(args.repeats):
+                for k, fn in fns.items():
+                    best[k] = min(best[k], fn())
+            if not made["default"] == made["n2"] == made["ar"]:
+                raise SystemExit("ISD on the checkpoint made other tokens than the base model's AR")
+            policy = isd_default.decoder.policy.describe(1)  # what the default chose, and the rates it measured
+            for k, ms in best.items():
+                row = {"threads": th, "context": "chat", "method": k, "batch": 1, "ms": ms, "tok_s": 1e3 / ms}
+                rows.append(dict(row, policy=policy) if k.startswith("dlm isd default") else row)
+            isd_default.close()
+            isd_n2.close()
         if args.batch > 1:
             ctx = contexts[0]
             prompts = [prompt_ids(tok, ctx + i, DEFAULT_DATA)[i:] for i in range(args.batch)]
@@ -205,7 +283,10 @@ def main(argv=None) -> int:
         x_hf = r["tok_s"] / hf_r["tok_s"] if hf_r else float("nan")
         x_ll = r["tok_s"] / ll["tok_s"] if ll else float("nan")
         note = ""
-        if r["method"].startswith("dlm isd") and "dlm engine ar" in ref:
+        if r["method"].startswith("dlm isd") and r["method"].endswith("(ckpt)"):
+            note = f"  ({ref['dlm engine ar']['ms'] / r['ms']:.2f}x the base model's AR)"
+            x_hf = float("nan")
+        elif r["method"].startswith("dlm isd") and "dlm engine ar" in ref:
             note = f"  ({r['ms'] / ref['dlm engine ar']['ms']:.2f}x the AR step)"
             x_hf = x_ll = float("nan")
         print(

@@ -192,7 +192,9 @@ def main(argv=None) -> int:
     rows = []
     for th in threads:
         torch.set_num_threads(th)
-        ar, isd = Engine(dlm, tok, decoder="ar"), Engine(dlm, tok, decoder="isd", stride=2)
+        # the verify row drafts at every step (the default policy would step AR on this model's untrained masks)
+        ar = Engine(dlm, tok, decoder="ar")
+        isd = Engine(dlm, tok, decoder="isd", stride=2, draft_budget="always")
         llm = None
         if llama_cpp is not None and gguf is not None:
             llm = llama_model(llama_cpp, gguf, max(contexts) + args.tokens + 8, th, extra_bufts)

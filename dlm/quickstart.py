@@ -376,7 +376,11 @@ def measure(cfg: QuickstartConfig, model_dir: Path | None, log) -> dict:
         }
         if auto:  # what the policy measured over the run and chose, and how many steps drafted
             steps_by_stride = {str(n): k for n, k in sorted(eng.decoder.counts.stride_steps.items())}
-            row["policy"] = {**eng.decoder.policy.describe(1), **eng.decoder.mode_steps, "strides": steps_by_stride}
+            row["policy"] = {
+                **eng.decoder.policy.describe(1),
+                **eng.decoder.counts.mode_steps,
+                "strides": steps_by_stride,
+            }
         rows.append(row)
         n_label = "" if row["stride"] is None else f" N={row['stride']}"
         log(

@@ -83,7 +83,7 @@ def both(dlm, make, prompts, params, batch_size, monkeypatch):
             b.stats.proposed,
             b.stats.accepted,
         )
-    assert fused.branch_steps == ref.branch_steps and fused.mode_steps == ref.mode_steps
+    assert fused.counts.branch_steps == ref.counts.branch_steps and fused.counts.mode_steps == ref.counts.mode_steps
     assert fused._calib.counts == ref._calib.counts
     for rid, g in g_fused.items():
         if params[rid].seed is not None:  # the same draws, in the same order

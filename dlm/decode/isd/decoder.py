@@ -61,7 +61,7 @@ class ISDDecoder(Decoder):
         self._trees = LayoutCache()
         self._window_cache: dict[tuple[int, ...], list[int]] = {}  # (stride, *branches) -> _windows(branches)
         self._calib = policy.AcceptCalibration()
-        self.counts = StepCounts()
+        self.counts = StepCounts()  # steps by mode, stride and verify outcome (/metrics, quickstart, bench)
         # refuses a bad value at construction, before the model is checked; rebuilt in check_model for the stride
         self.policy: policy.DraftPolicy = policy.make_policy(draft_budget, stride or 2)
         self._drafting = True  # this step's choice (plan_step)
@@ -99,16 +99,6 @@ class ISDDecoder(Decoder):
     def n(self) -> int:
         """This step's stride: :attr:`n_max` unless the measured policy chose a smaller one."""
         return self._n if self._n is not None else self.n_max
-
-    @property
-    def branch_steps(self) -> dict[str, int]:
-        """Verify steps, and those whose outcome had its drafts' masks in the chunk (for /metrics)."""
-        return self.counts.branch_steps
-
-    @property
-    def mode_steps(self) -> dict[str, int]:
-        """Decode steps by the policy's choice: drafting or plain AR (for /metrics)."""
-        return self.counts.mode_steps
 
     @property
     def verify_len(self) -> int:

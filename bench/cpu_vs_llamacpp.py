@@ -96,6 +96,17 @@ def llama_tokens_ms(llm, prompts: list[list[int]], tokens: int) -> float:
     return sum(llama_ms(llm, p, tokens) for p in prompts) / len(prompts)
 
 
+def best_of(fns: dict, repeats: int) -> dict:
+    """Each method's best ms over ``repeats`` interleaved runs, after one warm-up run of each."""
+    for fn in fns.values():
+        fn()
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            best[k] = min(best[k], fn())
+    return best
+
+
 def hf_ms(hf, prompt: list[int], steps: int) -> float:
     ids = torch.tensor([prompt])
     kw = {"do_sample": False, "pad_token_id": 0}
@@ -207,13 +218,7 @@ def main(argv=None) -> int:
             }
             if llm is not None:
                 fns["llama.cpp"] = lambda: llama_ms(llm, prompt, args.tokens)
-            for fn in fns.values():  # warm-up
-                fn()
-            best = {k: float("inf") for k in fns}
-            for _ in range(args.repeats):
-                for k, fn in fns.items():
-                    best[k] = min(best[k], fn())
-            for k, ms in best.items():
+            for k, ms in best_of(fns, args.repeats).items():
                 rows.append({"threads": th, "context": ctx, "method": k, "batch": 1, "ms": ms, "tok_s": 1e3 / ms})
         if ckpt is not None:
             isd_default = Engine(ckpt, ckpt.tokenizer, decoder=ISDConfig())
@@ -234,12 +239,7 @@ def main(argv=None) -> int:
             }
             if llm is not None:
                 fns["llama.cpp"] = lambda: llama_tokens_ms(llm, chat, args.tokens)
-            for fn in fns.values():  # warm-up (the default policy learns here what pays)
-                fn()
-            best = {k: float("inf") for k in fns}
-            for _ in range(args.repeats):
-                for k, fn in fns.items():
-                    best[k] = min(best[k], fn())
+            best = best_of(fns, args.repeats)  # (the default policy learns in the warm-up what pays)
             if not made["default"] == made["n2"] == made["ar"]:
                 raise SystemExit("ISD on the checkpoint made other tokens than the base model's AR")
             policy = isd_default.decoder.policy.describe(1)  # what the default chose, and the rates it measured

@@ -15,7 +15,7 @@ stock time at both row counts. Rounds are added (up to :data:`MAX_ROUNDS`) while
 :data:`MARGIN` of 1. So one slow moment (a compile, another job) moves one round, not the median.
 
 The decision is cached per CPU model, instruction set, torch version, thread count and model shape
-(``$DLM_CACHE_DIR`` or ``~/.cache/dlm``, file ``cpu_kernel_choice.json``). A measurement that contradicts the
+(``$DLM_HOME``, default ``~/.cache/dlm``, file ``cpu_kernel_choice.json``). A measurement that contradicts the
 same machine's decisions for its other model shapes is taken again before it is cached; a cached decision for
 the stock layers is measured again until a second independent measurement confirms it; and the engine drops a
 cached decision (:func:`forget`) when it observes its 1-row steps much slower than the decision predicted, so

@@ -60,7 +60,8 @@ def read_prompts(path: Path, n: int) -> list[str]:
 def next_verify(engine) -> float | None:
     """Share of an ISD engine's verify steps whose outcome had its masks in the chunk, so that the next step
     verified again instead of cold-starting (``--isd-fallback``; 'off' gives the acceptance of all drafts)."""
-    b = getattr(getattr(engine, "decoder", None), "branch_steps", None)
+    counts = getattr(getattr(engine, "decoder", None), "counts", None)
+    b = counts.branch_steps if counts is not None else None
     return b["predicted"] / b["verify"] if b and b["verify"] else None
 
 
@@ -78,7 +79,7 @@ def policy_steps(engine) -> dict | None:
     dec = getattr(engine, "decoder", None)
     if not isinstance(getattr(dec, "policy", None), MeasuredDraft):
         return None
-    return {"ar": dec.mode_steps["ar"], **{f"N={n}": k for n, k in sorted(dec.counts.stride_steps.items())}}
+    return {"ar": dec.counts.mode_steps["ar"], **{f"N={n}": k for n, k in sorted(dec.counts.stride_steps.items())}}
 
 
 def fresh_policy(engine):

@@ -374,7 +374,7 @@ def test_a_policy_that_changes_the_stride_keeps_greedy_isd_equal_to_ar():
             out = eng.generate(PROMPTS, params)
             assert [r.token_ids for r in out] == ar, (seed, batched)
             assert set(policy.seen) == {0, 2, 3, 4}
-            assert sum(eng.decoder.counts.stride_steps.values()) == eng.decoder.mode_steps["draft"] > 0
+            assert sum(eng.decoder.counts.stride_steps.values()) == eng.decoder.counts.mode_steps["draft"] > 0
             assert len(out[0].stats.proposed) <= 3 and sum(sum(r.stats.proposed) for r in out) > 0
     bad = RandomStrides([5])
     with pytest.raises(DLMError, match="stride 2..4"):

@@ -504,6 +504,22 @@ def test_decoder_stack_check_refuses_a_stack_path_that_differs(monkeypatch):
     cpu.detach(model)
 
 
+@needs_kernel
+def test_attach_inside_inference_mode_fuses_the_layers_and_the_stack(monkeypatch):
+    """An engine built inside ``torch.inference_mode()`` attaches the same fused forwards as one built outside: the
+    decoder layers and the stack checked and patched (the checks used to fail on inference tensors, and the cached
+    failure kept the whole process on the per-op path)."""
+    from dlm.testing import make_model
+
+    for key in list(runtime.CHECKED):  # a fresh check, made inside inference mode
+        monkeypatch.delitem(runtime.CHECKED, key)
+    model = make_model("llama", hidden=64, heads=4, kv_heads=2)
+    with torch.inference_mode():
+        assert cpu.attach(model)
+        assert runtime.patched(model.model) and all(runtime.patched(m) for m in model.model.layers)
+    cpu.detach(model)
+
+
 def _q4_1_form(n, k, g):
     """A weight as GGUF's Q4_1 dequantizes it: per 32 inputs (d * q) + m, d and m fp16 values, q in 0..15 (the
     block's smallest weight has q = 0, its largest q = 15, as the quantizer makes them)."""

@@ -191,7 +191,7 @@ def attach(model: nn.Module, options: KernelOptions | None = None) -> Attached:
     """:func:`_attach`, and what it did logged (``dlm generate -v`` shows it). Out of inference mode whatever the
     caller's (an engine built inside ``torch.inference_mode()``): the fused forwards' checks copy layers and read
     weight versions, which inference tensors do not have, so each check failed there and the failure, cached per
-    class, kept every model of the process on the per-op path (2.2x the decode time of SmolLM2-135M)."""
+    class, kept every model of the process on the per-op path (about twice the decode time of SmolLM2-135M)."""
     with torch.inference_mode(False):
         handle = _attach(model, options)
     log.info("CPU kernels: %s", handle.describe())

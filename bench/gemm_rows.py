@@ -15,7 +15,8 @@ memory-bound (every weight read once, 2 FLOPs each), so a few more rows need not
 (AVX-512) blas costs 1.19x / 1.65x / 2.07x of its 1-row time at M = 3 / 4 / 8, the kernel, which streams a
 pre-packed weight with prefetching and keeps 8 rows' accumulators in registers, 0.99x / 1.01x / 1.07x.
 ``--weights gguf`` makes every weight exactly GGUF Q4_1 values (the lm_head Q8_0), as in the embedded SmolLM2, so
-the kernel streams them compressed and rebuilds them (once per call past one register pass of rows).
+the kernel streams them compressed and rebuilds them (once per call past one register pass of rows);
+``--weights gguf-int8`` takes the Q4_1 ones with int8 activations (integer dot products, ``DLM_CPU_ACTIVATIONS``).
 ``--attention S`` adds the decode attention: M rows of one query each over each layer's own cache of S keys (a
 distinct cache per layer in a buffer twice as long, as the engine's growing cache keeps it: cold in cache, as in a
 batched decode step, where 16 rows x 128 keys are ~3.6 MB of keys and values a layer), through SDPA (blas) and the
@@ -82,8 +83,8 @@ def pack(w: torch.Tensor, weights: str) -> torch.Tensor:
     from dlm.decode.cpu import packing
 
     ext = cpu_kernels.extension()
-    if weights == "gguf":
-        packed = packing.quant_pack(w, ext)
+    if weights.startswith("gguf"):
+        packed = packing.quant_pack(w, ext, "int8" if weights == "gguf-int8" else "f32")
         if packed is not None and packed[1] is None:
             return packed[0]
     return ext.pack(w, False)
@@ -106,9 +107,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--weights",
-        choices=("f32", "gguf"),
+        choices=("f32", "gguf", "gguf-int8"),
         default="f32",
-        help="f32: random fp32 weights (fp32 packing); gguf: exact Q4_1 values (lm_head Q8_0), packed compressed",
+        help="f32: random fp32 weights (fp32 packing); gguf: exact Q4_1 values (lm_head Q8_0), packed compressed; "
+        "gguf-int8: the same, the Q4_1 weights taking int8 activations (KernelOptions.activations)",
     )
     ap.add_argument("--attention", type=int, default=0, help="also time the decode attention over S cached keys")
     ap.add_argument("--head-dim", type=int, default=64)
@@ -142,7 +144,7 @@ def main(argv=None) -> int:
     nbytes = 0
     for name, out_f, in_f, calls in shapes:
         n = args.layers * calls if calls else 1
-        if args.weights == "gguf":
+        if args.weights.startswith("gguf"):
             kind = "q4_1" if calls else "q8_0"
             ws = [gguf_form(out_f, in_f, kind, g) for _ in range(n)]
         else:

@@ -603,6 +603,127 @@ def test_quantized_weights_rebuilt_once_for_many_rows_give_each_row_its_one_row_
             assert torch.equal(both[0], y) and torch.equal(both[1], ext.linear(x, p2, n, None, None)), rows
 
 
+def _gguf_like():
+    """A tiny Llama in the embedded SmolLM2's layout: Q4_1 projections, a Q8_0 tied embedding / lm_head."""
+    from dlm.testing import make_model
+
+    g = torch.Generator().manual_seed(1)
+    model = make_model("llama", hidden=128, heads=4, kv_heads=2, vocab_size=320, tie=True)
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod is not model.lm_head:
+                mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
+        model.get_input_embeddings().weight.copy_(_q8_0_form(*model.get_input_embeddings().weight.shape, g))
+    return model
+
+
+def _int8_reference(x, w):
+    """What the int8-activation kernel computes for Q4_1-form ``w [n, k]`` (layout.h, kind Q4_1_I8), in float64
+    from the integer parts: per 32 inputs dx = max|x| / 127, q = round(x / dx), sx = sum(x); each block adds
+    (d * dx) * sum(q_w * q_x) + m * sx."""
+    n, k = w.shape
+    xb = x.reshape(x.shape[0], k // 32, 32)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    qx = torch.where(dx > 0, torch.round(xb / torch.where(dx > 0, dx, torch.ones_like(dx))), torch.zeros_like(xb))
+    d, qw, m, done = packing._fit_blocks(w.reshape(n, k // 32, 32), 16)
+    assert bool(done.all())
+    isum = torch.einsum("mbk,nbk->mnb", qx.double(), qw.double())
+    return ((d[..., 0] * 1.0).double()[None] * dx[..., 0].double()[:, None] * isum).sum(-1) + (
+        m[..., 0].double()[None] * xb.sum(-1).double()[:, None]
+    ).sum(-1)
+
+
+@needs_kernel
+def test_int8_activations_take_q4_1_weights_as_integer_dot_products(each_isa):
+    """With activations "int8" a Q4_1-form weight whose scales and minima are fp16 values (as GGUF stores them)
+    packs in the integer-dot layout (640 bytes per block, GGUF's own size): each output equals the int8 scheme
+    computed from its integer parts (to fp32 rounding), lies within the activations' rounding of the fp32 result,
+    and is bit for bit the same whatever the other rows are - through linear (with a bias and an fp32 tail),
+    linear_add_, gate_up and linears sharing one input with an fp32 weight. A block whose minimum is not an fp16
+    value keeps the exact Q4_1 layout."""
+    g = torch.Generator().manual_seed(5)
+    for n, k in ((100, 64), (300, 576), (64, 1536)):
+        w, w2, b = _q4_1_form(n, k, g), _q4_1_form(n, k, g), torch.randn(n, generator=g)
+        (p, tail), p2 = packing.quant_pack(w, ext, "int8"), packing.quant_pack(w2, ext, "int8")[0]
+        assert tail is None and p.dtype == torch.uint8 and p.shape[-1] == 640 and p2.shape[-1] == 640
+        f = ext.pack(torch.randn(40, k, generator=g), False)
+        for rows in (1, 2, 3, 5, 8, 9, 17, 33):
+            x = torch.randn(rows, k, generator=g)
+            y = ext.linear(x, p, n, b, None)
+            ref = _int8_reference(x, w) + b.double()
+            torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
+            full = x @ w.T + b
+            assert float((y - full).abs().max()) < 0.05 * float(full.abs().max()), rows
+            one = [x[i : i + 1] for i in range(rows)]
+            assert torch.equal(y, torch.cat([ext.linear(r, p, n, b, None) for r in one])), rows
+            base = torch.randn(rows, n, generator=g)
+            added = base.clone()
+            ext.linear_add_(added, x, p)
+            assert torch.equal(added, torch.cat([ext.linear(r, p, n, None, None) + base[i] for i, r in enumerate(one)]))
+            gu = ext.gate_up(x, p, p2, n)
+            assert torch.equal(gu, torch.cat([ext.gate_up(r, p, p2, n) for r in one])), rows
+            torch.testing.assert_close(gu, nn.functional.silu(y - b) * ext.linear(x, p2, n, None, None))
+            both = ext.linears(x, [p, f], [n, 40], [b, torch.empty(0)])
+            assert torch.equal(both[0], y) and torch.equal(both[1], ext.linear(x, f, 40, None, None)), rows
+        wide = torch.cat([w, torch.randn(3, k, generator=g)])  # rows past the form: an fp32 tail
+        p3, tail = packing.quant_pack(wide, ext, "int8")
+        assert p3.shape[-1] == 640 and tail.dtype == torch.float32
+        x = torch.randn(4, k, generator=g)
+        y, fit = ext.linear(x, p3, n + 3, None, tail), p3.shape[0] * 32  # (whole blocks of 32 columns)
+        assert torch.equal(y[:, :fit], ext.linear(x, p, n, None, None)[:, :fit])
+        assert torch.equal(y[:, fit:], ext.linear(x, ext.pack(wide[fit:], False), n + 3 - fit, None, None))
+    d = (torch.rand(64, 2, 1, generator=g) * 0.01 + 1e-4).half().float()
+    q = torch.randint(0, 16, (64, 2, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    m = (-torch.rand(64, 2, 1, generator=g) * 0.05).half().float()
+    m[5, 1] += 1e-7  # one block's minimum off the fp16 grid: still exactly Q4_1 in fp32, not GGUF's fp16 form
+    assert not bool((m.half().float() == m).all())
+    packed = packing.quant_pack((d * q + m).reshape(64, 64), ext, "int8")
+    assert packed is not None and packed[0].shape[-1] == 768
+
+
+@needs_kernel
+def test_int8_activations_in_the_engine_keep_isd_equal_to_ar(each_isa):
+    """KernelOptions(activations="int8") on a GGUF-form model: its Q4_1 layers pack in the integer-dot layout,
+    greedy ISD equals greedy AR token for token on those kernels, and a chunk's logits stay near the fp32 path's
+    (the activations' rounding); the option is the attach's own, and a bad DLM_CPU_ACTIVATIONS names itself."""
+    from dlm.decode.engine import Engine
+    from dlm.decode.sampling import SamplingParams
+    from dlm.model.convert import convert_ar_to_dlm
+    from dlm.testing import make_tokenizer
+
+    logits, sizes = {}, {}
+    for acts in ("f32", "int8"):
+        dlm = convert_ar_to_dlm(_gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
+        options = EngineOptions(kernels=cpu.KernelOptions(mode="on", activations=acts))
+        outs = [
+            Engine(dlm, decoder=d, options=options).generate(
+                [[5, 6, 7, 8], [9, 3]], SamplingParams(max_new_tokens=12, temperature=0.0)
+            )
+            for d in ("ar", "isd")
+        ]
+        assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]], acts
+        sizes[acts] = {
+            p.packed.shape[-1] for p in map(packed_of, dlm.modules()) if p is not None and p.packed.dtype == torch.uint8
+        }
+        with torch.no_grad(), cpu.active():
+            logits[acts] = dlm(input_ids=torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])).logits
+        cpu.detach(dlm)
+    assert sizes == {"f32": {768}, "int8": {640}}
+    assert not torch.equal(logits["f32"], logits["int8"])
+    assert float((logits["f32"] - logits["int8"]).abs().max()) < 0.05 * float(logits["f32"].abs().max())
+
+
+def test_activations_option_is_checked(monkeypatch):
+    monkeypatch.setenv("DLM_CPU_ACTIVATIONS", "int4")
+    with pytest.raises(Exception, match="DLM_CPU_ACTIVATIONS='int4'"):
+        cpu.KernelOptions.from_env()
+    monkeypatch.setenv("DLM_CPU_ACTIVATIONS", "INT8")
+    assert cpu.KernelOptions.from_env().activations == "int8"
+    with pytest.raises(Exception, match="KernelOptions.activations"):
+        cpu.KernelOptions(activations="bf16")
+
+
 @needs_kernel
 def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypatch, each_isa):
     """A Llama whose projections are Q4_1 values and whose embedding / lm_head is Q8_0 (the embedded SmolLM2's
@@ -611,23 +732,13 @@ def test_engine_on_a_quantized_form_model_matches_fp32_packing_exactly(monkeypat
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.model.convert import convert_ar_to_dlm
-    from dlm.testing import make_model, make_tokenizer
-
-    def gguf_like():
-        g = torch.Generator().manual_seed(1)
-        model = make_model("llama", hidden=128, heads=4, kv_heads=2, vocab_size=320, tie=True)
-        with torch.no_grad():
-            for mod in model.modules():
-                if isinstance(mod, nn.Linear) and mod is not model.lm_head:
-                    mod.weight.copy_(_q4_1_form(*mod.weight.shape, g))
-            model.get_input_embeddings().weight.copy_(_q8_0_form(*model.get_input_embeddings().weight.shape, g))
-        return model
+    from dlm.testing import make_tokenizer
 
     runs = {}
     for quant in ("0", "1"):
         monkeypatch.setenv(cpu.QUANT_ENV, quant)
         # the mask token is a row added to the tied embedding / lm_head: off the Q8_0 grid, an fp32 tail
-        dlm = convert_ar_to_dlm(gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
+        dlm = convert_ar_to_dlm(_gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
         outs = []
         for decoder in ("ar", "isd"):
             engine = Engine(dlm, decoder=decoder)

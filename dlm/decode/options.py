@@ -75,7 +75,8 @@ class EngineOptions:
     """Compact the dynamic KV cache once more than this share of its positions are holes (finished rows' room)."""
     kernels: KernelOptions | None = None
     """How the CPU kernels run on the model (:class:`dlm.decode.cpu.KernelOptions`); None: from the environment
-    (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``) when the engine attaches them."""
+    (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``, ``DLM_CPU_ACTIVATIONS``) when the engine attaches
+    them."""
 
     def __post_init__(self):
         b = self.max_batch_size

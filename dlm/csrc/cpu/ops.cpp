@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -19,7 +20,8 @@ bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
   if (std::string(isa) == "avx512")
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
+           __builtin_cpu_supports("fma");
   if (std::string(isa) == "avx2") return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
 #endif
   return std::string(isa) == "generic";
@@ -52,12 +54,15 @@ WB wb_of(const at::Tensor& t) {
   WB w;
   w.p = static_cast<const char*>(t.data_ptr());
   if (t.scalar_type() == at::kFloat) { w.kind = F32; w.K = t.size(1); w.bytes = w.K * COLS * 4; }
-  else if (t.scalar_type() == at::kByte) { w.kind = Q4_1; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4B; }
+  else if (t.scalar_type() == at::kByte && t.size(2) == Q4IB) {
+    w.kind = Q4_1_I8; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4IB;
+  } else if (t.scalar_type() == at::kByte) { w.kind = Q4_1; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4B; }
   else {
     TORCH_CHECK(t.scalar_type() == at::kChar, "dlm_cpu: packed weight of an unknown kind");
     w.kind = Q8_0; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q8B;
   }
-  TORCH_CHECK(w.kind == F32 || t.size(2) == (w.kind == Q4_1 ? Q4B : Q8B), "dlm_cpu: bad quantized block size");
+  TORCH_CHECK(w.kind == F32 || w.kind == Q4_1_I8 || t.size(2) == (w.kind == Q4_1 ? Q4B : Q8B),
+              "dlm_cpu: bad quantized block size");
   return w;
 }
 
@@ -79,21 +84,41 @@ void parallel_chunks(int64_t n, const F& f, int64_t per_thread = 8) {
 // chunks per thread of a pass over weight column blocks for M rows
 inline int64_t chunks_per_thread(int64_t M) { return M >= 4 ? 8 : 2; }
 
+// The input rows of a call as the kernels take them: fp32 (x, row stride ldx) and, where a weight of the call is of
+// kind Q4_1_I8, quantized once for all its column blocks (q: qrow_bytes(K) per row; empty where none is)
+struct Rows {
+  const float* x;
+  int64_t ldx;
+  std::vector<char> q;
+  Rows(const float* x_, int64_t M, int64_t ldx_, int64_t K, bool quantize) : x(x_), ldx(ldx_) {
+    if (!quantize) return;
+    const int64_t lq = qrow_bytes(K);
+    q.resize(M * lq);
+    for (int64_t m = 0; m < M; m++) T->quantize_row(x + m * ldx, K, q.data() + m * lq);
+  }
+};
+
 // M rows of x against column block nb of w (the kernel takes them in register passes of T->rows)
-inline void rows_n(int64_t M, const float* x, int64_t ldx, const WB& w, int64_t nb, float* out, int64_t ldo,
-                   int64_t ncols, const float* bias, float alpha, bool accumulate) {
-  T->block(w.kind, M, x, ldx, w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
+inline void rows_n(int64_t M, const Rows& x, const WB& w, int64_t nb, float* out, int64_t ldo, int64_t ncols,
+                   const float* bias, float alpha, bool accumulate) {
+  if (w.kind == Q4_1_I8) {
+    TORCH_CHECK(!x.q.empty(), "dlm_cpu: int8 weights without quantized inputs");
+    T->dot_block(M, x.q.data(), w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
+  } else {
+    T->block(w.kind, M, x.x, x.ldx, w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
+  }
 }
 
 // out[M, N] (row stride ldo) = x @ W.T (+ bias) or += alpha * x @ W.T; column blocks past NB come from tail
 void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N, const float* bp, float* op,
                  int64_t ldo, float alpha, bool accumulate, const WB* tail = nullptr, int64_t NBT = 0) {
+  const Rows x(xp, M, w.K, w.K, w.kind == Q4_1_I8 || (NBT && tail->kind == Q4_1_I8));
   auto blocks = [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; nb++) {
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
       const WB& ww = nb < NB ? w : *tail;
-      rows_n(M, xp, w.K, ww, nb < NB ? nb : nb - NB, op + nb * COLS, ldo, ncols, bp ? bp + nb * COLS : nullptr,
-             alpha, accumulate);
+      rows_n(M, x, ww, nb < NB ? nb : nb - NB, op + nb * COLS, ldo, ncols, bp ? bp + nb * COLS : nullptr, alpha,
+             accumulate);
     }
   };
   parallel_chunks(NB + NBT, blocks, chunks_per_thread(M));
@@ -163,11 +188,23 @@ void linears_into(const std::vector<const float*>& xs, const std::vector<int64_t
   const int64_t P = (int64_t)ws.size();
   std::vector<int64_t> start(P + 1, 0);
   for (int64_t i = 0; i < P; i++) start[i + 1] = start[i] + nbs[i];
+  std::vector<std::unique_ptr<Rows>> own(P);  // each distinct input once (quantized once where a weight wants it)
+  std::vector<const Rows*> of(P);
+  for (int64_t i = 0; i < P; i++) {
+    int64_t first = 0;
+    while (xs[first] != xs[i]) first++;
+    if (first == i) {
+      bool quantize = false;
+      for (int64_t j = i; j < P; j++) quantize |= xs[j] == xs[i] && ws[j].kind == Q4_1_I8;
+      own[i] = std::make_unique<Rows>(xs[i], ms[i], K, K, quantize);
+    }
+    of[i] = own[first].get();
+  }
   parallel_chunks(start[P], [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; blk++) {
       int64_t i = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1;
       int64_t nb = blk - start[i], N = ns[i];
-      rows_n(ms[i], xs[i], K, ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
+      rows_n(ms[i], *of[i], ws[i], nb, op[i] + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS),
              bp[i] ? bp[i] + nb * COLS : nullptr, 1.0f, false);
     }
   }, chunks_per_thread(ms[0]));
@@ -276,13 +313,13 @@ at::Tensor gate_up(at::Tensor x, at::Tensor packed_g, at::Tensor packed_u, int64
               packed_u.size(0) == packed_g.size(0), "dlm_cpu.gate_up: bad shapes");
   int64_t M = x.size(0), K = x.size(1), NB = packed_g.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const Rows xr(x.data_ptr<float>(), M, K, K, wg.kind == Q4_1_I8 || wu.kind == Q4_1_I8);
   float* op = out.data_ptr<float>();
   parallel_chunks(NB, [&](int64_t b0, int64_t b1) {
     std::vector<float> g(M * COLS), u(M * COLS), s(COLS);
     for (int64_t nb = b0; nb < b1; nb++) {
-      rows_n(M, xp, K, wg, nb, g.data(), COLS, COLS, nullptr, 1.f, false);
-      rows_n(M, xp, K, wu, nb, u.data(), COLS, COLS, nullptr, 1.f, false);
+      rows_n(M, xr, wg, nb, g.data(), COLS, COLS, nullptr, 1.f, false);
+      rows_n(M, xr, wu, nb, u.data(), COLS, COLS, nullptr, 1.f, false);
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
       for (int64_t m = 0; m < M; m++) {
         T->silu_mul(g.data() + m * COLS, u.data() + m * COLS, s.data(), COLS);
@@ -406,8 +443,9 @@ std::vector<at::Tensor> layer_in_impl(at::Tensor x, at::Tensor nw, double eps, a
         int64_t j = std::upper_bound(start.begin(), start.end(), blk) - start.begin() - 1, i = adapters[j];
         int64_t nb = blk - start[j], N = ns[i];
         for (size_t x = 0; x < runs.size(); x += 3)
-          rows_n(runs[x + 2], u.data() + (i * n + runs[x]) * r, r, lora->b[i], nb, op[i] + runs[x + 1] * N + nb * COLS,
-                 N, std::min<int64_t>(COLS, N - nb * COLS), nullptr, lora->scale, true);
+          rows_n(runs[x + 2], Rows(u.data() + (i * n + runs[x]) * r, runs[x + 2], r, r, false), lora->b[i], nb,
+                 op[i] + runs[x + 1] * N + nb * COLS, N, std::min<int64_t>(COLS, N - nb * COLS), nullptr,
+                 lora->scale, true);
       }
     }, chunks_per_thread(n));
   }

@@ -29,8 +29,10 @@ with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a mic
 machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
 ``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
 ``DLM_CPU_QUANT=0`` keeps every weight fp32-packed; ``DLM_CPU_ADAPTERS=f32`` keeps the gated adapters exact (by
-default 8-bit blocks: they only propose drafts). These three are read into one :class:`KernelOptions` at attach,
-unless the caller passes one (``attach(model, options)``, ``EngineOptions(kernels=...)``).
+default 8-bit blocks: they only propose drafts); ``DLM_CPU_ACTIVATIONS=int8`` has GGUF Q4_1 layers take int8
+activations (integer dot products, as llama.cpp computes them: faster, not the fp32 result). These are read into
+one :class:`KernelOptions` at attach, unless the caller passes one (``attach(model, options)``,
+``EngineOptions(kernels=...)``).
 
 Use: ``handle = attach(model)`` packs and patches (truthy where the kernels are in use; ``handle.choice`` says
 why); ``handle.detach()`` gives every patched module its own forward back and frees the packed copies (the last
@@ -230,13 +232,14 @@ def _attach(model: nn.Module, options: KernelOptions | None) -> Attached:
     if options.mode == "on":
         ch = _choice.Choice(use=True, quant=options.quant, isa=ops.isa(), forced=f"{ENV}=1")
     else:
-        key = _choice.cache_key(layers, ops.isa())
+        key = _choice.cache_key(layers, ops.isa(), options.activations)
         ch = _choice.cached(key)
         if ch is not None and not ch.use and ch.confirmed < _choice.CONFIRM:
             ch = None  # a decision for the stock layers is measured again until a second measurement confirms it
         if ch is not None and not ch.use:
             return Attached(model, False, ch)
-    packs = [(m, packing.pack(m, ops, quant=options.quant and (ch.quant if ch is not None else True))) for m in layers]
+    quant = options.quant and (ch.quant if ch is not None else True)
+    packs = [(m, packing.pack(m, ops, quant, options.activations)) for m in layers]
     if ch is None:
         ch = _choice.choose(packs, ops, key, names)
         if not ch.use:

@@ -119,9 +119,12 @@ def machine_key(isa: str) -> str:
     return "|".join([cpu_name(), isa, torch.__version__, str(torch.get_num_threads()), "v" + VERSION])
 
 
-def cache_key(layers: list[nn.Module], isa: str) -> str:
+def cache_key(layers: list[nn.Module], isa: str, activations: str = "f32") -> str:
+    """The choice cache's key: this machine and ISA, the layers' shapes and forms, and (where not the default
+    fp32) how the Q4_1 forms take their activations - a different kernel, measured on its own."""
     sig = json.dumps(signature(layers))
-    return machine_key(isa) + "|" + hashlib.sha1(sig.encode()).hexdigest()[:12]
+    key = machine_key(isa) + "|" + hashlib.sha1(sig.encode()).hexdigest()[:12]
+    return key if activations == "f32" else key + "|" + activations
 
 
 _STORED = ("cached", "forced")

@@ -68,10 +68,12 @@ def probe_form(w: torch.Tensor) -> str:
     return "f32"
 
 
-def quant_pack(w: torch.Tensor, ops):
+def quant_pack(w: torch.Tensor, ops, activations: str = "f32"):
     """``w [N, K]`` packed in the Q4_1 (uint8) or Q8_0 (int8) layout where its blocks fit, as (packed, tail): tail
     the fp32 packing of the last rows when only they do not fit (tokens added to a GGUF model's vocabulary, e.g. the
-    mask token), else None; or None where the weight is in neither form."""
+    mask token), else None; or None where the weight is in neither form. ``activations="int8"``: Q4_1 weights
+    whose scales and minima are fp16 values (as GGUF stores them) take the int8-activation layout (layout.h, kind
+    Q4_1_I8: integer dot products, not the fp32 result)."""
     n, k = w.shape
     if k % 32 or n * k < _Q_MIN_WEIGHTS:
         return None
@@ -86,6 +88,8 @@ def quant_pack(w: torch.Tensor, ops):
             continue
         tail = ops.pack(w[n_fit:], False) if n_fit < n else None
         d, q, m = d[:n_fit], q[:n_fit], (m[:n_fit] if m is not None else None)
+        if levels == 16 and activations == "int8" and _halves(d) and _halves(m):
+            return _q4_i8_layout(d, q, m), tail
         if levels == 16:
             dd = _columns(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]: 32 fp32 scales
             mm = _columns(m)[..., 0].contiguous().view(torch.uint8)
@@ -103,6 +107,24 @@ def _columns(t: torch.Tensor) -> torch.Tensor:
     if n % 32:
         t = torch.cat([t, t.new_zeros(-n % 32, kb, c)])
     return t.reshape(-1, 32, kb, c).permute(0, 2, 1, 3)
+
+
+def _halves(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is an fp16 value (stored as one without loss)."""
+    return bool((t.half().float() == t).all())
+
+
+def _q4_i8_layout(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The int8-activation Q4_1 layout (uint8 [NB, K / 32, 640], layout.h kind Q4_1_I8) of ``d``, ``m`` [n, K / 32,
+    1] (fp16 values) and ``q`` [n, K / 32, 32] (0..15): per block 32 fp16 scales, 32 fp16 minima, then per group of 4
+    inputs byte 4 * c + i = column c's input (low nibble) and column c + 16's (high nibble)."""
+    dd = _columns(d)[..., 0].half().contiguous().view(torch.uint8)  # [nb, kb, 64]
+    mm = _columns(m)[..., 0].half().contiguous().view(torch.uint8)
+    qq = _columns(q).to(torch.uint8)  # [nb, kb, 32 columns, 32 inputs]
+    nib = qq[:, :, :16] | (qq[:, :, 16:] << 4)  # [nb, kb, 16, 32]
+    nb, kb = nib.shape[:2]
+    groups = nib.reshape(nb, kb, 16, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 512)
+    return torch.cat([dd, mm, groups], dim=-1).contiguous()
 
 
 def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -131,14 +153,14 @@ def q8_rounded(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 class Packed:
     """A linear layer's weight as the kernels read it, held by the layer's kernel forward (nothing is stored on
     the module): ``packed`` (and ``tail``: the fp32 packing of last rows a quantized form does not fit, else
-    None), ``out`` its output width, ``quant`` whether a quantized form may be used, and what the copy was made
-    from (``ptr``: the weight's storage, ``version``: its in-place version) so that a replaced or modified weight
-    is packed again (:meth:`fresh`)."""
+    None), ``out`` its output width, ``quant`` whether a quantized form may be used, ``activations`` how a Q4_1
+    form takes its inputs (:func:`quant_pack`), and what the copy was made from (``ptr``: the weight's storage,
+    ``version``: its in-place version) so that a replaced or modified weight is packed again (:meth:`fresh`)."""
 
-    __slots__ = ("packed", "tail", "out", "ptr", "version", "quant")
+    __slots__ = ("packed", "tail", "out", "ptr", "version", "quant", "activations")
 
-    def __init__(self, module: nn.Module, ops, quant: bool = True):
-        self.quant = quant
+    def __init__(self, module: nn.Module, ops, quant: bool = True, activations: str = "f32"):
+        self.quant, self.activations = quant, activations
         self.pack(module, ops)
 
     def pack(self, module: nn.Module, ops) -> None:
@@ -147,7 +169,8 @@ class Packed:
         w = module.weight
         transposed = not isinstance(module, nn.Linear)
         with torch.no_grad():
-            packed = quant_pack(w.detach().t() if transposed else w.detach(), ops) if self.quant else None
+            wt = w.detach().t() if transposed else w.detach()
+            packed = quant_pack(wt, ops, self.activations) if self.quant else None
             self.packed, self.tail = packed if packed is not None else (ops.pack(w.detach(), transposed), None)
         self.ptr, self.version = w.data_ptr(), w._version
         self.out = w.shape[1] if transposed else w.shape[0]
@@ -165,10 +188,11 @@ class Packed:
         tensors shared, the origin that of the copy's weight."""
         twin = object.__new__(Packed)
         twin.packed, twin.tail, twin.out, twin.quant = self.packed, self.tail, self.out, self.quant
+        twin.activations = self.activations
         twin.ptr, twin.version = module.weight.data_ptr(), module.weight._version
         return twin
 
 
-def pack(module: nn.Module, ops, quant: bool = True) -> Packed:
+def pack(module: nn.Module, ops, quant: bool = True, activations: str = "f32") -> Packed:
     """``module``'s weight packed for the kernels (:class:`Packed`)."""
-    return Packed(module, ops, quant)
+    return Packed(module, ops, quant, activations)

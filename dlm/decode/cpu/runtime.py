@@ -24,6 +24,12 @@ ATTEND_MAX_QUERIES = 16  # decode chunks (1 .. 2N-1 tokens, candidate trees up t
 
 ADAPTER_ENV = "DLM_CPU_ADAPTERS"
 ADAPTER_FORMS = ("q8_0", "f32")
+ACTIVATION_ENV = "DLM_CPU_ACTIVATIONS"
+# how GGUF Q4_1 weights take their input rows: "f32" (each weight rebuilt in fp32: the model's fp32 result, bit for
+# bit the fp32 packing's) or "int8" (the rows quantized per 32 inputs and integer dot products, as llama.cpp
+# computes these weights: about twice as fast on a 2-core Zen 4, relative error ~1e-2 on each output; every row
+# still computed alone, so ISD's verify rows equal AR steps bit for bit)
+ACTIVATION_FORMS = ("f32", "int8")
 MODES = ("auto", "on", "off")
 
 
@@ -41,6 +47,8 @@ class KernelOptions:
     quant: bool = True
     # DLM_CPU_ADAPTERS: how the kernels hold the gated adapters' matrices (dlm.decode.cpu.adapters): "q8_0" or "f32"
     adapter_form: str = ADAPTER_FORMS[0]
+    # DLM_CPU_ACTIVATIONS: "f32" or "int8" (ACTIVATION_FORMS)
+    activations: str = ACTIVATION_FORMS[0]
     # a decode chunk of a stack whose every layer takes its two kernel calls runs as one decode_stack call (False:
     # the loop over the layers' bodies, bit for bit the same)
     one_call: bool = True
@@ -55,15 +63,28 @@ class KernelOptions:
             raise DLMError(
                 f"KernelOptions.adapter_form ({ADAPTER_ENV}) is one of {', '.join(ADAPTER_FORMS)}, got {self.adapter_form!r}"
             )
+        if self.activations not in ACTIVATION_FORMS:
+            raise DLMError(
+                f"KernelOptions.activations ({ACTIVATION_ENV}) is one of {', '.join(ACTIVATION_FORMS)}, "
+                f"got {self.activations!r}"
+            )
 
     @classmethod
     def from_env(cls, **fields) -> KernelOptions:
-        """The options the environment gives (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``), with
-        ``fields`` set on top (``KernelOptions.from_env(one_call=False)``)."""
+        """The options the environment gives (``DLM_CPU_KERNEL``, ``DLM_CPU_QUANT``, ``DLM_CPU_ADAPTERS``,
+        ``DLM_CPU_ACTIVATIONS``), with ``fields`` set on top (``KernelOptions.from_env(one_call=False)``)."""
         form = (env(ADAPTER_ENV) or ADAPTER_FORMS[0]).strip().lower()
         if form not in ADAPTER_FORMS:
             raise DLMError(f"{ADAPTER_ENV}={form!r}: expected one of {', '.join(ADAPTER_FORMS)}")
-        given = {"mode": mode(), "quant": (env(QUANT_ENV) or "1").strip() != "0", "adapter_form": form}
+        acts = (env(ACTIVATION_ENV) or ACTIVATION_FORMS[0]).strip().lower()
+        if acts not in ACTIVATION_FORMS:
+            raise DLMError(f"{ACTIVATION_ENV}={acts!r}: expected one of {', '.join(ACTIVATION_FORMS)}")
+        given = {
+            "mode": mode(),
+            "quant": (env(QUANT_ENV) or "1").strip() != "0",
+            "adapter_form": form,
+            "activations": acts,
+        }
         return cls(**{**given, **fields})
 
 

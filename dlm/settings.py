@@ -24,7 +24,7 @@ VARIABLES: dict[str, str] = {
     "DLM_VLLM_VENV": "where `scripts/install_vllm.sh` puts vLLM's environment (default `$DLM_HOME/venv-vllm`)",
     "DLM_VLLM_PYTHON": "the Python that runs vLLM for `dlm serve --engine vllm` (default: the venv above's)",
     "DLM_CPU_KERNEL": "the CPU decode kernels: `auto` (where measured faster, default), `1` / `on`, `0` / `off`",
-    "DLM_CPU_ISA": "the kernels' instruction set: `auto` (the best the CPU has), `avx512`, `avx2`, `generic`",
+    "DLM_CPU_ISA": "the kernels' instruction set: `auto` (the best the CPU has), `avx512vnni`, `avx512`, `avx2`, `generic`",
     "DLM_CPU_QUANT": "`0` keeps GGUF-quantized layers out of the kernels' packed form (default `1`)",
     "DLM_CPU_ADAPTERS": "the kernels' form for gated adapters: `q8_0` (8-bit blocks, default) or `f32`",
     "DLM_CPU_ACTIVATIONS": "how GGUF Q4_1 layers take their inputs in the kernels: `f32` (exact, default) or `int8` "

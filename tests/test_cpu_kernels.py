@@ -617,40 +617,41 @@ def _gguf_like():
     return model
 
 
-def _int8_reference(x, w):
-    """What the int8-activation kernel computes for Q4_1-form ``w [n, k]`` (layout.h, kind Q4_1_I8), in float64
-    from the integer parts: per 32 inputs dx = max|x| / 127, q = round(x / dx), sx = sum(x); each block adds
-    (d * dx) * sum(q_w * q_x) + m * sx."""
+def _int8_reference(x, w, levels=16):
+    """What the int8-activation kernels compute for Q4_1-form (``levels`` 16) or Q8_0-form (256) ``w [n, k]``
+    (layout.h, kinds Q4_1_I8 / Q8_0_I8), in float64 from the integer parts: per 32 inputs dx = max|x| / 127,
+    q = round(x / dx), sx = sum(x); each block adds (d * dx) * sum(q_w * q_x) (+ m * sx for Q4_1)."""
     n, k = w.shape
     xb = x.reshape(x.shape[0], k // 32, 32)
     dx = xb.abs().amax(-1, keepdim=True) / 127
     qx = torch.where(dx > 0, torch.round(xb / torch.where(dx > 0, dx, torch.ones_like(dx))), torch.zeros_like(xb))
-    d, qw, m, done = packing._fit_blocks(w.reshape(n, k // 32, 32), 16)
+    d, qw, m, done = packing._fit_blocks(w.reshape(n, k // 32, 32), levels)
     assert bool(done.all())
     isum = torch.einsum("mbk,nbk->mnb", qx.double(), qw.double())
-    return ((d[..., 0] * 1.0).double()[None] * dx[..., 0].double()[:, None] * isum).sum(-1) + (
-        m[..., 0].double()[None] * xb.sum(-1).double()[:, None]
-    ).sum(-1)
+    out = (d[..., 0].double()[None] * dx[..., 0].double()[:, None] * isum).sum(-1)
+    return out if m is None else out + (m[..., 0].double()[None] * xb.sum(-1).double()[:, None]).sum(-1)
 
 
 @needs_kernel
-def test_int8_activations_take_q4_1_weights_as_integer_dot_products(each_isa):
-    """With activations "int8" a Q4_1-form weight whose scales and minima are fp16 values (as GGUF stores them)
-    packs in the integer-dot layout (640 bytes per block, GGUF's own size): each output equals the int8 scheme
-    computed from its integer parts (to fp32 rounding), lies within the activations' rounding of the fp32 result,
-    and is bit for bit the same whatever the other rows are - through linear (with a bias and an fp32 tail),
-    linear_add_, gate_up and linears sharing one input with an fp32 weight. A block whose minimum is not an fp16
-    value keeps the exact Q4_1 layout."""
+@pytest.mark.parametrize("form", ["q4_1", "q8_0"])
+def test_int8_activations_take_gguf_weights_as_integer_dot_products(form, each_isa):
+    """With activations "int8" a Q4_1-form weight whose scales and minima are fp16 values (as GGUF stores them),
+    or a Q8_0-form one, packs in its integer-dot layout (640 / 1152 bytes per block): each output equals the int8
+    scheme computed from its integer parts (to fp32 rounding), lies within the activations' rounding of the fp32
+    result, and is bit for bit the same whatever the other rows are - through linear (with a bias and an fp32
+    tail), linear_add_, gate_up and linears sharing one input with an fp32 weight. A Q4_1 block whose minimum is
+    not an fp16 value keeps the exact layout."""
     g = torch.Generator().manual_seed(5)
+    make, levels, size = (_q4_1_form, 16, 640) if form == "q4_1" else (_q8_0_form, 256, 1152)
     for n, k in ((100, 64), (300, 576), (64, 1536)):
-        w, w2, b = _q4_1_form(n, k, g), _q4_1_form(n, k, g), torch.randn(n, generator=g)
+        w, w2, b = make(n, k, g), make(n, k, g), torch.randn(n, generator=g)
         (p, tail), p2 = packing.quant_pack(w, ext, "int8"), packing.quant_pack(w2, ext, "int8")[0]
-        assert tail is None and p.dtype == torch.uint8 and p.shape[-1] == 640 and p2.shape[-1] == 640
+        assert tail is None and p.dtype == torch.uint8 and p.shape[-1] == size and p2.shape[-1] == size
         f = ext.pack(torch.randn(40, k, generator=g), False)
         for rows in (1, 2, 3, 5, 8, 9, 17, 33):
             x = torch.randn(rows, k, generator=g)
             y = ext.linear(x, p, n, b, None)
-            ref = _int8_reference(x, w) + b.double()
+            ref = _int8_reference(x, w, levels) + b.double()
             torch.testing.assert_close(y.double(), ref, rtol=0, atol=2e-6 * float(ref.abs().max()))
             full = x @ w.T + b
             assert float((y - full).abs().max()) < 0.05 * float(full.abs().max()), rows
@@ -667,11 +668,13 @@ def test_int8_activations_take_q4_1_weights_as_integer_dot_products(each_isa):
             assert torch.equal(both[0], y) and torch.equal(both[1], ext.linear(x, f, 40, None, None)), rows
         wide = torch.cat([w, torch.randn(3, k, generator=g)])  # rows past the form: an fp32 tail
         p3, tail = packing.quant_pack(wide, ext, "int8")
-        assert p3.shape[-1] == 640 and tail.dtype == torch.float32
+        assert p3.shape[-1] == size and tail.dtype == torch.float32
         x = torch.randn(4, k, generator=g)
         y, fit = ext.linear(x, p3, n + 3, None, tail), p3.shape[0] * 32  # (whole blocks of 32 columns)
         assert torch.equal(y[:, :fit], ext.linear(x, p, n, None, None)[:, :fit])
         assert torch.equal(y[:, fit:], ext.linear(x, ext.pack(wide[fit:], False), n + 3 - fit, None, None))
+    if form == "q8_0":  # (a Q8_0 block's scale is max|w| / 127, so its values are -127..127)
+        return
     d = (torch.rand(64, 2, 1, generator=g) * 0.01 + 1e-4).half().float()
     q = torch.randint(0, 16, (64, 2, 32), generator=g).float()
     q[..., 0], q[..., 1] = 0, 15
@@ -683,10 +686,11 @@ def test_int8_activations_take_q4_1_weights_as_integer_dot_products(each_isa):
 
 
 @needs_kernel
-def test_int8_activations_in_the_engine_keep_isd_equal_to_ar(each_isa):
-    """KernelOptions(activations="int8") on a GGUF-form model: its Q4_1 layers pack in the integer-dot layout,
-    greedy ISD equals greedy AR token for token on those kernels, and a chunk's logits stay near the fp32 path's
-    (the activations' rounding); the option is the attach's own, and a bad DLM_CPU_ACTIVATIONS names itself."""
+def test_int8_activations_in_the_engine_keep_isd_equal_to_ar(each_isa, monkeypatch):
+    """KernelOptions(activations="int8") on a GGUF-form model: its Q4_1 layers and its Q8_0 lm_head pack in the
+    integer-dot layouts, the fused decoder layers and stack still pass their checks (made under int8 here), greedy
+    ISD equals greedy AR token for token on those kernels, and a chunk's logits stay near the fp32 path's (the
+    activations' rounding)."""
     from dlm.decode.engine import Engine
     from dlm.decode.sampling import SamplingParams
     from dlm.model.convert import convert_ar_to_dlm
@@ -694,22 +698,32 @@ def test_int8_activations_in_the_engine_keep_isd_equal_to_ar(each_isa):
 
     logits, sizes = {}, {}
     for acts in ("f32", "int8"):
+        for key in list(runtime.CHECKED):  # each fused form checked again, with these kernels
+            monkeypatch.delitem(runtime.CHECKED, key)
         dlm = convert_ar_to_dlm(_gguf_like(), "idlm", block_size=2, tokenizer=make_tokenizer(320))
         options = EngineOptions(kernels=cpu.KernelOptions(mode="on", activations=acts))
-        outs = [
-            Engine(dlm, decoder=d, options=options).generate(
-                [[5, 6, 7, 8], [9, 3]], SamplingParams(max_new_tokens=12, temperature=0.0)
-            )
-            for d in ("ar", "isd")
-        ]
+        outs, calls = [], {}
+        for d in ("ar", "isd"):
+            engine = Engine(dlm, decoder=d, options=options)
+            counting = CallCounter(runtime.STATE.ops)
+            monkeypatch.setattr(runtime.STATE, "ops", counting)
+            outs.append(engine.generate([[5, 6, 7, 8], [9, 3]], SamplingParams(max_new_tokens=12, temperature=0.0)))
+            monkeypatch.setattr(runtime.STATE, "ops", counting.mod)
+            calls[d] = counting.calls.get("decode_stack", 0)
+        assert calls["ar"] > 0 and calls["isd"] > 0, (acts, calls)
         assert [r.token_ids for r in outs[0]] == [r.token_ids for r in outs[1]], acts
         sizes[acts] = {
-            p.packed.shape[-1] for p in map(packed_of, dlm.modules()) if p is not None and p.packed.dtype == torch.uint8
+            (str(p.packed.dtype), p.packed.shape[-1])
+            for p in map(packed_of, dlm.modules())
+            if p is not None and p.packed.dtype != torch.float32
         }
         with torch.no_grad(), cpu.active():
             logits[acts] = dlm(input_ids=torch.tensor([[5, 6, 7, 8, dlm.mask_token_id]])).logits
         cpu.detach(dlm)
-    assert sizes == {"f32": {768}, "int8": {640}}
+    assert sizes == {
+        "f32": {("torch.uint8", 768), ("torch.int8", 1152)},
+        "int8": {("torch.uint8", 640), ("torch.uint8", 1152)},
+    }
     assert not torch.equal(logits["f32"], logits["int8"])
     assert float((logits["f32"] - logits["int8"]).abs().max()) < 0.05 * float(logits["f32"].abs().max())
 

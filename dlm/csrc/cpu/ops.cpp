@@ -19,6 +19,7 @@ namespace {
 bool cpu_has(const char* isa) {
 #if defined(__x86_64__) || defined(_M_X64)
   __builtin_cpu_init();
+  if (std::string(isa) == "avx512vnni") return cpu_has("avx512") && __builtin_cpu_supports("avx512vnni");
   if (std::string(isa) == "avx512")
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
            __builtin_cpu_supports("fma");
@@ -29,6 +30,7 @@ bool cpu_has(const char* isa) {
 
 const KernelTable* table_of(const std::string& name) {
   if (!cpu_has(name.c_str())) return nullptr;
+  if (name == "avx512vnni") return table_avx512vnni();
   if (name == "avx512") return table_avx512();
   if (name == "avx2") return table_avx2();
   if (name == "generic") return table_generic();
@@ -36,7 +38,7 @@ const KernelTable* table_of(const std::string& name) {
 }
 
 const KernelTable* best() {
-  for (const char* n : {"avx512", "avx2", "generic"})
+  for (const char* n : {"avx512vnni", "avx512", "avx2", "generic"})
     if (const KernelTable* t = table_of(n)) return t;
   return table_generic();
 }
@@ -56,12 +58,14 @@ WB wb_of(const at::Tensor& t) {
   if (t.scalar_type() == at::kFloat) { w.kind = F32; w.K = t.size(1); w.bytes = w.K * COLS * 4; }
   else if (t.scalar_type() == at::kByte && t.size(2) == Q4IB) {
     w.kind = Q4_1_I8; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4IB;
+  } else if (t.scalar_type() == at::kByte && t.size(2) == Q8IB) {
+    w.kind = Q8_0_I8; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q8IB;
   } else if (t.scalar_type() == at::kByte) { w.kind = Q4_1; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q4B; }
   else {
     TORCH_CHECK(t.scalar_type() == at::kChar, "dlm_cpu: packed weight of an unknown kind");
     w.kind = Q8_0; w.K = t.size(1) * 32; w.bytes = t.size(1) * Q8B;
   }
-  TORCH_CHECK(w.kind == F32 || w.kind == Q4_1_I8 || t.size(2) == (w.kind == Q4_1 ? Q4B : Q8B),
+  TORCH_CHECK(w.kind == F32 || int8_kind(w.kind) || t.size(2) == (w.kind == Q4_1 ? Q4B : Q8B),
               "dlm_cpu: bad quantized block size");
   return w;
 }
@@ -84,8 +88,8 @@ void parallel_chunks(int64_t n, const F& f, int64_t per_thread = 8) {
 // chunks per thread of a pass over weight column blocks for M rows
 inline int64_t chunks_per_thread(int64_t M) { return M >= 4 ? 8 : 2; }
 
-// The input rows of a call as the kernels take them: fp32 (x, row stride ldx) and, where a weight of the call is of
-// kind Q4_1_I8, quantized once for all its column blocks (q: qrow_bytes(K) per row; empty where none is)
+// The input rows of a call as the kernels take them: fp32 (x, row stride ldx) and, where a weight of the call is
+// of an int8-activation kind, quantized once for all its column blocks (q: qrow_bytes(K) per row; empty where none is)
 struct Rows {
   const float* x;
   int64_t ldx;
@@ -101,9 +105,9 @@ struct Rows {
 // M rows of x against column block nb of w (the kernel takes them in register passes of T->rows)
 inline void rows_n(int64_t M, const Rows& x, const WB& w, int64_t nb, float* out, int64_t ldo, int64_t ncols,
                    const float* bias, float alpha, bool accumulate) {
-  if (w.kind == Q4_1_I8) {
+  if (int8_kind(w.kind)) {
     TORCH_CHECK(!x.q.empty(), "dlm_cpu: int8 weights without quantized inputs");
-    T->dot_block(M, x.q.data(), w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
+    T->dot_block(w.kind, M, x.q.data(), w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
   } else {
     T->block(w.kind, M, x.x, x.ldx, w.p + nb * w.bytes, w.K, out, ldo, ncols, bias, alpha, accumulate);
   }
@@ -112,7 +116,7 @@ inline void rows_n(int64_t M, const Rows& x, const WB& w, int64_t nb, float* out
 // out[M, N] (row stride ldo) = x @ W.T (+ bias) or += alpha * x @ W.T; column blocks past NB come from tail
 void linear_into(const float* xp, int64_t M, const WB& w, int64_t NB, int64_t N, const float* bp, float* op,
                  int64_t ldo, float alpha, bool accumulate, const WB* tail = nullptr, int64_t NBT = 0) {
-  const Rows x(xp, M, w.K, w.K, w.kind == Q4_1_I8 || (NBT && tail->kind == Q4_1_I8));
+  const Rows x(xp, M, w.K, w.K, int8_kind(w.kind) || (NBT && int8_kind(tail->kind)));
   auto blocks = [&](int64_t b0, int64_t b1) {
     for (int64_t nb = b0; nb < b1; nb++) {
       int64_t ncols = std::min<int64_t>(COLS, N - nb * COLS);
@@ -148,7 +152,7 @@ std::string set_isa(std::string name) {
 // the instruction sets this CPU can run, best first, comma separated
 std::string isas() {
   std::string s;
-  for (const char* n : {"avx512", "avx2", "generic"})
+  for (const char* n : {"avx512vnni", "avx512", "avx2", "generic"})
     if (table_of(n)) s += (s.empty() ? "" : ",") + std::string(n);
   return s;
 }
@@ -195,7 +199,7 @@ void linears_into(const std::vector<const float*>& xs, const std::vector<int64_t
     while (xs[first] != xs[i]) first++;
     if (first == i) {
       bool quantize = false;
-      for (int64_t j = i; j < P; j++) quantize |= xs[j] == xs[i] && ws[j].kind == Q4_1_I8;
+      for (int64_t j = i; j < P; j++) quantize |= xs[j] == xs[i] && int8_kind(ws[j].kind);
       own[i] = std::make_unique<Rows>(xs[i], ms[i], K, K, quantize);
     }
     of[i] = own[first].get();
@@ -313,7 +317,7 @@ at::Tensor gate_up(at::Tensor x, at::Tensor packed_g, at::Tensor packed_u, int64
               packed_u.size(0) == packed_g.size(0), "dlm_cpu.gate_up: bad shapes");
   int64_t M = x.size(0), K = x.size(1), NB = packed_g.size(0);
   auto out = torch::empty({M, N}, x.options());
-  const Rows xr(x.data_ptr<float>(), M, K, K, wg.kind == Q4_1_I8 || wu.kind == Q4_1_I8);
+  const Rows xr(x.data_ptr<float>(), M, K, K, int8_kind(wg.kind) || int8_kind(wu.kind));
   float* op = out.data_ptr<float>();
   parallel_chunks(NB, [&](int64_t b0, int64_t b1) {
     std::vector<float> g(M * COLS), u(M * COLS), s(COLS);

@@ -4,7 +4,8 @@ The sources are compiled once per source version and torch version with torch's 
 on 2 cores; needs a C++ compiler and ninja), cached under ``TORCH_EXTENSIONS_DIR``, and loaded as the torch
 operators ``torch.ops.dlm_cpu.*``. The build is portable: no ``-march=native``; each instruction set's kernels
 (AVX-512, AVX2 + FMA, and a generic baseline) are compiled in their own file with a target pragma, and the one to
-use is picked at run time from CPUID - the best the CPU runs, or ``DLM_CPU_ISA=avx512|avx2|generic``.
+use is picked at run time from CPUID - the best the CPU runs, or ``DLM_CPU_ISA=avx512vnni|avx512|avx2|generic``
+(avx512vnni: the AVX-512 kernels with VNNI's dot products for the int8-activation layers; the rest the same).
 
 ``DLM_CPU_KERNEL``: ``auto`` (default: the kernels are used where a micro-benchmark at attach finds them faster
 than torch's own layers on this machine, see :mod:`dlm.decode.cpu.choice`), ``1`` (always, and a failed build is
@@ -27,7 +28,7 @@ from dlm.settings import env
 ENV = "DLM_CPU_KERNEL"
 ISA_ENV = "DLM_CPU_ISA"
 SOURCES = Path(__file__).resolve().parents[2] / "csrc" / "cpu"
-ISAS = ("avx512", "avx2", "generic")
+ISAS = ("avx512vnni", "avx512", "avx2", "generic")
 _FLAGS = ["-O3", "-fopenmp"]  # -fopenmp: at::parallel_for is inline; without it, one thread
 
 _built: list = []  # [torch.ops.dlm_cpu or None] once tried
@@ -116,7 +117,7 @@ def extension():
 
 
 def set_isa(name: str, ops=None) -> str:
-    """Use the kernels of ``name`` (``auto``, ``avx512``, ``avx2``, ``generic``); returns the one in use."""
+    """Use the kernels of ``name`` (``auto`` or one of :data:`ISAS`); returns the one in use."""
 
     ops = ops if ops is not None else extension()
     name = (name or "auto").strip().lower()

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dlm.decode.cpu.packing import Packed, probe_form
+from dlm.decode.cpu.packing import Packed, form_name, probe_form
 from dlm.device import cpu_name
 from dlm.fsutil import read_records, write_record
 
@@ -51,7 +51,6 @@ SHARE = 0.1  # a layer kind whose time is under this share of the pass does not 
 CONFIRM = 2  # independent measurements that agree before a decision for the stock layers stays cached
 VERSION = "2"  # of the measurement: records of another version are measured again
 CACHE_FILE = "cpu_kernel_choice.json"
-FORMS = {"torch.uint8": "Q4_1", "torch.int8": "Q8_0", "torch.float32": "fp32"}
 
 
 @dataclass
@@ -209,7 +208,7 @@ def labels(layers: Packs, names: list[str]) -> list[str]:
     out = []
     for (m, p), k in zip(layers, kinds):
         short = "/".join(dict.fromkeys(x for x in members[k] if x)) or type(m).__name__
-        form = FORMS.get(str(p.packed.dtype), "fp32")
+        form = form_name(p.packed)
         out.append(f"{short} {p.out}x{m.weight.numel() // p.out} {form}")
     return out
 
@@ -302,7 +301,7 @@ def _decide(samples: dict, count: dict, label: dict, layers: list, kinds: list) 
         for r in ROWS:
             best[r] += med[(run, r, k)]
         p = first[k][1]
-        form = FORMS.get(str(p.packed.dtype), "fp32") if keep else "fp32"
+        form = form_name(p.packed) if keep else "fp32"
         path = f"kernels, {form}" + (" + fp32 tail" if keep and p.tail is not None else "")
         report[label[k]] = {
             "path": path,

@@ -125,6 +125,10 @@ def _check_layer(layer: nn.Module, parts, options: KernelOptions) -> bool:
             got = LayerForward(twin, None, parts_t, options)(
                 x, attention_mask=mask, position_embeddings=pe, position_ids=torch.arange(3)[None]
             )
+        if options.activations == "int8":
+            # a last-bit difference before a projection (SDPA's attention against the kernels') can move one input
+            # by a quantization step: held to the output's scale, where a wrong layer form misses by far more
+            return bool(torch.allclose(ref, got, rtol=1e-3, atol=1e-4 * float(ref.abs().max())))
         return bool(torch.allclose(ref, got, rtol=1e-4, atol=1e-5))
     except Exception:  # noqa: BLE001 - another layer form or signature: keep its own forward
         return False

@@ -72,8 +72,8 @@ def quant_pack(w: torch.Tensor, ops, activations: str = "f32"):
     """``w [N, K]`` packed in the Q4_1 (uint8) or Q8_0 (int8) layout where its blocks fit, as (packed, tail): tail
     the fp32 packing of the last rows when only they do not fit (tokens added to a GGUF model's vocabulary, e.g. the
     mask token), else None; or None where the weight is in neither form. ``activations="int8"``: Q4_1 weights
-    whose scales and minima are fp16 values (as GGUF stores them) take the int8-activation layout (layout.h, kind
-    Q4_1_I8: integer dot products, not the fp32 result)."""
+    whose scales and minima are fp16 values (as GGUF stores them) and Q8_0 weights without a -128 take the
+    int8-activation layouts (layout.h, kinds Q4_1_I8 and Q8_0_I8: integer dot products, not the fp32 result)."""
     n, k = w.shape
     if k % 32 or n * k < _Q_MIN_WEIGHTS:
         return None
@@ -96,6 +96,8 @@ def quant_pack(w: torch.Tensor, ops, activations: str = "f32"):
             qq = _columns(q).to(torch.uint8).transpose(2, 3)  # [nb, kb, 32 inputs, 32 columns]
             nib = (qq[..., :16] | (qq[..., 16:] << 4)).reshape(*qq.shape[:2], 512)
             return torch.cat([dd, mm, nib], dim=-1).contiguous(), tail
+        if activations == "int8" and bool((q > -128).all()):
+            return _q8_i8_layout(d, q), tail
         return _q8_layout(d, q), tail
     return None
 
@@ -107,6 +109,16 @@ def _columns(t: torch.Tensor) -> torch.Tensor:
     if n % 32:
         t = torch.cat([t, t.new_zeros(-n % 32, kb, c)])
     return t.reshape(-1, 32, kb, c).permute(0, 2, 1, 3)
+
+
+def form_name(packed: torch.Tensor) -> str:
+    """How a packed weight is held, as reports name it: ``fp32``, ``Q4_1``, ``Q8_0``, or ``Q4_1 int8`` / ``Q8_0
+    int8`` (the int8-activation layouts, told apart by their block size)."""
+    if packed.dtype == torch.float32:
+        return "fp32"
+    if packed.dtype == torch.int8:
+        return "Q8_0"
+    return {640: "Q4_1 int8", 1152: "Q8_0 int8"}.get(packed.shape[-1], "Q4_1")
 
 
 def _halves(t: torch.Tensor) -> bool:
@@ -125,6 +137,17 @@ def _q4_i8_layout(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor) -> torch.Te
     nb, kb = nib.shape[:2]
     groups = nib.reshape(nb, kb, 16, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 512)
     return torch.cat([dd, mm, groups], dim=-1).contiguous()
+
+
+def _q8_i8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The int8-activation Q8_0 layout (uint8 [NB, K / 32, 1152], layout.h kind Q8_0_I8) of ``d`` [n, K / 32, 1]
+    and ``q`` [n, K / 32, 32] (-127..127): per block 32 fp32 scales, then per group of 4 inputs byte 4 * c + i =
+    column c's input."""
+    dd = _columns(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]
+    qq = _columns(q).to(torch.int8).view(torch.uint8)  # [nb, kb, 32 columns, 32 inputs]
+    nb, kb = qq.shape[:2]
+    groups = qq.reshape(nb, kb, 32, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 1024)
+    return torch.cat([dd, groups], dim=-1).contiguous()
 
 
 def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

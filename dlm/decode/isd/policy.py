@@ -107,8 +107,8 @@ class AcceptCalibration:
 def memory_key(engine, setting: str) -> str | None:
     """Where :class:`PolicyMemory` keeps what the measured policy learnt: the model folder (its path, and the size
     and modification time of its config and weight files: a retrained folder is a new model), the machine (on a
-    CPU: its model, the kernels' ISA or 'stock', torch and its threads - :func:`dlm.decode.cpu.choice.machine_key`;
-    else the device's name) and ``setting`` (the decoder's stride, fallback, candidates). None for a model that
+    CPU: its model, the kernels' ISA (and their activations where not fp32) or 'stock', torch and its threads -
+    :func:`dlm.decode.cpu.choice.machine_key`; else the device's name) and ``setting`` (the decoder's stride, fallback, candidates). None for a model that
     was not loaded from a folder (nothing to recognise it by next time)."""
     name = getattr(engine.config, "_name_or_path", "") or ""
     folder = Path(name)
@@ -125,7 +125,8 @@ def memory_key(engine, setting: str) -> str | None:
     if engine.device.type == "cpu":
         kernels = engine.kernels
         isa = kernels.choice.isa if kernels and kernels.choice is not None else "stock"
-        machine = machine_key(isa)
+        acts = getattr(getattr(kernels, "options", None), "activations", "f32") if kernels else "f32"
+        machine = machine_key(isa if acts == "f32" else f"{isa}+{acts}")  # int8 activations: other step costs
     else:
         machine = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else engine.device.type
     return "|".join([model, machine, setting])

@@ -46,17 +46,10 @@ namespace vnni {
 #pragma GCC pop_options
 
 namespace DLM_NS {
-// one row: AVX-512BW's form, as fast or faster there on a Zen 4 (bench/gemm_rows.py --weights gguf-int8, 1 thread:
-// 4.8-5.0 ms of matmuls per forward against 5.1); more rows: VNNI's (3 rows 6.5 ms against 7.3-7.8). The integer
-// sums are exact and the float update the same code, so each row's result is the same either way.
-static void dot_block_vnni(int kind, int64_t mb, const char* xq, const char* p, int64_t K, float* out, int64_t ldo,
-                           int64_t ncols, const float* bias, float alpha, bool accumulate) {
-  (mb == 1 ? dot_block : vnni::dot_block)(kind, mb, xq, p, K, out, ldo, ncols, bias, alpha, accumulate);
-}
 static const KernelTable table_vnni = [] {
   KernelTable t = table;
   t.name = "avx512vnni";
-  t.dot_block = dot_block_vnni;
+  t.dot_block = vnni::dot_block;
   return t;
 }();
 }  // namespace DLM_NS

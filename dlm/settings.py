@@ -27,7 +27,7 @@ VARIABLES: dict[str, str] = {
     "DLM_CPU_ISA": "the kernels' instruction set: `auto` (the best the CPU has), `avx512vnni`, `avx512`, `avx2`, `generic`",
     "DLM_CPU_QUANT": "`0` keeps GGUF-quantized layers out of the kernels' packed form (default `1`)",
     "DLM_CPU_ADAPTERS": "the kernels' form for gated adapters: `q8_0` (8-bit blocks, default) or `f32`",
-    "DLM_CPU_ACTIVATIONS": "how GGUF Q4_1 layers take their inputs in the kernels: `f32` (exact, default) or `int8` "
+    "DLM_CPU_ACTIVATIONS": "how GGUF Q4_1 / Q8_0 layers take their inputs in the kernels: `f32` (exact, default) or `int8` "
     "(integer dot products as llama.cpp's: faster, ~1e-2 relative error)",
     "DLM_CPU_BF16": "training's bf16 autocast on a CPU: unset (where measured faster), `1` / `on`, `0` / `off`",
     "DLM_PREPARE_TEST_DELAY_S": "tests only: seconds `dlm prepare` sleeps after each source file (to stop it midway)",

@@ -29,7 +29,7 @@ with ``DLM_CPU_KERNEL=auto`` (the default) the kernels are used only where a mic
 machine and model shape, finds them at or under the stock layers' time (:mod:`dlm.decode.cpu.choice`).
 ``DLM_CPU_KERNEL=1`` uses them without measuring, ``=0`` never; ``DLM_CPU_ISA`` forces an instruction set;
 ``DLM_CPU_QUANT=0`` keeps every weight fp32-packed; ``DLM_CPU_ADAPTERS=f32`` keeps the gated adapters exact (by
-default 8-bit blocks: they only propose drafts); ``DLM_CPU_ACTIVATIONS=int8`` has GGUF Q4_1 layers take int8
+default 8-bit blocks: they only propose drafts); ``DLM_CPU_ACTIVATIONS=int8`` has GGUF Q4_1 / Q8_0 layers take int8
 activations (integer dot products, as llama.cpp computes them: faster, not the fp32 result). These are read into
 one :class:`KernelOptions` at attach, unless the caller passes one (``attach(model, options)``,
 ``EngineOptions(kernels=...)``).

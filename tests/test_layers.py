@@ -116,6 +116,7 @@ def test_the_cpu_kernels_python_is_split_by_concern():
         "mode",
         "quant",
         "adapter_form",
+        "activations",
         "one_call",
         "keep_plans",
     }

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,22 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def run(cmd) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
-    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    if r.returncode != 0:
+        # a rank that dies (a C++ abort in gloo prints no Python traceback) is reported by torchrun's summary at the
+        # end of stderr; its own cause is earlier, between the other rank's logs: keep the lines that name one
+        cause = [
+            line
+            for line in r.stderr.splitlines()
+            if re.search(r"Traceback|Error|error|terminate called|what\(\)|Abort|SIG[A-Z]+|exitcode", line)
+        ]
+        first = r.stderr.find("Traceback")
+        raise AssertionError(
+            f"{' '.join(map(str, cmd))}: exit {r.returncode}\n-- stdout (tail):\n{r.stdout[-2000:]}"
+            f"\n-- stderr lines naming a cause:\n"
+            + "\n".join(cause[:60])
+            + (f"\n-- first traceback:\n{r.stderr[first : first + 4000]}" if first >= 0 else "")
+            + f"\n-- stderr (tail):\n{r.stderr[-3000:]}"
+        )
 
 
 def records(out: Path) -> list[dict]:

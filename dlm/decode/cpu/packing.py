@@ -134,9 +134,7 @@ def _q4_i8_layout(d: torch.Tensor, q: torch.Tensor, m: torch.Tensor) -> torch.Te
     mm = _columns(m)[..., 0].half().contiguous().view(torch.uint8)
     qq = _columns(q).to(torch.uint8)  # [nb, kb, 32 columns, 32 inputs]
     nib = qq[:, :, :16] | (qq[:, :, 16:] << 4)  # [nb, kb, 16, 32]
-    nb, kb = nib.shape[:2]
-    groups = nib.reshape(nb, kb, 16, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 512)
-    return torch.cat([dd, mm, groups], dim=-1).contiguous()
+    return torch.cat([dd, mm, _by_4_inputs(nib)], dim=-1).contiguous()
 
 
 def _q8_i8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -145,9 +143,14 @@ def _q8_i8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     column c's input."""
     dd = _columns(d)[..., 0].contiguous().view(torch.uint8)  # [nb, kb, 128]
     qq = _columns(q).to(torch.int8).view(torch.uint8)  # [nb, kb, 32 columns, 32 inputs]
-    nb, kb = qq.shape[:2]
-    groups = qq.reshape(nb, kb, 32, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 1024)
-    return torch.cat([dd, groups], dim=-1).contiguous()
+    return torch.cat([dd, _by_4_inputs(qq)], dim=-1).contiguous()
+
+
+def _by_4_inputs(t: torch.Tensor) -> torch.Tensor:
+    """``[nb, kb, c columns, 32 inputs]`` bytes -> ``[nb, kb, 8 * c * 4]``: per group of 4 inputs, byte 4 * j + i =
+    column j's input 4 * g + i (a 32-bit lane per column, as an integer dot product of 4 bytes takes them)."""
+    nb, kb, c = t.shape[:3]
+    return t.reshape(nb, kb, c, 8, 4).permute(0, 1, 3, 2, 4).reshape(nb, kb, 32 * c)
 
 
 def _q8_layout(d: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

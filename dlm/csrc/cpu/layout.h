@@ -74,8 +74,9 @@ struct KernelTable {
   void (*rms_row)(const float* x, const float* w, float* o, int64_t D, float eps);
   // rotary embedding of one head row (half width h2): x * cos + rotate_half(x) * sin, unfused
   void (*rope_row)(const float* x, const float* c, const float* s, float* o, int64_t h2);
-  // one query's attention over S keys (row strides ks, vs; mask entries at mrow[s * ms], none: every key);
-  // w: scratch of at least S rounded up to 16 floats; D a multiple of 16
+  // one query's attention over S keys (row strides ks, vs; mask entries at mrow[s * ms], none: every key), the
+  // same whatever masked slots lie between the keys attended; w: scratch of twice S rounded up to 16 floats; D a
+  // multiple of 16
   void (*attend_query)(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const bool* mrow,
                        int64_t ms, int64_t S, int64_t D, float scale, float* w, float* o);
 };

@@ -350,7 +350,7 @@ at::Tensor attend(at::Tensor q, at::Tensor k, at::Tensor v, c10::optional<at::Te
   float* op = out.data_ptr<float>();
   const int64_t rep = H / Hk, SP = (S + 15) / 16 * 16;
   parallel_chunks(B * H, [&](int64_t i0, int64_t i1) {
-    std::vector<float> buf(SP);
+    std::vector<float> buf(2 * SP);  // (attend_query's scratch: scores, then slots)
     for (int64_t i = i0; i < i1; i++) {
       int64_t b = i / H, h = i % H, hk = h / rep;
       const float* kb = kp + b * k.stride(0) + hk * k.stride(1);

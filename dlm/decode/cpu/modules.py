@@ -20,6 +20,21 @@ from dlm.decode.cpu.runtime import (
 from dlm.model.lora import SLOT
 
 
+def kernel_rows(x: torch.Tensor, packs) -> int:
+    """How many input rows a linear call of ``x [..., K]`` hands the kernels over ``packs`` (its packed weights), or 0
+    where the module's own forward (BLAS) takes it: up to MAX_ROWS rows - decode chunks - and, for weights that take
+    int8 input rows, any batch of sequences up to MAX_ROWS tokens each. Those kernels' numbers are not BLAS's (the
+    inputs' rounding, ~1e-2 relative), so a prompt prefilled beside others must take them as it would alone: which
+    arithmetic a sequence gets then depends on its own length only, not on what shares its batch."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if 0 < rows <= MAX_ROWS:
+        return rows
+    if rows and x.dim() >= 3 and 0 < x.shape[-2] <= MAX_ROWS and all(p.int8_inputs for p in packs):
+        return rows
+    return 0
+
+
 class LinearForward(KernelForward):
     """A linear layer's forward through the kernels over its packed weight (:class:`packing.Packed`, held here),
     with a gated-LoRA linear's delta on the mask rows added after the kernel."""
@@ -37,11 +52,11 @@ class LinearForward(KernelForward):
     def __call__(self, x):
         if not STATE.depth or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
             return self.own(x)
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        if not 0 < rows <= MAX_ROWS:
-            return self.own(x)
         module, p = self.module, self.packed
+        rows = kernel_rows(x, (p,))
+        if not rows:
+            return self.own(x)
+        k = x.shape[-1]
         p.fresh(module, STATE.ops)
         x2 = x.reshape(rows, k).contiguous()
         out = STATE.ops.linear(x2, p.packed, p.out, module.bias, p.tail)
@@ -102,11 +117,11 @@ class MlpForward(KernelForward):
             or gated(up) is not None
         ):
             return stock(x)
-        k = x.shape[-1]
-        rows = x.numel() // k if k else 0
-        if not 0 < rows <= MAX_ROWS:
-            return stock(x)
         pg, pu = self.packs
+        rows = kernel_rows(x, self.packs)
+        if not rows:
+            return stock(x)
+        k = x.shape[-1]
         pg.fresh(gate, STATE.ops), pu.fresh(up, STATE.ops)
         if pg.tail is not None or pu.tail is not None:
             return stock(x)

@@ -201,6 +201,11 @@ class Packed:
         self.ptr, self.version = w.data_ptr(), w._version
         self.out = w.shape[1] if transposed else w.shape[0]
 
+    @property
+    def int8_inputs(self) -> bool:
+        """Whether the packed form multiplies int8-quantized input rows (``Q4_1 int8`` / ``Q8_0 int8``)."""
+        return self.packed.dtype == torch.uint8 and self.packed.shape[-1] in (640, 1152)
+
     def fresh(self, module: nn.Module, ops) -> None:
         """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""
         w = module._parameters.get("weight")  # (nn.Module.__getattr__ costs more than the check, 7 times a layer)

@@ -415,10 +415,10 @@ def test_prefix_cache_reuses_a_prompts_kv_with_the_same_output(decoder, static):
     assert abs(got[3].logprobs[0].logprob - want[3].logprobs[0].logprob) < 1e-4
     # each prompt's KV but its last token is stored: prompt 1 reuses the 40 shared tokens of prompt 0, prompt 2 its
     # 30, prompt 3 at least the 41 stored of prompt 0 (42 where prompt 0's finished answer is stored already); their
-    # prefills feed only the rest (ISD: and its 2 masks)
+    # prefills feed only the rest (ISD: its 2 masks after them, in a forward of their own over the prompt's KV)
     assert eng.prefix.hits == 3 and eng.prefix.reused_tokens >= 40 + 30 + 41
-    masks = 2 if decoder == "isd" else 0
-    assert {42 + masks, 4 + masks, 1 + masks, 3 + masks} <= set(fed)
+    assert {42, 4, 1, 3} <= set(fed)
+    assert (2 in fed) == (decoder == "isd")
     cache = PrefixCache(max_tokens=60, min_tokens=4)
     kv = [(torch.zeros(1, 1, 50, 2), torch.zeros(1, 1, 50, 2))]
     cache.store(list(range(31)), kv)
@@ -546,3 +546,22 @@ def test_engine_options_are_one_object_checked_once_and_loose_keywords_are_refus
         eng.add(p, SamplingParams(max_new_tokens=3, ignore_eos=True))
     eng.step()
     assert len(eng.rows) == 2 and len(eng.waiting) == 1
+
+
+def test_isd_prefill_gives_the_prompt_ars_kv_bit_for_bit():
+    """ISD feeds its first masks after the prompt in a forward of their own, so the prompt's KV is the one AR's
+    prefill makes, bit for bit, whatever the prompt's length: in one forward over prompt and masks the prompt rows'
+    attention was computed for the longer length (SDPA: other last bits for some lengths; under int8 activations
+    other answers on 3 of 96 held-out prompts)."""
+    dlm = idlm("llama")
+    for n in range(20, 44):
+        prompt = [5 + (7 * i) % 90 for i in range(n)]
+        kvs = []
+        for decoder, kw in (("ar", {}), ("isd", {"stride": 3})):
+            eng = Engine(dlm, decoder=decoder, **kw)
+            eng.add(prompt, SamplingParams(4, ignore_eos=True))
+            eng.step()  # the prefill
+            kvs.append([(layer.keys[:, :, :n], layer.values[:, :, :n]) for layer in eng.kv.cache.layers])
+            eng.close()
+        for (ka, va), (ki, vi) in zip(*kvs):
+            assert torch.equal(ka, ki) and torch.equal(va, vi), n

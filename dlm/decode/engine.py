@@ -779,6 +779,16 @@ class Engine:
             mask = torch.stack([self.decoder.chunk_attention(self, r, p) for r, p in zip(rows, rel)])[:, None]
             mask = mask.to(self.device)
             extra = self.decoder.model_inputs(self, rows, pos, torch.zeros(len(rows), 0, dtype=torch.bool))
+        p = len(rows[0].prompt_ids) - c  # (a group's prompts are of one length)
+        if self.decoder.causal and 0 < p < n - c:
+            # A causal decoder's suffix (ISD's masks) goes in a second forward, a decode chunk over the prompt's
+            # cache: the prompt's forward is then the very one AR makes, so its KV - and every token after it - is
+            # bit for bit AR's. In one forward over prompt and suffix the prompt rows' attention is computed for
+            # the whole length (SDPA: other last bits for some lengths, e.g. a 35-token prompt + 1 mask), which
+            # int8 activations' rounding turned into other answers (3 of 96 held-out prompts).
+            head = self._forward(ids[:, :p], pos[:, :p], None, kv.cache, logits_to_keep=1 if logits_to_keep else 0)
+            tail = self._forward(ids[:, p:], pos[:, p:], None, kv.cache)
+            return torch.cat([head, tail], dim=1), kv
         return self._forward(ids, pos, mask, kv.cache, logits_to_keep=logits_to_keep, extra=extra), kv
 
     def _decode_step(self) -> list[StepEvent]:

@@ -204,7 +204,7 @@ class Packed:
     @property
     def int8_inputs(self) -> bool:
         """Whether the packed form multiplies int8-quantized input rows (``Q4_1 int8`` / ``Q8_0 int8``)."""
-        return self.packed.dtype == torch.uint8 and self.packed.shape[-1] in (640, 1152)
+        return form_name(self.packed).endswith(" int8")
 
     def fresh(self, module: nn.Module, ops) -> None:
         """Pack ``module`` again if its weight changed in place (training) or was replaced since it was packed."""

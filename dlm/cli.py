@@ -3,7 +3,8 @@
 Each command lives in ``dlm/commands/<name>.py`` with ``add_arguments(parser)`` and ``run(args) -> int``.
 Those modules import heavy libraries (torch, transformers) inside ``run`` only, so ``dlm --help`` is instant.
 User errors (:class:`dlm.errors.DLMError`) print one line and exit 2; Ctrl-C exits 130. Progress bars only on a
-terminal's stderr, transformers' included.
+terminal's stderr, transformers' included. A fatal signal (an abort or a crash in native code) prints every thread's
+Python stack (:mod:`faulthandler`).
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import faulthandler
+
     from dlm.errors import DLMError
 
+    # A process that dies in native code (a C++ abort in a distributed backend, a crash in a kernel) prints the Python
+    # stack of every thread to stderr: under torchrun a dead rank otherwise leaves only its exit signal.
+    if not faulthandler.is_enabled():
+        faulthandler.enable()
     if not sys.stderr.isatty():
         # transformers' own bars ("Loading weights: 100%|...") in a log or a pipe are noise; dlm's bars follow the
         # same rule (dlm.progress). Read by huggingface_hub when transformers is first imported, in `run`.

@@ -1,3 +1,5 @@
+import os
+import signal
 import subprocess
 import sys
 
@@ -23,6 +25,23 @@ def test_no_command_exits_nonzero():
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "dlm", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and "dlm" in r.stdout
+
+
+def test_a_native_abort_in_a_command_prints_the_python_stack():
+    """A rank of a distributed run that aborts in C++ (gloo's ``terminate called ...``) is reported by torchrun as a
+    bare SIGABRT: dlm's commands enable faulthandler, so the dying process names where each of its threads was."""
+    code = (
+        "import os, signal, sys\n"
+        "from dlm.cli import main\n"
+        "main([])\n"
+        "def where_it_died():\n"
+        "    os.kill(os.getpid(), signal.SIGABRT)\n"
+        "where_it_died()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in r.stderr and "where_it_died" in r.stderr
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):

@@ -55,24 +55,30 @@ def accelerate(config: str, args: list[str]) -> list[str]:
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+def failure_report(cmd, returncode: int, stdout: str, stderr: str) -> str:
+    """What a failed launch printed, cause first. A rank that dies in C++ (an abort in gloo prints no Python
+    exception) is reported by torchrun's summary at the end of stderr; its own cause is earlier, between the other
+    rank's logs (and, as dlm enables faulthandler, the Python stack of each of its threads): keep the lines that
+    name one."""
+    cause = [
+        line
+        for line in stderr.splitlines()
+        if re.search(r"Traceback|Error|error|terminate called|what\(\)|Abort|SIG[A-Z]+|exitcode|File \"", line)
+    ]
+    first = stderr.find("Traceback")
+    return (
+        f"{' '.join(map(str, cmd))}: exit {returncode}\n-- stdout (tail):\n{stdout[-2000:]}"
+        f"\n-- stderr lines naming a cause:\n"
+        + "\n".join(cause[:80])
+        + (f"\n-- first traceback:\n{stderr[first : first + 4000]}" if first >= 0 else "")
+        + f"\n-- stderr (tail):\n{stderr[-3000:]}"
+    )
+
+
 def run(cmd) -> None:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=ENV)
     if r.returncode != 0:
-        # a rank that dies (a C++ abort in gloo prints no Python traceback) is reported by torchrun's summary at the
-        # end of stderr; its own cause is earlier, between the other rank's logs: keep the lines that name one
-        cause = [
-            line
-            for line in r.stderr.splitlines()
-            if re.search(r"Traceback|Error|error|terminate called|what\(\)|Abort|SIG[A-Z]+|exitcode", line)
-        ]
-        first = r.stderr.find("Traceback")
-        raise AssertionError(
-            f"{' '.join(map(str, cmd))}: exit {r.returncode}\n-- stdout (tail):\n{r.stdout[-2000:]}"
-            f"\n-- stderr lines naming a cause:\n"
-            + "\n".join(cause[:60])
-            + (f"\n-- first traceback:\n{r.stderr[first : first + 4000]}" if first >= 0 else "")
-            + f"\n-- stderr (tail):\n{r.stderr[-3000:]}"
-        )
+        raise AssertionError(failure_report(cmd, r.returncode, r.stdout, r.stderr))
 
 
 def records(out: Path) -> list[dict]:
@@ -255,9 +261,16 @@ def test_two_nodes_train_checkpoint_and_resume(inputs, tmp_path):
             )
             for rank in (0, 1)
         ]
-        for p in procs:
-            _, err = p.communicate(timeout=600)
-            assert p.returncode == 0, err[-4000:]
+        outs = [p.communicate(timeout=600) for p in procs]
+        failed = [
+            f"node {rank}: " + failure_report(p.args, p.returncode, *outs[rank])
+            for rank, p in enumerate(procs)
+            if p.returncode != 0
+        ]
+        if failed:  # every node's report, and whether the run had finished (an abort after the end record is exit's)
+            log = out / "train_log.jsonl"
+            ended = log.is_file() and any('"event": "end"' in line for line in log.read_text().splitlines())
+            raise AssertionError("\n\n".join(failed) + f"\n-- the run wrote its end record: {ended}")
 
     launch_nodes("--max-train-steps", "2")
     first = records(out)[0]

@@ -63,9 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     from dlm.errors import DLMError
 
     # A process that dies in native code (a C++ abort in a distributed backend, a crash in a kernel) prints the Python
-    # stack of every thread to stderr: under torchrun a dead rank otherwise leaves only its exit signal.
+    # stack of every thread to stderr: under torchrun a dead rank otherwise leaves only its exit signal. A caller whose
+    # sys.stderr has no file descriptor (a notebook, a StringIO) goes without it rather than fail.
     if not faulthandler.is_enabled():
-        faulthandler.enable()
+        try:
+            faulthandler.enable()
+        except (AttributeError, OSError, ValueError):
+            pass
     if not sys.stderr.isatty():
         # transformers' own bars ("Loading weights: 100%|...") in a log or a pipe are noise; dlm's bars follow the
         # same rule (dlm.progress). Read by huggingface_hub when transformers is first imported, in `run`.

@@ -44,6 +44,15 @@ def test_a_native_abort_in_a_command_prints_the_python_stack():
     assert "Fatal Python error: Aborted" in r.stderr and "where_it_died" in r.stderr
 
 
+def test_main_runs_where_stderr_has_no_file_descriptor():
+    """Called from Python with sys.stderr redirected to a buffer (a notebook, a StringIO), main works as before: the
+    fault handler, which needs a file descriptor, is skipped there."""
+    code = "import io, sys\nsys.stderr = io.StringIO()\nfrom dlm.cli import main\nprint('rc', main([]))\n"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONFAULTHANDLER"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip().endswith("rc 2"), r.stderr[-2000:]
+
+
 def test_unknown_model_is_a_clear_error(tmp_path):
     import pytest
 

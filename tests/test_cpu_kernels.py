@@ -80,6 +80,30 @@ def test_attach_routes_only_inside_active_without_grad():
 
 
 @needs_kernel
+def test_stamps_see_in_place_updates_and_swapped_data():
+    """A kept decode_stack plan is taken while stamps_equal(tensors, stamps(tensors)) holds: each tensor's in-place
+    version and data address; an in-place update, a ``.data`` swap, another tensor or another count breaks it."""
+    ts = [torch.randn(5) for _ in range(40)] + [nn.Parameter(torch.randn(3, 4))]
+    s = ext.stamps(ts)
+    assert s.dtype == torch.long and s.shape == (2 * len(ts),)
+    assert ext.stamps_equal(ts, s)
+    ts[17].add_(1.0)  # an optimizer step's kind of update
+    assert not ext.stamps_equal(ts, s)
+    s = ext.stamps(ts)
+    with torch.no_grad():
+        ts[-1].data = torch.zeros(3, 4)  # same version, other data
+    assert not ext.stamps_equal(ts, s)
+    s = ext.stamps(ts)
+    assert not ext.stamps_equal([*ts[:3], torch.randn(5), *ts[4:]], s)
+    assert not ext.stamps_equal(ts[:-1], s)
+    assert ext.stamps_equal(ts, s)
+    with torch.inference_mode():
+        frozen = torch.randn(2)
+    with pytest.raises(RuntimeError):  # inference tensors keep no version: no plan is kept for them
+        ext.stamps([frozen])
+
+
+@needs_kernel
 def test_packed_copy_follows_in_place_weight_updates():
     net = _net()
     cpu.attach(net)

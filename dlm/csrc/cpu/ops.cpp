@@ -582,6 +582,29 @@ at::Tensor decode_stack(at::Tensor x, at::Tensor cos, at::Tensor sin, c10::optio
   return h;
 }
 
+// Each tensor's in-place version and data address, [2 * len(ts)] int64: what a kept decode_stack plan compares
+// before each forward (dlm.decode.cpu.stack._StackPlan.valid) - a few hundred tensors in one pass, where reading
+// them from Python cost ~0.4 ms a forward. Inference tensors keep no version: an error, as in Python.
+at::Tensor stamps(at::TensorList ts) {
+  at::Tensor out = at::empty({2 * (int64_t)ts.size()}, at::kLong);
+  int64_t* o = out.data_ptr<int64_t>();
+  for (size_t i = 0; i < ts.size(); i++) {
+    o[2 * i] = (int64_t)ts[i]._version();
+    o[2 * i + 1] = (int64_t)(intptr_t)ts[i].data_ptr();
+  }
+  return out;
+}
+
+// stamps(ts) == s, stopping at the first difference.
+bool stamps_equal(at::TensorList ts, const at::Tensor& s) {
+  if (s.scalar_type() != at::kLong || !s.is_contiguous() || s.numel() != 2 * (int64_t)ts.size()) return false;
+  const int64_t* o = s.data_ptr<int64_t>();
+  for (size_t i = 0; i < ts.size(); i++) {
+    if (o[2 * i + 1] != (int64_t)(intptr_t)ts[i].data_ptr() || o[2 * i] != (int64_t)ts[i]._version()) return false;
+  }
+  return true;
+}
+
 TORCH_LIBRARY(dlm_cpu, m) {
   m.def("isa", &isa);
   m.def("isas", &isas);
@@ -599,4 +622,6 @@ TORCH_LIBRARY(dlm_cpu, m) {
   m.def("layer_in_gated", &layer_in_gated);
   m.def("layer_out", &layer_out);
   m.def("decode_stack", &decode_stack);
+  m.def("stamps", &stamps);
+  m.def("stamps_equal", &stamps_equal);
 }

@@ -104,6 +104,50 @@ def test_stamps_see_in_place_updates_and_swapped_data():
 
 
 @needs_kernel
+def test_greedy_scan_gives_torchs_index_on_every_isa(each_isa, monkeypatch):
+    """argmax_no_mask on float32 CPU logits takes the kernels' scan (argmax_skip) where they are loaded: the index
+    torch's own path gives - the first of tied maxima, never the mask token's column, the first NaN, the first
+    other column where every other value is -inf - for rows of any vocabulary size (vector blocks and scalar ends),
+    batch shapes, strided rows and 1-D logits."""
+    from dlm.decode import sampling
+
+    g = torch.Generator().manual_seed(3)
+    cases = []
+    for v in (1, 2, 5, 16, 17, 33, 64, 65, 1000, 4099):
+        for trial in range(7):
+            x = torch.randn(3, v, generator=g)
+            if trial == 1:
+                x = torch.randint(0, 3, (3, v), generator=g).float()  # ties everywhere
+            elif trial == 2:
+                x[1, v // 3] = float("nan")
+                x[2, -1] = float("nan")
+            elif trial == 3:
+                x[:] = float("-inf")
+            elif trial == 4:
+                x[0] = 5.0
+            elif trial == 5:
+                x[:, ::2] = float("-inf")
+            elif trial == 6:
+                x[:, -1] = 50.0  # the largest in the scalar end
+            for m in (None, 0, 1, v // 2, v - 1, v + 3):
+                if v > 1 or m != 0:  # (a vocabulary of the mask alone has no greedy token)
+                    cases.append((x, m))
+    wide = torch.randn(4, 2, 3, 1000, generator=g)
+    cases += [(wide, 7), (wide[:, 1], 999), (wide[0, 0, 0], 0), (wide[..., 1:999:1], 500)]
+    assert runtime.STATE.ops is not None or cpu.attach(_net())
+    want = []
+    with monkeypatch.context() as mp:
+        mp.setattr(runtime.STATE, "ops", None)  # torch's path
+        want = [sampling.argmax_no_mask(x, m) for x, m in cases]
+    counting = CallCounter(runtime.STATE.ops)
+    monkeypatch.setattr(runtime.STATE, "ops", counting)
+    for (x, m), w in zip(cases, want):
+        got = sampling.argmax_no_mask(x, m)
+        assert got.dtype == torch.long and torch.equal(got, w), (x.shape, m)
+    assert counting.calls.get("argmax_skip", 0) == len(cases)
+
+
+@needs_kernel
 def test_packed_copy_follows_in_place_weight_updates():
     net = _net()
     cpu.attach(net)

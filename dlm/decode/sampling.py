@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dlm.decode.cpu import runtime as _cpu_runtime
 from dlm.decode.structured import Constraint, StructuredOutput
 from dlm.errors import DLMError
 
@@ -239,9 +240,21 @@ def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
 def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     """``suppress(logits, m).argmax(-1)`` - the greedy token - without copying the logits (a 49,152-float row per
     position): the first maximal index outside the mask token's column (the larger of the two sides' maxima; the
-    left side wins a tie, as argmax's first index does). No host read, so it also runs inside a CUDA graph."""
+    left side wins a tie, as argmax's first index does), a NaN ranking above every number (the first NaN wins);
+    where every other column is -inf, the first column that is not the mask's. No host read, so it also runs inside
+    a CUDA graph. Float32 CPU logits take the CPU kernels' one-pass scan where they are loaded (the same index)."""
     v = logits.shape[-1]
     m = mask_token_id
+    ops = _cpu_runtime.STATE.ops
+    if (
+        ops is not None
+        and logits.device.type == "cpu"
+        and logits.dtype == torch.float32
+        and v > 0
+        and logits.stride(-1) == 1
+        and not logits.requires_grad
+    ):  # the CPU kernels' one-pass scan: the same index (torch's argmax reads ~1 float a ns: ~80 us a step)
+        return ops.argmax_skip(logits, m if m is not None and 0 <= m < v else -1)
     if m is None or not 0 <= m < v:
         return logits.argmax(-1)
     if m == 0:
@@ -249,7 +262,8 @@ def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Ten
     if m == v - 1:
         return logits[..., :m].argmax(-1)
     left, right = logits[..., :m].max(-1), logits[..., m + 1 :].max(-1)
-    return torch.where(left.values >= right.values, left.indices, right.indices + (m + 1))
+    first = (left.values >= right.values) | left.values.isnan()  # (a NaN ranks above every number, as in argmax)
+    return torch.where(first, left.indices, right.indices + (m + 1))
 
 
 def probs_from_logits(

@@ -79,6 +79,9 @@ struct KernelTable {
   // multiple of 16
   void (*attend_query)(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const bool* mrow,
                        int64_t ms, int64_t S, int64_t D, float scale, float* w, float* o);
+  // the first index in [0, n) other than `skip` (-1: none) of x's largest value, a NaN above every number (the
+  // first NaN wins); where every other value is -inf, the first column not skipped
+  int64_t (*argmax_row)(const float* x, int64_t n, int64_t skip);
 };
 
 const KernelTable* table_generic();

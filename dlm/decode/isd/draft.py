@@ -9,7 +9,7 @@ import torch
 
 from dlm.decode.isd.accept import draws_without_replacement
 from dlm.decode.isd.policy import candidate_count
-from dlm.decode.sampling import SamplingParams, probs_from_logits, sample, suppress
+from dlm.decode.sampling import SamplingParams, argmax_no_mask, probs_from_logits, sample, suppress
 
 
 @dataclass
@@ -40,8 +40,8 @@ def propose(
     cands = None
     if params.greedy:
         q = None
-        logits = suppress(mask_logits, mask_token_id)
-        d = logits.argmax(-1)
+        d = argmax_no_mask(mask_logits, mask_token_id)
+        logits = suppress(mask_logits, mask_token_id) if k > 1 or conf else mask_logits  # (copies: only if read)
         if k > 1:  # (never the suppressed mask token, even when K reaches the vocabulary's size)
             top = logits[0].topk(min(k, logits.shape[-1] - 1))
             k = candidate_count((top.values.float() - logits[0].float().logsumexp(-1)).exp(), min_prob)

@@ -108,7 +108,8 @@ def test_greedy_scan_gives_torchs_index_on_every_isa(each_isa, monkeypatch):
     """argmax_no_mask on float32 CPU logits takes the kernels' scan (argmax_skip) where they are loaded: the index
     torch's own path gives - the first of tied maxima, never the mask token's column, the first NaN, the first
     other column where every other value is -inf - for rows of any vocabulary size (vector blocks and scalar ends),
-    batch shapes, strided rows and 1-D logits."""
+    batch shapes, strided rows and 1-D logits; greedy_with_prob gives the same tokens and their masked-softmax
+    probabilities."""
     from dlm.decode import sampling
 
     g = torch.Generator().manual_seed(3)
@@ -139,12 +140,17 @@ def test_greedy_scan_gives_torchs_index_on_every_isa(each_isa, monkeypatch):
     with monkeypatch.context() as mp:
         mp.setattr(runtime.STATE, "ops", None)  # torch's path
         want = [sampling.argmax_no_mask(x, m) for x, m in cases]
+        want_p = [sampling.greedy_with_prob(x, m) for x, m in cases]
     counting = CallCounter(runtime.STATE.ops)
     monkeypatch.setattr(runtime.STATE, "ops", counting)
-    for (x, m), w in zip(cases, want):
+    for (x, m), w, (wd, wp) in zip(cases, want, want_p):
         got = sampling.argmax_no_mask(x, m)
         assert got.dtype == torch.long and torch.equal(got, w), (x.shape, m)
-    assert counting.calls.get("argmax_skip", 0) == len(cases)
+        # with each token its probability under the masked softmax (NaN where that has none)
+        d, p = sampling.greedy_with_prob(x, m)
+        assert torch.equal(d, wd) and p.dtype == torch.float32
+        torch.testing.assert_close(p, wp, rtol=2e-6, atol=1e-7, equal_nan=True)
+    assert counting.calls.get("argmax_skip", 0) == counting.calls.get("argmax_skip_prob", 0) == len(cases)
 
 
 @needs_kernel

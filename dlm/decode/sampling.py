@@ -237,6 +237,36 @@ def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     return logits
 
 
+def _scan_ops(logits: torch.Tensor):
+    """The CPU kernels' operators where they are loaded and can scan these logits (float32 rows on the CPU), else
+    None."""
+    ops = _cpu_runtime.STATE.ops
+    if (
+        ops is None
+        or logits.device.type != "cpu"
+        or logits.dtype != torch.float32
+        or logits.dim() == 0
+        or logits.shape[-1] == 0
+        or logits.stride(-1) != 1
+        or logits.requires_grad
+    ):
+        return None
+    return ops
+
+
+def greedy_with_prob(logits: torch.Tensor, mask_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`argmax_no_mask`'s tokens and each one's probability under ``suppress(logits, m).softmax(-1)``
+    (float32): what a greedy draft records of its own confidence. The CPU kernels compute both in two passes over
+    each row instead of a masked copy and a vocabulary-wide softmax (the probability may differ in the last bits)."""
+    v = logits.shape[-1]
+    m = mask_token_id
+    ops = _scan_ops(logits)
+    if ops is not None:
+        return ops.argmax_skip_prob(logits, m if m is not None and 0 <= m < v else -1)
+    d = argmax_no_mask(logits, m)
+    return d, suppress(logits, m).softmax(-1).gather(-1, d[..., None])[..., 0]
+
+
 def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     """``suppress(logits, m).argmax(-1)`` - the greedy token - without copying the logits (a 49,152-float row per
     position): the first maximal index outside the mask token's column (the larger of the two sides' maxima; the
@@ -245,15 +275,8 @@ def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Ten
     a CUDA graph. Float32 CPU logits take the CPU kernels' one-pass scan where they are loaded (the same index)."""
     v = logits.shape[-1]
     m = mask_token_id
-    ops = _cpu_runtime.STATE.ops
-    if (
-        ops is not None
-        and logits.device.type == "cpu"
-        and logits.dtype == torch.float32
-        and v > 0
-        and logits.stride(-1) == 1
-        and not logits.requires_grad
-    ):  # the CPU kernels' one-pass scan: the same index (torch's argmax reads ~1 float a ns: ~80 us a step)
+    ops = _scan_ops(logits)
+    if ops is not None:  # the CPU kernels' one-pass scan: the same index (torch's argmax reads ~1 float a ns)
         return ops.argmax_skip(logits, m if m is not None and 0 <= m < v else -1)
     if m is None or not 0 <= m < v:
         return logits.argmax(-1)

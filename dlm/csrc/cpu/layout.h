@@ -82,6 +82,8 @@ struct KernelTable {
   // the first index in [0, n) other than `skip` (-1: none) of x's largest value, a NaN above every number (the
   // first NaN wins); where every other value is -inf, the first column not skipped
   int64_t (*argmax_row)(const float* x, int64_t n, int64_t skip);
+  // the sum over [0, n) but `skip` of exp(x[i] - mx) (the row's softmax denominator where mx is its largest value)
+  float (*exp_sum_row)(const float* x, int64_t n, int64_t skip, float mx);
 };
 
 const KernelTable* table_generic();

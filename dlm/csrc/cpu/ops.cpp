@@ -6,7 +6,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <limits>
 #include <memory>
+#include <tuple>
 #include <string>
 #include <vector>
 
@@ -625,6 +627,33 @@ at::Tensor argmax_skip(const at::Tensor& x, int64_t skip) {
   return out.view(shape);
 }
 
+// argmax_skip's tokens and, for each, its probability under the softmax of the row without column `skip` (float32;
+// NaN where the row holds a NaN or no finite value, as softmax gives): what ISD's greedy drafts record of their own
+// confidence, without the vocabulary-wide copies of a masked softmax.
+std::tuple<at::Tensor, at::Tensor> argmax_skip_prob(const at::Tensor& x, int64_t skip) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0 && x.stride(-1) == 1,
+              "dlm_cpu.argmax_skip_prob: float32 [..., V] with a contiguous last dimension expected");
+  const int64_t V = x.size(-1);
+  at::Tensor rows = x.reshape({-1, V});
+  at::Tensor out = at::empty({rows.size(0)}, at::kLong), prob = at::empty({rows.size(0)}, at::kFloat);
+  const float* base = rows.data_ptr<float>();
+  const int64_t ld = rows.stride(0);
+  int64_t* o = out.data_ptr<int64_t>();
+  float* p = prob.data_ptr<float>();
+  at::parallel_for(0, rows.size(0), 4, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; r++) {
+      const float* row = base + r * ld;
+      o[r] = T->argmax_row(row, V, skip);
+      const float mx = row[o[r]];
+      p[r] = (mx == mx && mx > -std::numeric_limits<float>::infinity() && o[r] != skip)
+                 ? 1.0f / T->exp_sum_row(row, V, skip, mx)
+                 : std::numeric_limits<float>::quiet_NaN();
+    }
+  });
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  return std::make_tuple(out.view(shape), prob.view(shape));
+}
+
 TORCH_LIBRARY(dlm_cpu, m) {
   m.def("isa", &isa);
   m.def("isas", &isas);
@@ -645,4 +674,5 @@ TORCH_LIBRARY(dlm_cpu, m) {
   m.def("stamps", &stamps);
   m.def("stamps_equal", &stamps_equal);
   m.def("argmax_skip", &argmax_skip);
+  m.def("argmax_skip_prob", &argmax_skip_prob);
 }

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlm.decode.sampling import SamplingParams, argmax_no_mask, probs_from_logits, suppress
+from dlm.decode.sampling import SamplingParams, argmax_no_mask, greedy_with_prob, probs_from_logits
 
 
 @dataclass
@@ -167,9 +167,7 @@ def accept_rows(
         # whole rows of V logits (a copy at memcpy speed; gather along positions reads an index per element)
         w = logits.reshape(-1, v).index_select(0, (rows + at).reshape(-1)).view(g, n - 1, v)
         if greedy:
-            w = suppress(w, mask_token_id)
-            d = w.argmax(-1)
-            own = w.softmax(-1).gather(-1, d[..., None])[..., 0] if conf else None
+            d, own = greedy_with_prob(w, mask_token_id) if conf else (argmax_no_mask(w, mask_token_id), None)
         else:
             assert rand is not None
             q_next = probs_from_logits(w, params, mask_token_id)

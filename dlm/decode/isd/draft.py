@@ -9,7 +9,14 @@ import torch
 
 from dlm.decode.isd.accept import draws_without_replacement
 from dlm.decode.isd.policy import candidate_count
-from dlm.decode.sampling import SamplingParams, argmax_no_mask, probs_from_logits, sample, suppress
+from dlm.decode.sampling import (
+    SamplingParams,
+    argmax_no_mask,
+    greedy_with_prob,
+    probs_from_logits,
+    sample,
+    suppress,
+)
 
 
 @dataclass
@@ -38,14 +45,19 @@ def propose(
     one draft per position is verified."""
     k = candidates
     cands = None
+    own = None
     if params.greedy:
         q = None
-        d = argmax_no_mask(mask_logits, mask_token_id)
-        logits = suppress(mask_logits, mask_token_id) if k > 1 or conf else mask_logits  # (copies: only if read)
         if k > 1:  # (never the suppressed mask token, even when K reaches the vocabulary's size)
+            logits = suppress(mask_logits, mask_token_id)
             top = logits[0].topk(min(k, logits.shape[-1] - 1))
             k = candidate_count((top.values.float() - logits[0].float().logsumexp(-1)).exp(), min_prob)
             cands = top.indices[:k].tolist()
+        if conf and k == 1:
+            d, probs = greedy_with_prob(mask_logits, mask_token_id)
+            own = probs.tolist()
+        else:
+            d = argmax_no_mask(mask_logits, mask_token_id)
     else:
         q = probs_from_logits(mask_logits, params, mask_token_id)
         d = q.argmax(-1) if draft == "argmax" else sample(q, generator)
@@ -58,8 +70,6 @@ def propose(
                 if draft == "argmax"
                 else draws_without_replacement(q[0], int(d[0]), k, generator)
             )
-    own = None
-    if conf and k == 1:
-        probs = q if q is not None else logits.float().softmax(-1)
-        own = probs.gather(-1, d[:, None])[:, 0].tolist()
+        if conf and k == 1:
+            own = q.gather(-1, d[:, None])[:, 0].tolist()
     return Proposal(d.tolist(), q, cands, own)

@@ -125,6 +125,7 @@ def test_growing_cache_appends_and_tail_crops_write_in_place():
     of the cache until it is full, then one doubling; a crop from the left re-buffers once."""
     kv = KVBatch()
     g = torch.Generator().manual_seed(0)
+    kept = []
 
     def extend(t, keep_from):
         k = torch.randn(1, 2, t, 3, generator=g)
@@ -132,6 +133,7 @@ def test_growing_cache_appends_and_tail_crops_write_in_place():
         keep = torch.zeros(1, t, dtype=torch.bool)
         keep[:, :keep_from] = True
         kv.after_extend(keep)
+        kept.append(k[:, :, :keep_from])
 
     extend(4, 4)
     layer = kv.cache.layers[0]
@@ -139,6 +141,9 @@ def test_growing_cache_appends_and_tail_crops_write_in_place():
     for step in range(20):
         extend(3, 1 + step % 3)  # the tail of a chunk cropped in two steps of three
         assert layer.keys.data_ptr() == start and layer._buf[0].shape[2] == cap
+        # the crop leaves the layer's own views of its buffer (the next append finds them without checks)
+        assert layer.keys is layer._buf[2] and layer.values is layer._buf[3]
+        assert torch.equal(layer.keys, torch.cat(kept, 2)) and torch.equal(layer.values, torch.cat(kept, 2) + 1)
     n = layer.keys.shape[2]
     extend(cap - n + 1, cap - n + 1)  # one slot past the buffer: one doubling, the live keys kept
     assert layer._buf[0].shape[2] >= 2 * (cap + 1) and torch.equal(layer.keys, kv.cache.layers[0].keys)

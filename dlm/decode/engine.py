@@ -113,6 +113,15 @@ def _growing_layer_class():
                     vb.narrow(2, 0, n).copy_(v)
             return kb, vb, n
 
+        def cropped(self, n: int) -> None:
+            """Keep the first n slots (a crop from the right, n <= the current length): still the buffer's views,
+            so the next :meth:`room` finds them as its own (an ISD step's dead tail is cropped at every step)."""
+            buf = getattr(self, "_buf", None)
+            if buf is not None and self.keys is buf[2] and self.values is buf[3]:
+                self.extended(buf[0], buf[1], n)
+            elif self.keys is not None and self.values is not None:
+                self.keys, self.values = self.keys[:, :, :n, :], self.values[:, :, :n, :]
+
         def extended(self, kb: torch.Tensor, vb: torch.Tensor, n: int):
             """The layer's keys / values become the first n slots of the buffers (after writing into them)."""
             self.keys, self.values = kb.narrow(2, 0, n), vb.narrow(2, 0, n)
@@ -190,9 +199,17 @@ class KVBatch:
         if idx.numel() == 0:
             lo, hi = 0, 0
         else:
-            lo, hi = int(idx[0]), int(idx[-1]) + 1
+            lo, hi = idx[[0, -1], 0].tolist()
+            hi += 1
         self.valid = self.valid[:, lo:hi]
-        self._apply(lambda t: t[:, :, lo:hi, :])
+        if lo == 0:  # the common case, a dead tail: growing layers stay their buffers' views
+            for layer in self._layers():
+                if hasattr(layer, "cropped"):
+                    layer.cropped(hi)
+                else:
+                    layer.keys, layer.values = layer.keys[:, :, :hi, :], layer.values[:, :, :hi, :]
+        else:
+            self._apply(lambda t: t[:, :, lo:hi, :])
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (requests leaving)."""

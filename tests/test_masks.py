@@ -174,6 +174,17 @@ def test_decode_mask():
         x . x x x"""),
     )
     assert m[1, 0, 1].all() and not m[1, 0, 0, 4]
+    # a tree-shaped chunk's own attention (ISD's rejection branch F sees c only), for every row or per row
+    tree = grid("""
+        x . .
+        x x .
+        x . x""")
+    m = masks.decode_mask(valid, 3, tree)
+    assert m.shape == (2, 1, 3, 6) and torch.equal(m[0, 0, :, 3:], tree) and torch.equal(m[1, 0, :, 3:], tree)
+    assert torch.equal(m[0, 0, :, :3], valid[0].expand(3, 3))
+    per_row = torch.stack([tree, torch.ones(3, 3, dtype=torch.bool).tril()])
+    m = masks.decode_mask(valid, 3, per_row)
+    assert torch.equal(m[0, 0, :, 3:], tree) and torch.equal(m[1, 0, :, 3:], per_row[1])
 
 
 def test_render():

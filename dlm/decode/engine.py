@@ -883,14 +883,16 @@ class Engine:
             # attention).
             if not trees and bool(valid.all()):
                 mask = None
-            else:
+            elif not trees:
                 mask = decode_mask(valid, q)
-                if trees:
-                    mask = mask.clone()
-                    k = self.kv.seq_len
-                    for i, (_, attn) in trees.items():
+            else:  # each tree row's attention among its chunk's tokens, causal elsewhere (a short row's pads)
+                attn = trees.get(0, (None, None))[1] if len(rows) == 1 else None
+                if attn is None or attn.shape[0] != q:
+                    attn = torch.ones(q, q, dtype=torch.bool).tril_().repeat(len(rows), 1, 1)
+                    for i, (_, a) in trees.items():
                         n = len(chunks[i])
-                        mask[i, 0, :n, k : k + n] = attn.to(mask.device)
+                        attn[i, :n, :n] = a
+                mask = decode_mask(valid, q, attn)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)
             extra = self.decoder.model_inputs(self, rows, pos.to(self.device), valid)

@@ -301,7 +301,7 @@ def rows_from(mask_mod: MaskMod, L: int, start: int) -> MaskMod:
     return shifted
 
 
-def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:
+def decode_mask(valid_keys: torch.Tensor, q_len: int, chunk: torch.Tensor | None = None) -> torch.Tensor:
     """Mask for extending a KV cache of ``K_past`` slots by ``q_len`` new tokens: bool ``[B, 1, Q, K_past + Q]``.
 
     ``valid_keys`` (bool ``[B, K_past]``) says which cache slots of each row hold live tokens (holes left by
@@ -311,12 +311,17 @@ def decode_mask(valid_keys: torch.Tensor, q_len: int) -> torch.Tensor:
         q\\k p0 p1 p2 | n0 n1
         n0   x  .  x  |  x  .
         n1   x  .  x  |  x  x
-    """
+
+    ``chunk`` (bool ``[Q, Q]`` or ``[B, Q, Q]``): the new tokens' attention among themselves instead of causal (a
+    tree-shaped chunk's)."""
     valid_keys = valid_keys.bool()
     B, K_past = valid_keys.shape
     past = valid_keys[:, None, None, :].expand(B, 1, q_len, K_past)
-    new = torch.ones(q_len, q_len, dtype=torch.bool, device=valid_keys.device).tril()
-    new = new[None, None].expand(B, 1, q_len, q_len)
+    if chunk is None:
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=valid_keys.device).tril()
+    else:
+        new = chunk.to(device=valid_keys.device, dtype=torch.bool)
+    new = new.view(-1, 1, q_len, q_len).expand(B, 1, q_len, q_len)
     return torch.cat([past, new], dim=-1)
 
 

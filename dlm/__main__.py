@@ -1,5 +1,3 @@
-import sys
+from dlm.cli import entry
 
-from dlm.cli import main
-
-sys.exit(main())
+entry()

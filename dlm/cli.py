@@ -4,7 +4,7 @@ Each command lives in ``dlm/commands/<name>.py`` with ``add_arguments(parser)`` 
 Those modules import heavy libraries (torch, transformers) inside ``run`` only, so ``dlm --help`` is instant.
 User errors (:class:`dlm.errors.DLMError`) print one line and exit 2; Ctrl-C exits 130. Progress bars only on a
 terminal's stderr, transformers' included. A fatal signal (an abort or a crash in native code) prints every thread's
-Python stack (:mod:`faulthandler`).
+Python stack (:mod:`faulthandler`); a rank of a multi-process launch skips the interpreter's teardown (:func:`entry`).
 """
 
 from __future__ import annotations
@@ -93,5 +93,41 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The ``dlm`` executable and ``python -m dlm``: :func:`main`, then the process ends with its exit code.
+
+    A rank of a multi-process launch (torchrun and ``accelerate launch`` set ``WORLD_SIZE``) ends with
+    ``os._exit`` once the exit functions ran and its output is flushed, skipping the interpreter's teardown: there
+    torch's gloo backend can abort in C++ (``terminate called without an active exception``, no Python frame in any
+    thread) after a finished run - the run's outputs written, the launch reported failed. :func:`main` itself returns
+    (a script that calls it goes on)."""
+    rc = main()
+    if _launched_rank():
+        _end_now(rc)
+    sys.exit(rc)
+
+
+def _launched_rank() -> bool:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def _end_now(rc: int) -> None:
+    """Run the exit functions (logging's flush, multiprocessing's children), flush stdio, end the process."""
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for f in (sys.stdout, sys.stderr):
+            try:
+                f.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(rc)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    entry()

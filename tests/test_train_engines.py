@@ -63,7 +63,11 @@ def failure_report(cmd, returncode: int, stdout: str, stderr: str) -> str:
     cause = [
         line
         for line in stderr.splitlines()
-        if re.search(r"Traceback|Error|error|terminate called|what\(\)|Abort|SIG[A-Z]+|exitcode|File \"", line)
+        if re.search(
+            r"Traceback|Error|error|terminate called|what\(\)|Abort|SIG[A-Z]+|exitcode|File \"|Current thread|"
+            r"^Thread 0x|no Python frame",
+            line,
+        )
     ]
     first = stderr.find("Traceback")
     return (

@@ -607,23 +607,38 @@ bool stamps_equal(at::TensorList ts, const at::Tensor& s) {
   return true;
 }
 
-// The greedy token of each row of x [..., V] (float32, last dim contiguous): the first index of the row's largest
-// value, column `skip` left out (the mask token; -1: none), a NaN above every number (torch.argmax's order) - what
+namespace {
+// The row width V of logits x [..., V] that the greedy scans take (float32, last dim contiguous; `name` in the error).
+int64_t row_width(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0 && x.stride(-1) == 1, "dlm_cpu.", name,
+              ": float32 [..., V] with a contiguous last dimension expected");
+  return x.size(-1);
+}
+
+// f(r, row) for each row r of such an x on the threads; returns the shape of one value per row (x's without its
+// last dimension).
+template <class F>
+std::vector<int64_t> each_row(const at::Tensor& x, const F& f) {
+  const int64_t V = x.size(-1);
+  at::Tensor rows = x.reshape({-1, V});  // (a view where the rows are evenly strided)
+  const float* base = rows.data_ptr<float>();
+  const int64_t ld = rows.stride(0);
+  at::parallel_for(0, rows.size(0), 4, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; r++) f(r, base + r * ld);
+  });
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - 1);
+}
+}  // namespace
+
+// The greedy token of each row of x [..., V]: the first index of the row's largest value, column `skip` left out
+// (the mask token; -1: none), a NaN above every number (torch.argmax's order) - what
 // dlm.decode.sampling.argmax_no_mask gives, in one vector pass (torch's argmax scans a 49k-vocabulary row at about
 // a float a nanosecond: ~80 us of a decode step).
 at::Tensor argmax_skip(const at::Tensor& x, int64_t skip) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0 && x.stride(-1) == 1,
-              "dlm_cpu.argmax_skip: float32 [..., V] with a contiguous last dimension expected");
-  const int64_t V = x.size(-1);
-  at::Tensor rows = x.reshape({-1, V});  // (a view where the rows are evenly strided)
-  at::Tensor out = at::empty({rows.size(0)}, at::kLong);
-  const float* base = rows.data_ptr<float>();
-  const int64_t ld = rows.stride(0);
+  const int64_t V = row_width(x, "argmax_skip");
+  at::Tensor out = at::empty({x.numel() / V}, at::kLong);
   int64_t* o = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows.size(0), 4, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; r++) o[r] = T->argmax_row(base + r * ld, V, skip);
-  });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  auto shape = each_row(x, [&](int64_t r, const float* row) { o[r] = T->argmax_row(row, V, skip); });
   return out.view(shape);
 }
 
@@ -631,26 +646,17 @@ at::Tensor argmax_skip(const at::Tensor& x, int64_t skip) {
 // NaN where the row holds a NaN or no finite value, as softmax gives): what ISD's greedy drafts record of their own
 // confidence, without the vocabulary-wide copies of a masked softmax.
 std::tuple<at::Tensor, at::Tensor> argmax_skip_prob(const at::Tensor& x, int64_t skip) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) > 0 && x.stride(-1) == 1,
-              "dlm_cpu.argmax_skip_prob: float32 [..., V] with a contiguous last dimension expected");
-  const int64_t V = x.size(-1);
-  at::Tensor rows = x.reshape({-1, V});
-  at::Tensor out = at::empty({rows.size(0)}, at::kLong), prob = at::empty({rows.size(0)}, at::kFloat);
-  const float* base = rows.data_ptr<float>();
-  const int64_t ld = rows.stride(0);
+  const int64_t V = row_width(x, "argmax_skip_prob"), R = x.numel() / V;
+  at::Tensor out = at::empty({R}, at::kLong), prob = at::empty({R}, at::kFloat);
   int64_t* o = out.data_ptr<int64_t>();
   float* p = prob.data_ptr<float>();
-  at::parallel_for(0, rows.size(0), 4, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; r++) {
-      const float* row = base + r * ld;
-      o[r] = T->argmax_row(row, V, skip);
-      const float mx = row[o[r]];
-      p[r] = (mx == mx && mx > -std::numeric_limits<float>::infinity() && o[r] != skip)
-                 ? 1.0f / T->exp_sum_row(row, V, skip, mx)
-                 : std::numeric_limits<float>::quiet_NaN();
-    }
+  auto shape = each_row(x, [&](int64_t r, const float* row) {
+    o[r] = T->argmax_row(row, V, skip);
+    const float mx = row[o[r]];
+    p[r] = (mx == mx && mx > -std::numeric_limits<float>::infinity() && o[r] != skip)
+               ? 1.0f / T->exp_sum_row(row, V, skip, mx)
+               : std::numeric_limits<float>::quiet_NaN();
   });
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
   return std::make_tuple(out.view(shape), prob.view(shape));
 }
 

@@ -202,14 +202,11 @@ class KVBatch:
             lo, hi = idx[[0, -1], 0].tolist()
             hi += 1
         self.valid = self.valid[:, lo:hi]
-        if lo == 0:  # the common case, a dead tail: growing layers stay their buffers' views
-            for layer in self._layers():
-                if hasattr(layer, "cropped"):
-                    layer.cropped(hi)
-                else:
-                    layer.keys, layer.values = layer.keys[:, :, :hi, :], layer.values[:, :, :hi, :]
-        else:
-            self._apply(lambda t: t[:, :, lo:hi, :])
+        for layer in self._layers():
+            if lo == 0 and hasattr(layer, "cropped"):  # a dead tail (the common case): still the buffers' views
+                layer.cropped(hi)
+            else:
+                layer.keys, layer.values = layer.keys[:, :, lo:hi, :], layer.values[:, :, lo:hi, :]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (requests leaving)."""
@@ -885,13 +882,13 @@ class Engine:
                 mask = None
             elif not trees:
                 mask = decode_mask(valid, q)
+            elif len(rows) == 1:  # the one row's tree is the whole chunk
+                mask = decode_mask(valid, q, trees[0][1])
             else:  # each tree row's attention among its chunk's tokens, causal elsewhere (a short row's pads)
-                attn = trees.get(0, (None, None))[1] if len(rows) == 1 else None
-                if attn is None or attn.shape[0] != q:
-                    attn = torch.ones(q, q, dtype=torch.bool).tril_().repeat(len(rows), 1, 1)
-                    for i, (_, a) in trees.items():
-                        n = len(chunks[i])
-                        attn[i, :n, :n] = a
+                attn = torch.ones(q, q, dtype=torch.bool).tril_().repeat(len(rows), 1, 1)
+                for i, (_, a) in trees.items():
+                    n = len(chunks[i])
+                    attn[i, :n, :n] = a
                 mask = decode_mask(valid, q, attn)
         else:
             mask = self._chunk_mask(rows, chunks, pos, q)

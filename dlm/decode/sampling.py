@@ -237,9 +237,9 @@ def suppress(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
     return logits
 
 
-def _scan_ops(logits: torch.Tensor):
-    """The CPU kernels' operators where they are loaded and can scan these logits (float32 rows on the CPU), else
-    None."""
+def _scan_ops(logits: torch.Tensor, mask_token_id: int | None):
+    """``(ops, skip)``: the CPU kernels' operators where they are loaded and can scan these logits (float32 rows on
+    the CPU) and the column their scans leave out (-1: none), else None."""
     ops = _cpu_runtime.STATE.ops
     if (
         ops is None
@@ -251,20 +251,20 @@ def _scan_ops(logits: torch.Tensor):
         or logits.requires_grad
     ):
         return None
-    return ops
+    m = mask_token_id
+    return ops, m if m is not None and 0 <= m < logits.shape[-1] else -1
 
 
 def greedy_with_prob(logits: torch.Tensor, mask_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`argmax_no_mask`'s tokens and each one's probability under ``suppress(logits, m).softmax(-1)``
     (float32): what a greedy draft records of its own confidence. The CPU kernels compute both in two passes over
     each row instead of a masked copy and a vocabulary-wide softmax (the probability may differ in the last bits)."""
-    v = logits.shape[-1]
-    m = mask_token_id
-    ops = _scan_ops(logits)
-    if ops is not None:
-        return ops.argmax_skip_prob(logits, m if m is not None and 0 <= m < v else -1)
-    d = argmax_no_mask(logits, m)
-    return d, suppress(logits, m).softmax(-1).gather(-1, d[..., None])[..., 0]
+    scan = _scan_ops(logits, mask_token_id)
+    if scan is not None:
+        ops, skip = scan
+        return ops.argmax_skip_prob(logits, skip)
+    d = argmax_no_mask(logits, mask_token_id)
+    return d, suppress(logits, mask_token_id).softmax(-1).gather(-1, d[..., None])[..., 0]
 
 
 def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Tensor:
@@ -273,11 +273,12 @@ def argmax_no_mask(logits: torch.Tensor, mask_token_id: int | None) -> torch.Ten
     left side wins a tie, as argmax's first index does), a NaN ranking above every number (the first NaN wins);
     where every other column is -inf, the first column that is not the mask's. No host read, so it also runs inside
     a CUDA graph. Float32 CPU logits take the CPU kernels' one-pass scan where they are loaded (the same index)."""
+    scan = _scan_ops(logits, mask_token_id)
+    if scan is not None:  # the CPU kernels' one-pass scan: the same index (torch's argmax reads ~1 float a ns)
+        ops, skip = scan
+        return ops.argmax_skip(logits, skip)
     v = logits.shape[-1]
     m = mask_token_id
-    ops = _scan_ops(logits)
-    if ops is not None:  # the CPU kernels' one-pass scan: the same index (torch's argmax reads ~1 float a ns)
-        return ops.argmax_skip(logits, m if m is not None and 0 <= m < v else -1)
     if m is None or not 0 <= m < v:
         return logits.argmax(-1)
     if m == 0:
